@@ -1,0 +1,46 @@
+# The two commands a newcomer runs (see README.md):
+#   make demo   set up .venv and run the main job
+#   make test   set up .venv and run the whole test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  := torch==2.13.0
+
+.PHONY: demo test setup lint typecheck bench-store gpu-test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned: the 2.13.0 file on these machines is the CPU build; a
+# looser pin would pull gigabytes of CUDA packages.
+$(VENV)/.setup-done: pyproject.toml | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[test,demo,bench]"
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+demo: setup
+	$(PY) examples/store_roundtrip.py
+
+test: setup
+	$(PY) -m pytest -q
+	$(PY) -m ruff check asymstore asymcheck tests benches examples
+	$(PY) -m mypy
+
+lint: setup
+	$(PY) -m ruff check asymstore asymcheck tests benches examples
+
+typecheck: setup
+	$(PY) -m mypy
+
+gpu-test: setup
+	$(PY) -m pytest -q -m gpu
+
+bench-store: setup
+	$(PY) benches/store_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

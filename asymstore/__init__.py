@@ -1,0 +1,63 @@
+"""asymstore: manifest-versioned, tiered checkpoint storage with atomic commits.
+
+Quick start::
+
+    from asymstore import AsymStore, HostTier, LocalTier
+
+    async with AsymStore([HostTier(capacity_bytes=2 << 30), LocalTier("ckpt")], keep_last=3) as s:
+        await s.put_many(step, state_dict)
+        await s.commit(step, meta={"lr": 1e-3})
+        ckpt = await s.restore()
+"""
+
+from asymstore.errors import (
+    AsymstoreError,
+    CapacityError,
+    CorruptVersionError,
+    DuplicateNameError,
+    EmptyStepError,
+    InvalidMetaError,
+    InvalidNameError,
+    InvalidStepError,
+    InvalidValueError,
+    ManifestError,
+    NoCheckpointError,
+    StepCommittedError,
+    StepOrderError,
+    StoreClosedError,
+    TierError,
+    VersionNotFoundError,
+)
+from asymstore.manifest import Manifest
+from asymstore.restore import Checkpoint
+from asymstore.store import AsymStore, CommitResult
+from asymstore.tiers import HostTier, LocalTier, Tier, VersionWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsymStore",
+    "AsymstoreError",
+    "CapacityError",
+    "Checkpoint",
+    "CommitResult",
+    "CorruptVersionError",
+    "DuplicateNameError",
+    "EmptyStepError",
+    "HostTier",
+    "InvalidMetaError",
+    "InvalidNameError",
+    "InvalidStepError",
+    "InvalidValueError",
+    "LocalTier",
+    "Manifest",
+    "ManifestError",
+    "NoCheckpointError",
+    "StepCommittedError",
+    "StepOrderError",
+    "StoreClosedError",
+    "Tier",
+    "TierError",
+    "VersionNotFoundError",
+    "VersionWriter",
+]

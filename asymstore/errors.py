@@ -1,0 +1,72 @@
+"""The exception hierarchy of asymstore.
+
+Every error raised on purpose by asymstore or asymcheck derives from
+:class:`AsymstoreError`, so ``except AsymstoreError`` catches them all. The
+hierarchy is flat on purpose: callers catch the leaf they care about.
+"""
+
+from __future__ import annotations
+
+
+class AsymstoreError(Exception):
+    """Root of every error raised on purpose by asymstore and asymcheck."""
+
+
+class InvalidNameError(AsymstoreError, ValueError):
+    """A tensor name is empty, absolute, contains ``..`` or NUL, or is not a str."""
+
+
+class DuplicateNameError(AsymstoreError, ValueError):
+    """The same tensor name was put twice for one step."""
+
+
+class InvalidValueError(AsymstoreError, TypeError):
+    """A value given to ``put`` is not a dense tensor of a storable dtype."""
+
+
+class InvalidMetaError(AsymstoreError, ValueError):
+    """User metadata is not strict JSON (dict with str keys, no NaN/inf)."""
+
+
+class InvalidStepError(AsymstoreError, ValueError):
+    """A step is not a non-negative integer."""
+
+
+class StepCommittedError(AsymstoreError):
+    """A ``put`` or ``commit`` names a step that is already committed."""
+
+
+class StepOrderError(AsymstoreError):
+    """A step is not greater than the newest committed step."""
+
+
+class EmptyStepError(AsymstoreError):
+    """``commit`` was called for a step with nothing put."""
+
+
+class VersionNotFoundError(AsymstoreError, LookupError):
+    """The requested version does not exist on any tier."""
+
+
+class NoCheckpointError(VersionNotFoundError):
+    """No tier holds any restorable version."""
+
+
+class CorruptVersionError(AsymstoreError):
+    """A version failed verification (checksum, size, or manifest) on every tier."""
+
+
+class ManifestError(CorruptVersionError):
+    """A manifest is not valid JSON of a known format version."""
+
+
+class CapacityError(AsymstoreError):
+    """A version does not fit in a bounded tier, even after evicting old versions."""
+
+
+class TierError(AsymstoreError):
+    """A tier failed to read, write, publish or delete."""
+
+
+class StoreClosedError(AsymstoreError):
+    """The store is not open (use ``async with AsymStore(...)``)."""

@@ -1,0 +1,256 @@
+"""Check and repair a directory-backed tier (``LocalTier`` or ``HostTier(path=...)``).
+
+Each entry of the root gets a status:
+
+- ``committed``: a version directory with a valid manifest whose segments are
+  all present with the right sizes (and, with ``deep``, the right checksums).
+- ``corrupt``: a version directory whose manifest is unreadable, or whose
+  segments are missing, truncated or fail a checksum.
+- ``partial``: a ``.tmp-*`` directory left by a commit that never published.
+- ``orphaned``: a version directory without a manifest (a delete that was
+  interrupted after removing the manifest), or a stray temporary file.
+- ``quarantined``: a corrupt version moved aside earlier; informational.
+
+``repair`` removes partial and orphaned data, moves corrupt versions and
+files that no manifest references into ``.quarantine/`` (nothing that might
+hold data is deleted), and rewrites ``LATEST`` to the newest version that
+verifies. A committed version that verifies is never touched. Do not repair
+while a process is writing to the same root: its in-progress commit would be
+removed as partial.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from asymstore.checksum import StreamingChecksum, checksum
+from asymstore.errors import ManifestError
+from asymstore.fileio import atomic_write, read_whole
+from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, parse_version_dirname
+from asymstore.manifest import MANIFEST_NAME, Manifest
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+Progress = Callable[[int], None]
+
+
+@dataclass
+class VersionReport:
+    """The verdict on one entry of the root."""
+
+    name: str
+    status: str
+    step: int | None
+    nbytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    unreferenced: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True for a committed version without problems, or a quarantined entry."""
+        return self.status in ("committed", "quarantined") and not self.problems
+
+
+@dataclass
+class FsckReport:
+    """The verdict on a whole root; ``to_json()`` gives the documented schema."""
+
+    root: str
+    deep: bool
+    entries: list[VersionReport]
+    latest: int | None
+    latest_problem: str | None
+    newest_restorable: int | None
+    repaired: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every entry verifies and LATEST is right."""
+        return self.latest_problem is None and all(e.ok for e in self.entries)
+
+    @property
+    def problems(self) -> list[str]:
+        """Every problem, one line each."""
+        lines = [f"{e.name}: {e.status}: {p}" for e in self.entries for p in e.problems]
+        if self.latest_problem:
+            lines.append(f"{LATEST}: {self.latest_problem}")
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the report as a JSON-ready dict (see README, 'fsck --json')."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "root": self.root,
+            "deep": self.deep,
+            "ok": self.ok,
+            "latest": self.latest,
+            "latest_problem": self.latest_problem,
+            "newest_restorable": self.newest_restorable,
+            "versions": [asdict(e) | {"ok": e.ok} for e in self.entries],
+            "problems": self.problems,
+            "repaired": self.repaired,
+        }
+
+
+def _check_version(path: str, name: str, step: int, deep: bool, progress: Progress | None) -> VersionReport:
+    report = VersionReport(name, "committed", step)
+    mpath = os.path.join(path, MANIFEST_NAME)
+    if not os.path.exists(mpath):
+        report.status = "orphaned"
+        report.problems.append("no manifest: an interrupted delete or a foreign directory")
+        return report
+    try:
+        manifest = Manifest.from_json(read_whole(mpath))
+        if manifest.step != step:
+            raise ManifestError(f"manifest says step {manifest.step}")
+    except ManifestError as exc:
+        report.status = "corrupt"
+        report.problems.append(f"bad manifest: {exc}")
+        return report
+    report.nbytes = manifest.stored_bytes
+    listed = {s.name for s in manifest.segments}
+    report.unreferenced = sorted(set(os.listdir(path)) - listed - {MANIFEST_NAME})
+    for f in report.unreferenced:
+        report.problems.append(f"unreferenced file {f}")
+    for seg in manifest.segments:
+        spath = os.path.join(path, seg.name)
+        if not os.path.isfile(spath):
+            report.status = "corrupt"
+            report.problems.append(f"missing segment {seg.name}")
+            continue
+        size = os.path.getsize(spath)
+        if size != seg.size:
+            report.status = "corrupt"
+            report.problems.append(f"segment {seg.name} has {size} bytes, manifest says {seg.size}")
+            continue
+        if deep:
+            data = memoryview(read_whole(spath))
+            if StreamingChecksum([data]).hexdigest() != seg.checksum:
+                report.status = "corrupt"
+                report.problems.append(f"segment {seg.name} checksum mismatch")
+            for tname, entry in manifest.tensors.items():
+                for c in entry.chunks:
+                    if c.segment == seg.name and checksum(data[c.offset:c.offset + c.length]) != c.checksum:
+                        report.status = "corrupt"
+                        report.problems.append(f"tensor {tname!r}: chunk at {seg.name}+{c.offset} checksum mismatch")
+            if progress:
+                progress(size)
+    return report
+
+
+def _deep_total(root: str, names: list[str]) -> int:
+    total = 0
+    for name in names:
+        path = os.path.join(root, name)
+        for entry in os.scandir(path):
+            if entry.is_file() and entry.name != MANIFEST_NAME:
+                total += entry.stat().st_size
+    return total
+
+
+def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None) -> FsckReport:
+    """Examine every entry of ``root`` and return the report.
+
+    Args:
+        root: the tier's directory.
+        deep: verify every segment and chunk checksum (reads all data).
+        progress: called with the total byte count to verify; returns a
+            callback that receives the bytes verified as they are.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a directory.
+    """
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root} is not a directory")
+    names = sorted(os.listdir(root))
+    versions = [n for n in names if parse_version_dirname(n) is not None and os.path.isdir(os.path.join(root, n))]
+    tick = progress(_deep_total(root, versions)) if deep and progress else None
+    entries: list[VersionReport] = []
+    for name in names:
+        path = os.path.join(root, name)
+        step = parse_version_dirname(name)
+        if name in versions and step is not None:
+            entries.append(_check_version(path, name, step, deep, tick))
+        elif name.startswith(TMP_PREFIX) and os.path.isdir(path):
+            vstep = parse_version_dirname(name[len(TMP_PREFIX):].split("-")[0])
+            entries.append(VersionReport(name, "partial", vstep, problems=["a commit that never published"]))
+        elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
+            entries.append(VersionReport(name, "orphaned", None, problems=["leftover of a LATEST update"]))
+        elif name == QUARANTINE and os.path.isdir(path):
+            for q in sorted(os.listdir(path)):
+                entries.append(VersionReport(f"{QUARANTINE}/{q}", "quarantined", parse_version_dirname(q[:13])))
+    good = [e.step for e in entries if e.status == "committed" and e.step is not None]
+    newest = max(good) if good else None
+    latest, latest_problem = _check_latest(root, newest, {e.step for e in entries if e.status == "committed"})
+    return FsckReport(root, deep, entries, latest, latest_problem, newest)
+
+
+def _check_latest(root: str, newest: int | None, committed: set[int | None]) -> tuple[int | None, str | None]:
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None, (f"missing; newest restorable version is {newest}" if newest is not None else None)
+    try:
+        latest = int(read_whole(path).decode().strip())
+    except (ValueError, UnicodeDecodeError):
+        return None, "unreadable (not a step number)"
+    if latest not in committed:
+        return latest, f"points to step {latest}, which is not a committed version"
+    if latest != newest:
+        return latest, f"says {latest}, newest restorable version is {newest}"
+    return latest, None
+
+
+def _quarantine(root: str, path: str, label: str) -> str:
+    qdir = os.path.join(root, QUARANTINE)
+    os.makedirs(qdir, exist_ok=True)
+    dest = os.path.join(qdir, f"{label}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    os.rename(path, dest)
+    return dest
+
+
+def repair(report: FsckReport) -> list[str]:
+    """Fix what ``report`` found; return one line per action taken.
+
+    Never touches a committed version without problems. Corrupt versions and
+    unreferenced files are moved to ``.quarantine/``; partial and orphaned
+    data is removed; LATEST is rewritten to the newest restorable version.
+    """
+    root = report.root
+    actions: list[str] = []
+    for e in report.entries:
+        path = os.path.join(root, e.name)
+        if e.status in ("partial", "orphaned"):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.unlink(path)
+            actions.append(f"removed {e.status} {e.name}")
+        elif e.status == "corrupt":
+            actions.append(f"moved corrupt {e.name} to {_quarantine(root, path, e.name)}")
+        elif e.status == "committed" and e.unreferenced:
+            for f in e.unreferenced:
+                dest = _quarantine(root, os.path.join(path, f), f"{e.name}-{f}")
+                actions.append(f"moved unreferenced {e.name}/{f} to {dest}")
+    if report.latest_problem:
+        latest = os.path.join(root, LATEST)
+        if report.newest_restorable is None:
+            if os.path.exists(latest):
+                os.unlink(latest)
+            actions.append("removed LATEST (no restorable version)")
+        else:
+            atomic_write(latest, f"{report.newest_restorable}\n".encode())
+            actions.append(f"set LATEST to {report.newest_restorable}")
+    if actions:
+        fsync_dir(root)
+    for line in actions:
+        logger.info("fsck repair: %s", line)
+    return actions

@@ -1,0 +1,72 @@
+"""``python -m asymstore.fsck ROOT [--deep] [--repair] [--json]``.
+
+Exit status: 0 when every version verifies and LATEST is right (after
+``--repair``, when the repaired root does), 1 when problems were found,
+2 on a usage error (bad arguments, ROOT not a directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from asymstore.fsck import FsckReport, check, repair
+
+
+def _progress_factory(enabled: bool) -> Callable[[int], Callable[[int], None]] | None:
+    if not enabled:
+        return None
+
+    def make(total: int) -> Callable[[int], None]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying", file=sys.stderr, leave=False)
+        return bar.update
+
+    return make
+
+
+def _print_text(report: FsckReport) -> None:
+    print(f"root: {report.root}{'  (deep)' if report.deep else ''}")
+    for e in report.entries:
+        step = "-" if e.step is None else str(e.step)
+        print(f"  {e.status:<11} step {step:>8}  {e.name}  {e.nbytes} B")
+        for p in e.problems:
+            print(f"      problem: {p}")
+    print(f"LATEST: {report.latest}" + (f"  problem: {report.latest_problem}" if report.latest_problem else ""))
+    print(f"newest restorable: {report.newest_restorable}")
+    for a in report.repaired:
+        print(f"repaired: {a}")
+    print("verdict: " + ("OK" if report.ok else f"{len(report.problems)} problem(s)"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the checker; return the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m asymstore.fsck", description=__doc__.splitlines()[0])
+    parser.add_argument("root", help="directory of a LocalTier or HostTier(path=...)")
+    parser.add_argument("--deep", action="store_true", help="verify every checksum (reads all data)")
+    parser.add_argument("--repair", action="store_true", help="remove partial/orphaned data, quarantine corrupt "
+                        "versions, fix LATEST; never touches a committed version that verifies")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
+    args = parser.parse_args(argv)
+    progress = _progress_factory(args.deep and not args.json and sys.stderr.isatty())
+    try:
+        report = check(args.root, deep=args.deep, progress=progress)
+    except FileNotFoundError as exc:
+        print(f"fsck: {exc}", file=sys.stderr)
+        return 2
+    if args.repair and not report.ok:
+        actions = repair(report)
+        report = check(args.root, deep=args.deep, progress=progress)
+        report.repaired = actions
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        _print_text(report)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

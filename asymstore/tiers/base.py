@@ -1,0 +1,99 @@
+"""The tier protocol: the small interface every storage tier implements.
+
+Call order, for one tier, driven by :class:`asymstore.AsymStore`:
+
+1. ``await tier.open()`` once, before anything else.
+2. Writing a version: ``w = await tier.begin(step, nbytes)``, then
+   ``await w.write_segment(name, parts)`` for each segment (any order, never
+   concurrently for one writer), then exactly one of ``await w.publish(manifest)``
+   (the atomic commit point: before it returns nothing of the version is
+   visible, after it the version is listed and restorable) or ``await w.abort()``
+   (removes everything the writer wrote). A step is begun only when the tier
+   does not list it.
+3. After a publish: ``await tier.write_latest(step)`` (a hint only) and, for
+   retention, ``await tier.delete_version(old_step)`` on older steps only.
+   Deletion removes the manifest first, so a crash mid-delete leaves an
+   unrestorable (orphaned) directory, never a half version that looks valid.
+4. Reading, at any time after ``open``: ``list_versions()``,
+   ``read_manifest(step)``, ``read_segment(step, name)``, ``read_latest()``.
+5. ``await tier.quarantine(step)`` moves a version that failed verification
+   out of the way (kept for inspection where the tier can).
+6. ``await tier.close()`` once, last.
+
+Buffers given to ``write_segment`` stay valid and unchanged until the call
+returns; a tier that keeps them longer must copy. Buffers returned by
+``read_segment`` belong to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+Buffer = memoryview | bytes | bytearray
+
+
+@runtime_checkable
+class VersionWriter(Protocol):
+    """Writes one version to one tier; see the module docstring for the call order."""
+
+    async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        """Write one segment file made of ``parts`` concatenated, durably."""
+        ...
+
+    async def publish(self, manifest: bytes) -> None:
+        """Write the manifest and make the version visible, atomically."""
+        ...
+
+    async def abort(self) -> None:
+        """Remove whatever this writer wrote; the version never becomes visible."""
+        ...
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place that holds checkpoint versions; see the module docstring."""
+
+    name: str
+    persistent: bool
+    keep_last: int | None
+
+    async def open(self) -> None:
+        """Prepare the tier (create directories, connect)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the tier's resources."""
+        ...
+
+    async def list_versions(self) -> list[int]:
+        """Return the published steps, ascending."""
+        ...
+
+    async def begin(self, step: int, nbytes: int) -> VersionWriter:
+        """Start writing version ``step`` of about ``nbytes`` bytes."""
+        ...
+
+    async def read_manifest(self, step: int) -> bytes:
+        """Return the manifest bytes of ``step`` (VersionNotFoundError if absent)."""
+        ...
+
+    async def read_segment(self, step: int, name: str) -> Buffer:
+        """Return the whole segment ``name`` of version ``step``."""
+        ...
+
+    async def delete_version(self, step: int) -> None:
+        """Delete version ``step``, manifest first."""
+        ...
+
+    async def quarantine(self, step: int) -> None:
+        """Move a version that failed verification out of the listing."""
+        ...
+
+    async def write_latest(self, step: int) -> None:
+        """Record ``step`` as the newest committed version (a hint)."""
+        ...
+
+    async def read_latest(self) -> int | None:
+        """Return the LATEST hint, or None when absent or unreadable."""
+        ...

@@ -1,0 +1,191 @@
+"""LocalTier: versions as directories of real files, fsynced, published by rename."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+
+from asymstore.errors import StepCommittedError, TierError, VersionNotFoundError
+from asymstore.fileio import atomic_write, read_whole, write_parts
+from asymstore.layout import (
+    LATEST,
+    QUARANTINE,
+    TMP_PREFIX,
+    fsync_dir,
+    parse_version_dirname,
+    version_dirname,
+)
+from asymstore.manifest import MANIFEST_NAME, validate_segment_name
+from asymstore.tiers.base import Buffer
+
+logger = logging.getLogger(__name__)
+
+
+class LocalTier:
+    """A directory on a local filesystem; see :mod:`asymstore.layout` for the layout.
+
+    Segments and the manifest are written into a temporary directory and
+    fsynced; the version is published by renaming that directory to its final
+    name and fsyncing the root. A rename onto an existing version fails, so a
+    committed version is never overwritten.
+
+    Args:
+        root: the directory (created if missing).
+        name: the tier's name in reports (default: ``"local:<root>"``).
+        keep_last: this tier's retention; None uses the store's.
+        fsync: flush files and directories (turn off only for tmpfs).
+    """
+
+    persistent = True
+
+    def __init__(self, root: str | os.PathLike[str], *, name: str | None = None,
+                 keep_last: int | None = None, fsync: bool = True) -> None:
+        """Create a tier over ``root``; nothing touches the disk before ``open``."""
+        self.root = os.path.abspath(os.fspath(root))
+        self.name = name or f"local:{self.root}"
+        self.keep_last = keep_last
+        self.fsync = fsync
+
+    def __repr__(self) -> str:
+        """Return a short description."""
+        return f"{type(self).__name__}({self.root!r})"
+
+    def _vdir(self, step: int) -> str:
+        return os.path.join(self.root, version_dirname(step))
+
+    async def open(self) -> None:
+        """Create the root directory if needed."""
+        await asyncio.to_thread(os.makedirs, self.root, exist_ok=True)
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+    async def list_versions(self) -> list[int]:
+        """Return the steps whose directory holds a manifest, ascending."""
+        return await asyncio.to_thread(self._list_sync)
+
+    def _list_sync(self) -> list[int]:
+        steps = []
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            step = parse_version_dirname(entry.name)
+            if step is not None and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+                steps.append(step)
+        return sorted(steps)
+
+    async def begin(self, step: int, nbytes: int) -> _DirWriter:
+        """Create the temporary directory of version ``step``."""
+        if os.path.exists(os.path.join(self._vdir(step), MANIFEST_NAME)):
+            raise StepCommittedError(f"step {step} is already committed on {self.name}")
+        tmp = os.path.join(self.root, f"{TMP_PREFIX}{version_dirname(step)}-{uuid.uuid4().hex[:8]}")
+        await asyncio.to_thread(os.makedirs, tmp)
+        return _DirWriter(self, step, tmp)
+
+    async def read_manifest(self, step: int) -> bytes:
+        """Return the manifest of ``step``."""
+        path = os.path.join(self._vdir(step), MANIFEST_NAME)
+        try:
+            return bytes(await asyncio.to_thread(read_whole, path))
+        except FileNotFoundError as exc:
+            raise VersionNotFoundError(f"step {step} not on {self.name}") from exc
+        except OSError as exc:
+            raise TierError(f"reading {path}: {exc}") from exc
+
+    async def read_segment(self, step: int, name: str) -> Buffer:
+        """Return the bytes of one segment."""
+        path = os.path.join(self._vdir(step), validate_segment_name(name))
+        try:
+            return await asyncio.to_thread(read_whole, path)
+        except FileNotFoundError as exc:
+            raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
+        except OSError as exc:
+            raise TierError(f"reading {path}: {exc}") from exc
+
+    async def delete_version(self, step: int) -> None:
+        """Delete a version: manifest (fsynced away) first, then segments, then the directory."""
+        await asyncio.to_thread(self._delete_sync, self._vdir(step))
+
+    def _delete_sync(self, vdir: str) -> None:
+        manifest = os.path.join(vdir, MANIFEST_NAME)
+        if os.path.exists(manifest):
+            os.unlink(manifest)
+            if self.fsync:
+                fsync_dir(vdir)
+        shutil.rmtree(vdir, ignore_errors=True)
+        if self.fsync:
+            fsync_dir(self.root)
+
+    async def quarantine(self, step: int) -> None:
+        """Move a corrupt version into ``.quarantine/`` under the root."""
+        await asyncio.to_thread(self._quarantine_sync, step)
+
+    def _quarantine_sync(self, step: int) -> None:
+        qdir = os.path.join(self.root, QUARANTINE)
+        os.makedirs(qdir, exist_ok=True)
+        dest = os.path.join(qdir, f"{version_dirname(step)}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+        os.rename(self._vdir(step), dest)
+        if self.fsync:
+            fsync_dir(qdir)
+            fsync_dir(self.root)
+        logger.warning("moved corrupt step %d on %s to %s", step, self.name, dest)
+
+    async def write_latest(self, step: int) -> None:
+        """Atomically replace the LATEST hint."""
+        data = f"{step}\n".encode()
+        await asyncio.to_thread(atomic_write, os.path.join(self.root, LATEST), data, fsync=self.fsync)
+
+    async def read_latest(self) -> int | None:
+        """Return the LATEST hint, or None."""
+        try:
+            text = (await asyncio.to_thread(read_whole, os.path.join(self.root, LATEST))).decode()
+            return int(text.strip())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+
+
+class _DirWriter:
+    """Writes segments into a temporary directory and publishes it by rename."""
+
+    def __init__(self, tier: LocalTier, step: int, tmp: str) -> None:
+        self.tier = tier
+        self.step = step
+        self.tmp = tmp
+
+    async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        path = os.path.join(self.tmp, validate_segment_name(name))
+        try:
+            await asyncio.to_thread(write_parts, path, parts, fsync=self.tier.fsync)
+        except OSError as exc:
+            raise TierError(f"writing {path}: {exc}") from exc
+
+    async def publish(self, manifest: bytes) -> None:
+        try:
+            await asyncio.to_thread(self._publish_sync, manifest)
+        except FileExistsError as exc:
+            raise StepCommittedError(f"step {self.step} is already committed on {self.tier.name}") from exc
+        except OSError as exc:
+            raise TierError(f"publishing step {self.step} on {self.tier.name}: {exc}") from exc
+
+    def _publish_sync(self, manifest: bytes) -> None:
+        write_parts(os.path.join(self.tmp, MANIFEST_NAME), [manifest], fsync=self.tier.fsync)
+        if self.tier.fsync:
+            fsync_dir(self.tmp)
+        dest = self.tier._vdir(self.step)
+        if os.path.exists(dest):
+            if os.path.exists(os.path.join(dest, MANIFEST_NAME)):
+                raise FileExistsError(dest)
+            shutil.rmtree(dest)  # orphaned leftovers of an interrupted delete
+        os.rename(self.tmp, dest)
+        if self.tier.fsync:
+            fsync_dir(self.tier.root)
+
+    async def abort(self) -> None:
+        await asyncio.to_thread(shutil.rmtree, self.tmp, True)

@@ -1,0 +1,1 @@
+"""asymcheck: per-iteration asymmetric snapshots of PyTorch training into asymstore."""

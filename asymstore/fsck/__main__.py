@@ -23,7 +23,11 @@ def _progress_factory(enabled: bool) -> Callable[[int], Callable[[int], None]] |
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="verifying", file=sys.stderr, leave=False)
-        return bar.update
+
+        def update(n: int) -> None:
+            bar.update(n)
+
+        return update
 
     return make
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,8 @@ def validate_meta(meta: object) -> dict[str, Any]:
     """
     if meta is None:
         return {}
+    if isinstance(meta, Mapping) and not isinstance(meta, dict):
+        meta = dict(meta)
     if not isinstance(meta, dict):
         raise InvalidMetaError(f"meta must be a dict, got {type(meta).__name__}")
     try:

@@ -238,7 +238,7 @@ class AsymStore:
         """
         self._require_open()
         _check_step(step)
-        clean_meta = validate_meta(dict(meta) if meta is not None else None)
+        clean_meta = validate_meta(meta)
         if self._committed_anywhere(step):
             raise StepCommittedError(f"step {step} is already committed")
         newest = self.newest_step

@@ -77,7 +77,7 @@ def from_bytes(buffer: memoryview | bytearray | bytes, dtype: torch.dtype, shape
     numel = 1
     for dim in shape:
         numel *= dim
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if len(buffer) != numel * itemsize:
         raise ManifestError(f"{len(buffer)} bytes do not hold {shape} of {dtype}")
     if numel == 0:

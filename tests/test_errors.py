@@ -1,0 +1,165 @@
+"""Every bad input gets its typed error, and the last committed version stays intact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from asymstore import (
+    AsymStore,
+    AsymstoreError,
+    DuplicateNameError,
+    EmptyStepError,
+    InvalidMetaError,
+    InvalidNameError,
+    InvalidStepError,
+    InvalidValueError,
+    LocalTier,
+    ManifestError,
+    NoCheckpointError,
+    StepCommittedError,
+    StepOrderError,
+    StoreClosedError,
+    VersionNotFoundError,
+)
+from asymstore.fsck import check
+from asymstore.manifest import Manifest
+
+
+@pytest.fixture
+async def store(tmp_path: object):  # type: ignore[no-untyped-def]
+    async with AsymStore([LocalTier(str(tmp_path))]) as s:
+        await s.put(5, "w", torch.arange(4))
+        await s.commit(5, meta={"ok": True})
+        yield s
+
+
+async def assert_intact(store: AsymStore) -> None:
+    ckpt = await store.restore()
+    assert ckpt.step == 5 and torch.equal(ckpt.tensors["w"], torch.arange(4)) and ckpt.meta == {"ok": True}
+    assert not ckpt.fell_back
+    assert check(store.tiers[0].root, deep=True).ok  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["", "/abs/name", "a/../b", "..", "x\x00y", "C:\\win", 7, None])
+async def test_bad_names(store: AsymStore, name: object) -> None:
+    with pytest.raises(InvalidNameError):
+        await store.put(6, name, torch.ones(1))  # type: ignore[arg-type]
+    await assert_intact(store)
+
+
+async def test_dotted_names_are_fine(store: AsymStore) -> None:
+    await store.put(6, "model.layers.0..weight/..x", torch.ones(1))
+    await store.put(6, "...", torch.ones(1))
+    await store.commit(6)
+    assert set((await store.restore()).tensors) == {"model.layers.0..weight/..x", "..."}
+
+
+async def test_duplicate_name_in_one_step(store: AsymStore) -> None:
+    await store.put(6, "a", torch.ones(1))
+    with pytest.raises(DuplicateNameError):
+        await store.put(6, "a", torch.zeros(1))
+    with pytest.raises(DuplicateNameError):
+        await store.put_many(6, {"b": torch.ones(1), "a": torch.ones(1)})
+    await store.commit(6)
+    ckpt = await store.restore()
+    assert torch.equal(ckpt.tensors["a"], torch.ones(1))
+    assert "b" not in ckpt.tensors  # put_many checked the batch before staging any of it
+
+
+async def test_put_after_commit(store: AsymStore) -> None:
+    with pytest.raises(StepCommittedError):
+        await store.put(5, "x", torch.ones(1))
+    await assert_intact(store)
+
+
+async def test_put_older_than_newest(store: AsymStore) -> None:
+    with pytest.raises(StepOrderError):
+        await store.put(4, "x", torch.ones(1))
+    await assert_intact(store)
+
+
+async def test_commit_not_newer(store: AsymStore) -> None:
+    with pytest.raises(StepCommittedError):
+        await store.commit(5)
+    with pytest.raises(StepOrderError):
+        await store.commit(3)
+    await assert_intact(store)
+
+
+async def test_commit_nothing_put(store: AsymStore) -> None:
+    with pytest.raises(EmptyStepError):
+        await store.commit(6)
+    await assert_intact(store)
+
+
+@pytest.mark.parametrize("value", [[1, 2], 3.0, "tensor", None,
+                                   torch.ones(2, 2).to_sparse(), torch.quantize_per_tensor(
+                                       torch.ones(2), 0.1, 0, torch.qint8), torch.empty(2, device="meta")])
+async def test_not_a_storable_tensor(store: AsymStore, value: object) -> None:
+    with pytest.raises(InvalidValueError):
+        await store.put(6, "x", value)
+    with pytest.raises(EmptyStepError):
+        await store.commit(6)  # the failed put left nothing behind
+    await assert_intact(store)
+
+
+@pytest.mark.parametrize("meta", [{"x": float("nan")}, {"x": object()}, {1: 2}, [1, 2], {"t": (1, 2)}])
+async def test_bad_meta(store: AsymStore, meta: object) -> None:
+    await store.put(6, "x", torch.ones(1))
+    with pytest.raises(InvalidMetaError):
+        await store.commit(6, meta=meta)  # type: ignore[arg-type]
+    await store.commit(6)  # the staged step survived the refused commit
+    assert (await store.restore()).step == 6
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, "7", True, None])
+async def test_bad_steps(store: AsymStore, step: object) -> None:
+    with pytest.raises(InvalidStepError):
+        await store.put(step, "x", torch.ones(1))  # type: ignore[arg-type]
+    await assert_intact(store)
+
+
+async def test_restore_missing_step(store: AsymStore) -> None:
+    with pytest.raises(VersionNotFoundError):
+        await store.restore(step=4)
+    await assert_intact(store)
+
+
+async def test_restore_empty_store(tmp_path: object) -> None:
+    async with AsymStore([LocalTier(str(tmp_path))]) as s:
+        with pytest.raises(NoCheckpointError):
+            await s.restore()
+
+
+async def test_closed_store(tmp_path: object) -> None:
+    s = AsymStore([LocalTier(str(tmp_path))])
+    with pytest.raises(StoreClosedError):
+        await s.put(0, "x", torch.ones(1))
+
+
+def test_all_errors_share_one_root() -> None:
+    for err in (DuplicateNameError, EmptyStepError, InvalidMetaError, InvalidNameError, InvalidValueError,
+                ManifestError, NoCheckpointError, StepCommittedError, StepOrderError, VersionNotFoundError):
+        assert issubclass(err, AsymstoreError)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d.update(format_version=99),
+    lambda d: d["segments"][0].update(name="../../etc/passwd"),
+    lambda d: d["segments"][0].update(name=".hidden"),
+    lambda d: d["tensors"]["w"]["chunks"][0].update(offset=10**9),
+    lambda d: d["tensors"]["w"].update(nbytes=3),
+    lambda d: d.update(step=-1),
+    lambda d: d["tensors"].update({"../x": d["tensors"]["w"]}),
+])
+async def test_manifest_validation_refuses_tampering(store: AsymStore, mutate: object) -> None:
+    import json
+    path = os.path.join(store.tiers[0].root, "v000000000005", "MANIFEST.json")  # type: ignore[attr-defined]
+    with open(path, "rb") as f:
+        doc = json.load(f)
+    mutate(doc)  # type: ignore[operator]
+    with pytest.raises(ManifestError):
+        Manifest.from_json(json.dumps(doc).encode())

@@ -269,6 +269,7 @@ class AsymStore:
                     logger.warning("step %d skipped on %s: %s", step, state.tier.name, exc)
                 except AsymstoreError as exc:
                     if i == self._durable:
+                        await self._unpublish(step, self._tiers[:i])
                         raise
                     logger.error("step %d failed on %s: %s", step, state.tier.name, exc)
         except BaseException:
@@ -284,6 +285,16 @@ class AsymStore:
                 asyncio.ensure_future(self._write_background(s, manifest, data, segments)) for s in rest
             ]
         return CommitResult(step, manifest, done, time.perf_counter() - started)
+
+    async def _unpublish(self, step: int, states: list[_TierState]) -> None:
+        """Remove ``step`` from the fast tiers when the durable tier refused it, so it can be retried."""
+        for state in states:
+            if step in state.versions:
+                try:
+                    await state.tier.delete_version(step)
+                except Exception as exc:  # a fast tier's leftover is only a cache entry
+                    logger.error("could not remove step %d from %s: %s", step, state.tier.name, exc)
+                state.versions.discard(step)
 
     async def _write_background(self, state: _TierState, manifest: Manifest, data: bytes,
                                 segments: list[Segment]) -> None:

@@ -163,3 +163,46 @@ async def test_manifest_validation_refuses_tampering(store: AsymStore, mutate: o
     mutate(doc)  # type: ignore[operator]
     with pytest.raises(ManifestError):
         Manifest.from_json(json.dumps(doc).encode())
+
+
+class _DiskFull(LocalTier):
+    """Fault injection: the durable tier refuses one publish."""
+
+    fail = True
+
+    async def begin(self, step: int, nbytes: int):  # type: ignore[no-untyped-def]
+        writer = await super().begin(step, nbytes)
+        tier = self
+
+        class W:
+            async def write_segment(self, name, parts):  # type: ignore[no-untyped-def]
+                if tier.fail:
+                    raise OSError(28, "No space left on device")
+                await writer.write_segment(name, parts)
+
+            async def publish(self, manifest):  # type: ignore[no-untyped-def]
+                await writer.publish(manifest)
+
+            async def abort(self):  # type: ignore[no-untyped-def]
+                await writer.abort()
+
+        return W()
+
+
+async def test_durable_failure_keeps_previous_and_allows_retry(tmp_path: object) -> None:
+    from asymstore import HostTier, TierError
+    disk = _DiskFull(str(tmp_path))
+    disk.fail = False
+    async with AsymStore([HostTier(capacity_bytes=1 << 20), disk]) as s:
+        await s.put(1, "w", torch.ones(2))
+        await s.commit(1)
+        disk.fail = True
+        await s.put(2, "w", torch.full((2,), 2.0))
+        with pytest.raises(TierError):
+            await s.commit(2)
+        assert s.versions() == {"host:memory": [1], disk.name: [1]}  # host copy rolled back
+        assert not [n for n in os.listdir(str(tmp_path)) if n.startswith(".tmp")]  # aborted cleanly
+        assert (await s.restore()).step == 1
+        disk.fail = False
+        await s.commit(2)  # the staged step is still there: retry succeeds
+        assert (await s.restore()).tensors["w"].tolist() == [2.0, 2.0]

@@ -27,11 +27,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
-	$(PY) -m ruff check asymstore asymcheck tests benches examples
+	$(PY) -m ruff check .
 	$(PY) -m mypy
 
 lint: setup
-	$(PY) -m ruff check asymstore asymcheck tests benches examples
+	$(PY) -m ruff check .
 
 typecheck: setup
 	$(PY) -m mypy

@@ -1,1 +1,47 @@
-"""asymcheck: per-iteration asymmetric snapshots of PyTorch training into asymstore."""
+"""asymcheck: per-iteration asymmetric snapshots of PyTorch training into asymstore.
+
+Quick start::
+
+    from asymcheck import Checkpointer
+
+    with Checkpointer(model, optimizer, "ckpt", stateful={"sched": scheduler}) as ckpt:
+        start = ckpt.resume() or 0          # optimizer steps already done
+        for step in range(start, total_steps):
+            ...                             # forward, backward, optimizer.step(), scheduler.step()
+    # leaving the block commits the last step
+"""
+
+from asymcheck.checkpointer import Checkpointer, RestoreInfo
+from asymcheck.errors import (
+    AsymcheckError,
+    CheckpointerStateError,
+    CommitFailedError,
+    StateMismatchError,
+    StepConflictError,
+    UnsupportedStateError,
+)
+from asymcheck.partition import Extent, Partition, Plan, Planner, Span, Window, WindowRecorder, plan_partitions
+from asymcheck.state import Stateful
+from asymcheck.stats import CheckpointStats, StepRecord
+
+__all__ = [
+    "AsymcheckError",
+    "CheckpointStats",
+    "Checkpointer",
+    "CheckpointerStateError",
+    "CommitFailedError",
+    "Extent",
+    "Partition",
+    "Plan",
+    "Planner",
+    "RestoreInfo",
+    "Span",
+    "StateMismatchError",
+    "Stateful",
+    "StepConflictError",
+    "StepRecord",
+    "UnsupportedStateError",
+    "Window",
+    "WindowRecorder",
+    "plan_partitions",
+]

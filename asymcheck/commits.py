@@ -1,0 +1,130 @@
+"""Background commits: sealed versions go to the store on its loop thread, a bounded number at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asymcheck.stats import StatsRecorder
+from asymcheck.storeloop import StoreLoop
+from asymstore import CommitResult
+
+logger = logging.getLogger(__name__)
+
+WHEN_BUSY = ("wait", "skip")
+
+
+class CommitQueue:
+    """Commits sealed versions in the background; at most ``max_inflight`` at once.
+
+    When a version is sealed while ``max_inflight`` commits are still running,
+    ``when_busy="wait"`` blocks the caller until the oldest finishes
+    (back-pressure) and ``"skip"`` drops the new version; both are counted.
+
+    Args:
+        loop: the store's loop thread.
+        stats: where commits, skips and failures are counted.
+        max_inflight: commits running at once.
+        when_busy: ``"wait"`` or ``"skip"``.
+    """
+
+    def __init__(self, loop: StoreLoop, stats: StatsRecorder, *, max_inflight: int = 1,
+                 when_busy: str = "wait") -> None:
+        """Configure the queue."""
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
+        if when_busy not in WHEN_BUSY:
+            raise ValueError(f"when_busy must be one of {WHEN_BUSY}, got {when_busy!r}")
+        self.loop = loop
+        self.stats = stats
+        self.max_inflight = max_inflight
+        self.when_busy = when_busy
+        self._inflight: deque[concurrent.futures.Future[CommitResult]] = deque()
+        self._errors: list[BaseException] = []
+
+    def _prune(self) -> None:
+        while self._inflight and self._inflight[0].done():
+            self._collect(self._inflight.popleft())
+
+    def _collect(self, fut: concurrent.futures.Future[CommitResult]) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self._errors.append(exc)
+
+    @property
+    def inflight(self) -> int:
+        """Commits submitted and not finished."""
+        self._prune()
+        return len(self._inflight)
+
+    def take_error(self) -> BaseException | None:
+        """Return (and forget) the oldest commit failure not reported yet."""
+        self._prune()
+        return self._errors.pop(0) if self._errors else None
+
+    def submit(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], ready: Any,
+               release: Callable[[], None], *, force: bool = False) -> tuple[bool, float]:
+        """Commit a sealed version in the background.
+
+        Args:
+            step: the version.
+            tensors: its tensors (views into a host slot, valid until ``release``).
+            meta: its JSON metadata.
+            ready: a CUDA event to synchronize before reading ``tensors``, or None.
+            release: gives the host slot back; called once the store has its own copy.
+            force: wait even under ``when_busy="skip"`` (the final version).
+
+        Returns:
+            (submitted, seconds waited for an earlier commit).
+        """
+        self._prune()
+        waited = 0.0
+        if len(self._inflight) >= self.max_inflight:
+            if self.when_busy == "skip" and not force:
+                release()
+                logger.info("version %d skipped: %d commit(s) still in flight", step, len(self._inflight))
+                return False, 0.0
+            started = time.perf_counter()
+            while len(self._inflight) >= self.max_inflight:
+                fut = self._inflight.popleft()
+                concurrent.futures.wait([fut])
+                self._collect(fut)
+            waited = time.perf_counter() - started
+        self._inflight.append(self.loop.submit(self._commit(step, tensors, meta, ready, release)))
+        return True, waited
+
+    async def _commit(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], ready: Any,
+                      release: Callable[[], None]) -> CommitResult:
+        store = self.loop.store
+        try:
+            try:
+                if ready is not None:
+                    await asyncio.to_thread(ready.synchronize)
+                await store.put_many(step, tensors)
+            except BaseException:
+                store.abandon(step)
+                raise
+            finally:
+                release()
+            result = await store.commit(step, meta)
+        except Exception as exc:
+            self.stats.failed(f"step {step}: {type(exc).__name__}: {exc}")
+            logger.error("commit of version %d failed: %s", step, exc)
+            raise
+        self.stats.committed(step, result.nbytes, result.seconds)
+        logger.debug("version %d committed to %s in %.3f s", step, result.tiers, result.seconds)
+        return result
+
+    def drain(self) -> None:
+        """Wait for every commit submitted so far."""
+        while self._inflight:
+            fut = self._inflight.popleft()
+            concurrent.futures.wait([fut])
+            self._collect(fut)

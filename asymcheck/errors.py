@@ -1,0 +1,35 @@
+"""Errors raised by asymcheck; every one derives from :class:`asymstore.AsymstoreError`."""
+
+from __future__ import annotations
+
+from asymstore.errors import AsymstoreError
+
+
+class AsymcheckError(AsymstoreError):
+    """Root of the errors asymcheck raises on purpose."""
+
+
+class StateMismatchError(AsymcheckError, ValueError):
+    """A checkpoint does not fit the live model, optimizer or stateful objects.
+
+    Raised by ``resume()`` before anything is loaded: the live objects are unchanged.
+    """
+
+
+class UnsupportedStateError(AsymcheckError, TypeError):
+    """A state dict holds a value that cannot be stored without pickle."""
+
+
+class CommitFailedError(AsymcheckError):
+    """A background commit of a version failed on the durable tier."""
+
+
+class CheckpointerStateError(AsymcheckError, RuntimeError):
+    """The Checkpointer was used out of order (closed, or resumed after training began)."""
+
+
+class StepConflictError(AsymcheckError):
+    """The store already holds a version at or after the step this run would write.
+
+    Call ``resume()`` first, or point the Checkpointer at a fresh directory.
+    """

@@ -1,0 +1,272 @@
+"""What one step's training state is, how it is captured and how it is loaded back.
+
+The state has two parts, captured at different moments (see
+:class:`asymcheck.Checkpointer` for when):
+
+- the *flat state*: model parameters, optimizer parameters not in the model,
+  and optimizer state tensors. Only ``optimizer.step()`` changes them, so they
+  are read lazily, in partitions, during the next iteration.
+- the *eager state*: buffers and extra state of the model, optimizer state
+  scalars, RNG states (at the step), then the optimizer's param groups and
+  every stateful object (at the first activity of the next iteration, after
+  ``scheduler.step()`` and ``scaler.update()`` ran). These are small and copied
+  at once.
+
+Everything non-tensor goes into the version's JSON ``meta`` through
+:mod:`asymcheck.encode`; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from asymcheck import rng
+from asymcheck.encode import decode, encode
+from asymcheck.errors import StateMismatchError, UnsupportedStateError
+from asymstore.tensorbytes import host_copy
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict`` / ``load_state_dict`` (scheduler, GradScaler, sampler)."""
+
+    def state_dict(self) -> Any:
+        """Return the object's state."""
+        ...
+
+    def load_state_dict(self, state: Any) -> Any:
+        """Restore the object's state."""
+        ...
+
+
+@dataclass
+class Capture:
+    """One version's state as captured so far.
+
+    Attributes:
+        names: the flat state's tensor names, in order.
+        sources: the live tensors behind ``names`` (read later, in partitions).
+        eager: private copies of small tensors, taken already.
+        meta: the JSON part.
+    """
+
+    names: list[str] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    eager: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _copy_all(tensors: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
+    for name, tensor in tensors.items():
+        into[name] = host_copy(tensor)
+
+
+def _param_indices(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's parameters in ``state_dict`` index order."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+class TrainingState:
+    """The model, optimizer and stateful objects whose state makes up one version.
+
+    Args:
+        model: the module trained.
+        optimizer: its optimizer.
+        stateful: name -> object with ``state_dict``/``load_state_dict``.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 stateful: Mapping[str, Stateful] | None = None) -> None:
+        """Keep references to the live objects."""
+        self.model = model
+        self.optimizer = optimizer
+        self.stateful: dict[str, Stateful] = dict(stateful or {})
+        for name, obj in self.stateful.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"stateful keys must be non-empty str, got {name!r}")
+            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+                raise TypeError(f"stateful[{name!r}] has no state_dict/load_state_dict")
+
+    # -- capture ---------------------------------------------------------
+
+    def capture_step(self) -> Capture:
+        """Capture what is fixed right after ``optimizer.step()``: flat refs, buffers, RNG."""
+        cap = Capture()
+        lazy: dict[str, torch.Tensor] = {}
+        eager: dict[str, torch.Tensor] = {}
+        aliases: dict[str, str] = {}
+        extra: dict[str, Any] = {}
+        seen: dict[int, str] = {}
+        model_params: set[int] = set()
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            name = f"model/{key}"
+            if not isinstance(value, torch.Tensor):
+                extra[key] = encode(value, f"model-extra/{key}", eager)
+                continue
+            if id(value) in seen:
+                aliases[key] = seen[id(value)]
+                continue
+            seen[id(value)] = key
+            if isinstance(value, torch.nn.Parameter):
+                model_params.add(id(value))
+                lazy[name] = value.detach()
+            else:
+                eager[name] = value.detach()
+        params = _param_indices(self.optimizer)
+        outside = {}
+        for i, p in enumerate(params):
+            if id(p) not in model_params and id(p) not in seen:
+                lazy[f"optim/param/{i}"] = p.detach()
+                outside[str(i)] = f"optim/param/{i}"
+        opt_sd = self.optimizer.state_dict()
+        opt_tensors: dict[str, torch.Tensor] = {}
+        state_tree = encode(opt_sd["state"], "optim/state", opt_tensors)
+        for name, tensor in opt_tensors.items():
+            lazy[name] = tensor.detach()
+        cap.names = list(lazy)
+        cap.sources = list(lazy.values())
+        _copy_all(eager, cap.eager)
+        rng_meta = rng.capture(cap.eager)
+        cap.meta = {
+            "asymcheck": {"format": FORMAT},
+            "model": {"aliases": aliases, "extra": extra},
+            "optimizer": {
+                "state": state_tree,
+                "param_shapes": [list(p.shape) for p in params],
+                "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
+                "outside_params": outside,
+            },
+            "rng": rng_meta,
+        }
+        return cap
+
+    def capture_next(self, cap: Capture) -> None:
+        """Capture what may change after the step but before the next one: param groups, stateful."""
+        eager: dict[str, torch.Tensor] = {}
+        groups = encode(self.optimizer.state_dict()["param_groups"], "optim/param_groups", eager)
+        cap.meta["optimizer"]["param_groups"] = groups
+        cap.meta["stateful"] = {name: encode(obj.state_dict(), f"stateful/{_safe(name)}", eager)
+                                for name, obj in self.stateful.items()}
+        _copy_all(eager, cap.eager)
+
+    def capture_all(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Capture everything now, synchronously (for a final or one-off save)."""
+        cap = self.capture_step()
+        self.capture_next(cap)
+        tensors = dict(cap.eager)
+        for name, src in zip(cap.names, cap.sources, strict=True):
+            tensors[name] = host_copy(src)
+        return tensors, cap.meta
+
+    # -- load ------------------------------------------------------------
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Check that the checkpoint fits, then load it into the live objects.
+
+        Raises:
+            StateMismatchError: names, shapes, dtypes, param groups or stateful
+                names differ; nothing was loaded.
+        """
+        apply = self._prepare(tensors, meta)
+        apply()
+
+    def _prepare(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Callable[[], None]:
+        info = meta.get("asymcheck")
+        if not isinstance(info, dict) or info.get("format") != FORMAT:
+            raise StateMismatchError(f"not an asymcheck checkpoint of format {FORMAT}: {info!r}")
+        try:
+            model_sd = self._check_model(tensors, meta["model"])
+            opt_sd, outside = self._check_optimizer(tensors, meta["optimizer"])
+            states = self._check_stateful(tensors, meta.get("stateful", {}))
+            rng_meta = meta["rng"]
+        except (KeyError, TypeError, UnsupportedStateError) as exc:
+            if isinstance(exc, StateMismatchError):
+                raise
+            raise StateMismatchError(f"checkpoint is incomplete or malformed: {exc!r}") from exc
+
+        def apply() -> None:
+            with torch.no_grad():
+                self.model.load_state_dict(model_sd, strict=True)
+                for p, value in outside:
+                    p.copy_(value)
+            self.optimizer.load_state_dict(opt_sd)
+            for name, state in states.items():
+                self.stateful[name].load_state_dict(state)
+            rng.restore(rng_meta, tensors)
+
+        return apply
+
+    def _check_model(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
+        live = self.model.state_dict()
+        saved: dict[str, Any] = {}
+        for name, tensor in tensors.items():
+            if name.startswith("model/"):
+                saved[name.removeprefix("model/")] = tensor
+        for alias, canonical in meta["aliases"].items():
+            saved[alias] = saved[canonical]
+        for key, tree in meta["extra"].items():
+            saved[key] = decode(tree, tensors)
+        missing = sorted(set(live) - set(saved))
+        unexpected = sorted(set(saved) - set(live))
+        if missing or unexpected:
+            raise StateMismatchError(f"model keys differ: missing from checkpoint {missing[:5]}"
+                                     f"{'...' if len(missing) > 5 else ''}, not in model {unexpected[:5]}"
+                                     f"{'...' if len(unexpected) > 5 else ''}")
+        for key, value in live.items():
+            if isinstance(value, torch.Tensor):
+                got = saved[key]
+                if not isinstance(got, torch.Tensor) or got.shape != value.shape or got.dtype != value.dtype:
+                    desc = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+                    raise StateMismatchError(f"model/{key}: checkpoint has {desc}, "
+                                             f"model has {tuple(value.shape)} {value.dtype}")
+        return saved
+
+    def _check_optimizer(self, tensors: Mapping[str, torch.Tensor],
+                         meta: Mapping[str, Any]) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+        groups = decode(meta["param_groups"], tensors)
+        live_groups = self.optimizer.param_groups
+        if len(groups) != len(live_groups):
+            raise StateMismatchError(f"optimizer has {len(live_groups)} param groups, checkpoint {len(groups)}")
+        for i, (g, lg) in enumerate(zip(groups, live_groups, strict=True)):
+            if len(g["params"]) != len(lg["params"]):
+                raise StateMismatchError(f"param group {i}: optimizer has {len(lg['params'])} params, "
+                                         f"checkpoint {len(g['params'])}")
+        params = _param_indices(self.optimizer)
+        shapes, dtypes = meta["param_shapes"], meta["param_dtypes"]
+        if len(shapes) != len(params):
+            raise StateMismatchError(f"optimizer has {len(params)} params, checkpoint {len(shapes)}")
+        for i, p in enumerate(params):
+            if list(p.shape) != shapes[i] or str(p.dtype).removeprefix("torch.") != dtypes[i]:
+                raise StateMismatchError(f"optimizer param {i}: checkpoint has {shapes[i]} {dtypes[i]}, "
+                                         f"live {list(p.shape)} {p.dtype}")
+        outside = []
+        for idx, name in meta["outside_params"].items():
+            value = tensors[name]
+            outside.append((params[int(idx)], value))
+        return {"state": decode(meta["state"], tensors), "param_groups": groups}, outside
+
+    def _check_stateful(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
+        if set(meta) != set(self.stateful):
+            raise StateMismatchError(f"stateful objects differ: checkpoint has {sorted(meta)}, "
+                                     f"live {sorted(self.stateful)}")
+        return {name: decode(tree, tensors) for name, tree in meta.items()}
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "_.-" else "_" for c in name) or "_"

@@ -1,0 +1,662 @@
+"""Commit and restore throughput of AsymStore on a LocalTier, next to the disk's O_DIRECT limits.
+
+Run by hand (never a timed test)::
+
+    .venv/bin/python benches/store_throughput.py                 # 1, 2, 4 GiB, 3 repeats
+    .venv/bin/python benches/store_throughput.py --sizes 1,2 --repeat 2 --dir /mnt/nvme/bench
+
+For each checkpoint size it builds a state dict of many tensors (log-uniform
+sizes from 1 KiB to 256 MiB plus one 256 MiB tensor per GiB, random bytes,
+float32/bfloat16), then per repetition, on the same filesystem (``--dir``):
+
+* ``dd write``: O_DIRECT sequential write of the same number of bytes, 64 MiB
+  per ``write``, then ``fsync`` (the Python equivalent of
+  ``dd if=/dev/zero of=F bs=64M count=N oflag=direct conv=fsync``, with random
+  bytes from an aligned mmap buffer instead of zeros);
+* ``commit``: ``put_many`` (host staging copy + chunk checksums) then
+  ``commit`` (pack + segment checksums, write + fsync of every segment,
+  manifest, directory fsyncs, atomic rename), i.e. until durable;
+* ``dd read``: O_DIRECT sequential read of the dd file, 64 MiB per ``read``
+  (``dd if=F of=/dev/null bs=64M iflag=direct``);
+* ``restore``: ``AsymStore.restore(step)`` from a freshly opened store, cold:
+  the page cache of the version's files is evicted first (``--evict``), and
+  the fraction still resident is measured with ``mincore`` and reported.
+
+GB/s are 10**9 bytes per second of raw tensor bytes; ratios are
+``commit / dd write`` and ``restore / dd read`` (targets: >= 0.8). The
+median over repetitions is reported; every sample is in the JSON. The time
+inside commit and restore is broken down by wrapping the tier (``TimedTier``);
+``--profile-io`` also splits each segment write into ``writev`` (copy into
+the page cache) and ``fsync`` (to the disk).
+
+Outputs: JSON (``--out``) and a PNG plot next to it (GB/s vs checkpoint size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import gc
+import json
+import math
+import mmap
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import asymstore.fileio
+import asymstore.tiers.local
+from asymstore import AsymStore, LocalTier
+from asymstore.tiers.base import Buffer, VersionWriter
+
+REPO = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+MIB = 1 << 20
+KIB = 1 << 10
+DD_BLOCK = 64 * MIB
+MIN_TENSOR = 1 * KIB
+MAX_TENSOR = 256 * MIB
+GB = 1e9
+
+
+# -- the checkpoint ---------------------------------------------------------
+
+
+def tensor_sizes(total: int, rng: random.Random) -> list[int]:
+    """Byte sizes summing to ``total``: one 256 MiB tensor per GiB, the rest log-uniform in [1 KiB, 256 MiB]."""
+    sizes = [MAX_TENSOR] * max(1, round(total / GIB))
+    remaining = total - sum(sizes)
+    lo, hi = math.log(MIN_TENSOR), math.log(MAX_TENSOR)
+    while remaining > 0:
+        size = int(math.exp(rng.uniform(lo, hi))) // 4 * 4
+        size = min(max(size, MIN_TENSOR), remaining)
+        sizes.append(size)
+        remaining -= size
+    rng.shuffle(sizes)
+    return sizes
+
+
+def make_state(total: int, seed: int) -> dict[str, torch.Tensor]:
+    """A state dict of random bytes, ``total`` bytes over many float32/bfloat16 tensors."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (MAX_TENSOR + 64 * MIB,), dtype=torch.uint8, generator=gen)
+    state: dict[str, torch.Tensor] = {}
+    for i, size in enumerate(tensor_sizes(total, rng)):
+        dtype = torch.bfloat16 if size % 2 == 0 and rng.random() < 0.5 else torch.float32
+        if size % 4:
+            dtype = torch.uint8
+        raw = torch.empty(size, dtype=torch.uint8)
+        start = rng.randrange(0, 64 * MIB)
+        raw.copy_(pool[start:start + size])
+        t = raw.view(dtype)
+        cols = 1024 if t.numel() % 1024 == 0 and t.numel() > 1024 else t.numel()
+        state[f"model.layers.{i}.{'weight' if size > MIB else 'bias'}"] = t.view(-1, cols)
+    return state
+
+
+def describe_state(state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Count and size distribution of the tensors."""
+    sizes = sorted(t.numel() * t.element_size() for t in state.values())
+    return {
+        "tensors": len(sizes),
+        "bytes": sum(sizes),
+        "min_bytes": sizes[0],
+        "median_bytes": int(statistics.median(sizes)),
+        "max_bytes": sizes[-1],
+        "count_le_1MiB": sum(s <= MIB for s in sizes),
+        "count_ge_64MiB": sum(s >= 64 * MIB for s in sizes),
+    }
+
+
+# -- page cache -------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_libc.mincore.restype = ctypes.c_int
+
+
+def resident_pages(path: str) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of ``path``), by mincore."""
+    size = os.path.getsize(path)
+    page = mmap.PAGESIZE
+    npages = (size + page - 1) // page
+    if size == 0:
+        return 0, 0
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: never dirties the file
+    try:
+        anchor = ctypes.c_char.from_buffer(mm)
+        vec = (ctypes.c_ubyte * npages)()
+        if _libc.mincore(ctypes.addressof(anchor), size, vec) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        del anchor
+        return sum(v & 1 for v in vec), npages
+    finally:
+        mm.close()
+
+
+def evict(paths: Sequence[str], method: str) -> float:
+    """Drop ``paths`` from the page cache; return the fraction of their pages still resident."""
+    if method == "drop_caches":
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    else:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)  # already durable; makes every page clean so DONTNEED can drop it
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    resident = total = 0
+    for path in paths:
+        r, n = resident_pages(path)
+        resident += r
+        total += n
+    return resident / total if total else 0.0
+
+
+def files_under(root: str) -> list[str]:
+    """Every regular file under ``root``."""
+    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+
+
+# -- contention (other processes on the machine) ---------------------------
+
+
+def pressure_totals() -> dict[str, int]:
+    """Cumulative PSI stall microseconds ("some") for cpu and io; empty where PSI is unavailable."""
+    out: dict[str, int] = {}
+    for res in ("cpu", "io"):
+        try:
+            with open(f"/proc/pressure/{res}") as f:
+                for line in f:
+                    if line.startswith("some"):
+                        out[res] = int(line.rsplit("total=", 1)[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+class Pressure:
+    """Share of wall time some task on the machine stalled on cpu / io over a ``with`` block."""
+
+    def __enter__(self) -> Pressure:
+        self.start = pressure_totals()
+        self.t0 = time.perf_counter()
+        self.share: dict[str, float] = {}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall_us = (time.perf_counter() - self.t0) * 1e6
+        end = pressure_totals()
+        self.share = {k: (end[k] - v) / wall_us for k, v in self.start.items() if k in end and wall_us > 0}
+
+
+# -- the disk's sequential limits (dd equivalent) ---------------------------
+
+
+def aligned_random_buffer(nbytes: int, seed: int) -> mmap.mmap:
+    """A page-aligned anonymous buffer of random bytes, for O_DIRECT."""
+    buf = mmap.mmap(-1, nbytes)
+    gen = torch.Generator().manual_seed(seed)
+    torch.frombuffer(buf, dtype=torch.uint8).copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+    return buf
+
+
+def odirect_write(path: str, nbytes: int, buf: mmap.mmap) -> float:
+    """Seconds to write ``nbytes`` with O_DIRECT in ``len(buf)`` blocks and fsync (dd oflag=direct conv=fsync)."""
+    assert nbytes % len(buf) == 0
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+    try:
+        done = 0
+        view = memoryview(buf)
+        while done < nbytes:
+            n = os.write(fd, view)
+            if n != len(view):
+                raise OSError(f"short O_DIRECT write: {n} of {len(view)}")
+            done += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def odirect_read(path: str, buf: mmap.mmap) -> tuple[float, int]:
+    """(seconds, bytes) to read ``path`` with O_DIRECT in ``len(buf)`` blocks (dd iflag=direct)."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+    total = 0
+    try:
+        while n := os.readv(fd, [buf]):
+            total += n
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start, total
+
+
+# -- a tier wrapper that records where the time goes ------------------------
+
+
+@dataclass
+class Timings:
+    """Timestamps (perf_counter) recorded by :class:`TimedTier`."""
+
+    begin: float | None = None
+    segments: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, bytes)
+    publish: tuple[float, float] | None = None
+    latest: tuple[float, float] | None = None
+    manifest_read: tuple[float, float] | None = None
+    writev_s: float = 0.0  # with --profile-io
+    fsync_s: float = 0.0
+
+    def reset(self) -> None:
+        """Forget everything recorded."""
+        fresh = Timings()
+        for name in vars(fresh):
+            setattr(self, name, getattr(fresh, name))
+
+
+class _TimedWriter:
+    def __init__(self, inner: VersionWriter, timings: Timings) -> None:
+        self.inner = inner
+        self.timings = timings
+
+    async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        start = time.perf_counter()
+        await self.inner.write_segment(name, parts)
+        self.timings.segments.append((start, time.perf_counter(), sum(len(p) for p in parts)))
+
+    async def publish(self, manifest: bytes) -> None:
+        start = time.perf_counter()
+        await self.inner.publish(manifest)
+        self.timings.publish = (start, time.perf_counter())
+
+    async def abort(self) -> None:
+        await self.inner.abort()
+
+
+class TimedTier:
+    """A LocalTier (by delegation) that timestamps writes, publish and reads."""
+
+    persistent = True
+
+    def __init__(self, inner: LocalTier, timings: Timings) -> None:
+        self.inner = inner
+        self.timings = timings
+        self.name = inner.name
+        self.keep_last = inner.keep_last
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def list_versions(self) -> list[int]:
+        return await self.inner.list_versions()
+
+    async def begin(self, step: int, nbytes: int) -> VersionWriter:
+        self.timings.begin = time.perf_counter()
+        return _TimedWriter(await self.inner.begin(step, nbytes), self.timings)
+
+    async def read_manifest(self, step: int) -> bytes:
+        start = time.perf_counter()
+        data = await self.inner.read_manifest(step)
+        self.timings.manifest_read = (start, time.perf_counter())
+        return data
+
+    async def read_segment(self, step: int, name: str) -> Buffer:
+        start = time.perf_counter()
+        data = await self.inner.read_segment(step, name)
+        self.timings.segments.append((start, time.perf_counter(), len(data)))
+        return data
+
+    async def delete_version(self, step: int) -> None:
+        await self.inner.delete_version(step)
+
+    async def quarantine(self, step: int) -> None:
+        await self.inner.quarantine(step)
+
+    async def write_latest(self, step: int) -> None:
+        start = time.perf_counter()
+        await self.inner.write_latest(step)
+        self.timings.latest = (start, time.perf_counter())
+
+    async def read_latest(self) -> int | None:
+        return await self.inner.read_latest()
+
+
+def install_io_profiler(timings: Timings) -> Callable[[], None]:
+    """Make LocalTier's segment writes record writev and fsync time separately; return the undo.
+
+    The segment is written by ``write_parts(..., fsync=False)`` and then
+    fsynced through a second descriptor: the same bytes reach the disk by the
+    same calls, only timed apart.
+    """
+    original = getattr(asymstore.tiers.local, "write_parts")  # noqa: B009  # not re-exported
+
+    def timed_write_parts(path: str, parts: Sequence[Buffer], *, fsync: bool = True) -> int:
+        start = time.perf_counter()
+        n = asymstore.fileio.write_parts(path, parts, fsync=False)
+        mid = time.perf_counter()
+        if fsync:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        timings.writev_s += mid - start
+        timings.fsync_s += time.perf_counter() - mid
+        return n
+
+    setattr(asymstore.tiers.local, "write_parts", timed_write_parts)  # noqa: B010
+
+    def undo() -> None:
+        setattr(asymstore.tiers.local, "write_parts", original)  # noqa: B010
+
+    return undo
+
+
+# -- one repetition ---------------------------------------------------------
+
+
+def span(intervals: Sequence[tuple[float, float, int]]) -> float:
+    """Wall time from the first start to the last end."""
+    return max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals) if intervals else 0.0
+
+
+async def commit_once(root: str, state: dict[str, torch.Tensor], step: int, timings: Timings,
+                      segment_bytes: int | None) -> dict[str, float]:
+    """put_many + commit into a fresh store at ``root``; return the time breakdown."""
+    timings.reset()
+    kwargs: dict[str, Any] = {"keep_last": None}
+    if segment_bytes:
+        kwargs["segment_bytes"] = segment_bytes
+    async with AsymStore([TimedTier(LocalTier(root), timings)], **kwargs) as store:
+        t0 = time.perf_counter()
+        await store.put_many(step, state)
+        t1 = time.perf_counter()
+        result = await store.commit(step, meta={"bench": True})
+        t2 = time.perf_counter()
+    assert timings.begin is not None and timings.publish is not None
+    writes = sum(e - s for s, e, _ in timings.segments)
+    out = {
+        "put_s": t1 - t0,
+        "commit_s": t2 - t1,
+        "total_s": t2 - t0,
+        "pack_s": timings.begin - t1,  # seal + pack: layout and segment checksums
+        "segment_write_s": writes,
+        "publish_s": timings.publish[1] - timings.publish[0],
+        "after_publish_s": t2 - timings.publish[1],  # LATEST + retention
+        "segments": len(timings.segments),
+        "stored_bytes": result.manifest.stored_bytes,
+    }
+    if timings.writev_s or timings.fsync_s:
+        out["writev_s"] = timings.writev_s
+        out["fsync_s"] = timings.fsync_s
+    return out
+
+
+async def restore_once(root: str, step: int, timings: Timings) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Restore ``step`` from a freshly opened store; return the time breakdown and the tensors."""
+    timings.reset()
+    async with AsymStore([TimedTier(LocalTier(root), timings)], keep_last=None) as store:
+        t0 = time.perf_counter()
+        ckpt = await store.restore(step)
+        t1 = time.perf_counter()
+    reads = timings.segments
+    out = {
+        "restore_s": t1 - t0,
+        "read_span_s": span(reads),  # first segment read started -> last one finished
+        "read_sum_s": sum(e - s for s, e, _ in reads),  # summed over the concurrent reads
+        "after_reads_s": t1 - max((e for _, e, _ in reads), default=t1),  # decode + chunk checksums
+    }
+    return out, ckpt.tensors
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality of dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """10**9 bytes per second."""
+    return nbytes / seconds / GB if seconds > 0 else float("nan")
+
+
+def median(values: Sequence[float]) -> float:
+    """Median, NaN when empty."""
+    return statistics.median(values) if values else float("nan")
+
+
+def run_size(size_gib: float, args: argparse.Namespace, dd_buf: mmap.mmap, timings: Timings) -> dict[str, Any]:
+    """Every repetition for one checkpoint size; return its JSON record."""
+    nbytes = int(size_gib * GIB) // DD_BLOCK * DD_BLOCK
+    t_gen = time.perf_counter()
+    state = make_state(nbytes, args.seed + int(size_gib * 1000))
+    shape = describe_state(state)
+    print(f"\n== {nbytes / GIB:g} GiB: {shape['tensors']} tensors, {shape['min_bytes']} B .. "
+          f"{shape['max_bytes'] / MIB:.0f} MiB, median {shape['median_bytes'] / KIB:.0f} KiB "
+          f"(built in {time.perf_counter() - t_gen:.1f} s)", flush=True)
+    workdir = os.path.join(args.dir, f"size-{nbytes // MIB}MiB")
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(workdir)
+    dd_file = os.path.join(workdir, "dd.bin")
+    reps: list[dict[str, Any]] = []
+    for rep in range(args.repeat):
+        rec: dict[str, Any] = {"rep": rep}
+        # dd write limit, then the commit, then dd read limit, then the restore: each
+        # store measurement sits next to the matching limit, so drift hits both.
+        rec["dd_write_s"] = odirect_write(dd_file, nbytes, dd_buf)
+        root = os.path.join(workdir, f"store-r{rep}")
+        step = 1000 + rep
+        with Pressure() as psi:
+            rec.update(asyncio.run(commit_once(root, state, step, timings, args.segment_mib * MIB)))
+        rec["commit_psi_some"] = psi.share
+        rec["dd_write_resident"] = evict([dd_file], args.evict)
+        rec["dd_read_s"], got = odirect_read(dd_file, dd_buf)
+        assert got == nbytes, (got, nbytes)
+        os.unlink(dd_file)
+        rec["store_resident_before_restore"] = evict(files_under(root), args.evict)
+        with Pressure() as psi:
+            restored, tensors = asyncio.run(restore_once(root, step, timings))
+        rec["restore_psi_some"] = psi.share
+        rec["loadavg_1m"] = os.getloadavg()[0]
+        rec.update(restored)
+        if rep == 0 or args.verify_all:
+            bad = [n for n, t in state.items() if not same_bytes(t, tensors[n])]
+            if bad or len(tensors) != len(state):
+                raise SystemExit(f"restore is not bit-exact: {bad[:5]}")
+            rec["verified"] = True
+        del tensors
+        gc.collect()
+        shutil.rmtree(root)
+        rec["commit_gbps"] = gbps(nbytes, rec["total_s"])
+        rec["put_gbps"] = gbps(nbytes, rec["put_s"])
+        rec["durable_write_gbps"] = gbps(nbytes, rec["commit_s"])
+        rec["restore_gbps"] = gbps(nbytes, rec["restore_s"])
+        rec["dd_write_gbps"] = gbps(nbytes, rec["dd_write_s"])
+        rec["dd_read_gbps"] = gbps(nbytes, rec["dd_read_s"])
+        reps.append(rec)
+        print(f"  rep {rep}: commit {rec['commit_gbps']:.2f} GB/s (put {rec['put_s']:.2f} s + durable "
+              f"{rec['commit_s']:.2f} s) vs dd write {rec['dd_write_gbps']:.2f} | restore "
+              f"{rec['restore_gbps']:.2f} GB/s vs dd read {rec['dd_read_gbps']:.2f} | still cached before "
+              f"restore {rec['store_resident_before_restore']:.1%} | cpu pressure commit "
+              f"{rec['commit_psi_some'].get('cpu', math.nan):.0%} restore "
+              f"{rec['restore_psi_some'].get('cpu', math.nan):.0%}"
+              f", load {rec['loadavg_1m']:.1f}", flush=True)
+    shutil.rmtree(workdir, ignore_errors=True)
+    del state
+    gc.collect()
+
+    def med(key: str) -> float:
+        return median([r[key] for r in reps if key in r])
+
+    summary = {k: med(k) for k in (
+        "commit_gbps", "restore_gbps", "dd_write_gbps", "dd_read_gbps", "put_gbps", "durable_write_gbps",
+        "put_s", "commit_s", "total_s", "pack_s", "segment_write_s", "publish_s", "after_publish_s",
+        "writev_s", "fsync_s", "restore_s", "read_span_s", "read_sum_s", "after_reads_s",
+        "dd_write_s", "dd_read_s", "store_resident_before_restore", "loadavg_1m")}
+    for phase in ("commit", "restore"):
+        for res in ("cpu", "io"):
+            summary[f"{phase}_psi_{res}"] = median([r[f"{phase}_psi_some"][res] for r in reps
+                                                     if res in r[f"{phase}_psi_some"]])
+    summary["commit_ratio"] = median([r["commit_gbps"] / r["dd_write_gbps"] for r in reps])
+    summary["restore_ratio"] = median([r["restore_gbps"] / r["dd_read_gbps"] for r in reps])
+    return {"size_gib": nbytes / GIB, "bytes": nbytes, "state": shape, "median": summary, "reps": reps}
+
+
+# -- output -----------------------------------------------------------------
+
+
+def print_table(results: Sequence[dict[str, Any]]) -> None:
+    """The summary table (medians)."""
+    head = (f"{'GiB':>4} {'commit':>7} {'ddW':>6} {'c/ddW':>6} {'restore':>8} {'ddR':>6} {'r/ddR':>6} "
+            f"{'put s':>6} {'pack s':>6} {'segW s':>7} {'publ s':>6} {'read s':>7} {'decode s':>8} {'cpuPSI':>6}")
+    print("\nmedians, GB/s (10^9 B/s) unless marked s; cpuPSI: share of the commit's wall time some task on the"
+          " machine waited for a CPU (other load)\n" + head)
+    for res in results:
+        m = res["median"]
+        print(f"{res['size_gib']:>4g} {m['commit_gbps']:>7.2f} {m['dd_write_gbps']:>6.2f} {m['commit_ratio']:>6.2f} "
+              f"{m['restore_gbps']:>8.2f} {m['dd_read_gbps']:>6.2f} {m['restore_ratio']:>6.2f} "
+              f"{m['put_s']:>6.2f} {m['pack_s']:>6.2f} {m['segment_write_s']:>7.2f} {m['publish_s']:>6.2f} "
+              f"{m['read_span_s']:>7.2f} {m['after_reads_s']:>8.2f} {m['commit_psi_cpu']:>6.0%}")
+        if not math.isnan(m["writev_s"]):
+            print(f"     segment writes: writev {m['writev_s']:.2f} s + fsync {m['fsync_s']:.2f} s")
+
+
+def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
+    """GB/s vs checkpoint size: commit, restore and the O_DIRECT limits (medians, min-max bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["size_gib"] for r in results]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    series = [
+        ("commit_gbps", "commit (put_many + commit, durable)", "tab:blue", "-", "o"),
+        ("dd_write_gbps", "O_DIRECT write limit (dd oflag=direct)", "tab:blue", "--", "s"),
+        ("restore_gbps", "restore (cold cache)", "tab:orange", "-", "o"),
+        ("dd_read_gbps", "O_DIRECT read limit (dd iflag=direct)", "tab:orange", "--", "s"),
+        ("put_gbps", "put_many only (staging copy + checksums)", "tab:gray", ":", "^"),
+    ]
+    for key, label, color, style, marker in series:
+        med = [r["median"][key] for r in results]
+        lo = [m - min(x[key] for x in r["reps"]) for m, r in zip(med, results, strict=True)]
+        hi = [max(x[key] for x in r["reps"]) - m for m, r in zip(med, results, strict=True)]
+        ax.errorbar(sizes, med, yerr=[lo, hi], label=label, color=color, linestyle=style, marker=marker, capsize=3)
+    for r in results:
+        m = r["median"]
+        ax.annotate(f"{m['commit_ratio']:.2f}x", (r["size_gib"], m["commit_gbps"]), textcoords="offset points",
+                    xytext=(6, -12), color="tab:blue", fontsize=8)
+        ax.annotate(f"{m['restore_ratio']:.2f}x", (r["size_gib"], m["restore_gbps"]), textcoords="offset points",
+                    xytext=(6, 6), color="tab:orange", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [f"{s:g}" for s in sizes])
+    ax.set_xlabel("checkpoint size (GiB)")
+    ax.set_ylabel("GB/s (10^9 B/s), median of repeats, bars min-max")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parse_sizes(text: str) -> list[float]:
+    """'1,2,4' -> [1.0, 2.0, 4.0] (GiB)."""
+    sizes = [float(s) for s in text.split(",") if s.strip()]
+    if not sizes or any(s * GIB < DD_BLOCK for s in sizes):
+        raise argparse.ArgumentTypeError(f"sizes are GiB, each at least {DD_BLOCK / GIB:g}")
+    return sizes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--dir", default=str(REPO / "bench-out" / "store-throughput"),
+                        help="directory on the disk under test (default: bench-out/store-throughput)")
+    parser.add_argument("--sizes", type=parse_sizes, default=[1.0, 2.0, 4.0], help="checkpoint sizes, GiB (1,2,4)")
+    parser.add_argument("--repeat", type=int, default=3, help="repetitions per size; medians reported (3)")
+    parser.add_argument("--out", default=str(REPO / "bench-out" / "store_throughput.json"), help="JSON output")
+    parser.add_argument("--plot", default=None, help="PNG output (default: --out with .png)")
+    parser.add_argument("--evict", choices=["fadvise", "drop_caches"], default="fadvise",
+                        help="cold cache by posix_fadvise(DONTNEED) per file (default) or /proc/sys/vm/drop_caches")
+    parser.add_argument("--segment-mib", type=int, default=0, help="store segment size, MiB (0: store default)")
+    parser.add_argument("--profile-io", action="store_true", help="split segment writes into writev and fsync")
+    parser.add_argument("--verify-all", action="store_true", help="check bit-exactness every repetition, not the first")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
+    os.makedirs(args.dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    plot_path = args.plot or os.path.splitext(args.out)[0] + ".png"
+
+    timings = Timings()
+    undo = install_io_profiler(timings) if args.profile_io else None
+    dd_buf = aligned_random_buffer(DD_BLOCK, args.seed)
+    started = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    try:
+        for size in args.sizes:
+            results.append(run_size(size, args, dd_buf, timings))
+    finally:
+        if undo:
+            undo()
+        dd_buf.close()
+    elapsed = time.perf_counter() - started
+
+    evict_note = ("posix_fadvise(POSIX_FADV_DONTNEED) on every file of the version after fdatasync"
+                  if args.evict == "fadvise" else "sync + echo 1 > /proc/sys/vm/drop_caches")
+    env = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "dir": os.path.abspath(args.dir),
+        "statvfs_free_gib": os.statvfs(args.dir).f_bavail * os.statvfs(args.dir).f_frsize / GIB,
+        "loadavg_at_end": os.getloadavg(),
+    }
+    doc = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "units": "GB/s = 1e9 bytes/s of raw tensor bytes; *_s = seconds (median over repeats)",
+        "cold_cache_method": evict_note,
+        "dd_limits": f"O_DIRECT, {DD_BLOCK // MIB} MiB blocks, random bytes from an aligned mmap buffer, fsync "
+                     "after writing (Python equivalent of dd oflag=direct conv=fsync / iflag=direct)",
+        "targets": {"commit_ratio": 0.8, "restore_ratio": 0.8},
+        "environment": env,
+        "elapsed_s": elapsed,
+        "results": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print_table(results)
+    print(f"\ncold cache: {evict_note}")
+    print(f"wrote {args.out} and {plot_path} in {elapsed:.0f} s")
+    plot(results, plot_path, f"asymstore LocalTier on {os.path.abspath(args.dir)}\n"
+                             f"{os.cpu_count()} CPUs, cold restore via {args.evict}, medians of {args.repeat}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

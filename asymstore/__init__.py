@@ -10,9 +10,13 @@ Quick start::
         ckpt = await s.restore()
 """
 
+from asymstore.batcher import FlushStats, TierStatus
+from asymstore.calibration import TierCalibration
+from asymstore.codec import PlaneCodec
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
+    CodecError,
     CorruptVersionError,
     DuplicateNameError,
     EmptyStepError,
@@ -40,10 +44,12 @@ __all__ = [
     "AsymstoreError",
     "CapacityError",
     "Checkpoint",
+    "CodecError",
     "CommitResult",
     "CorruptVersionError",
     "DuplicateNameError",
     "EmptyStepError",
+    "FlushStats",
     "HostTier",
     "InvalidMetaError",
     "InvalidNameError",
@@ -53,11 +59,14 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "NoCheckpointError",
+    "PlaneCodec",
     "StepCommittedError",
     "StepOrderError",
     "StoreClosedError",
     "Tier",
+    "TierCalibration",
     "TierError",
+    "TierStatus",
     "VersionNotFoundError",
     "VersionWriter",
 ]

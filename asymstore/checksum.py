@@ -22,7 +22,7 @@ def checksum(data: memoryview | bytes | bytearray) -> str:
 class StreamingChecksum:
     """Incremental xxh3-64 over several buffers (a segment written piecewise)."""
 
-    def __init__(self, parts: Iterable[memoryview | bytes] = ()) -> None:
+    def __init__(self, parts: Iterable[memoryview | bytes | bytearray] = ()) -> None:
         """Start a digest, optionally fed with ``parts``."""
         self._state = xxhash.xxh3_64()
         for part in parts:

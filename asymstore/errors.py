@@ -60,6 +60,10 @@ class ManifestError(CorruptVersionError):
     """A manifest is not valid JSON of a known format version."""
 
 
+class CodecError(CorruptVersionError):
+    """A stored chunk names an unknown codec or its bytes do not decode."""
+
+
 class CapacityError(AsymstoreError):
     """A version does not fit in a bounded tier, even after evicting old versions."""
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from asymstore.checksum import StreamingChecksum, checksum
+from asymstore.checksum import StreamingChecksum
+from asymstore.codec import RAW, decode_chunk
 from asymstore.errors import AsymstoreError, CorruptVersionError
 from asymstore.manifest import Manifest
 from asymstore.tensorbytes import dtype_from_name, from_bytes
@@ -93,22 +94,20 @@ def _decode_all(manifest: Manifest, segments: dict[str, memoryview]) -> dict[str
     out: dict[str, torch.Tensor] = {}
     for name, entry in manifest.tensors.items():
         dtype = dtype_from_name(entry.dtype)
-        pieces = []
+        # one raw chunk: the tensor is a view of the segment; else decode every chunk into place
+        single = len(entry.chunks) == 1 and entry.chunks[0].codec == RAW
+        buf: memoryview | bytearray = bytearray(0 if single else entry.nbytes)
+        target = memoryview(buf)
+        pos = 0
         for chunk in entry.chunks:
-            if chunk.codec != "raw":
-                raise CorruptVersionError(f"{name}: unknown codec {chunk.codec!r}")
-            view = segments[chunk.segment][chunk.offset:chunk.offset + chunk.length]
-            if checksum(view) != chunk.checksum:
-                raise CorruptVersionError(f"{name}: chunk checksum mismatch in {chunk.segment} at {chunk.offset}")
-            pieces.append(view)
-        if len(pieces) == 1:
-            buf: memoryview | bytearray = pieces[0]
-        else:
-            buf = bytearray(entry.nbytes)
-            pos = 0
-            for piece in pieces:
-                buf[pos:pos + len(piece)] = piece
-                pos += len(piece)
+            stored = segments[chunk.segment][chunk.offset:chunk.offset + chunk.length]
+            try:
+                raw = decode_chunk(chunk, stored, None if single else target[pos:pos + chunk.raw_length])
+            except CorruptVersionError as exc:
+                raise CorruptVersionError(f"{name}: chunk in {chunk.segment} at {chunk.offset}: {exc}") from exc
+            if single:
+                buf = raw
+            pos += chunk.raw_length
         out[name] = from_bytes(buf, dtype, list(entry.shape))
     return out
 

@@ -1,4 +1,7 @@
-"""Staging of one step: private host copies of put tensors, and their packing into segments."""
+"""Staging of one step: private host copies of put tensors, cut into checksummed chunks.
+
+Packing the chunks into segments is per tier (:mod:`asymstore.batcher`).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asymstore.checksum import StreamingChecksum, checksum
+from asymstore.checksum import checksum
 from asymstore.errors import DuplicateNameError, StepCommittedError
-from asymstore.manifest import Chunk, Manifest, SegmentEntry, TensorEntry, validate_name
-from asymstore.tensorbytes import as_bytes, dtype_name, host_copy
+from asymstore.manifest import validate_name
+from asymstore.tensorbytes import as_bytes, host_copy
 
 _INLINE_BYTES = 1 << 20  # below this a put copies on the event loop; above, in a thread
 
@@ -29,22 +32,18 @@ class StagedTensor:
 
 
 def stage(value: object, chunk_bytes: int) -> StagedTensor:
-    """Copy ``value`` to private host memory and checksum it chunk by chunk."""
+    """Copy ``value`` to private host memory and checksum it chunk by chunk.
+
+    Chunks are cut at element boundaries (``chunk_bytes`` rounded down to a
+    multiple of the element size), so every chunk splits into whole byte planes.
+    """
     tensor = host_copy(value)
     data = as_bytes(tensor)
+    itemsize = tensor.element_size()
+    chunk_bytes = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
     chunks = [(data[i:i + chunk_bytes], checksum(data[i:i + chunk_bytes]))
               for i in range(0, len(data), chunk_bytes)] or [(data, checksum(data))]
     return StagedTensor(tensor, chunks)
-
-
-@dataclass
-class Segment:
-    """One segment to write: its name, the buffers that form it, and its checksum."""
-
-    name: str
-    parts: list[memoryview]
-    size: int
-    checksum: str
 
 
 @dataclass
@@ -79,41 +78,3 @@ class PendingStep:
     def nbytes(self) -> int:
         """Raw bytes staged so far."""
         return sum(t.nbytes for t in self.tensors.values() if t is not None)
-
-    def pack(self, segment_bytes: int, meta: dict[str, object], created: float) -> tuple[Manifest, list[Segment]]:
-        """Lay the staged chunks out in segments of about ``segment_bytes`` and build the manifest."""
-        segments: list[Segment] = []
-        entries: dict[str, TensorEntry] = {}
-        parts: list[memoryview] = []
-        size = 0
-        referenced = False  # some chunk points into the open segment
-
-        def close_segment() -> None:
-            nonlocal parts, size, referenced
-            name = f"seg-{len(segments):06d}.bin"
-            segments.append(Segment(name, parts, size, StreamingChecksum(parts).hexdigest()))
-            parts, size, referenced = [], 0, False
-
-        for tname, staged in self.tensors.items():
-            assert staged is not None, "pack() runs after every put finished"
-            chunks = []
-            for view, digest in staged.chunks:
-                if parts and size + len(view) > segment_bytes:
-                    close_segment()
-                seg_name = f"seg-{len(segments):06d}.bin"
-                chunks.append(Chunk(seg_name, size, len(view), len(view), digest, "raw", digest))
-                parts.append(view)
-                size += len(view)
-                referenced = True
-            t = staged.tensor
-            entries[tname] = TensorEntry(dtype_name(t.dtype), tuple(t.shape), staged.nbytes, tuple(chunks))
-        if referenced:
-            close_segment()
-        manifest = Manifest(
-            step=self.step,
-            tensors=entries,
-            segments=tuple(SegmentEntry(s.name, s.size, s.checksum) for s in segments),
-            meta=dict(meta),
-            created=created,
-        )
-        return manifest, segments

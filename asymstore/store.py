@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from asymstore.batcher import (
+    COMPRESSION_POLICIES,
+    Compression,
+    FlushStats,
+    SegmentBuilder,
+    TierStatus,
+    VersionPlan,
+)
+from asymstore.calibration import CalibrationCache, TierCalibration, assumed_calibration, calibrate
+from asymstore.codec import PlaneCodec
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
@@ -25,12 +36,14 @@ from asymstore.errors import (
 )
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.restore import Checkpoint, describe, load_version
-from asymstore.staging import PendingStep, Segment
-from asymstore.tiers.base import Tier
+from asymstore.staging import PendingStep
+from asymstore.tiers.base import Tier, VersionWriter
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SEGMENT_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_FLUSH_MEMORY_BYTES = 256 << 20
+DEFAULT_SHARE_BYTES = 64 << 20  # compressed chunks kept for a later tier that compresses them too
 
 
 @dataclass
@@ -41,6 +54,8 @@ class CommitResult:
     manifest: Manifest
     tiers: list[str]
     seconds: float
+    flush: dict[str, FlushStats] = field(default_factory=dict)
+    """Per tier written so far: the segment size chosen, compression decisions, bytes raw vs stored."""
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +70,8 @@ class _TierState:
         self.bad: set[int] = set()  # steps that failed verification here
         self.lock = asyncio.Lock()  # one version written at a time, in step order
         self.last_error: str | None = None
+        self.calibration: TierCalibration | None = None
+        self.last_flush: FlushStats | None = None
 
 
 def _check_step(step: object) -> int:
@@ -77,13 +94,28 @@ class AsymStore:
             None keeps all. Older versions are deleted only after a newer one
             is committed on that tier.
         durable: the tier (object or name) whose commit ``commit`` waits for.
-        segment_bytes: target size of one segment file.
-        chunk_bytes: largest chunk of one tensor (one checksum each).
+        segment_bytes: a fixed segment size for every tier. None (default):
+            per tier and version ``B* = sqrt(a·N/c)`` from the tier's
+            calibration (see :mod:`asymstore.batcher`).
+        chunk_bytes: largest chunk of one tensor (one checksum, one codec
+            decision each); default ``min(segment_bytes, 16 MiB)``.
+        compression: ``"auto"`` (byte-plane zstd per chunk where the cost
+            model says it pays for the tier), ``"never"`` or ``"always"``.
+        codec: zstd level and threads of the byte-plane codec.
+        calibrations: tier name -> calibration to use instead of measuring.
+        calibration_cache: True: the default cache file
+            (:func:`asymstore.calibration.default_cache_path`); a path: that
+            file; False: measure at every ``open``.
+        flush_memory_bytes: host memory for segments in flight per tier
+            (about two segments); caps ``B`` at half of it.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, keep_last: int | None = 3,
-                 durable: Tier | str | None = None, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 chunk_bytes: int | None = None) -> None:
+                 durable: Tier | str | None = None, segment_bytes: int | None = None,
+                 chunk_bytes: int | None = None, compression: Compression = "auto",
+                 codec: PlaneCodec | None = None, calibrations: Mapping[str, TierCalibration] | None = None,
+                 calibration_cache: str | os.PathLike[str] | bool = True,
+                 flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES) -> None:
         """Configure the store; tiers are opened by ``open`` / ``async with``."""
         if not tiers:
             raise ValueError("AsymStore needs at least one tier")
@@ -92,12 +124,31 @@ class AsymStore:
             raise ValueError(f"tier names must be unique: {names}")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep everything)")
-        if segment_bytes < 1:
+        if segment_bytes is not None and segment_bytes < 1:
             raise ValueError("segment_bytes must be positive")
+        if chunk_bytes is not None and chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be positive")
+        if compression not in COMPRESSION_POLICIES:
+            raise ValueError(f"compression must be one of {COMPRESSION_POLICIES}, got {compression!r}")
+        if flush_memory_bytes < 1:
+            raise ValueError("flush_memory_bytes must be positive")
+        unknown = set(calibrations or {}) - set(names)
+        if unknown:
+            raise ValueError(f"calibrations name unknown tiers: {sorted(unknown)}")
         self._tiers = [_TierState(t) for t in tiers]
         self.keep_last = keep_last
         self.segment_bytes = segment_bytes
-        self.chunk_bytes = chunk_bytes or segment_bytes
+        self.chunk_bytes = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
+        self.compression: Compression = compression
+        self.codec = codec or PlaneCodec()
+        self.flush_memory_bytes = flush_memory_bytes
+        self._given = dict(calibrations or {})
+        if calibration_cache is True:
+            self._cache: CalibrationCache | None = CalibrationCache()
+        elif calibration_cache is False:
+            self._cache = None
+        else:
+            self._cache = CalibrationCache(calibration_cache)
         self._durable = self._find_durable(durable)
         self._pending: dict[int, PendingStep] = {}
         self._background: dict[int, list[asyncio.Task[None]]] = {}
@@ -126,12 +177,32 @@ class AsymStore:
     # -- lifecycle -------------------------------------------------------
 
     async def open(self) -> AsymStore:
-        """Open every tier and read what versions they hold."""
+        """Open every tier, read what versions they hold, and calibrate their write costs."""
         for state in self._tiers:
             await state.tier.open()
         await self.refresh()
+        await self._calibrate(refresh=False)
         self._open = True
         return self
+
+    async def _calibrate(self, *, refresh: bool) -> None:
+        for state in self._tiers:
+            given = self._given.get(state.tier.name)
+            if given is not None:
+                state.calibration = given
+            elif self.segment_bytes is not None and self.compression != "auto":
+                state.calibration = assumed_calibration()  # neither B nor any codec choice depends on it
+            else:
+                state.calibration = await calibrate(state.tier, self._cache, refresh=refresh)
+
+    async def recalibrate(self) -> dict[str, TierCalibration]:
+        """Measure every tier again (ignoring and updating the cache); return the calibrations by tier name.
+
+        Calibrations given to the constructor are kept as they are.
+        """
+        self._require_open()
+        await self._calibrate(refresh=True)
+        return {s.tier.name: s.calibration for s in self._tiers if s.calibration is not None}
 
     async def __aenter__(self) -> AsymStore:
         """Open the store."""
@@ -176,6 +247,25 @@ class AsymStore:
         """Newest committed step on any tier, not counting copies known to be corrupt."""
         good = [v for s in self._tiers for v in s.versions - s.bad]
         return max(good) if good else None
+
+    def status(self) -> dict[str, TierStatus]:
+        """Per tier name: committed versions, the calibration in use, what the last flush did, errors, backlog.
+
+        ``last_flush`` (a :class:`~asymstore.batcher.FlushStats`) shows the
+        segment size chosen, chunks compressed vs raw, bytes raw vs stored and
+        the time spent compressing and writing.
+        """
+        pending: dict[str, list[int]] = {s.tier.name: [] for s in self._tiers}
+        rest = self._tiers[self._durable + 1:]
+        for step, tasks in self._background.items():
+            for state, task in zip(rest, tasks, strict=False):
+                if not task.done():
+                    pending[state.tier.name].append(step)
+        return {
+            s.tier.name: TierStatus(s.tier.name, sorted(s.versions), s.calibration, s.last_flush, s.last_error,
+                                    sorted(pending[s.tier.name]))
+            for s in self._tiers
+        }
 
     def _committed_anywhere(self, step: int) -> bool:
         return any(step in s.versions - s.bad for s in self._tiers)
@@ -255,13 +345,14 @@ class AsymStore:
             pending.tensors = {k: v for k, v in pending.tensors.items() if v is not None}
             if not pending.tensors:
                 raise EmptyStepError(f"every put for step {step} failed")
-            manifest, segments = await asyncio.to_thread(
-                pending.pack, self.segment_bytes, clean_meta, time.time())
-            data = manifest.to_json()
+            plan = VersionPlan(step, pending.tensors, clean_meta, time.time(),  # type: ignore[arg-type]
+                               codec=self.codec, share_bytes=DEFAULT_SHARE_BYTES, tiers=len(self._tiers))
             done: list[str] = []
+            flush: dict[str, FlushStats] = {}
+            manifest: Manifest | None = None
             for i, state in enumerate(self._tiers[: self._durable + 1]):
                 try:
-                    await self._write_tier(state, manifest, data, segments)
+                    manifest, flush[state.tier.name] = await self._write_tier(state, plan)
                     done.append(state.tier.name)
                 except CapacityError as exc:
                     if i == self._durable:
@@ -281,10 +372,9 @@ class AsymStore:
             del self._pending[older]
         rest = self._tiers[self._durable + 1:]
         if rest:
-            self._background[step] = [
-                asyncio.ensure_future(self._write_background(s, manifest, data, segments)) for s in rest
-            ]
-        return CommitResult(step, manifest, done, time.perf_counter() - started)
+            self._background[step] = [asyncio.ensure_future(self._write_background(s, plan)) for s in rest]
+        assert manifest is not None, "the durable tier either committed or raised"
+        return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 
     async def _unpublish(self, step: int, states: list[_TierState]) -> None:
         """Remove ``step`` from the fast tiers when the durable tier refused it, so it can be retried."""
@@ -296,40 +386,67 @@ class AsymStore:
                     logger.error("could not remove step %d from %s: %s", step, state.tier.name, exc)
                 state.versions.discard(step)
 
-    async def _write_background(self, state: _TierState, manifest: Manifest, data: bytes,
-                                segments: list[Segment]) -> None:
+    async def _write_background(self, state: _TierState, plan: VersionPlan) -> None:
         try:
-            await self._write_tier(state, manifest, data, segments)
+            await self._write_tier(state, plan)
         except Exception as exc:  # a background tier never fails the training side
             state.last_error = describe(exc)
-            logger.error("background commit of step %d to %s failed: %s", manifest.step, state.tier.name, exc)
+            logger.error("background commit of step %d to %s failed: %s", plan.step, state.tier.name, exc)
 
-    async def _write_tier(self, state: _TierState, manifest: Manifest, data: bytes,
-                          segments: list[Segment]) -> None:
-        step, tier = manifest.step, state.tier
-        async with state.lock:
-            if step in state.bad:
-                await tier.quarantine(step)
-                state.bad.discard(step)
-                state.versions.discard(step)
-            writer = await tier.begin(step, manifest.stored_bytes + len(data))
-            try:
-                for seg in segments:
-                    await writer.write_segment(seg.name, seg.parts)
-                await writer.publish(data)
-            except BaseException as exc:
-                await asyncio.shield(writer.abort())
-                state.last_error = describe(exc)
-                if isinstance(exc, AsymstoreError) or not isinstance(exc, Exception):
-                    raise
-                raise TierError(f"{tier.name}: {exc}") from exc
-            state.versions.add(step)
-            try:
-                await tier.write_latest(max(state.versions))
-                await self._retain(state)
-            except Exception as exc:  # the version is committed; housekeeping can wait
-                state.last_error = describe(exc)
-                logger.error("after committing step %d on %s: %s", step, tier.name, exc)
+    async def _write_tier(self, state: _TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
+        try:
+            async with state.lock:
+                return await self._write_tier_locked(state, plan)
+        finally:
+            plan.tier_done()
+
+    async def _write_tier_locked(self, state: _TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
+        step, tier = plan.step, state.tier
+        if step in state.bad:
+            await tier.quarantine(step)
+            state.bad.discard(step)
+            state.versions.discard(step)
+        tier_plan = await asyncio.to_thread(
+            plan.plan_tier, tier.name, state.calibration or assumed_calibration(), policy=self.compression,
+            segment_bytes=self.segment_bytes, memory_bytes=self.flush_memory_bytes)
+        builder = SegmentBuilder(plan, tier_plan)
+        writer = await tier.begin(step, tier_plan.reserve_bytes)
+        try:
+            await self._stream_segments(builder, writer)
+            manifest = builder.manifest()
+            await writer.publish(manifest.to_json())
+        except BaseException as exc:
+            await asyncio.shield(writer.abort())
+            state.last_error = describe(exc)
+            if isinstance(exc, AsymstoreError) or not isinstance(exc, Exception):
+                raise
+            raise TierError(f"{tier.name}: {exc}") from exc
+        state.versions.add(step)
+        try:
+            await tier.write_latest(max(state.versions))
+            await self._retain(state)  # retries a delete that failed earlier, so reconcile after it
+            # a bounded tier (HostTier) evicts old versions on its own in ``begin``
+            state.versions &= set(await tier.list_versions()) | {step}
+        except Exception as exc:  # the version is committed; housekeeping can wait
+            state.last_error = describe(exc)
+            logger.error("after committing step %d on %s: %s", step, tier.name, exc)
+        state.last_flush = builder.stats
+        return manifest, builder.stats
+
+    async def _stream_segments(self, builder: SegmentBuilder, writer: VersionWriter) -> None:
+        """Write the builder's segments in order, filling segment k+1 in a thread while k is written."""
+        nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
+        try:
+            while (seg := await nxt) is not None:
+                nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
+                t0 = time.perf_counter()
+                await writer.write_segment(seg.name, seg.parts)
+                builder.stats.write_seconds += time.perf_counter() - t0
+        finally:
+            if not nxt.done():
+                nxt.cancel()  # its thread runs to the end on its own; that segment is dropped
+            elif not nxt.cancelled():
+                nxt.exception()  # retrieved: the error that matters is already propagating
 
     async def _retain(self, state: _TierState) -> None:
         keep = state.tier.keep_last if state.tier.keep_last is not None else self.keep_last

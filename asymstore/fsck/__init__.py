@@ -30,8 +30,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from asymstore.checksum import StreamingChecksum, checksum
-from asymstore.errors import ManifestError
+from asymstore.checksum import StreamingChecksum
+from asymstore.codec import decode_chunk
+from asymstore.errors import CorruptVersionError, ManifestError
 from asymstore.fileio import atomic_write, read_whole
 from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, parse_version_dirname
 from asymstore.manifest import MANIFEST_NAME, Manifest
@@ -138,9 +139,13 @@ def _check_version(path: str, name: str, step: int, deep: bool, progress: Progre
                 report.problems.append(f"segment {seg.name} checksum mismatch")
             for tname, entry in manifest.tensors.items():
                 for c in entry.chunks:
-                    if c.segment == seg.name and checksum(data[c.offset:c.offset + c.length]) != c.checksum:
+                    if c.segment != seg.name:
+                        continue
+                    try:  # the stored checksum, then (compressed chunks) decoding and the raw checksum
+                        decode_chunk(c, data[c.offset:c.offset + c.length])
+                    except CorruptVersionError as exc:
                         report.status = "corrupt"
-                        report.problems.append(f"tensor {tname!r}: chunk at {seg.name}+{c.offset} checksum mismatch")
+                        report.problems.append(f"tensor {tname!r}: chunk at {seg.name}+{c.offset}: {exc}")
             if progress:
                 progress(size)
     return report
@@ -161,7 +166,8 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
 
     Args:
         root: the tier's directory.
-        deep: verify every segment and chunk checksum (reads all data).
+        deep: verify every segment and chunk checksum (reads all data); compressed
+            chunks are decoded and their raw checksum verified too.
         progress: called with the total byte count to verify; returns a
             callback that receives the bytes verified as they are.
 

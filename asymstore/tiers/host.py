@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from asymstore.calibration import probe_memory
 from asymstore.errors import CapacityError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.tiers.base import Buffer, VersionWriter
 from asymstore.tiers.local import LocalTier
@@ -142,6 +143,18 @@ class HostTier:
             await self._files.quarantine(step)
         self._mem.pop(step, None)
         self._sizes.pop(step, None)
+
+    def calibration_key(self) -> str | None:
+        """Identify the tmpfs of ``path`` for the calibration cache; None (measure each time) in memory."""
+        if self._files:
+            return "host-" + self._files.calibration_key()
+        return None
+
+    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
+        """Time one segment-like write per size (a file on the tmpfs, or a copy into memory)."""
+        if self._files:
+            return await self._files.probe_writes(sizes)
+        return await asyncio.to_thread(probe_memory, sizes)
 
     async def write_latest(self, step: int) -> None:
         """Record the LATEST hint (shared-memory files only)."""

@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
+from asymstore.calibration import filesystem_key, probe_directory
 from asymstore.errors import StepCommittedError, TierError, VersionNotFoundError
 from asymstore.fileio import atomic_write, read_whole, write_parts
 from asymstore.layout import (
@@ -136,6 +137,14 @@ class LocalTier:
             fsync_dir(qdir)
             fsync_dir(self.root)
         logger.warning("moved corrupt step %d on %s to %s", step, self.name, dest)
+
+    def calibration_key(self) -> str:
+        """Identify the filesystem under the root (and the fsync setting) for the calibration cache."""
+        return filesystem_key("local", self.root, fsync=self.fsync)
+
+    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
+        """Time one segment-like write per size in a scratch directory under the root (removed after)."""
+        return await asyncio.to_thread(probe_directory, self.root, sizes, fsync=self.fsync)
 
     async def write_latest(self, step: int) -> None:
         """Atomically replace the LATEST hint."""

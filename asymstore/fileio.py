@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
+import threading
 import uuid
 from collections.abc import Sequence
 
 from asymstore.layout import fsync_dir
 
 _IOV_MAX = 1024
+_DIRECT_MIN_BYTES = 8 << 20  # durable files at least this large bypass the page cache
+_DIRECT_CHUNK = 16 << 20  # bytes per O_DIRECT write: one aligned bounce buffer per thread
+_DIRECT_ALIGN = 4096  # file offset, length and memory alignment used for O_DIRECT
+_bounce = threading.local()
 
 
 def write_parts(path: str, parts: Sequence[memoryview | bytes | bytearray], *, fsync: bool = True) -> int:
@@ -16,28 +24,94 @@ def write_parts(path: str, parts: Sequence[memoryview | bytes | bytearray], *, f
 
     Uses ``writev`` so many small buffers become few system calls, and fsyncs
     the file before returning when ``fsync`` is true.
+
+    A durable file (``fsync``) of at least 8 MiB is written with O_DIRECT
+    where the filesystem allows it, through an aligned bounce buffer: the
+    bytes go from that buffer to the disk without filling the page cache,
+    whose page allocation and copy cost more than the disk write on a busy
+    or virtualised host. The unaligned tail, small files and filesystems
+    without O_DIRECT use ``writev``. The fsync is the same either way.
     """
+    pending = [memoryview(p).cast("B") for p in parts if len(p)]
+    total = sum(len(p) for p in pending)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    total = 0
     try:
-        pending = [memoryview(p).cast("B") for p in parts if len(p)]
-        while pending:
-            batch = pending[:_IOV_MAX]
-            written = os.writev(fd, batch)
-            total += written
-            # drop fully written buffers, trim a partially written one
-            consumed = 0
-            while consumed < len(batch) and written >= len(batch[consumed]):
-                written -= len(batch[consumed])
-                consumed += 1
-            pending = pending[consumed:]
-            if written:
-                pending[0] = pending[0][written:]
+        if fsync and total >= _DIRECT_MIN_BYTES and _set_direct(fd, True):
+            try:
+                pending = _write_direct(fd, pending)
+            finally:
+                _set_direct(fd, False)
+        _writev_all(fd, pending)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
     return total
+
+
+def _writev_all(fd: int, pending: list[memoryview]) -> None:
+    """Write every buffer of ``pending`` at the file position, in order."""
+    while pending:
+        batch = pending[:_IOV_MAX]
+        written = os.writev(fd, batch)
+        # drop fully written buffers, trim a partially written one
+        consumed = 0
+        while consumed < len(batch) and written >= len(batch[consumed]):
+            written -= len(batch[consumed])
+            consumed += 1
+        pending = pending[consumed:]
+        if written:
+            pending[0] = pending[0][written:]
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for ``fd``; False when the filesystem does not support it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError as exc:
+        if on and exc.errno == errno.EINVAL:
+            return False
+        raise
+    return True
+
+
+def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
+    """Write the aligned prefix of ``pending`` with O_DIRECT; return what is left to write.
+
+    The bytes are gathered into this thread's bounce buffer and written in
+    whole aligned blocks. What remains (the unaligned tail, or everything
+    from the first short or refused write on) is returned for ``writev``.
+    """
+    buf: mmap.mmap | None = getattr(_bounce, "buf", None)
+    if buf is None:
+        # page aligned; private, so a forked child never shares it with its parent
+        buf = _bounce.buf = mmap.mmap(-1, _DIRECT_CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    bounce = memoryview(buf)
+    filled = 0
+    i = 0
+    while i < len(pending):
+        part = pending[i]
+        n = min(len(part), _DIRECT_CHUNK - filled)
+        bounce[filled:filled + n] = part[:n]
+        filled += n
+        if n == len(part):
+            i += 1
+        else:
+            pending[i] = part[n:]
+        if filled == _DIRECT_CHUNK or i == len(pending):
+            size = filled if filled == _DIRECT_CHUNK else filled // _DIRECT_ALIGN * _DIRECT_ALIGN
+            try:
+                written = os.write(fd, bounce[:size]) if size else 0
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                written = 0  # the filesystem took the flag but not this alignment
+            if written < filled:
+                # copy out of the bounce buffer: a later call on this thread reuses it
+                return [memoryview(bytes(bounce[written:filled])), *pending[i:]]
+            filled = 0
+    return []
 
 
 def read_whole(path: str) -> bytearray:

@@ -212,7 +212,7 @@ class Pressure:
 
 def aligned_random_buffer(nbytes: int, seed: int) -> mmap.mmap:
     """A page-aligned anonymous buffer of random bytes, for O_DIRECT."""
-    buf = mmap.mmap(-1, nbytes)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     gen = torch.Generator().manual_seed(seed)
     torch.frombuffer(buf, dtype=torch.uint8).copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
     return buf

@@ -18,6 +18,7 @@ $(PY):
 $(VENV)/.setup-done: pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
 	$(PIP) install -q -e ".[test,demo,bench]"
+	$(PIP) install -q libkvikio-cu12 && $(PIP) install -q --no-deps kvikio-cu12
 	touch $@
 
 setup: $(VENV)/.setup-done

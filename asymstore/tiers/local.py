@@ -104,11 +104,19 @@ class LocalTier:
         """Return the bytes of one segment."""
         path = os.path.join(self._vdir(step), validate_segment_name(name))
         try:
-            return await asyncio.to_thread(read_whole, path)
+            return await asyncio.to_thread(self._read_segment_file, path)
         except FileNotFoundError as exc:
             raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
         except OSError as exc:
             raise TierError(f"reading {path}: {exc}") from exc
+
+    def _write_segment_file(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Create one segment file durably (blocking; subclasses change the I/O engine)."""
+        write_parts(path, parts, fsync=self.fsync)
+
+    def _read_segment_file(self, path: str) -> Buffer:
+        """Read one whole segment file (blocking)."""
+        return read_whole(path)
 
     async def delete_version(self, step: int) -> None:
         """Delete a version: manifest (fsynced away) first, then segments, then the directory."""
@@ -171,7 +179,7 @@ class _DirWriter:
     async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
         path = os.path.join(self.tmp, validate_segment_name(name))
         try:
-            await asyncio.to_thread(write_parts, path, parts, fsync=self.tier.fsync)
+            await asyncio.to_thread(self.tier._write_segment_file, path, parts)
         except OSError as exc:
             raise TierError(f"writing {path}: {exc}") from exc
 

@@ -1,0 +1,270 @@
+"""I/O engines for NVMeTier: kvikio (GDS or its POSIX compat mode) and a POSIX fallback.
+
+Both write a whole segment file from a list of buffers and read it back, and
+both produce byte-identical files, so either can read what the other wrote.
+
+- :class:`KvikioEngine` uses ``kvikio.CuFile``: GPUDirect Storage when cuFile
+  works (device buffers go straight to the NVMe), kvikio's compat (POSIX) mode
+  otherwise, with kvikio's own thread pool (``num_threads``, ``task_size``).
+- :class:`PosixEngine` splits the file into ``task_size`` blocks written with
+  ``pwrite`` from a thread pool, with ``O_DIRECT`` through 4 KiB-aligned bounce
+  buffers where the filesystem allows it (buffered ``pwritev`` otherwise), and
+  reads with ``preadv`` into page-aligned memory.
+
+kvikio needs ``libcuda.so.1`` even in compat mode and even for host buffers;
+where it is missing :func:`select_engine` falls back to POSIX and logs it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from asymstore.tiers.base import Buffer
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+_warned: set[str] = set()
+
+
+class Engine(Protocol):
+    """Writes and reads whole segment files."""
+
+    name: str
+
+    def write(self, path: str, parts: Sequence[Buffer], *, fsync: bool) -> int:
+        """Create ``path`` (must not exist) from ``parts``; return its size."""
+        ...
+
+    def read(self, path: str) -> Buffer:
+        """Return the whole content of ``path``."""
+        ...
+
+
+def _blocks(size: int, task: int) -> list[tuple[int, int]]:
+    return [(off, min(task, size - off)) for off in range(0, size, task)]
+
+
+def _gather(parts: Sequence[memoryview], starts: list[int], off: int, dest: memoryview) -> None:
+    """Copy bytes ``[off, off+len(dest))`` of the concatenated ``parts`` into ``dest``."""
+    pos = 0
+    for part, start in zip(parts, starts, strict=True):
+        end = start + len(part)
+        if end <= off or pos >= len(dest):
+            continue
+        if start >= off + len(dest):
+            break
+        lo = max(off, start) - start
+        n = min(len(part) - lo, len(dest) - pos)
+        dest[pos:pos + n] = part[lo:lo + n]
+        pos += n
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PosixEngine:
+    """pwrite/preadv from a thread pool, O_DIRECT where the filesystem allows.
+
+    Args:
+        num_threads: concurrent block writes/reads.
+        task_size: bytes per block (rounded up to 4 KiB).
+        direct: try O_DIRECT (falls back to buffered I/O where refused).
+    """
+
+    name = "posix"
+
+    def __init__(self, num_threads: int = 4, task_size: int = 16 << 20, direct: bool = True) -> None:
+        """Configure the engine; the pool starts on first use."""
+        self.num_threads = max(1, num_threads)
+        self.task_size = -(-task_size // ALIGN) * ALIGN
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="asym-posix")
+
+    def _open_write(self, path: str) -> tuple[int, bool]:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if self.direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != 22:  # EINVAL: the filesystem refuses O_DIRECT (tmpfs)
+                    raise
+                _log_once(f"direct:{os.path.dirname(path)}", "O_DIRECT refused under %s; buffered I/O",
+                          os.path.dirname(path))
+        return os.open(path, flags, 0o644), False
+
+    def write(self, path: str, parts: Sequence[Buffer], *, fsync: bool) -> int:
+        """Write ``parts`` to a new file; see the class docstring."""
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        starts, size = [], 0
+        for v in views:
+            starts.append(size)
+            size += len(v)
+        fd, direct = self._open_write(path)
+        try:
+            if direct:
+                list(self._pool.map(lambda b: self._write_block(fd, views, starts, *b),
+                                    _blocks(size, self.task_size)))
+                os.ftruncate(fd, size)  # the last block was padded to 4 KiB
+            else:
+                list(self._pool.map(lambda b: self._write_buffered(fd, views, starts, *b),
+                                    _blocks(size, self.task_size)))
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size
+
+    @staticmethod
+    def _write_block(fd: int, views: list[memoryview], starts: list[int], off: int, n: int) -> None:
+        padded = -(-n // ALIGN) * ALIGN
+        with mmap.mmap(-1, padded) as buf:  # anonymous mmap: page-aligned, zero-filled
+            dest = memoryview(buf)
+            try:
+                _gather(views, starts, off, dest[:n])
+                done = 0
+                while done < padded:
+                    done += os.pwrite(fd, dest[done:padded], off + done)
+            finally:
+                dest.release()
+
+    @staticmethod
+    def _write_buffered(fd: int, views: list[memoryview], starts: list[int], off: int, n: int) -> None:
+        chunk = bytearray(n)
+        _gather(views, starts, off, memoryview(chunk))
+        done = 0
+        while done < n:
+            done += os.pwrite(fd, memoryview(chunk)[done:], off + done)
+
+    def read(self, path: str) -> Buffer:
+        """Read a whole file into page-aligned memory with parallel preadv."""
+        size = os.path.getsize(path)
+        if size == 0:
+            return bytearray()
+        buf = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
+        view = memoryview(buf)
+        fd = -1
+        if self.direct:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                fd = -1
+        if fd < 0:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            def read_block(block: tuple[int, int]) -> None:
+                off, n = block
+                padded = -(-n // ALIGN) * ALIGN
+                done = 0
+                while done < n:
+                    got = os.preadv(fd, [view[off + done:off + padded]], off + done)
+                    if got == 0:
+                        raise OSError(f"{path}: file shrank while reading")
+                    done += got
+            list(self._pool.map(read_block, _blocks(size, self.task_size)))
+        finally:
+            os.close(fd)
+        return view[:size]
+
+
+class KvikioEngine:
+    """kvikio ``CuFile`` I/O: GDS when available, compat mode otherwise.
+
+    Args:
+        num_threads: kvikio's thread pool size (process-wide kvikio setting).
+        task_size: kvikio's task size (process-wide kvikio setting).
+    """
+
+    name = "kvikio"
+
+    def __init__(self, num_threads: int = 4, task_size: int = 16 << 20) -> None:
+        """Import kvikio and apply the settings; raises if kvikio cannot run here."""
+        import kvikio
+        import kvikio.defaults
+
+        self._kvikio: Any = kvikio
+        kvikio.defaults.set({"num_threads": num_threads, "task_size": task_size})
+
+    def write(self, path: str, parts: Sequence[Buffer], *, fsync: bool) -> int:
+        """Write ``parts`` with parallel ``pwrite`` futures, then fsync."""
+        if os.path.exists(path):
+            raise FileExistsError(path)
+        size = 0
+        f = self._kvikio.CuFile(path, "w")
+        try:
+            futures = []
+            for part in parts:
+                n = len(part)
+                if n:
+                    futures.append((f.pwrite(part, n, size), n))
+                    size += n
+            for future, n in futures:
+                if future.get() != n:
+                    raise OSError(f"{path}: short write")
+        finally:
+            f.close()
+        if fsync:
+            _fsync_path(path)
+        return size
+
+    def read(self, path: str) -> Buffer:
+        """Read a whole file with one parallel ``pread``."""
+        size = os.path.getsize(path)
+        buf = bytearray(size)
+        if size:
+            f = self._kvikio.CuFile(path, "r")
+            try:
+                if f.pread(buf, size, 0).get() != size:
+                    raise OSError(f"{path}: short read")
+            finally:
+                f.close()
+        return buf
+
+
+def _log_once(key: str, msg: str, *args: object) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
+
+
+def select_engine(engine: str = "auto", *, num_threads: int = 4, task_size: int = 16 << 20,
+                  direct: bool = True) -> Engine:
+    """Return the engine named ``engine``; ``"auto"`` prefers kvikio and falls back to POSIX.
+
+    Raises:
+        RuntimeError: ``engine="kvikio"`` and kvikio cannot run here.
+        ValueError: an unknown engine name.
+    """
+    if engine not in ("auto", "kvikio", "posix"):
+        raise ValueError(f"unknown engine {engine!r}; use 'auto', 'kvikio' or 'posix'")
+    if engine in ("auto", "kvikio"):
+        try:
+            kv = KvikioEngine(num_threads, task_size)
+            _probe(kv)
+            return kv
+        except Exception as exc:  # ImportError, or RuntimeError: libcuda.so.1 missing
+            if engine == "kvikio":
+                raise RuntimeError(f"kvikio cannot run here: {exc}") from exc
+            _log_once("kvikio", "kvikio unavailable (%s); NVMeTier uses the POSIX engine", exc)
+    return PosixEngine(num_threads, task_size, direct)
+
+
+def _probe(engine: KvikioEngine) -> None:
+    """Fail fast if kvikio cannot do I/O (it loads libcuda lazily, on first I/O)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="asym-kvikio-probe-") as d:
+        path = os.path.join(d, "probe")
+        engine.write(path, [b"\0" * 16], fsync=False)
+        if bytes(engine.read(path)) != b"\0" * 16:
+            raise RuntimeError("kvikio probe read back wrong bytes")

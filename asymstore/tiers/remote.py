@@ -1,0 +1,317 @@
+"""RemoteTier: versions on any pyarrow filesystem (``hdfs://``, ``s3://``, ``file://``).
+
+Layout is that of :mod:`asymstore.layout` under the URI's path. How a version
+is published depends on what the store can do atomically:
+
+- ``rename`` (HDFS, ``file://``): segments and manifest go to a fresh
+  ``.tmp-v…-id/`` directory that is renamed to ``v…``; HDFS refuses a rename
+  onto an existing destination, so a committed version is never replaced.
+- ``marker`` (S3 and other object stores, which have no rename): segments are
+  uploaded under ``v…/`` first and the manifest, written last in one PUT, is
+  the commit marker; a prefix without a manifest is not a version.
+
+Every upload is verified (size, and with ``verify="checksum"`` the xxh3 of the
+bytes read back) and every operation retried on transient errors only
+(:class:`asymstore.tiers.retry.RetryPolicy`). HDFS needs libhdfs: set
+``JAVA_HOME``, ``HADOOP_HOME`` and ``CLASSPATH=$($HADOOP_HOME/bin/hadoop classpath --glob)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+import pyarrow.fs as pafs
+
+from asymstore.checksum import StreamingChecksum
+from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
+from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, parse_version_dirname, version_dirname
+from asymstore.manifest import MANIFEST_NAME, validate_segment_name
+from asymstore.tiers.base import Buffer
+from asymstore.tiers.retry import RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+_MARKER_SCHEMES = {"s3", "gs", "gcs", "abfs", "abfss", "az"}
+_S3_KEYS = {"endpoint_override", "scheme", "region", "access_key", "secret_key", "session_token",
+            "allow_bucket_creation", "force_virtual_addressing", "connect_timeout", "request_timeout"}
+
+
+def open_filesystem(uri: str, **options: Any) -> tuple[pafs.FileSystem, str, str]:
+    """Return ``(filesystem, root path, scheme)`` for ``uri``; ``options`` override URI query options."""
+    parts = urlsplit(uri)
+    scheme = parts.scheme or "file"
+    if scheme == "s3":
+        opts: dict[str, Any] = dict(parse_qsl(parts.query))
+        opts.update(options)
+        unknown = set(opts) - _S3_KEYS
+        if unknown:
+            raise ValueError(f"unknown S3 options {sorted(unknown)}")
+        for key in ("connect_timeout", "request_timeout"):
+            if key in opts:
+                opts[key] = float(opts[key])
+        fs = pafs.S3FileSystem(**opts)
+        return fs, f"{parts.netloc}{parts.path}".rstrip("/"), scheme
+    if options:
+        raise ValueError(f"keyword options are only understood for s3:// URIs, got {sorted(options)}")
+    if scheme == "hdfs":
+        fs, path = pafs.HadoopFileSystem.from_uri(urlunsplit(parts))
+        return fs, path.rstrip("/") or "/", scheme
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path.rstrip("/") or "/", scheme
+
+
+class RemoteTier:
+    """A tier on a remote (or any pyarrow) filesystem.
+
+    Args:
+        uri: ``s3://bucket/prefix?endpoint_override=host:port&scheme=http``,
+            ``hdfs://namenode:port/path`` or ``file:///path``.
+        name: the tier's name in reports (default ``remote:<uri without query>``).
+        keep_last: this tier's retention; None uses the store's.
+        publish: ``"rename"`` or ``"marker"``; default by scheme (see module doc).
+        verify: ``"checksum"`` (read back and hash every upload) or ``"size"``.
+        part_size: bytes per write call (S3 uploads parts of this size in parallel).
+        parallel_segments: segments uploaded at once.
+        retry: the retry policy.
+        filesystem: an already built pyarrow filesystem (then ``uri`` gives only the path).
+        **options: S3 options (``endpoint_override``, ``scheme``, ``access_key``, ...).
+    """
+
+    persistent = True
+
+    def __init__(self, uri: str, *, name: str | None = None, keep_last: int | None = None,
+                 publish: str | None = None, verify: str = "checksum", part_size: int = 16 << 20,
+                 parallel_segments: int = 4, retry: RetryPolicy | None = None,
+                 filesystem: pafs.FileSystem | None = None, **options: Any) -> None:
+        """Build the filesystem client; nothing is contacted before ``open``."""
+        if filesystem is not None:
+            parts = urlsplit(uri)
+            self.fs, self.root = filesystem, (f"{parts.netloc}{parts.path}" if parts.scheme else uri).rstrip("/")
+            scheme = parts.scheme or "file"
+        else:
+            self.fs, self.root, scheme = open_filesystem(uri, **options)
+        self.scheme = scheme
+        self.publish_mode = publish or ("marker" if scheme in _MARKER_SCHEMES else "rename")
+        if self.publish_mode not in ("rename", "marker") or verify not in ("checksum", "size"):
+            raise ValueError("publish must be 'rename' or 'marker'; verify 'checksum' or 'size'")
+        self.verify = verify
+        self.part_size = part_size
+        self.parallel_segments = max(1, parallel_segments)
+        self.retry = retry or RetryPolicy()
+        self.keep_last = keep_last
+        safe = urlunsplit(urlsplit(uri)._replace(query=""))
+        self.name = name or f"remote:{safe}"
+
+    def __repr__(self) -> str:
+        """Return a short description."""
+        return f"RemoteTier({self.name!r}, publish={self.publish_mode!r})"
+
+    def _p(self, *names: str) -> str:
+        return "/".join((self.root, *names))
+
+    async def _io(self, what: str, fn: Any) -> Any:
+        return await self.retry.run(f"{self.name}: {what}", fn)
+
+    async def open(self) -> None:
+        """Create the root directory (a no-op on object stores)."""
+        await self._io("create root", lambda: self.fs.create_dir(self.root, recursive=True))
+
+    async def close(self) -> None:
+        """Nothing to release (pyarrow filesystems close with the process)."""
+
+    async def list_versions(self) -> list[int]:
+        """Return steps whose ``v…/MANIFEST.json`` exists, ascending."""
+        def listing() -> list[int]:
+            sel = pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
+            steps = {}
+            for info in self.fs.get_file_info(sel):
+                step = parse_version_dirname(info.base_name)
+                if step is not None and info.type == pafs.FileType.Directory:
+                    steps[self._p(info.base_name, MANIFEST_NAME)] = step
+            if not steps:
+                return []
+            found = self.fs.get_file_info(list(steps))
+            return sorted(steps[i.path] for i in found if i.type == pafs.FileType.File)
+        result: list[int] = await self._io("list versions", listing)
+        return result
+
+    async def begin(self, step: int, nbytes: int) -> _RemoteWriter:
+        """Start a version: a fresh temporary directory (rename) or the version prefix (marker)."""
+        vdir = self._p(version_dirname(step))
+        manifest = f"{vdir}/{MANIFEST_NAME}"
+        info = await self._io("stat manifest", lambda: self.fs.get_file_info(manifest))
+        if info.type == pafs.FileType.File:
+            raise StepCommittedError(f"step {step} is already committed on {self.name}")
+        if self.publish_mode == "marker":
+            target = vdir
+        else:
+            target = self._p(f"{TMP_PREFIX}{version_dirname(step)}-{uuid.uuid4().hex[:8]}")
+        await self._io("create dir", lambda: self.fs.create_dir(target, recursive=True))
+        return _RemoteWriter(self, step, target)
+
+    async def read_manifest(self, step: int) -> bytes:
+        """Return the manifest bytes of ``step``."""
+        path = self._p(version_dirname(step), MANIFEST_NAME)
+        try:
+            return bytes(await self._io("read manifest", lambda: _read_all(self.fs, path)))
+        except TierError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                raise VersionNotFoundError(f"step {step} not on {self.name}") from exc
+            raise
+
+    async def read_segment(self, step: int, name: str) -> Buffer:
+        """Return one segment's bytes (read with a large buffer, not a stream)."""
+        path = self._p(version_dirname(step), validate_segment_name(name))
+        result: Buffer = await self._io(f"read {name}", lambda: _read_all(self.fs, path))
+        return result
+
+    async def delete_version(self, step: int) -> None:
+        """Delete the manifest first, then the rest of the version."""
+        vdir = self._p(version_dirname(step))
+
+        def delete() -> None:
+            try:
+                self.fs.delete_file(f"{vdir}/{MANIFEST_NAME}")
+            except FileNotFoundError:
+                pass
+            try:
+                self.fs.delete_dir(vdir)
+            except FileNotFoundError:
+                pass
+        await self._io("delete version", delete)
+
+    async def quarantine(self, step: int) -> None:
+        """Move a corrupt version under ``.quarantine/`` (marker stores: move its manifest there)."""
+        vdir = self._p(version_dirname(step))
+        dest = self._p(QUARANTINE, f"{version_dirname(step)}-{time.strftime('%Y%m%dT%H%M%S')}")
+
+        def move() -> None:
+            self.fs.create_dir(self._p(QUARANTINE), recursive=True)
+            if self.publish_mode == "rename":
+                self.fs.move(vdir, dest)
+            else:
+                self.fs.move(f"{vdir}/{MANIFEST_NAME}", f"{dest}-{MANIFEST_NAME}")
+        await self._io("quarantine", move)
+        logger.warning("moved corrupt step %d on %s to %s", step, self.name, dest)
+
+    async def write_latest(self, step: int) -> None:
+        """Write the LATEST hint (one PUT on object stores; tmp file and rename elsewhere)."""
+        data = f"{step}\n".encode()
+        latest = self._p(LATEST)
+
+        def write() -> None:
+            if self.publish_mode == "marker":
+                _write_all(self.fs, latest, [data], self.part_size)
+                return
+            tmp = self._p(f".{LATEST}.{uuid.uuid4().hex[:12]}.tmp")
+            _write_all(self.fs, tmp, [data], self.part_size)
+            try:
+                self.fs.move(tmp, latest)
+            except OSError:  # HDFS will not rename onto an existing file: a hint may vanish briefly
+                self.fs.delete_file(latest)
+                self.fs.move(tmp, latest)
+        await self._io("write LATEST", write)
+
+    async def read_latest(self) -> int | None:
+        """Return the LATEST hint, or None."""
+        try:
+            data = await self._io("read LATEST", lambda: _read_all(self.fs, self._p(LATEST)))
+            return int(bytes(data).decode().strip())
+        except (TierError, ValueError, UnicodeDecodeError):
+            return None
+
+
+class _RemoteWriter:
+    def __init__(self, tier: RemoteTier, step: int, target: str) -> None:
+        self.tier = tier
+        self.step = step
+        self.target = target
+        self.uploads: list[asyncio.Task[None]] = []
+        self.sem = asyncio.Semaphore(tier.parallel_segments)
+
+    async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        path = f"{self.target}/{validate_segment_name(name)}"
+        self.uploads.append(asyncio.ensure_future(self._upload(path, parts)))
+        await asyncio.sleep(0)
+
+    async def _upload(self, path: str, parts: Sequence[Buffer]) -> None:
+        async with self.sem:
+            expected = StreamingChecksum(parts).hexdigest() if self.tier.verify == "checksum" else ""
+            size = sum(len(p) for p in parts)
+
+            def put_and_verify() -> None:
+                _write_all(self.tier.fs, path, parts, self.tier.part_size)
+                info = self.tier.fs.get_file_info(path)
+                if info.size != size:
+                    raise OSError(f"upload of {path} has {info.size} bytes, expected {size}")  # retried
+                if expected and StreamingChecksum([_read_all(self.tier.fs, path)]).hexdigest() != expected:
+                    raise OSError(f"upload of {path} read back with a different checksum")  # retried
+            await self.tier._io(f"upload {path}", put_and_verify)
+
+    async def publish(self, manifest: bytes) -> None:
+        try:
+            await asyncio.gather(*self.uploads)
+        except BaseException:
+            await asyncio.gather(*self.uploads, return_exceptions=True)
+            raise
+        tier = self.tier
+        await tier._io("write manifest", lambda: _write_all(
+            tier.fs, f"{self.target}/{MANIFEST_NAME}", [manifest], tier.part_size))
+        if tier.publish_mode == "marker":
+            got = await tier._io("verify manifest", lambda: _read_all(tier.fs, f"{self.target}/{MANIFEST_NAME}"))
+            if bytes(got) != manifest:
+                raise CorruptVersionError(f"manifest of step {self.step} on {tier.name} read back differently")
+            return
+        dest = tier._p(version_dirname(self.step))
+
+        def rename() -> None:
+            info = tier.fs.get_file_info(f"{dest}/{MANIFEST_NAME}")
+            if info.type == pafs.FileType.File:
+                raise FileExistsError(dest)
+            if tier.fs.get_file_info(dest).type == pafs.FileType.Directory:
+                tier.fs.delete_dir(dest)  # orphaned leftovers of an interrupted delete
+            tier.fs.move(self.target, dest)
+        try:
+            await tier._io("publish", rename)
+        except TierError as exc:
+            if isinstance(exc.__cause__, FileExistsError):
+                raise StepCommittedError(f"step {self.step} is already committed on {tier.name}") from exc
+            raise
+
+    async def abort(self) -> None:
+        for task in self.uploads:
+            task.cancel()
+        await asyncio.gather(*self.uploads, return_exceptions=True)
+        target = self.target
+        try:
+            await asyncio.to_thread(self.tier.fs.delete_dir, target)
+        except OSError as exc:  # best effort: fsck reports what is left as partial
+            logger.warning("could not remove %s after an aborted commit: %s", target, exc)
+
+
+def _write_all(fs: pafs.FileSystem, path: str, parts: Sequence[Buffer], part_size: int) -> None:
+    with fs.open_output_stream(path, buffer_size=None, metadata=None) as out:
+        for part in parts:
+            view = memoryview(part).cast("B") if len(part) else memoryview(b"")
+            for off in range(0, len(view), part_size):
+                out.write(view[off:off + part_size])
+
+
+def _read_all(fs: pafs.FileSystem, path: str) -> bytearray:
+    with fs.open_input_file(path) as f:
+        size = f.size()
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"{path}: short read ({done} of {size} bytes)")
+            done += n
+        return buf

@@ -1,0 +1,89 @@
+"""Retries for remote I/O: transient errors only, exponential backoff with jitter, a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
+
+from asymstore.errors import TierError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_PERMANENT = (
+    "AccessDenied", "Access Denied", "NoSuchBucket", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "InvalidBucketName", "AllAccessDisabled", "Forbidden", "NotImplemented", "Permission denied",
+)
+
+
+class PermanentRemoteError(TierError):
+    """A remote operation failed in a way retrying cannot fix (credentials, missing bucket)."""
+
+
+class RemoteUnavailableError(TierError):
+    """A remote operation kept failing with transient errors until its deadline."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Return True for errors worth retrying: network and server trouble, not permission or absence."""
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(exc, PermanentRemoteError):
+        return False
+    if isinstance(exc, OSError):
+        return not any(marker in str(exc) for marker in _PERMANENT)
+    return False
+
+
+class RetryPolicy:
+    """How hard a remote tier tries before it gives up on one operation.
+
+    Args:
+        attempts: most attempts per operation.
+        deadline_s: overall time budget per operation, retries included.
+        initial_s: first backoff (doubles, with jitter, up to ``max_backoff_s``).
+        max_backoff_s: longest single wait.
+    """
+
+    def __init__(self, attempts: int = 8, deadline_s: float = 60.0, initial_s: float = 0.2,
+                 max_backoff_s: float = 5.0) -> None:
+        """Store the settings."""
+        self.attempts = attempts
+        self.deadline_s = deadline_s
+        self.initial_s = initial_s
+        self.max_backoff_s = max_backoff_s
+        self.retries = 0  # total retries taken, for status reports
+
+    async def run(self, what: str, fn: Callable[[], T]) -> T:
+        """Run blocking ``fn`` in a thread, retrying transient failures.
+
+        Raises:
+            PermanentRemoteError: a non-transient error (not retried).
+            RemoteUnavailableError: transient errors until the deadline or attempt limit.
+        """
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.attempts) | stop_after_delay(self.deadline_s),
+            wait=wait_random_exponential(multiplier=self.initial_s, max=self.max_backoff_s),
+            retry=retry_if_exception(is_transient),
+            before_sleep=self._count,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await asyncio.to_thread(fn)
+        except Exception as exc:
+            if isinstance(exc, TierError):
+                raise
+            if is_transient(exc):
+                raise RemoteUnavailableError(f"{what}: gave up after retries: {exc}") from exc
+            raise PermanentRemoteError(f"{what}: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _count(self, state: object) -> None:
+        self.retries += 1
+        logger.info("retrying remote I/O: %s", getattr(getattr(state, "outcome", None), "exception", lambda: None)())

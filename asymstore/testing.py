@@ -1,0 +1,162 @@
+"""Fault-injecting tiers for crash and failure tests (yours and ours).
+
+Both classes are a real :class:`~asymstore.tiers.local.LocalTier` (real
+files, real fsync) that misbehaves once, at a chosen point of the commit
+protocol (DESIGN §6):
+
+- ``"segments_written"``: every segment is written and fsynced, the manifest
+  is not written yet.
+- ``"manifest_half"``: the first half of the manifest is written (and
+  fsynced) inside the temporary directory.
+- ``"published"``: the version directory is renamed into place (committed),
+  ``LATEST`` is not updated yet.
+- ``"retention"``: an old version is being deleted; its manifest is removed
+  (and the removal fsynced), its segments are not.
+
+:class:`CrashingLocalTier` SIGKILLs its own process there, which leaves the
+disk exactly as a crash would; run it in a child process. :class:`FailingLocalTier`
+raises :class:`~asymstore.errors.TierError` instead, for in-process tests
+that a failed commit leaves the previous version intact.
+
+Example::
+
+    # in a child process: commit steps until the 3rd commit dies mid-way
+    tier = CrashingLocalTier(root, crash_at="manifest_half", after=2)
+    async with AsymStore([tier], keep_last=2) as store:
+        for step in range(10):
+            await store.put_many(step, state(step))
+            await store.commit(step)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Literal, NoReturn, get_args
+
+from asymstore.errors import TierError
+from asymstore.fileio import write_parts
+from asymstore.layout import fsync_dir
+from asymstore.manifest import MANIFEST_NAME
+from asymstore.tiers.local import LocalTier, _DirWriter
+
+__all__ = ["PHASES", "CrashingLocalTier", "FailingLocalTier", "Phase"]
+
+Phase = Literal["segments_written", "manifest_half", "published", "retention"]
+PHASES: tuple[Phase, ...] = get_args(Phase)
+
+
+class _FaultyLocalTier(LocalTier):
+    """A LocalTier that calls ``_fault`` the ``after + 1``-th time it reaches ``phase``."""
+
+    def __init__(self, root: str | os.PathLike[str], *, phase: Phase, after: int, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        if after < 0:
+            raise ValueError("after must be >= 0")
+        self.phase = phase
+        self.after = after
+        self.reached = 0  # times ``phase`` was reached so far
+        self.faults = 0  # times the fault fired
+
+    def _due(self, phase: Phase) -> bool:
+        """Count one arrival at ``phase``; True when the fault fires now."""
+        if phase != self.phase or not self._armed():
+            return False
+        self.reached += 1
+        return self.reached > self.after
+
+    def _armed(self) -> bool:
+        return True
+
+    def _fault(self, phase: Phase) -> NoReturn:
+        raise NotImplementedError
+
+    async def begin(self, step: int, nbytes: int) -> _DirWriter:
+        """Start writing ``step``, through a writer that can fault."""
+        writer = await super().begin(step, nbytes)
+        return _FaultyWriter(self, step, writer.tmp)
+
+    async def write_latest(self, step: int) -> None:
+        """Update LATEST (``"published"`` faults before it)."""
+        if self._due("published"):
+            self._fault("published")
+        await super().write_latest(step)
+
+    def _delete_sync(self, vdir: str) -> None:
+        manifest = os.path.join(vdir, MANIFEST_NAME)
+        if os.path.exists(manifest) and self._due("retention"):
+            os.unlink(manifest)
+            if self.fsync:
+                fsync_dir(vdir)
+            self._fault("retention")
+        super()._delete_sync(vdir)
+
+
+class _FaultyWriter(_DirWriter):
+    tier: _FaultyLocalTier
+
+    def _publish_sync(self, manifest: bytes) -> None:
+        if self.tier._due("segments_written"):
+            self.tier._fault("segments_written")
+        if self.tier._due("manifest_half"):
+            write_parts(os.path.join(self.tmp, MANIFEST_NAME), [manifest[: len(manifest) // 2]],
+                        fsync=self.tier.fsync)
+            if self.tier.fsync:
+                fsync_dir(self.tmp)
+            self.tier._fault("manifest_half")
+        super()._publish_sync(manifest)
+
+
+class CrashingLocalTier(_FaultyLocalTier):
+    """A LocalTier whose process is SIGKILLed at ``crash_at``, after ``after`` clean passes.
+
+    Args:
+        root: the tier's directory.
+        crash_at: the phase at which to die (see the module docstring).
+        after: how many times ``crash_at`` is passed cleanly first. For the
+            commit phases that is the number of commits that succeed; for
+            ``"retention"`` the number of old versions deleted cleanly.
+        **kwargs: passed to :class:`~asymstore.tiers.local.LocalTier`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, crash_at: Phase, after: int = 0, **kwargs: Any) -> None:
+        """Create the tier; it kills its process when ``crash_at`` is due."""
+        super().__init__(root, phase=crash_at, after=after, **kwargs)
+
+    def _fault(self, phase: Phase) -> NoReturn:
+        self.faults += 1
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise SystemExit(128 + signal.SIGKILL)  # not reached: SIGKILL cannot be handled
+
+
+class FailingLocalTier(_FaultyLocalTier):
+    """A LocalTier that raises :class:`~asymstore.errors.TierError` at ``fail_at``.
+
+    A failure at ``"segments_written"`` or ``"manifest_half"`` fails the
+    commit (the store aborts it and the previous version stays the newest);
+    at ``"published"`` or ``"retention"`` the version is already committed
+    and the store only logs the housekeeping error.
+
+    Args:
+        root: the tier's directory.
+        fail_at: the phase at which to raise (see the module docstring).
+        after: how many times ``fail_at`` is passed cleanly first.
+        times: how many times to fail before behaving normally again; None
+            fails every time from then on.
+        **kwargs: passed to :class:`~asymstore.tiers.local.LocalTier`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, fail_at: Phase, after: int = 0,
+                 times: int | None = 1, **kwargs: Any) -> None:
+        """Create the tier; it raises when ``fail_at`` is due."""
+        super().__init__(root, phase=fail_at, after=after, **kwargs)
+        self.times = times
+
+    def _armed(self) -> bool:
+        return self.times is None or self.faults < self.times
+
+    def _fault(self, phase: Phase) -> NoReturn:
+        self.faults += 1
+        raise TierError(f"{self.name}: injected failure at {phase!r}")

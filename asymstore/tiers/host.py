@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from asymstore.calibration import probe_memory
 from asymstore.errors import CapacityError, StepCommittedError, TierError, VersionNotFoundError
+from asymstore.manifest import validate_segment_name
 from asymstore.tiers.base import Buffer, VersionWriter
 from asymstore.tiers.local import LocalTier
 
@@ -66,6 +67,11 @@ class HostTier:
         """Return a short description."""
         where = self._files.root if self._files else "memory"
         return f"HostTier({where!r}, capacity_bytes={self.capacity_bytes})"
+
+    @property
+    def path(self) -> str | None:
+        """The shared-memory directory, or None for process memory."""
+        return self._files.root if self._files else None
 
     @property
     def used_bytes(self) -> int:
@@ -125,6 +131,7 @@ class HostTier:
         """Return a private copy of one segment."""
         if self._files:
             return await self._files.read_segment(step, name)
+        validate_segment_name(name)
         version = self._mem.get(step)
         if version is None or name not in version.segments:
             raise TierError(f"segment {name} of step {step} missing on {self.name}")
@@ -178,6 +185,7 @@ class _HostWriter:
         self.done = False
 
     async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        validate_segment_name(name)
         if self.inner:
             await self.inner.write_segment(name, parts)
         else:

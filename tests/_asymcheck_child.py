@@ -1,0 +1,193 @@
+"""A training child for the asymcheck kill tests (run as a script, never imported by pytest).
+
+Trains a small MLP deterministically, checkpointing every iteration with a
+Checkpointer into ``--dir``, and can SIGKILL itself at a chosen point:
+
+- ``forward:S``  inside the forward pass of the iteration after S optimizer steps
+- ``backward:S`` inside the backward pass of that iteration
+- ``drain:S``    inside the step pre-hook's drain, sealing version S
+- ``commit:K``   inside the background commit after K commits succeeded
+  (a CrashingLocalTier that dies with half a manifest written)
+
+Each finished iteration appends ``{"it", "loss"}`` (loss as a hex float) to
+``OUT/losses.jsonl``; a run that ends writes its final state through
+asymstore to ``OUT/final``. ``--no-ckpt`` trains without a Checkpointer (the
+uninterrupted reference). Lines on stdout are JSON events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from asymcheck import Checkpointer
+from asymcheck.state import TrainingState
+from asymstore import AsymStore, LocalTier
+from asymstore.testing import CrashingLocalTier
+
+
+class DataPosition:
+    """Iterations completed; advanced at the end of the loop body."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.iteration = int(state["iteration"])
+
+
+def build(config: str) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
+    torch.manual_seed(1234)
+    random.seed(1234)  # unused by training, but part of the state compared
+    np.random.seed(1234)
+    model = nn.Sequential(
+        nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.2),
+        nn.Linear(128, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.2),
+        nn.Linear(128, 32),
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18, growth_interval=2) if config == "scaler" else None
+    return model, opt, sched, scaler
+
+
+def batch(it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(it * 1000 + micro)
+    x = torch.randn(16, 32, generator=g)
+    return x, x.flip(1) * 0.5
+
+
+def emit(**event: Any) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_final(out: Path, state: TrainingState, step: int) -> None:
+    tensors, meta = state.capture_all()
+
+    async def write() -> None:
+        async with AsymStore([LocalTier(out / "final")], keep_last=None) as store:
+            await store.put_many(step, tensors)
+            await store.commit(step, meta)
+
+    asyncio.run(write())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iterations", type=int, default=14)
+    ap.add_argument("--config", choices=["plain", "accum", "scaler"], default="plain")
+    ap.add_argument("--kill", default="none")
+    ap.add_argument("--no-ckpt", action="store_true")
+    ap.add_argument("--iter-sleep", type=float, default=0.0, help="seconds to sleep per iteration")
+    args = ap.parse_args()
+
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind, _, at = args.kill.partition(":")
+    kill_at = int(at) if at else -1
+    accum = 3 if args.config == "accum" else 1
+
+    model, opt, sched, scaler = build(args.config)
+    pos = DataPosition()
+    stateful: dict[str, Any] = {"sched": sched, "pos": pos}
+    if scaler is not None:
+        stateful["scaler"] = scaler
+    micro_now = [0]
+
+    if args.no_ckpt:
+        ckpt = None
+        step_of = [0]
+        opt.register_step_post_hook(lambda o, a, k: step_of.__setitem__(0, step_of[0] + 1))
+    else:
+        tier = (CrashingLocalTier(args.dir, crash_at="manifest_half", after=kill_at) if kind == "commit"
+                else LocalTier(args.dir))
+        ckpt = Checkpointer(model, opt, [tier], stateful=stateful, keep_last=3, warmup=2,
+                            min_partition_bytes=16 << 10)
+
+    def steps_done() -> int:
+        return ckpt.step if ckpt is not None else step_of[0]
+
+    middle = model[3]
+    if kind == "forward":
+        middle.register_forward_pre_hook(
+            lambda m, a: die() if steps_done() == kill_at and micro_now[0] == accum - 1 else None)
+    if kind == "backward":
+        middle.register_full_backward_pre_hook(
+            lambda m, g: die() if steps_done() == kill_at and micro_now[0] == accum - 1 else None)
+    if kind == "drain":
+        from asymcheck import copyengine
+
+        original = copyengine.CopyEngine.wait
+
+        def wait(self: copyengine.CopyEngine) -> Any:
+            if steps_done() == kill_at:
+                die()
+            return original(self)
+
+        copyengine.CopyEngine.wait = wait  # type: ignore[method-assign]
+
+    resumed = ckpt.resume() if ckpt is not None else None
+    emit(event="resumed", step=resumed, iteration=pos.iteration)
+    started = time.perf_counter()
+    with open(out / "losses.jsonl", "a") as losses:
+        while pos.iteration < args.iterations:
+            it = pos.iteration
+            total = 0.0
+            for micro in range(accum):
+                micro_now[0] = micro
+                x, y = batch(it, micro)
+                if scaler is not None:
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        loss = nn.functional.mse_loss(model(x).float(), y) / accum
+                    scaler.scale(loss).backward()
+                else:
+                    loss = nn.functional.mse_loss(model(x), y) / accum
+                    loss.backward()
+                total += loss.item()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            losses.write(json.dumps({"it": it, "loss": float(total).hex(), "step": steps_done()}) + "\n")
+            losses.flush()
+            pos.iteration += 1
+            if args.iter_sleep:
+                time.sleep(args.iter_sleep)
+    train_seconds = time.perf_counter() - started
+    if ckpt is not None:
+        ckpt.close()
+        stats = ckpt.stats()
+        emit(event="stats", skipped=stats.versions_skipped, committed=stats.versions_committed)
+    save_final(out, TrainingState(model, opt, stateful), steps_done())
+    emit(event="done", step=steps_done(), train_seconds=train_seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

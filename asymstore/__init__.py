@@ -26,6 +26,7 @@ from asymstore.errors import (
     InvalidValueError,
     ManifestError,
     NoCheckpointError,
+    SnapshotSkippedError,
     StepCommittedError,
     StepOrderError,
     StoreClosedError,
@@ -35,7 +36,7 @@ from asymstore.errors import (
 from asymstore.manifest import Manifest
 from asymstore.restore import Checkpoint
 from asymstore.store import AsymStore, CommitResult
-from asymstore.tiers import HostTier, LocalTier, Tier, VersionWriter
+from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "DuplicateNameError",
     "EmptyStepError",
     "FlushStats",
+    "GPUTier",
     "HostTier",
     "InvalidMetaError",
     "InvalidNameError",
@@ -58,8 +60,11 @@ __all__ = [
     "LocalTier",
     "Manifest",
     "ManifestError",
+    "NVMeTier",
     "NoCheckpointError",
     "PlaneCodec",
+    "RemoteTier",
+    "SnapshotSkippedError",
     "StepCommittedError",
     "StepOrderError",
     "StoreClosedError",

@@ -43,7 +43,7 @@ import shutil
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -210,8 +210,13 @@ class ProbeableTier(Protocol):
         ...
 
 
-def probe_directory(root: str, sizes: Sequence[int], *, fsync: bool) -> list[float]:
-    """Time one ``write_parts`` (writev + fsync) per size into ``ROOT/.tmp-calibrate-<id>/``, then remove it."""
+def probe_directory(root: str, sizes: Sequence[int], *, fsync: bool,
+                    write: Callable[[str, Sequence[memoryview]], object] | None = None) -> list[float]:
+    """Time one segment write per size into ``ROOT/.tmp-calibrate-<id>/``, then remove it.
+
+    ``write(path, parts)`` writes one file the way the tier writes segments
+    (default: ``write_parts``, i.e. writev + fsync).
+    """
     scratch = os.path.join(root, f"{TMP_PREFIX}calibrate-{uuid.uuid4().hex[:8]}")
     os.makedirs(scratch)
     data = memoryview(os.urandom(max(sizes, default=0)))
@@ -220,7 +225,10 @@ def probe_directory(root: str, sizes: Sequence[int], *, fsync: bool) -> list[flo
         for i, size in enumerate(sizes):
             path = os.path.join(scratch, f"probe-{i}.bin")
             t0 = time.perf_counter()
-            write_parts(path, [data[:size]], fsync=fsync)
+            if write is None:
+                write_parts(path, [data[:size]], fsync=fsync)
+            else:
+                write(path, [data[:size]])
             times.append(time.perf_counter() - t0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -68,6 +68,10 @@ class CapacityError(AsymstoreError):
     """A version does not fit in a bounded tier, even after evicting old versions."""
 
 
+class SnapshotSkippedError(CapacityError):
+    """A bounded tier is full under the ``skip`` back-pressure policy: this version is not stored there."""
+
+
 class TierError(AsymstoreError):
     """A tier failed to read, write, publish or delete."""
 

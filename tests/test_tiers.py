@@ -9,11 +9,11 @@ import pytest
 import torch
 from _servers import s3_server, s3_uri, stub_libcuda  # noqa: F401  (fixtures)
 
-from asymstore import AsymStore, HostTier, LocalTier, ManifestError, StepCommittedError, Tier
+from asymstore import AsymStore, GPUTier, HostTier, LocalTier, ManifestError, StepCommittedError, Tier
 from asymstore.tiers.nvme import NVMeTier
 from asymstore.tiers.remote import RemoteTier
 
-TIERS = ["local", "host-memory", "host-shm", "nvme-posix", "nvme-kvikio", "remote-file", "remote-s3"]
+TIERS = ["local", "host-memory", "host-shm", "gpu", "nvme-posix", "nvme-kvikio", "remote-file", "remote-s3"]
 
 
 @pytest.fixture(params=TIERS)
@@ -25,6 +25,9 @@ def make_tier(request: pytest.FixtureRequest, tmp_path: object) -> Callable[[], 
     if kind == "host-memory":
         tier = HostTier(capacity_bytes=64 << 20)
         return lambda: tier  # one process-memory tier: "reopening" is the same object
+    if kind == "gpu":
+        gpu = GPUTier(capacity_bytes=64 << 20)  # the CPU device where CUDA is absent
+        return lambda: gpu
     if kind == "host-shm":
         shm = request.getfixturevalue("shm_dir")
         return lambda: HostTier(capacity_bytes=64 << 20, path=shm)
@@ -61,7 +64,7 @@ async def test_round_trip_and_reopen(make_tier: Callable[[], Tier]) -> None:
         ckpt = await store.restore()
         assert ckpt.step == 2 and same(ckpt.tensors, state(2))
     tier = make_tier()
-    if isinstance(tier, HostTier) and tier.path is None:
+    if isinstance(tier, HostTier) and tier.path is None:  # GPUTier too
         return  # process memory is released when its store closes
     async with AsymStore([tier]) as store:
         assert list(store.versions().values()) == [[1, 2]]

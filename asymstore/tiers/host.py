@@ -4,9 +4,16 @@ Without ``path`` versions live in process memory and die with the process.
 With ``path`` (for example ``/dev/shm/asym-job42``) versions are files on a
 tmpfs in the same layout as :class:`LocalTier`, so a training process that
 was killed can be restarted on the same node and restore without touching
-disk. Either way the bytes held never exceed ``capacity_bytes``: older
-versions are evicted to make room, and a version that does not fit even then
-raises :class:`CapacityError` (the store then skips this tier for it).
+disk. In process memory, segments live in a :class:`BufferPool` of
+page-locked buffers (when CUDA is present; plain memory otherwise) reused
+from version to version.
+
+The bytes held never exceed ``capacity_bytes``. To make room the oldest
+versions are evicted, except those the store *holds* (versions not yet
+written to the tiers below, see :meth:`HostTier.hold`). When nothing more can
+be evicted the back-pressure ``policy`` applies: ``"wait"`` until a held
+version is released (up to ``wait_timeout_s``), or ``"skip"`` the new version
+(:class:`SnapshotSkippedError`). Memory never grows past the capacity.
 """
 
 from __future__ import annotations
@@ -14,14 +21,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from asymstore.calibration import probe_memory
-from asymstore.errors import CapacityError, StepCommittedError, TierError, VersionNotFoundError
+from asymstore.errors import CapacityError, SnapshotSkippedError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.manifest import validate_segment_name
+from asymstore.tensorbytes import as_bytes
 from asymstore.tiers.base import Buffer, VersionWriter
 from asymstore.tiers.local import LocalTier
+from asymstore.tiers.pool import BufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +42,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _MemVersion:
     manifest: bytes = b""
-    segments: dict[str, bytearray] = field(default_factory=dict)
+    segments: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        return len(self.manifest) + sum(len(s) for s in self.segments.values())
+        return len(self.manifest) + sum(s.numel() for s in self.segments.values())
 
 
 class HostTier:
@@ -45,23 +58,40 @@ class HostTier:
             in process memory.
         name: the tier's name in reports.
         keep_last: this tier's retention; None uses the store's.
+        policy: back-pressure when full: ``"wait"`` or ``"skip"``.
+        wait_timeout_s: longest wait under ``"wait"`` (None: no limit), then CapacityError.
+        pin: page-lock the pool's buffers; None pins when CUDA is available.
     """
 
     persistent = False
 
     def __init__(self, capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | None = None,
-                 name: str | None = None, keep_last: int | None = None) -> None:
+                 name: str | None = None, keep_last: int | None = None, policy: str = "wait",
+                 wait_timeout_s: float | None = None, pin: bool | None = None) -> None:
         """Create the tier; nothing is allocated before use."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
+        if policy not in ("wait", "skip"):
+            raise ValueError(f"policy must be 'wait' or 'skip', got {policy!r}")
         self.capacity_bytes = capacity_bytes
         self.keep_last = keep_last
+        self.policy = policy
+        self.wait_timeout_s = wait_timeout_s
         self._files = LocalTier(path, fsync=False) if path is not None else None
         self.name = name or (f"host:{self._files.root}" if self._files else "host:memory")
+        # size classes round each buffer up by < 1 MiB; the slack keeps rounding from refusing a version
+        self._pool = None if self._files else BufferPool(
+            capacity_bytes + capacity_bytes // 8 + (8 << 20), device=self._device(), pin=pin)
         self._mem: dict[int, _MemVersion] = {}
         self._sizes: dict[int, int] = {}
+        self._held: set[int] = set()
+        self._space = asyncio.Condition()
         self._reserved = 0
         self.high_water_bytes = 0
+        self.skipped = 0
+
+    def _device(self) -> str:
+        return "cpu"
 
     def __repr__(self) -> str:
         """Return a short description."""
@@ -87,7 +117,8 @@ class HostTier:
 
     async def close(self) -> None:
         """Drop in-memory versions (shared-memory files stay for a restart)."""
-        self._mem.clear()
+        for step in list(self._mem):
+            await self._drop(step)
 
     async def list_versions(self) -> list[int]:
         """Return the held steps, ascending."""
@@ -99,25 +130,62 @@ class HostTier:
         return sorted(self._mem)
 
     async def begin(self, step: int, nbytes: int) -> VersionWriter:
-        """Reserve ``nbytes``, evicting the oldest versions if needed."""
+        """Reserve ``nbytes``: evict unheld old versions, then wait or skip by policy."""
         if step in self._sizes:
             raise StepCommittedError(f"step {step} is already held by {self.name}")
         if nbytes > self.capacity_bytes:
             raise CapacityError(f"{nbytes} bytes exceed {self.name} capacity {self.capacity_bytes}")
-        for old in sorted(self._sizes):
-            if self.used_bytes + nbytes <= self.capacity_bytes:
-                break
-            logger.info("%s: evicting step %d to make room for step %d", self.name, old, step)
-            await self.delete_version(old)
-        if self.used_bytes + nbytes > self.capacity_bytes:
-            raise CapacityError(f"{self.name}: {nbytes} bytes do not fit ({self.used_bytes} in flight)")
-        self._reserved += nbytes
-        self.high_water_bytes = max(self.high_water_bytes, self.used_bytes)
+        deadline = None if self.wait_timeout_s is None else time.monotonic() + self.wait_timeout_s
+        async with self._space:
+            while True:
+                for old in sorted(set(self._sizes) - self._held):
+                    if self.used_bytes + nbytes <= self.capacity_bytes:
+                        break
+                    logger.info("%s: evicting step %d to make room for step %d", self.name, old, step)
+                    await self._drop(old)
+                if self.used_bytes + nbytes <= self.capacity_bytes:
+                    break
+                if self.policy == "skip":
+                    self.skipped += 1
+                    raise SnapshotSkippedError(f"{self.name} full ({self.used_bytes} of {self.capacity_bytes} "
+                                               f"bytes held): skipping step {step}")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CapacityError(f"{self.name}: no room for step {step} after {self.wait_timeout_s} s")
+                try:
+                    await asyncio.wait_for(self._space.wait(), left)
+                except TimeoutError:
+                    continue
+            self._reserved += nbytes
+            self.high_water_bytes = max(self.high_water_bytes, self.used_bytes)
         inner = await self._files.begin(step, nbytes) if self._files else None
         return _HostWriter(self, step, nbytes, inner)
 
+    def hold(self, step: int) -> None:
+        """Keep ``step`` from eviction until :meth:`release` (the store holds versions not yet flushed below)."""
+        self._held.add(step)
+
+    async def release(self, step: int) -> None:
+        """Let ``step`` be evicted again, and wake writers waiting for room."""
+        self._held.discard(step)
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._space:
+            self._space.notify_all()
+
     def _release(self, nbytes: int) -> None:
         self._reserved -= nbytes
+
+    async def _drop(self, step: int) -> None:
+        if self._files:
+            await self._files.delete_version(step)
+        version = self._mem.pop(step, None)
+        if version is not None and self._pool is not None:
+            for buf in version.segments.values():
+                self._pool.release(buf)
+        self._sizes.pop(step, None)
+        self._held.discard(step)
 
     async def read_manifest(self, step: int) -> bytes:
         """Return the manifest of ``step``."""
@@ -135,21 +203,21 @@ class HostTier:
         version = self._mem.get(step)
         if version is None or name not in version.segments:
             raise TierError(f"segment {name} of step {step} missing on {self.name}")
-        return bytearray(version.segments[name])
+        return await asyncio.to_thread(_to_host, version.segments[name])
 
     async def delete_version(self, step: int) -> None:
-        """Drop a version."""
-        if self._files:
-            await self._files.delete_version(step)
-        self._mem.pop(step, None)
-        self._sizes.pop(step, None)
+        """Drop a version and give its memory back."""
+        await self._drop(step)
+        await self._notify()
 
     async def quarantine(self, step: int) -> None:
         """Drop a corrupt version (memory) or move it aside (shared-memory files)."""
         if self._files:
             await self._files.quarantine(step)
-        self._mem.pop(step, None)
-        self._sizes.pop(step, None)
+            self._sizes.pop(step, None)
+        else:
+            await self._drop(step)
+        await self._notify()
 
     def calibration_key(self) -> str | None:
         """Identify the tmpfs of ``path`` for the calibration cache; None (measure each time) in memory."""
@@ -189,7 +257,11 @@ class _HostWriter:
         if self.inner:
             await self.inner.write_segment(name, parts)
         else:
-            self.version.segments[name] = await asyncio.to_thread(_join, parts)
+            pool = self.tier._pool
+            assert pool is not None
+            buf = pool.acquire(sum(len(p) for p in parts))
+            self.version.segments[name] = buf
+            await asyncio.to_thread(_fill, buf, parts)
 
     async def publish(self, manifest: bytes) -> None:
         if self.inner:
@@ -199,11 +271,17 @@ class _HostWriter:
             self.tier._mem[self.step] = self.version
         self.tier._sizes[self.step] = self.version.nbytes if not self.inner else self.reserved
         self._finish()
+        await self.tier._notify()
 
     async def abort(self) -> None:
         if self.inner:
             await self.inner.abort()
+        elif self.tier._pool is not None:
+            for buf in self.version.segments.values():
+                self.tier._pool.release(buf)
+            self.version.segments.clear()
         self._finish()
+        await self.tier._notify()
 
     def _finish(self) -> None:
         if not self.done:
@@ -211,14 +289,28 @@ class _HostWriter:
             self.tier._release(self.reserved)
 
 
-def _join(parts: Sequence[Buffer]) -> bytearray:
-    out = bytearray(sum(len(p) for p in parts))
-    view = memoryview(out)
+def _fill(buf: torch.Tensor, parts: Sequence[Buffer]) -> None:
+    """Copy ``parts`` back to back into ``buf`` (host or device memory)."""
     pos = 0
-    for part in parts:
-        view[pos:pos + len(part)] = part
-        pos += len(part)
-    return out
+    if buf.device.type == "cpu":
+        view = as_bytes(buf)
+        for part in parts:
+            view[pos:pos + len(part)] = part
+            pos += len(part)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only parts: copied, never written
+        for part in parts:
+            if len(part):
+                buf[pos:pos + len(part)].copy_(torch.frombuffer(part, dtype=torch.uint8))
+                pos += len(part)
+
+
+def _to_host(buf: torch.Tensor) -> Buffer:
+    """Return a private host copy of a pooled buffer."""
+    if buf.device.type == "cpu":
+        return bytearray(as_bytes(buf))
+    return as_bytes(buf.cpu())
 
 
 def _dir_size(path: str) -> int:

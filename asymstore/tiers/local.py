@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from asymstore.calibration import filesystem_key, probe_directory
 from asymstore.errors import StepCommittedError, TierError, VersionNotFoundError
-from asymstore.fileio import atomic_write, read_whole, write_parts
+from asymstore.fileio import atomic_write, read_large, read_whole, write_parts
 from asymstore.layout import (
     LATEST,
     QUARANTINE,
@@ -115,8 +115,8 @@ class LocalTier:
         write_parts(path, parts, fsync=self.fsync)
 
     def _read_segment_file(self, path: str) -> Buffer:
-        """Read one whole segment file (blocking)."""
-        return read_whole(path)
+        """Read one whole segment file (blocking; a large one bypasses the page cache)."""
+        return read_large(path)
 
     async def delete_version(self, step: int) -> None:
         """Delete a version: manifest (fsynced away) first, then segments, then the directory."""

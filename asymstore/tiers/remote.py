@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -199,6 +200,35 @@ class RemoteTier:
                 self.fs.move(f"{vdir}/{MANIFEST_NAME}", f"{dest}-{MANIFEST_NAME}")
         await self._io("quarantine", move)
         logger.warning("moved corrupt step %d on %s to %s", step, self.name, dest)
+
+    def calibration_key(self) -> str:
+        """Identify the remote location for the calibration cache."""
+        return f"{self.name}:{self.publish_mode}:{self.verify}"
+
+    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
+        """Time one verified upload per size under a scratch prefix, then remove it."""
+        scratch = self._p(f"{TMP_PREFIX}calibrate-{uuid.uuid4().hex[:8]}")
+        data = memoryview(os.urandom(max(sizes, default=0)))
+
+        def probe() -> list[float]:
+            times = []
+            try:
+                self.fs.create_dir(scratch, recursive=True)
+                for i, size in enumerate(sizes):
+                    path = f"{scratch}/probe-{i}.bin"
+                    t0 = time.perf_counter()
+                    _write_all(self.fs, path, [data[:size]], self.part_size)
+                    if self.verify == "checksum":
+                        _read_all(self.fs, path)
+                    times.append(time.perf_counter() - t0)
+            finally:
+                try:
+                    self.fs.delete_dir(scratch)
+                except OSError:
+                    pass
+            return times
+        result: list[float] = await asyncio.to_thread(probe)
+        return result
 
     async def write_latest(self, step: int) -> None:
         """Write the LATEST hint (one PUT on object stores; tmp file and rename elsewhere)."""

@@ -156,6 +156,7 @@ class Checkpointer:
         self._open_s = 0.0
         self._last_pre: float | None = None
         self.restored: RestoreInfo | None = None
+        self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
         self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
                               on_step_pre=self._on_step_pre, on_step_post=self._on_step_post)
 
@@ -368,6 +369,7 @@ class Checkpointer:
             elif snap is not None:
                 self._pool.release(snap.slot)
             self._commits.drain()
+            self.final_versions = self._loop.run(_versions(self._loop.store))
         finally:
             self._hooks.remove()
             self._engine.close()

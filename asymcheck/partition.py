@@ -237,8 +237,10 @@ def plan_partitions(extents: Sequence[Extent], windows: Sequence[Window], *, max
                     min_bytes: int = 1 << 20, generation: int = 0) -> Plan:
     """Size partitions of the flat state in proportion to the idle windows.
 
-    Partition ``i`` gets ``R * t_i / T`` bytes (rounded to a legal boundary),
-    issued by the event opening window ``i``. Partitions smaller than
+    Windows are first grouped (consecutive, same phase) into at most
+    ``min(max_partitions, R // min_bytes)`` groups; partition ``i`` then gets
+    ``R * t_i / T`` bytes (rounded to a legal boundary), issued by the first
+    event of group ``i``. Partitions still smaller than
     ``min_bytes`` are merged into the one before them (issued earlier), the
     first into the one after it.
 
@@ -255,7 +257,8 @@ def plan_partitions(extents: Sequence[Extent], windows: Sequence[Window], *, max
     """
     offsets = offsets_of(extents)
     total = offsets[-1]
-    groups = group_windows(windows, max_partitions)
+    # fewer, larger groups when the state is small, so partitions come out near min_bytes or above
+    groups = group_windows(windows, max(1, min(max_partitions, total // max(1, min_bytes))))
     big_t = sum(g.seconds for g in groups)
     if not groups or big_t <= 0:
         return drain_plan(extents, generation)

@@ -62,7 +62,7 @@ def _child_env() -> dict[str, str]:
 def run_child(name: str, worker_args: list[str], out: Path, steps: int, kill_after: int | None = None) -> ChildRun:
     """Run one worker, showing a progress bar; SIGKILL it once it reports ``kill_after``."""
     out.mkdir(parents=True, exist_ok=True)
-    log = open(out / "stderr.log", "w")  # noqa: SIM115 - closed below
+    log = open(out / "stderr.log", "w")  # closed below, after the child exits
     proc = subprocess.Popen([sys.executable, "-m", "asymcheck.demo", "--worker", *worker_args, "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=_child_env())
     run = ChildRun(name, 0)

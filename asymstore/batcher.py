@@ -39,6 +39,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from asymstore.calibration import TierCalibration, optimal_segment_bytes, predicted_seconds
 from asymstore.checksum import StreamingChecksum
 from asymstore.codec import (
@@ -73,7 +75,7 @@ class Segment:
     checksum: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkRef:
     """One staged chunk of one tensor, in version order."""
 
@@ -190,20 +192,38 @@ class VersionPlan:
         self.created = created
         self.codec = codec
         self.share_bytes = share_bytes
-        self.tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
-        self.chunks: list[ChunkRef] = []
+        # name -> (dtype name, shape, raw bytes, number of chunks); chunks in parallel lists, in
+        # version order (no object per chunk: tens of thousands of them would wake the GC)
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        self.views: list[memoryview] = []
+        self.digests: list[str] = []
+        self.widths: list[int] = []
+        self.owners: list[str] = []
+        kinds: dict[torch.dtype, tuple[str, int]] = {}
         for name, st in staged.items():
             t = st.tensor
-            self.tensors[name] = (dtype_name(t.dtype), tuple(t.shape), st.nbytes)
-            width = plane_width(t.dtype)
+            kind = kinds.get(t.dtype)
+            if kind is None:
+                kind = kinds[t.dtype] = (dtype_name(t.dtype), plane_width(t.dtype))
+            nbytes = 0
             for view, digest in st.chunks:
-                self.chunks.append(ChunkRef(len(self.chunks), name, view, digest, width))
-        self.raw_bytes = sum(n for _, _, n in self.tensors.values())
+                self.views.append(view)
+                self.digests.append(digest)
+                nbytes += len(view)
+            count = len(st.chunks)
+            self.widths.extend([kind[1]] * count)
+            self.owners.extend([name] * count)
+            self.tensors[name] = (kind[0], tuple(t.shape), nbytes, count)
+        self.raw_bytes = sum(t[2] for t in self.tensors.values())
         self._lock = threading.Lock()
         self._samples: dict[int, Sample] = {}
         self._shared: dict[int, tuple[tuple[bool, ...], Encoded]] = {}
         self._shared_bytes = 0
         self._tiers_left = tiers
+
+    def chunk(self, index: int) -> ChunkRef:
+        """Return chunk ``index`` (in version order)."""
+        return ChunkRef(index, self.owners[index], self.views[index], self.digests[index], self.widths[index])
 
     # -- decisions ---------------------------------------------------------
 
@@ -242,16 +262,16 @@ class VersionPlan:
         stored = 0.0
         compress_s = 0.0
         sample_s = 0.0
-        for ref in self.chunks:
-            n = len(ref.view)
+        for index, view in enumerate(self.views):
+            n = len(view)
             mask: tuple[bool, ...] | None = None
             if n == 0 or policy == "never":
                 pass
             elif policy == "always":
-                mask = (True,) * ref.width
+                mask = (True,) * self.widths[index]
                 stored += n
             elif overhead < per_byte * n:  # compression could pay at all: measure the ratio
-                smp, spent = self._sample(ref)
+                smp, spent = self._sample(self.chunk(index))
                 sample_s += spent
                 if any(smp.mask):
                     t_c = smp.compress_seconds(n)
@@ -278,9 +298,9 @@ class VersionPlan:
 
     def manifest_bound(self, segment_bytes: int) -> int:
         """An upper bound on the manifest's size in bytes for segments of ``segment_bytes``."""
-        segments = min(len(self.chunks), 2 * math.ceil(self.raw_bytes / max(segment_bytes, 1)) + 1) + 1
-        tensors = sum(len(json.dumps(name)) + 128 + 21 * len(shape) for name, (_, shape, _) in self.tensors.items())
-        return 512 + len(json.dumps(self.meta)) + tensors + 240 * len(self.chunks) + 160 * segments
+        segments = min(len(self.views), 2 * math.ceil(self.raw_bytes / max(segment_bytes, 1)) + 1) + 1
+        tensors = sum(len(json.dumps(name)) + 128 + 21 * len(t[1]) for name, t in self.tensors.items())
+        return 512 + len(json.dumps(self.meta)) + tensors + 240 * len(self.views) + 160 * segments
 
     # -- encoding ----------------------------------------------------------
 
@@ -322,59 +342,62 @@ class SegmentBuilder:
         self.plan = plan
         self.tier_plan = tier_plan
         self._pos = 0
-        self._carry: tuple[ChunkRef, _Stored] | None = None
+        self._carry: _Stored | None = None  # a chunk that did not fit in the previous segment
         self._segments: list[SegmentEntry] = []
-        self._chunks: dict[str, list[Chunk]] = {name: [] for name in plan.tensors}
+        self._chunks: list[Chunk] = []  # version order
         self._done = False
         self.stats = FlushStats(tier_plan.tier, plan.step, tier_plan.segment_bytes, tier_plan.segment_bytes_source,
                                 tier_plan.calibration, raw_bytes=plan.raw_bytes,
                                 sample_seconds=tier_plan.sample_seconds,
                                 predicted_seconds=tier_plan.predicted_seconds)
 
-    def _store(self, ref: ChunkRef) -> _Stored:
-        n = len(ref.view)
-        mask = self.tier_plan.masks[ref.index]
-        if mask is not None and n:
-            enc, fresh = self.plan.encoded(ref, mask)
-            if fresh:
-                self.stats.compress_seconds += enc.seconds
-            if enc.nbytes < n:
-                self.stats.chunks_compressed += 1
-                return _Stored(enc.parts, enc.nbytes, codec_name(ref.width), enc.checksum)
-        self.stats.chunks_raw += 1
-        return _Stored([ref.view], n, RAW, ref.raw_checksum)
+    def _compressed(self, index: int, mask: tuple[bool, ...]) -> _Stored | None:
+        ref = self.plan.chunk(index)
+        enc, fresh = self.plan.encoded(ref, mask)
+        if fresh:
+            self.stats.compress_seconds += enc.seconds
+        if enc.nbytes >= len(ref.view):
+            return None
+        return _Stored(enc.parts, enc.nbytes, codec_name(ref.width), enc.checksum)
 
     def next_segment(self) -> Segment | None:
         """Fill and return the next segment (about ``B`` bytes, at least one chunk), or None at the end."""
         if self._done:
             return None
-        chunks = self.plan.chunks
+        plan = self.plan
+        views, digests, masks, total = plan.views, plan.digests, self.tier_plan.masks, len(plan.views)
         limit = self.tier_plan.segment_bytes
         name = f"seg-{len(self._segments):06d}.bin"
         parts: list[Buffer] = []
         digest = StreamingChecksum()
         size = 0
         count = 0
-        while True:
-            if self._carry is None:
-                if self._pos >= len(chunks):
-                    break
-                ref = chunks[self._pos]
-                self._pos += 1
-                self._carry = (ref, self._store(ref))
-            ref, st = self._carry
+        while self._carry is not None or self._pos < total:
+            st = self._carry
+            if st is None:
+                index = self._pos
+                view = views[index]
+                mask = masks[index]
+                st = self._compressed(index, mask) if mask is not None and len(view) else None
+                if st is None:  # raw: the staged bytes themselves, no copy
+                    st = _Stored([view], len(view), RAW, digests[index])
+                    self.stats.chunks_raw += 1
+                else:
+                    self.stats.chunks_compressed += 1
             if size and size + st.nbytes > limit:
+                self._carry = st
                 break
             self._carry = None
-            self._chunks[ref.tensor].append(
-                Chunk(name, size, st.nbytes, len(ref.view), st.checksum, st.codec, ref.raw_checksum))
+            index = self._pos
+            self._pos += 1
+            self._chunks.append(Chunk(name, size, st.nbytes, len(views[index]), st.checksum, st.codec, digests[index]))
             for part in st.parts:
                 if len(part):
                     parts.append(part)
                     digest.update(part)
             size += st.nbytes
             count += 1
-        if self._carry is None and self._pos >= len(chunks):
+        if self._carry is None and self._pos >= total:
             self._done = True
         if not count:
             return None
@@ -388,10 +411,11 @@ class SegmentBuilder:
         """Return the version's manifest for this tier (after the last segment)."""
         if not self._done:
             raise RuntimeError("manifest() before the last segment was built")
-        entries = {
-            name: TensorEntry(dtype, shape, nbytes, tuple(self._chunks[name]))
-            for name, (dtype, shape, nbytes) in self.plan.tensors.items()
-        }
+        entries = {}
+        pos = 0
+        for name, (dtype, shape, nbytes, count) in self.plan.tensors.items():
+            entries[name] = TensorEntry(dtype, shape, nbytes, tuple(self._chunks[pos:pos + count]))
+            pos += count
         return Manifest(step=self.plan.step, tensors=entries, segments=tuple(self._segments),
                         meta=dict(self.plan.meta), created=self.plan.created)
 
@@ -407,6 +431,13 @@ class TierStatus:
         last_flush: what the latest write of a version to this tier did.
         last_error: the latest failure on this tier, if any.
         pending_steps: committed steps still being written to it in the background.
+        newest: newest committed step on the tier.
+        lag_versions: versions committed through this store that the tier does not have yet.
+        lag_bytes: raw bytes waiting for (or being written to) the tier.
+        bytes_per_second: raw bytes per second of the tier's background writes.
+        queue_depth: versions waiting for or being written to the tier.
+        retries: background write attempts that failed and were retried.
+        skipped: versions the tier skipped (superseded while behind, or no room).
     """
 
     name: str
@@ -415,3 +446,10 @@ class TierStatus:
     last_flush: FlushStats | None
     last_error: str | None
     pending_steps: list[int] = field(default_factory=list)
+    newest: int | None = None
+    lag_versions: int = 0
+    lag_bytes: int = 0
+    bytes_per_second: float = 0.0
+    queue_depth: int = 0
+    retries: int = 0
+    skipped: int = 0

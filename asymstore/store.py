@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ from asymstore.batcher import (
     VersionPlan,
 )
 from asymstore.calibration import CalibrationCache, TierCalibration, assumed_calibration, calibrate
+from asymstore.cascade import Flusher
 from asymstore.codec import PlaneCodec
 from asymstore.errors import (
     AsymstoreError,
@@ -108,6 +110,10 @@ class AsymStore:
             file; False: measure at every ``open``.
         flush_memory_bytes: host memory for segments in flight per tier
             (about two segments); caps ``B`` at half of it.
+        backlog: versions waiting per background tier; when a newer one
+            arrives beyond it, the oldest waiting one is skipped there.
+        close_timeout_s: how long ``close`` waits for background tiers
+            (None: as long as it takes); what is left is reported and dropped.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, keep_last: int | None = 3,
@@ -115,7 +121,8 @@ class AsymStore:
                  chunk_bytes: int | None = None, compression: Compression = "auto",
                  codec: PlaneCodec | None = None, calibrations: Mapping[str, TierCalibration] | None = None,
                  calibration_cache: str | os.PathLike[str] | bool = True,
-                 flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES) -> None:
+                 flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES, backlog: int = 1,
+                 close_timeout_s: float | None = 60.0) -> None:
         """Configure the store; tiers are opened by ``open`` / ``async with``."""
         if not tiers:
             raise ValueError("AsymStore needs at least one tier")
@@ -151,7 +158,12 @@ class AsymStore:
             self._cache = CalibrationCache(calibration_cache)
         self._durable = self._find_durable(durable)
         self._pending: dict[int, PendingStep] = {}
-        self._background: dict[int, list[asyncio.Task[None]]] = {}
+        self._committed_steps: set[int] = set()  # committed through this store object
+        self._side_tasks: set[asyncio.Future[None]] = set()
+        self._flushers: dict[str, Flusher] = {}
+        self._holds: dict[int, int] = {}  # step -> background tiers still to write it (held fast tiers)
+        self.close_timeout_s = close_timeout_s
+        self.backlog = backlog
         self._open = False
 
     def _find_durable(self, durable: Tier | str | None) -> int:
@@ -182,6 +194,10 @@ class AsymStore:
             await state.tier.open()
         await self.refresh()
         await self._calibrate(refresh=False)
+        for state in self._tiers[self._durable + 1:]:
+            self._flushers[state.tier.name] = Flusher(
+                state.tier.name, functools.partial(self._write_locked, state), backlog=self.backlog,
+                on_finished=self._flushed_one)
         self._open = True
         return self
 
@@ -218,8 +234,16 @@ class AsymStore:
         if not self._open:
             return
         try:
-            await self.flushed()
+            await self.flushed(timeout=self.close_timeout_s)
+        except TimeoutError:
+            for name, f in self._flushers.items():
+                if f.depth:
+                    logger.error("closing: %s is %d version(s) behind (newest there: %s; last error: %s); "
+                                 "dropping them", name, f.depth, f.newest, f.stats.last_error)
         finally:
+            for f in self._flushers.values():
+                await f.stop()
+            self._flushers.clear()
             for step in list(self._pending):
                 logger.warning("closing with step %d put but never committed; dropping it", step)
             self._pending.clear()
@@ -255,17 +279,20 @@ class AsymStore:
         segment size chosen, chunks compressed vs raw, bytes raw vs stored and
         the time spent compressing and writing.
         """
-        pending: dict[str, list[int]] = {s.tier.name: [] for s in self._tiers}
-        rest = self._tiers[self._durable + 1:]
-        for step, tasks in self._background.items():
-            for state, task in zip(rest, tasks, strict=False):
-                if not task.done():
-                    pending[state.tier.name].append(step)
-        return {
-            s.tier.name: TierStatus(s.tier.name, sorted(s.versions), s.calibration, s.last_flush, s.last_error,
-                                    sorted(pending[s.tier.name]))
-            for s in self._tiers
-        }
+        newest = self.newest_step
+        out = {}
+        for s in self._tiers:
+            f = self._flushers.get(s.tier.name)
+            have = max(s.versions) if s.versions else None
+            lag = 0 if newest is None else sum(1 for v in self._committed_steps if v > (have or -1))
+            out[s.tier.name] = TierStatus(
+                s.tier.name, sorted(s.versions), s.calibration, s.last_flush,
+                (f.stats.last_error if f and f.stats.last_error else s.last_error),
+                sorted(p.step for p in [*f.queue, *([f.current] if f.current else [])]) if f else [],
+                newest=have, lag_versions=lag, lag_bytes=f.lag_bytes if f else 0,
+                bytes_per_second=f.stats.bytes_per_second if f else 0.0, queue_depth=f.depth if f else 0,
+                retries=f.stats.retries if f else 0, skipped=f.stats.skipped if f else 0)
+        return out
 
     def _committed_anywhere(self, step: int) -> bool:
         return any(step in s.versions - s.bad for s in self._tiers)
@@ -370,9 +397,16 @@ class AsymStore:
         for older in [s for s in self._pending if s < step]:
             logger.warning("step %d was put but never committed before step %d; dropping it", older, step)
             del self._pending[older]
-        rest = self._tiers[self._durable + 1:]
-        if rest:
-            self._background[step] = [asyncio.ensure_future(self._write_background(s, plan)) for s in rest]
+        self._committed_steps.add(step)
+        if self._flushers:
+            if not self._tiers[self._durable].tier.persistent:  # keep the only copies until a slower tier has them
+                self._holds[step] = len(self._flushers)
+                for state in self._tiers[: self._durable + 1]:
+                    hold = getattr(state.tier, "hold", None)
+                    if hold is not None and step in state.versions:
+                        hold(step)
+            for f in self._flushers.values():
+                f.submit(plan)
         assert manifest is not None, "the durable tier either committed or raised"
         return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 
@@ -386,12 +420,26 @@ class AsymStore:
                     logger.error("could not remove step %d from %s: %s", step, state.tier.name, exc)
                 state.versions.discard(step)
 
-    async def _write_background(self, state: _TierState, plan: VersionPlan) -> None:
-        try:
-            await self._write_tier(state, plan)
-        except Exception as exc:  # a background tier never fails the training side
-            state.last_error = describe(exc)
-            logger.error("background commit of step %d to %s failed: %s", plan.step, state.tier.name, exc)
+    async def _write_locked(self, state: _TierState, plan: VersionPlan) -> None:
+        """A background tier's write (the flusher retries it and counts the tier done once)."""
+        async with state.lock:
+            await self._write_tier_locked(state, plan)
+
+    def _flushed_one(self, step: int) -> None:
+        """A flusher is done with ``step``: release held fast-tier copies once every flusher is."""
+        left = self._holds.get(step)
+        if left is None:
+            return
+        if left > 1:
+            self._holds[step] = left - 1
+            return
+        del self._holds[step]
+        for state in self._tiers[: self._durable + 1]:
+            release = getattr(state.tier, "release", None)
+            if release is not None:
+                task = asyncio.ensure_future(release(step))
+                self._side_tasks.add(task)
+                task.add_done_callback(self._side_tasks.discard)
 
     async def _write_tier(self, state: _TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
         try:
@@ -458,14 +506,31 @@ class AsymStore:
             state.versions.discard(old)
             state.bad.discard(old)
 
-    async def flushed(self, step: int | None = None) -> None:
-        """Wait until ``step`` (default: every committed step) is on every tier it is bound for."""
-        steps = [step] if step is not None else list(self._background)
-        for s in steps:
-            tasks = self._background.get(s, [])
-            if tasks:
-                await asyncio.gather(*tasks)
-            self._background.pop(s, None)
+    async def flushed(self, step: int | None = None, *, tier: Tier | str | None = None,
+                      timeout: float | None = None) -> None:
+        """Wait until every background tier (or ``tier``) has ``step`` or a newer version.
+
+        ``step`` defaults to the newest committed step. A tier that is down is
+        retried until it comes back, so without ``timeout`` this waits for it.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+            ValueError: ``tier`` is not one of the store's tiers.
+        """
+        if step is None:
+            step = max(self._committed_steps, default=None)
+            if step is None:
+                return
+        flushers = list(self._flushers.values())
+        if tier is not None:
+            name = tier if isinstance(tier, str) else tier.name
+            if name not in {s.tier.name for s in self._tiers}:
+                raise ValueError(f"{name!r} is not one of the store's tiers")
+            flushers = [f for f in flushers if f.name == name]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in flushers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await f.wait(step, left)
 
     # -- reading ---------------------------------------------------------
 

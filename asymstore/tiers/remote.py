@@ -297,6 +297,7 @@ class _RemoteWriter:
             got = await tier._io("verify manifest", lambda: _read_all(tier.fs, f"{self.target}/{MANIFEST_NAME}"))
             if bytes(got) != manifest:
                 raise CorruptVersionError(f"manifest of step {self.step} on {tier.name} read back differently")
+            await self.sweep()
             return
         dest = tier._p(version_dirname(self.step))
 
@@ -313,6 +314,36 @@ class _RemoteWriter:
             if isinstance(exc.__cause__, FileExistsError):
                 raise StepCommittedError(f"step {self.step} is already committed on {tier.name}") from exc
             raise
+        await self.sweep()
+
+    async def sweep(self) -> None:
+        """Remove leftovers older than this version: aborted uploads the remote was too down to delete.
+
+        One writer per remote root is assumed (as for every tier), so a prefix
+        without manifest below a step just published can only be a leftover.
+        """
+        tier = self.tier
+
+        def sweep() -> list[str]:
+            removed = []
+            sel = pafs.FileSelector(tier.root, allow_not_found=True, recursive=False)
+            for info in tier.fs.get_file_info(sel):
+                name = info.base_name
+                step = parse_version_dirname(name)
+                stale_tmp = name.startswith(TMP_PREFIX)  # this writer's own was renamed away already
+                orphan = (step is not None and step < self.step and
+                          tier.fs.get_file_info(f"{info.path}/{MANIFEST_NAME}").type != pafs.FileType.File)
+                if info.type == pafs.FileType.Directory and (stale_tmp or orphan):
+                    tier.fs.delete_dir(info.path)
+                    removed.append(name)
+            return removed
+        try:
+            removed = await asyncio.to_thread(sweep)
+        except OSError as exc:
+            logger.info("%s: sweeping leftovers failed (will retry next commit): %s", tier.name, exc)
+            return
+        for name in removed:
+            logger.info("%s: removed leftover %s", tier.name, name)
 
     async def abort(self) -> None:
         for task in self.uploads:

@@ -1,0 +1,174 @@
+"""The background cascade: dead remotes, back-pressure, cross-tier fallback, engines reading each other."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+
+import pytest
+import torch
+from _servers import S3Server, s3_server, stub_libcuda  # noqa: F401  (fixtures)
+
+from asymstore import AsymStore, HostTier, LocalTier, SnapshotSkippedError
+from asymstore.fsck import check
+from asymstore.layout import version_dirname
+from asymstore.tiers.base import Buffer, VersionWriter
+from asymstore.tiers.nvme import NVMeTier
+from asymstore.tiers.remote import RemoteTier
+from asymstore.tiers.retry import RetryPolicy
+
+FAST = {"compression": "never", "segment_bytes": 256 << 10}
+
+
+def state(step: int, n: int = 100_000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "b": torch.randn(n // 10, generator=g).bfloat16(),
+            "step": torch.tensor(step)}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def test_dead_remote_never_blocks_and_catches_up(tmp_path: object, s3_server: S3Server,  # noqa: F811
+                                                       shm_dir: str) -> None:
+    uri = s3_server.uri("cascade")
+    nvme_root = os.path.join(str(tmp_path), "nvme")
+    remote = RemoteTier(uri, retry=RetryPolicy(attempts=2, deadline_s=2.0, initial_s=0.05, max_backoff_s=0.2))
+    tiers = [HostTier(64 << 20, path=shm_dir), NVMeTier(nvme_root, engine="posix"), remote]
+    async with AsymStore(tiers, keep_last=3, **FAST) as store:  # type: ignore[arg-type]
+        for step in range(3):
+            await store.put_many(step, state(step))
+            await store.commit(step)
+        await store.flushed(timeout=30)
+        assert store.status()[remote.name].newest == 2
+        s3_server.stop()  # the remote dies, mid-stream
+        outage = []
+        for step in range(3, 8):
+            await store.put_many(step, state(step))
+            t0 = time.perf_counter()
+            result = await store.commit(step)
+            outage.append(time.perf_counter() - t0)
+            assert remote.name not in result.tiers  # durable on NVMe, the remote is background work
+        for _ in range(100):  # the flusher notices the outage on its own time
+            status = store.status()[remote.name]
+            if status.last_error:
+                break
+            await asyncio.sleep(0.1)
+        assert status.newest == 2 and status.lag_versions == 5
+        assert status.last_error and "Unavailable" in status.last_error and status.queue_depth >= 1
+        assert max(outage) < 5.0  # commits never waited for the dead remote's retries
+        with pytest.raises(TimeoutError):
+            await store.flushed(tier=remote, timeout=0.5)
+        s3_server.start()  # it comes back
+        await store.flushed(timeout=60)
+        status = store.status()[remote.name]
+        assert status.newest == 7 and status.lag_versions == 0 and status.skipped >= 1
+    async with AsymStore([RemoteTier(uri)], **FAST) as store:  # the remote alone: nothing lost
+        versions = store.versions()[next(iter(store.versions()))]
+        assert versions[-1] == 7 and len(versions) <= 3
+        for step in versions:
+            assert same((await store.restore(step=step)).tensors, state(step))
+    fs, root = remote.fs, remote.root
+    from pyarrow.fs import FileSelector
+    leftovers = [i.base_name for i in fs.get_file_info(FileSelector(root)) if i.base_name != "LATEST"
+                 and i.base_name not in {version_dirname(v) for v in versions}]
+    assert leftovers == []  # no partial uploads left behind on the remote
+    for root_dir in (shm_dir, nvme_root):
+        assert check(root_dir, deep=True).ok
+
+
+class SlowTier(LocalTier):
+    """Fault injection: a persistent tier whose segment writes take ``delay`` seconds."""
+
+    def __init__(self, root: str, delay: float) -> None:
+        super().__init__(root, name="slow")
+        self.delay = delay
+
+    async def begin(self, step: int, nbytes: int) -> VersionWriter:
+        writer = await super().begin(step, nbytes)
+        delay = self.delay
+        inner_write = writer.write_segment
+
+        async def slow_write(name: str, parts: Sequence[Buffer]) -> None:
+            await asyncio.sleep(delay)
+            await inner_write(name, parts)
+
+        writer.write_segment = slow_write  # type: ignore[method-assign]
+        return writer
+
+
+@pytest.mark.parametrize("policy", ["wait", "skip"])
+async def test_back_pressure_with_a_pool_smaller_than_two_versions(tmp_path: object, policy: str) -> None:
+    one = sum(t.numel() * t.element_size() for t in state(0).values())
+    host = HostTier(int(one * 1.5), policy=policy)  # room for one version, not two
+    slow = SlowTier(str(tmp_path), delay=0.6)
+    async with AsymStore([host, slow], durable=host, keep_last=5, **FAST) as store:
+        await store.put_many(0, state(0))
+        await store.commit(0)  # durable in host memory; the slow tier has not got it yet
+        await store.put_many(1, state(1))
+        t0 = time.perf_counter()
+        if policy == "wait":
+            await store.commit(1)  # waits until step 0 reached the slow tier, then evicts it
+            assert time.perf_counter() - t0 >= 0.3
+            assert store.versions()[host.name] == [1]
+        else:
+            with pytest.raises(SnapshotSkippedError):
+                await store.commit(1)  # full of a version nobody else has: skip, do not wait
+            assert host.skipped == 1
+            store.abandon(1)
+        await store.flushed(timeout=30)
+        assert host.high_water_bytes <= host.capacity_bytes
+        expected = [0, 1] if policy == "wait" else [0]
+        assert store.versions()["slow"] == expected
+    async with AsymStore([LocalTier(str(tmp_path))], **FAST) as store:
+        for step in expected:
+            assert same((await store.restore(step=step)).tensors, state(step))
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+async def test_fallback_across_tiers_then_versions(tmp_path: object, shm_dir: str) -> None:
+    disk = os.path.join(str(tmp_path), "disk")
+
+    def tiers() -> list[object]:
+        return [HostTier(64 << 20, path=shm_dir), NVMeTier(disk, engine="posix")]
+
+    async with AsymStore(tiers(), **FAST) as store:  # type: ignore[arg-type]
+        for step in (1, 2):
+            await store.put_many(step, state(step))
+            await store.commit(step)
+    flip_byte(os.path.join(shm_dir, version_dirname(2), "seg-000000.bin"))
+    async with AsymStore(tiers(), **FAST) as store:  # type: ignore[arg-type]
+        ckpt = await store.restore()
+        assert ckpt.step == 2 and ckpt.tier.startswith("nvme:") and len(ckpt.fallbacks) == 1
+        assert same(ckpt.tensors, state(2))
+    flip_byte(os.path.join(disk, version_dirname(2), "seg-000000.bin"))
+    async with AsymStore(tiers(), **FAST) as store:  # type: ignore[arg-type]
+        ckpt = await store.restore()
+        assert ckpt.step == 1 and ckpt.tier.startswith("host:") and len(ckpt.fallbacks) == 2
+        assert same(ckpt.tensors, state(1))
+
+
+async def test_kvikio_and_posix_engines_read_each_other(tmp_path: object, stub_libcuda: str) -> None:  # noqa: F811
+    a, b = os.path.join(str(tmp_path), "a"), os.path.join(str(tmp_path), "b")
+    big = {"x": torch.randn(3_000_001), "y": torch.arange(5).to(torch.int16)}  # unaligned sizes
+    for root, engine in ((a, "kvikio"), (b, "posix")):
+        async with AsymStore([NVMeTier(root, engine=engine, task_size=1 << 20)], compression="never") as store:
+            await store.put_many(0, big)
+            await store.commit(0)
+    for root, engine in ((a, "posix"), (b, "kvikio")):
+        tier = NVMeTier(root, engine=engine, task_size=1 << 20)
+        assert tier.engine.name == engine
+        async with AsymStore([tier]) as store:
+            assert same((await store.restore()).tensors, big)
+    for root in (a, b):
+        assert check(root, deep=True).ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import subprocess
@@ -40,6 +41,7 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
     moto_server = pytest.importorskip("moto.server")
     boto3 = pytest.importorskip("boto3")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

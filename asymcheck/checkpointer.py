@@ -262,7 +262,7 @@ class Checkpointer:
         snap = self._snap
         if snap is not None:
             if snap.next_pending:
-                self._capture_next(snap)
+                snap = self._snap = self._capture_next(snap)
             snap.issue_event(ordinal, self._engine)
         self._recorder.leave()
         self._hook_s += time.perf_counter() - started
@@ -278,15 +278,16 @@ class Checkpointer:
         snap, self._snap = self._snap, None
         sealed = skipped = False
         waited = 0.0
+        nbytes = 0
         if snap is not None:
-            submitted, waited = self._seal(snap)
+            submitted, waited, nbytes = self._seal(snap)
             sealed, skipped = True, not submitted
         ended = time.perf_counter()
         iteration = started - self._last_pre if self._last_pre is not None else 0.0
         self._last_pre = started
         self._stats.add_step(StepRecord(
             step=self._step, sealed=sealed, stall_s=ended - started, backpressure_s=waited, hook_s=self._hook_s,
-            open_s=self._open_s, copy_bytes=snap.nbytes if snap else 0, iteration_s=iteration, skipped=skipped))
+            open_s=self._open_s, copy_bytes=nbytes, iteration_s=iteration, skipped=skipped))
         self._hook_s = self._open_s = 0.0
 
     def _on_step_post(self) -> None:
@@ -319,14 +320,25 @@ class Checkpointer:
         self._snap = Snapshot(step, cap, plan, slot)
         self._stats.versions_opened += 1
 
-    def _capture_next(self, snap: Snapshot) -> None:
+    def _capture_next(self, snap: Snapshot) -> Snapshot:
+        """Capture param groups and stateful objects; re-open the version if parameters were added."""
+        if self.state.signature() != snap.capture.signature:
+            # parameters, buffers or param groups were added or replaced after the step (before any
+            # partition was issued): re-capture so the version stays one consistent state
+            logger.info("model or optimizer changed after step %d: re-capturing its version", snap.step)
+            cap = self.state.capture_step(rng_from=snap.capture)
+            plan = self._planner.plan(extents_of(cap.sources))
+            snap.slot.arrange(cap.sources)
+            snap = Snapshot(snap.step, cap, plan, snap.slot)
+            self._hooks.refresh()
         self.state.capture_next(snap.capture)
         snap.next_pending = False
+        return snap
 
-    def _seal(self, snap: Snapshot, *, force: bool = False) -> tuple[bool, float]:
+    def _seal(self, snap: Snapshot, *, force: bool = False) -> tuple[bool, float, int]:
         """Copy what is left, wait for the copies, and hand the version to the commit queue."""
         if snap.next_pending:
-            self._capture_next(snap)
+            snap = self._capture_next(snap)
         snap.issue_rest(self._engine)
         ready = self._engine.wait()
         meta = snap.capture.meta
@@ -341,7 +353,7 @@ class Checkpointer:
             self._saved_step = snap.step
         else:
             self._stats.versions_skipped += 1
-        return submitted, waited
+        return submitted, waited, snap.nbytes
 
     def _raise_commit_error(self) -> None:
         exc = self._commits.take_error()

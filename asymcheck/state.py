@@ -63,6 +63,7 @@ class Capture:
     sources: list[torch.Tensor] = field(default_factory=list)
     eager: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    signature: tuple[int, ...] = ()
 
 
 def _copy_all(tensors: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
@@ -105,9 +106,24 @@ class TrainingState:
 
     # -- capture ---------------------------------------------------------
 
-    def capture_step(self) -> Capture:
-        """Capture what is fixed right after ``optimizer.step()``: flat refs, buffers, RNG."""
-        cap = Capture()
+    def signature(self) -> tuple[int, ...]:
+        """Identities of every parameter, buffer and param group: changes when any is added or replaced."""
+        sig: list[int] = [id(t) for t in self.model.parameters()]
+        sig.append(-1)
+        sig += [id(t) for t in self.model.buffers()]
+        for group in self.optimizer.param_groups:
+            sig.append(-2)
+            sig += [id(p) for p in group["params"]]
+        return tuple(sig)
+
+    def capture_step(self, rng_from: Capture | None = None) -> Capture:
+        """Capture what is fixed right after ``optimizer.step()``: flat refs, buffers, RNG.
+
+        Args:
+            rng_from: reuse the RNG states of this earlier capture (a re-capture
+                after parameters were added, when the RNG may have moved on).
+        """
+        cap = Capture(signature=self.signature())
         lazy: dict[str, torch.Tensor] = {}
         eager: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
@@ -142,7 +158,11 @@ class TrainingState:
         cap.names = list(lazy)
         cap.sources = list(lazy.values())
         _copy_all(eager, cap.eager)
-        rng_meta = rng.capture(cap.eager)
+        if rng_from is None:
+            rng_meta = rng.capture(cap.eager)
+        else:
+            rng_meta = rng_from.meta["rng"]
+            cap.eager.update({k: v for k, v in rng_from.eager.items() if k.startswith("rng/")})
         cap.meta = {
             "asymcheck": {"format": FORMAT},
             "model": {"aliases": aliases, "extra": extra},
@@ -157,7 +177,11 @@ class TrainingState:
         return cap
 
     def capture_next(self, cap: Capture) -> None:
-        """Capture what may change after the step but before the next one: param groups, stateful."""
+        """Capture what may change after the step but before the next one: param groups, stateful.
+
+        The caller must first re-capture (``capture_step(rng_from=cap)``) if
+        ``signature()`` changed since ``cap`` was taken (parameters added).
+        """
         eager: dict[str, torch.Tensor] = {}
         groups = encode(self.optimizer.state_dict()["param_groups"], "optim/param_groups", eager)
         cap.meta["optimizer"]["param_groups"] = groups

@@ -1,0 +1,107 @@
+"""Small deterministic training loops shared by the in-process asymcheck tests."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from asymcheck import Checkpointer
+from asymcheck.state import TrainingState
+from asymstore import AsymStore, LocalTier
+from asymstore.restore import Checkpoint
+
+
+def make_model(seed: int = 0, hidden: int = 64) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, hidden), nn.GELU(), nn.Dropout(0.1), nn.Linear(hidden, hidden),
+                         nn.BatchNorm1d(hidden), nn.GELU(), nn.Linear(hidden, 16))
+
+
+def make_opt(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def data(it: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(it * 100 + micro)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.roll(1, 1)
+
+
+def tensors_of(obj: Any) -> Any:
+    """A deep copy of a (nested) state dict with every tensor cloned."""
+    return copy.deepcopy(obj)
+
+
+def equal_state(a: Any, b: Any, path: str = "") -> None:
+    """Assert two nested state dicts are equal, tensors bit for bit (tuples and lists alike)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: {sorted(a)} != {sorted(b) if isinstance(b, dict) else b}"
+        for k in a:
+            equal_state(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            equal_state(x, y, f"{path}/{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def read_versions(root: Path) -> dict[int, Checkpoint]:
+    async def read() -> dict[int, Checkpoint]:
+        async with AsymStore([LocalTier(root)], keep_last=None) as store:
+            steps = store.versions()[store.tiers[0].name]
+            return {s: await store.restore(s) for s in steps}
+
+    return asyncio.run(read())
+
+
+@dataclass
+class Recorder:
+    """The state of every step as the training loop saw it (the ground truth for snapshots)."""
+
+    after_step: dict[int, dict[str, Any]] = field(default_factory=dict)  # at the step post-hook
+    before_next: dict[int, dict[str, Any]] = field(default_factory=dict)  # at the end of the loop body
+    added: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters added mid-run
+
+    def hook(self, model: nn.Module, opt: torch.optim.Optimizer, steps: Callable[[], int]) -> None:
+        def post(o: Any, a: Any, k: Any) -> None:
+            self.after_step[steps()] = {"model": tensors_of(model.state_dict()),
+                                        "optim": tensors_of(opt.state_dict()["state"])}
+        opt.register_step_post_hook(post)
+
+    def end_of_body(self, step: int, opt: torch.optim.Optimizer, stateful: dict[str, Any]) -> None:
+        if step and step not in self.before_next:  # the first iteration after the step (skips leave it)
+            self.before_next[step] = {"param_groups": tensors_of(opt.state_dict()["param_groups"]),
+                                      **{k: tensors_of(v.state_dict()) for k, v in stateful.items()}}
+
+
+def check_version(ckpt: Checkpoint, rec: Recorder, model: nn.Module, opt: torch.optim.Optimizer,
+                  stateful: dict[str, Any]) -> None:
+    """Load a version into fresh objects and compare with what the loop recorded for that step."""
+    TrainingState(model, opt, stateful).load(ckpt.tensors, ckpt.meta)
+    want = rec.after_step[ckpt.step]
+    equal_state(want["model"], model.state_dict(), "model")
+    equal_state(want["optim"], opt.state_dict()["state"], "optim")
+    small = rec.before_next[ckpt.step]
+    equal_state(small["param_groups"], opt.state_dict()["param_groups"], "param_groups")
+    for k, obj in stateful.items():
+        equal_state(small[k], obj.state_dict(), k)
+
+
+def open_ckpt(model: nn.Module, opt: torch.optim.Optimizer, root: Path, **kwargs: Any) -> Checkpointer:
+    kwargs.setdefault("warmup", 2)
+    kwargs.setdefault("min_partition_bytes", 1024)
+    kwargs.setdefault("keep_last", None)
+    return Checkpointer(model, opt, str(root), **kwargs)

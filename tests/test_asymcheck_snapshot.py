@@ -1,0 +1,155 @@
+"""Every committed version equals exactly one step's state, whatever the training loop does.
+
+The loop records the true state right after each optimizer step (a step
+post-hook registered after the Checkpointer's) and the param groups and
+stateful objects at the end of each iteration; every version the
+Checkpointer committed is then loaded into fresh objects and compared, bit
+for bit. Loops covered: plain, gradient accumulation with
+``zero_grad(set_to_none=True)``, ``every=k``, parameters frozen and unfrozen,
+a parameter group and a module added mid-run, a forward that is not a module
+call, GradScaler-skipped steps, and inline copies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _asymcheck_train import (
+    Recorder,
+    check_version,
+    data,
+    make_model,
+    make_opt,
+    open_ckpt,
+    read_versions,
+    tensors_of,
+)
+from torch import nn
+
+
+def train(root: Path, iterations: int, *, accum: int = 1, every: int = 1, freeze: bool = False,
+          grow: bool = False, functional: bool = False, scaler: bool = False,
+          copy: str = "thread") -> tuple[Recorder, Any]:
+    model = make_model()
+    opt, sched = make_opt(model)
+    stateful: dict[str, Any] = {"sched": sched}
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2) if scaler else None
+    if amp is not None:
+        stateful["scaler"] = amp
+    rec = Recorder()
+    with open_ckpt(model, opt, root, every=every, stateful=stateful, copy=copy) as ckpt:
+        rec.hook(model, opt, lambda: ckpt.step)
+        for it in range(iterations):
+            if freeze and it == 4:
+                model[0].requires_grad_(False)
+            if freeze and it == 7:
+                model[0].requires_grad_(True)
+            if grow and it == 5:
+                model.add_module("extra", nn.Linear(16, 16))
+                rec.added = {k: v.clone() for k, v in model.extra.state_dict().items()}
+                opt.add_param_group({"params": list(model.extra.parameters()), "lr": 5e-3})
+                rec.before_next[ckpt.step]["param_groups"] = tensors_of(opt.state_dict()["param_groups"])
+            for micro in range(accum):
+                x, y = data(it, micro)
+                if functional:  # no module call: the weights are used directly
+                    h = nn.functional.gelu(nn.functional.linear(x, model[0].weight, model[0].bias))
+                    out = nn.functional.linear(h, model[3].weight[:16], model[3].bias[:16])
+                elif amp is not None:
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        out = model(x).float()
+                else:
+                    out = model(x)
+                if grow and it >= 5:
+                    out = out + model.extra(x)
+                loss = nn.functional.mse_loss(out, y) / accum
+                (amp.scale(loss) if amp is not None else loss).backward()
+            if amp is not None:
+                amp.step(opt)
+                amp.update()
+            else:
+                opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            rec.end_of_body(ckpt.step, opt, stateful)
+    return rec, ckpt
+
+
+def fresh(grow: bool = False, scaler: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+    model = make_model(seed=99)  # different values: the load must overwrite everything
+    opt, sched = make_opt(model)
+    if grow:
+        model.add_module("extra", nn.Linear(16, 16))
+        opt.add_param_group({"params": list(model.extra.parameters()), "lr": 5e-3})
+    stateful: dict[str, Any] = {"sched": sched}
+    if scaler:
+        stateful["scaler"] = torch.amp.GradScaler("cpu")
+    return model, opt, stateful
+
+
+CASES = {
+    "plain": {},
+    "accumulation": {"accum": 3},
+    "every-3": {"every": 3},
+    "frozen": {"freeze": True},
+    "functional": {"functional": True},
+    "inline-copy": {"copy": "inline"},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_version_is_one_steps_state(tmp_path: Path, case: str) -> None:
+    opts: dict[str, Any] = CASES[case]
+    rec, ckpt = train(tmp_path, 10, **opts)
+    versions = read_versions(tmp_path)
+    every = opts.get("every", 1)
+    expected = sorted({s for s in range(1, 11) if s % every == 0} | {10})  # close() saves the last step
+    assert sorted(versions) == expected
+    for ck in versions.values():
+        check_version(ck, rec, *fresh())
+    stats = ckpt.stats()
+    assert stats.versions_committed == len(expected) and stats.commits_failed == 0
+    assert ckpt.plan is not None and ckpt.plan.warm  # sized from measured windows after warm-up
+    if case == "functional":  # only grad hooks and the drain ran: still exact
+        assert ckpt.plan.bytes_by_phase()["forward"] == 0
+
+
+def test_parameters_added_mid_run(tmp_path: Path) -> None:
+    rec, _ = train(tmp_path, 9, grow=True)
+    versions = read_versions(tmp_path)
+    assert sorted(versions) == list(range(1, 10))
+    for step, ck in versions.items():
+        # the module and its param group were added at the start of iteration 5, after step 5:
+        # version 5 is re-captured with them (fresh values, no optimizer state yet)
+        assert ("model/extra.weight" in ck.tensors) == (step >= 5)
+        if step == 5:
+            rec.after_step[5]["model"].update({f"extra.{k}": v for k, v in rec.added.items()})
+        check_version(ck, rec, *fresh(grow=step >= 5))
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_gradscaler_skipped_steps_make_no_version(tmp_path: Path) -> None:
+    rec, ckpt = train(tmp_path, 14, scaler=True)
+    versions = read_versions(tmp_path)
+    steps = ckpt.step
+    assert steps < 14, "the scaler should have skipped some steps"
+    assert sorted(versions) == list(range(1, steps + 1))  # numbered by optimizer steps
+    for ck in versions.values():
+        check_version(ck, rec, *fresh(scaler=True))
+
+
+def test_plan_and_stats_are_reported(tmp_path: Path) -> None:
+    _, ckpt = train(tmp_path, 8)
+    plan = ckpt.plan
+    assert plan is not None
+    total = sum(p.nbytes for p in plan.partitions)
+    assert total == plan.total_bytes > 0
+    records = ckpt.stats().steps
+    assert len(records) == 8
+    sealed = [r for r in records if r.sealed]
+    assert len(sealed) == 7  # the 8th step's version is sealed by close()
+    assert all(r.copy_bytes == plan.total_bytes and r.stall_s >= 0 and r.iteration_s >= 0 for r in sealed)
+    summary = ckpt.stats().summary()
+    assert summary["versions_committed"] == 8 and summary["bytes_per_version"] > plan.total_bytes

@@ -47,7 +47,8 @@ def equal_state(a: Any, b: Any, path: str = "") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape, path
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: {sorted(a)} != {sorted(b) if isinstance(b, dict) else b}"
+        assert isinstance(b, dict), path
+        assert set(a) == set(b), f"{path}: {sorted(a)} != {sorted(b)}"
         for k in a:
             equal_state(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple)):

@@ -61,6 +61,10 @@ from asymstore.tiers.base import Buffer
 
 logger = logging.getLogger(__name__)
 
+SMALL_CHUNK_BYTES = 64 << 10
+"""Raw chunks smaller than this are copied together into one buffer per run (bounded by the segment size),
+so 10,000 small tensors are a few large writes, not 10,000 tiny buffers to gather and checksum."""
+
 Compression = Literal["auto", "never", "always"]
 COMPRESSION_POLICIES: tuple[str, ...] = ("auto", "never", "always")
 
@@ -369,9 +373,18 @@ class SegmentBuilder:
         limit = self.tier_plan.segment_bytes
         name = f"seg-{len(self._segments):06d}.bin"
         parts: list[Buffer] = []
+        small: list[memoryview] = []  # consecutive small raw chunks, joined into one buffer
         digest = StreamingChecksum()
         size = 0
         count = 0
+
+        def flush_small() -> None:
+            if small:
+                blob = b"".join(small)
+                parts.append(blob)
+                digest.update(blob)
+                small.clear()
+
         while self._carry is not None or self._pos < total:
             st = self._carry
             if st is None:
@@ -391,12 +404,17 @@ class SegmentBuilder:
             index = self._pos
             self._pos += 1
             self._chunks.append(Chunk(name, size, st.nbytes, len(views[index]), st.checksum, st.codec, digests[index]))
-            for part in st.parts:
-                if len(part):
-                    parts.append(part)
-                    digest.update(part)
+            if st.codec == RAW and st.nbytes < SMALL_CHUNK_BYTES:
+                small.append(views[index])
+            else:
+                flush_small()
+                for part in st.parts:
+                    if len(part):
+                        parts.append(part)
+                        digest.update(part)
             size += st.nbytes
             count += 1
+        flush_small()
         if self._carry is None and self._pos >= total:
             self._done = True
         if not count:

@@ -31,6 +31,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from asymstore.checksum import ALGORITHM
@@ -39,6 +40,7 @@ from asymstore.errors import InvalidMetaError, InvalidNameError, ManifestError
 FORMAT = "asymstore.manifest"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
+_jstr = encode_basestring_ascii  # a str as a JSON string literal, as json.dumps writes it
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -94,7 +96,7 @@ def validate_meta(meta: object) -> dict[str, Any]:
     return result
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """A contiguous piece of one tensor's bytes inside one segment."""
 
@@ -118,8 +120,14 @@ class Chunk:
             "raw_checksum": self.raw_checksum or self.checksum,
         }
 
+    def json_text(self) -> str:
+        """Return :meth:`to_json` serialized (compact), without building the dict."""
+        return (f'{{"segment":{_jstr(self.segment)},"offset":{int(self.offset)},"length":{int(self.length)},'
+                f'"raw_length":{int(self.raw_length)},"codec":{_jstr(self.codec)},'
+                f'"checksum":{_jstr(self.checksum)},"raw_checksum":{_jstr(self.raw_checksum or self.checksum)}}}')
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One stored tensor: dtype name, shape and its chunks in byte order."""
 
@@ -137,8 +145,14 @@ class TensorEntry:
             "chunks": [c.to_json() for c in self.chunks],
         }
 
+    def json_text(self) -> str:
+        """Return :meth:`to_json` serialized (compact), without building the dict."""
+        shape = ",".join(str(int(d)) for d in self.shape)
+        chunks = ",".join(c.json_text() for c in self.chunks)
+        return f'{{"dtype":{_jstr(self.dtype)},"shape":[{shape}],"nbytes":{int(self.nbytes)},"chunks":[{chunks}]}}'
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
 class SegmentEntry:
     """One segment file of a version."""
 
@@ -173,7 +187,11 @@ class Manifest:
         return sum(s.size for s in self.segments)
 
     def to_json(self) -> bytes:
-        """Serialize to UTF-8 JSON bytes."""
+        """Serialize to UTF-8 JSON bytes.
+
+        The tensors, which can number tens of thousands, are written straight
+        to text (no intermediate dicts for the garbage collector to scan).
+        """
         doc = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -182,10 +200,11 @@ class Manifest:
             "checksum_algorithm": ALGORITHM,
             "meta": self.meta,
             "segments": [s.to_json() for s in self.segments],
-            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
-            "extra": self.extra,
         }
-        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+        head = json.dumps(doc, allow_nan=False, separators=(",", ":"))
+        tensors = ",".join(f"{_jstr(name)}:{t.json_text()}" for name, t in self.tensors.items())
+        extra = json.dumps(self.extra, allow_nan=False, separators=(",", ":"))
+        return f'{head[:-1]},"tensors":{{{tensors}}},"extra":{extra}}}'.encode()
 
     @classmethod
     def from_json(cls, data: bytes | bytearray | memoryview) -> Manifest:

@@ -8,11 +8,16 @@ Quick start::
         await s.put_many(step, state_dict)
         await s.commit(step, meta={"lr": 1e-3})
         ckpt = await s.restore()
+
+The errors are imported eagerly; everything else on first use, so light
+tools (``python -m asymstore.fsck``) start without importing torch.
 """
 
-from asymstore.batcher import FlushStats, TierStatus
-from asymstore.calibration import TierCalibration
-from asymstore.codec import PlaneCodec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
@@ -33,10 +38,44 @@ from asymstore.errors import (
     TierError,
     VersionNotFoundError,
 )
-from asymstore.manifest import Manifest
-from asymstore.restore import Checkpoint
-from asymstore.store import AsymStore, CommitResult
-from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
+
+if TYPE_CHECKING:
+    from asymstore.batcher import FlushStats, TierStatus
+    from asymstore.calibration import TierCalibration
+    from asymstore.codec import PlaneCodec
+    from asymstore.manifest import Manifest
+    from asymstore.restore import Checkpoint
+    from asymstore.store import AsymStore, CommitResult
+    from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
+
+_LAZY = {
+    "AsymStore": "asymstore.store",
+    "Checkpoint": "asymstore.restore",
+    "CommitResult": "asymstore.store",
+    "FlushStats": "asymstore.batcher",
+    "GPUTier": "asymstore.tiers",
+    "HostTier": "asymstore.tiers",
+    "LocalTier": "asymstore.tiers",
+    "Manifest": "asymstore.manifest",
+    "NVMeTier": "asymstore.tiers",
+    "PlaneCodec": "asymstore.codec",
+    "RemoteTier": "asymstore.tiers",
+    "Tier": "asymstore.tiers",
+    "TierCalibration": "asymstore.calibration",
+    "TierStatus": "asymstore.batcher",
+    "VersionWriter": "asymstore.tiers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asymstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 

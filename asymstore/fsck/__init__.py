@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from asymstore.checksum import StreamingChecksum
-from asymstore.codec import decode_chunk
 from asymstore.errors import CorruptVersionError, ManifestError
 from asymstore.fileio import atomic_write, read_whole
 from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, parse_version_dirname
@@ -137,6 +136,8 @@ def _check_version(path: str, name: str, step: int, deep: bool, progress: Progre
             if StreamingChecksum([data]).hexdigest() != seg.checksum:
                 report.status = "corrupt"
                 report.problems.append(f"segment {seg.name} checksum mismatch")
+            from asymstore.codec import decode_chunk  # imports torch: only --deep needs it
+
             for tname, entry in manifest.tensors.items():
                 for c in entry.chunks:
                     if c.segment != seg.name:

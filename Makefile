@@ -14,10 +14,11 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # torch first, pinned: the 2.13.0 file on these machines is the CPU build; a
-# looser pin would pull gigabytes of CUDA packages.
+# looser pin would pull gigabytes of CUDA packages. DeepSpeed builds no ops
+# (DS_BUILD_OPS=0) and runs on the CPU accelerator in the tests.
 $(VENV)/.setup-done: pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[test,demo,bench]"
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed]"
 	$(PIP) install -q libkvikio-cu12 && $(PIP) install -q --no-deps kvikio-cu12
 	touch $@
 

@@ -151,6 +151,7 @@ class Checkpointer:
         self._in_step = False
         self._started = False
         self._checked_store = False
+        self._conflict = False
         self._closed = False
         self._hook_s = 0.0
         self._open_s = 0.0
@@ -307,11 +308,12 @@ class Checkpointer:
 
     def _open(self, step: int) -> None:
         if not self._checked_store:
-            self._checked_store = True
             newest = self._loop.store.newest_step
             if newest is not None and step <= newest:
+                self._conflict = True  # nothing of this run is written, not even by close()
                 raise StepConflictError(f"the store already holds step {newest} and this run is at step {step}: "
                                         "call resume() first, or use a fresh directory")
+            self._checked_store = True
         cap = self.state.capture_step()
         plan = self._planner.plan(extents_of(cap.sources))
         slot = self._pool.acquire()
@@ -370,7 +372,7 @@ class Checkpointer:
         self._closed = True
         try:
             snap, self._snap = self._snap, None
-            if save and not self._in_step:
+            if save and not self._in_step and not self._conflict:
                 if snap is not None:
                     self._seal(snap, force=True)
                 elif self.save_on_close and self._step > 0 and self._step != self._saved_step:

@@ -101,8 +101,9 @@ def check_version(ckpt: Checkpoint, rec: Recorder, model: nn.Module, opt: torch.
         equal_state(small[k], obj.state_dict(), k)
 
 
-def open_ckpt(model: nn.Module, opt: torch.optim.Optimizer, root: Path, **kwargs: Any) -> Checkpointer:
+def open_ckpt(model: nn.Module, opt: torch.optim.Optimizer, where: Any, **kwargs: Any) -> Checkpointer:
+    """A Checkpointer with test-friendly defaults over ``where`` (a directory, tiers or a store)."""
     kwargs.setdefault("warmup", 2)
     kwargs.setdefault("min_partition_bytes", 1024)
     kwargs.setdefault("keep_last", None)
-    return Checkpointer(model, opt, str(root), **kwargs)
+    return Checkpointer(model, opt, where, **kwargs)

@@ -1,0 +1,290 @@
+"""resume(): fresh starts, corrupt newest versions, mismatched models; and the Checkpointer's typed errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _asymcheck_train import data, equal_state, make_model, make_opt, open_ckpt, tensors_of
+from torch import nn
+
+from asymcheck import (
+    Checkpointer,
+    CheckpointerStateError,
+    CommitFailedError,
+    StateMismatchError,
+    StepConflictError,
+    UnsupportedStateError,
+)
+from asymstore import AsymStore, AsymstoreError, LocalTier, TierError
+from asymstore.layout import version_dirname
+
+
+def step_once(model: nn.Module, opt: torch.optim.Optimizer, it: int, sched: Any = None) -> None:
+    x, y = data(it)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def train(root: Path | str | list[Any], steps: int, **kwargs: Any) -> tuple[nn.Module, Any, dict[int, Any]]:
+    model = make_model()
+    opt, sched = make_opt(model)
+    states: dict[int, Any] = {}
+    with open_ckpt(model, opt, root, stateful={"sched": sched}, **kwargs) as ckpt:
+        for it in range(steps):
+            step_once(model, opt, it, sched)
+            states[ckpt.step] = tensors_of(model.state_dict())
+    return model, opt, states
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    return tensors_of({"model": model.state_dict(), "opt": opt.state_dict()})
+
+
+def test_resume_with_nothing_committed_is_a_fresh_start(tmp_path: Path) -> None:
+    model = make_model()
+    opt, sched = make_opt(model)
+    before = snapshot(model, opt)
+    with open_ckpt(model, opt, tmp_path / "empty", stateful={"sched": sched}) as ckpt:
+        assert ckpt.resume() is None
+        assert ckpt.restored is None and ckpt.step == 0
+        equal_state(before, snapshot(model, opt))
+        step_once(model, opt, 0, sched)  # training then works and commits
+    assert ckpt.final_versions == {f"local:{tmp_path / 'empty'}": [1]}
+
+
+def test_resume_restores_the_newest_version_and_continues(tmp_path: Path) -> None:
+    _, _, states = train(tmp_path, 5, keep_last=3)
+    model = make_model(seed=7)
+    opt, sched = make_opt(model)
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=3) as ckpt:
+        assert ckpt.resume() == 5
+        assert ckpt.restored is not None and not ckpt.restored.fallbacks
+        equal_state(states[5], model.state_dict())
+        assert sched.last_epoch == 5
+        step_once(model, opt, 5, sched)
+    assert ckpt.final_versions is not None
+    assert list(ckpt.final_versions.values()) == [[4, 5, 6]]
+
+
+def corrupt_newest_segment(root: Path, step: int) -> None:
+    vdir = root / version_dirname(step)
+    segment = sorted(p for p in vdir.iterdir() if p.name.startswith("seg-"))[0]
+    with open(segment, "r+b") as f:
+        f.seek(os.path.getsize(segment) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_corrupt_newest_version_falls_back_to_the_previous_one(tmp_path: Path) -> None:
+    _, _, states = train(tmp_path, 5, keep_last=3)
+    corrupt_newest_segment(tmp_path, 5)
+    model = make_model(seed=7)
+    opt, sched = make_opt(model)
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=3) as ckpt:
+        assert ckpt.resume() == 4
+        assert ckpt.restored is not None and ckpt.restored.fallbacks
+        assert "step 5" in ckpt.restored.fallbacks[0]
+        equal_state(states[4], model.state_dict())
+        step_once(model, opt, 4, sched)  # version 5 is written again (the corrupt copy is moved aside)
+    assert ckpt.final_versions is not None and 5 in next(iter(ckpt.final_versions.values()))
+
+
+class Renamed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+
+
+@pytest.mark.parametrize("kind", ["names", "shapes", "groups", "stateful"])
+def test_resume_into_a_different_model_fails_cleanly(tmp_path: Path, kind: str) -> None:
+    train(tmp_path, 3)
+    model: nn.Module = make_model(seed=5)
+    opt, sched = make_opt(model)
+    stateful: dict[str, Any] = {"sched": sched}
+    if kind == "names":
+        model = Renamed()
+        opt, sched = make_opt(model)
+        stateful = {"sched": sched}
+    elif kind == "shapes":
+        model = make_model(seed=5, hidden=48)
+        opt, sched = make_opt(model)
+        stateful = {"sched": sched}
+    elif kind == "groups":
+        params = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+        stateful = {"sched": torch.optim.lr_scheduler.StepLR(opt, 2)}
+    else:
+        stateful = {"scheduler": sched}
+    before = snapshot(model, opt)
+    sched_before = tensors_of(next(iter(stateful.values())).state_dict())
+    with open_ckpt(model, opt, tmp_path, stateful=stateful) as ckpt:
+        with pytest.raises(StateMismatchError) as info:
+            ckpt.resume()
+        assert isinstance(info.value, AsymstoreError)
+        assert ckpt.step == 0
+    equal_state(before, snapshot(model, opt))  # nothing loaded halfway
+    equal_state(sched_before, next(iter(stateful.values())).state_dict())
+    assert ckpt.final_versions is not None and list(ckpt.final_versions.values()) == [[1, 2, 3]]
+
+
+def test_training_over_a_store_with_newer_versions_needs_resume(tmp_path: Path) -> None:
+    train(tmp_path, 3)
+    model = make_model()
+    opt, _ = make_opt(model)
+    ckpt = open_ckpt(model, opt, tmp_path)
+    with pytest.raises(StepConflictError):
+        step_once(model, opt, 0)
+    ckpt.close()
+
+
+def test_resume_after_training_started_is_refused(tmp_path: Path) -> None:
+    model = make_model()
+    opt, _ = make_opt(model)
+    with open_ckpt(model, opt, tmp_path) as ckpt:
+        step_once(model, opt, 0)
+        with pytest.raises(CheckpointerStateError):
+            ckpt.resume()
+    with pytest.raises(CheckpointerStateError):
+        ckpt.resume()
+
+
+class FailingTier(LocalTier):
+    """A LocalTier whose writes fail after ``after`` good versions, ``times`` times (None: forever)."""
+
+    def __init__(self, root: Path, *, after: int, times: int | None) -> None:
+        super().__init__(root)
+        self.after, self.times, self.begun, self.failed = after, times, 0, 0
+
+    async def begin(self, step: int, nbytes: int) -> Any:
+        self.begun += 1
+        if self.begun > self.after and (self.times is None or self.failed < self.times):
+            self.failed += 1
+            raise TierError(f"{self.name}: injected failure")
+        return await super().begin(step, nbytes)
+
+
+def test_failed_commits_raise_at_the_next_step(tmp_path: Path) -> None:
+    tier = FailingTier(tmp_path, after=2, times=None)
+    model = make_model()
+    opt, _ = make_opt(model)
+    ckpt = open_ckpt(model, opt, [tier])
+    with pytest.raises(CommitFailedError):
+        for it in range(20):
+            step_once(model, opt, it)
+            ckpt.flush() if it < 2 else None
+    with pytest.raises(CommitFailedError):
+        ckpt.close()
+    assert ckpt.stats().commits_failed >= 1
+
+
+def test_failed_commits_can_be_only_logged(tmp_path: Path) -> None:
+    tier = FailingTier(tmp_path, after=1, times=2)
+    model = make_model()
+    opt, _ = make_opt(model)
+    with open_ckpt(model, opt, [tier], on_error="log") as ckpt:
+        for it in range(6):
+            step_once(model, opt, it)
+            ckpt.flush()
+    stats = ckpt.stats()
+    assert stats.commits_failed == 2 and stats.versions_committed == 4
+    assert stats.last_error and "injected failure" in stats.last_error
+
+
+class SlowTier(LocalTier):
+    """A LocalTier that takes ``delay`` seconds longer to start each version."""
+
+    def __init__(self, root: Path, delay: float = 0.3) -> None:
+        super().__init__(root)
+        self.delay = delay
+
+    async def begin(self, step: int, nbytes: int) -> Any:
+        await asyncio.sleep(self.delay)
+        return await super().begin(step, nbytes)
+
+
+def test_busy_store_skips_versions_by_policy(tmp_path: Path) -> None:
+    model = make_model()
+    opt, _ = make_opt(model)
+    with open_ckpt(model, opt, [SlowTier(tmp_path)], when_busy="skip") as ckpt:
+        for it in range(8):
+            step_once(model, opt, it)
+            time.sleep(0.02)
+    stats = ckpt.stats()
+    assert stats.versions_skipped > 0
+    assert stats.versions_committed + stats.versions_skipped == stats.versions_sealed == 8
+    assert any(r.skipped for r in stats.steps)
+    assert ckpt.final_versions is not None and max(next(iter(ckpt.final_versions.values()))) == 8  # close() waits
+
+
+def test_busy_store_applies_back_pressure_by_default(tmp_path: Path) -> None:
+    model = make_model()
+    opt, _ = make_opt(model)
+    with open_ckpt(model, opt, [SlowTier(tmp_path, delay=0.5)]) as ckpt:
+        for it in range(6):
+            step_once(model, opt, it)
+    stats = ckpt.stats()
+    assert stats.versions_skipped == 0 and stats.versions_committed == 6
+    waits = [r.backpressure_s for r in stats.steps]
+    assert sum(waits) > 0.5 and all(r.stall_s >= r.backpressure_s for r in stats.steps)
+
+
+class Opaque:
+    def state_dict(self) -> dict[str, Any]:
+        return {"handle": object()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_state_that_needs_pickle_is_refused(tmp_path: Path) -> None:
+    model = make_model()
+    opt, _ = make_opt(model)
+    ckpt = open_ckpt(model, opt, tmp_path, stateful={"opaque": Opaque()})
+    with pytest.raises(UnsupportedStateError, match="without pickle"):
+        for it in range(2):
+            step_once(model, opt, it)
+    with pytest.raises(UnsupportedStateError):  # the last step cannot be saved either
+        ckpt.close()
+    with pytest.raises(CheckpointerStateError):  # but the Checkpointer is closed
+        ckpt.resume()
+
+
+def test_an_exception_in_the_loop_still_commits_the_consistent_state(tmp_path: Path) -> None:
+    model = make_model()
+    opt, sched = make_opt(model)
+    with pytest.raises(RuntimeError, match="boom"), open_ckpt(model, opt, tmp_path, stateful={"sched": sched}):
+        for it in range(3):
+            step_once(model, opt, it, sched)
+        after_step_3 = tensors_of(model.state_dict())
+        model(data(3)[0])  # the next forward changes the BatchNorm buffers: not part of step 3's state
+        raise RuntimeError("boom")
+    model2 = make_model(seed=3)
+    opt2, sched2 = make_opt(model2)
+    with Checkpointer(model2, opt2, str(tmp_path), stateful={"sched": sched2}) as ckpt:
+        assert ckpt.resume() == 3
+    equal_state(after_step_3, model2.state_dict())
+
+
+def test_store_argument_forms(tmp_path: Path) -> None:
+    model = make_model()
+    opt, _ = make_opt(model)
+    store = AsymStore([LocalTier(tmp_path / "a")], keep_last=2)
+    with Checkpointer(model, opt, store) as ckpt:
+        assert ckpt.store is store
+        for it in range(3):
+            step_once(model, opt, it)
+    assert ckpt.final_versions == {f"local:{tmp_path / 'a'}": [2, 3]}
+    with Checkpointer(model, opt, [LocalTier(tmp_path / "b")], keep_last=1) as ckpt:
+        assert ckpt.resume() is None
+    with pytest.raises(ValueError):
+        Checkpointer(model, opt, str(tmp_path / "c"), every=0)

@@ -1,0 +1,251 @@
+"""Training overhead of a checkpoint every iteration: none vs asymcheck vs torch.save vs DCP async_save.
+
+The same GPT-2 model, optimizer and synthetic data are trained with each
+method in turn (runs interleaved, method order rotated per repetition); every
+method checkpoints after every optimizer step into its own directory:
+
+- ``none``: no checkpoint (the baseline).
+- ``asymcheck``: ``asymcheck.Checkpointer`` into a LocalTier (fsynced, atomic).
+- ``torch.save``: ``torch.save`` of the model and optimizer state dicts to a
+  temporary file, fsync, ``os.replace`` (synchronous, the classic way).
+- ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` (stages a
+  CPU copy synchronously, writes in the background; one save in flight, the
+  previous one awaited before the next starts, as its docs advise).
+
+Reported per config and method: median iteration time, its ratio to
+``none``, and the stall per step (time the training thread spent inside the
+checkpointing code). Writes JSON and a PNG of stall per step.
+
+    python benches/train_overhead.py                 # ~30M and 124M GPT-2 (slow on CPU)
+    python benches/train_overhead.py --quick         # small configs, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asymcheck import Checkpointer
+from asymstore import LocalTier
+
+CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 2048},
+    "8m": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 16384},
+    "30m": {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 50257},
+    "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257},
+}
+METHODS = ["none", "asymcheck", "torch.save", "dcp.async_save"]
+
+
+def build(name: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_positions=max(seq, 128), bos_token_id=0, eos_token_id=0, **CONFIGS[name])
+    model = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt, sum(p.numel() for p in model.parameters())
+
+
+def tokens(vocab: int, batch: int, seq: int, step: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
+
+
+class Method:
+    """One way of checkpointing; ``after_step`` runs after each optimizer step, returns its stall."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+
+    def after_step(self, step: int) -> float:
+        return 0.0
+
+    def close(self) -> list[float] | None:
+        """Finish; return per-step stalls measured by the method itself, if it has its own."""
+        return None
+
+
+class TorchSave(Method):
+    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        super().__init__(root)
+        self.model, self.opt = model, opt
+
+    def after_step(self, step: int) -> float:
+        t0 = time.perf_counter()
+        tmp = self.root / "ckpt.pt.tmp"
+        with open(tmp, "wb") as f:
+            torch.save({"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": step}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / "ckpt.pt")
+        fd = os.open(self.root, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        return time.perf_counter() - t0
+
+
+class DcpAsync(Method):
+    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        super().__init__(root)
+        self.model, self.opt = model, opt
+        self.pending: Any = None
+        self.dirs: list[Path] = []
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+            while len(self.dirs) > 2:
+                shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
+
+    def after_step(self, step: int) -> float:
+        import torch.distributed.checkpoint as dcp
+
+        t0 = time.perf_counter()
+        self._wait()
+        path = self.root / f"step-{step}"
+        self.dirs.append(path)
+        state = {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+        self.pending = dcp.async_save(state, checkpoint_id=str(path))
+        return time.perf_counter() - t0
+
+    def close(self) -> list[float] | None:
+        self._wait()
+        return None
+
+
+class Asym(Method):
+    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        super().__init__(root)
+        self.ckpt = Checkpointer(model, opt, [LocalTier(root)], keep_last=2)
+
+    def close(self) -> list[float] | None:
+        self.ckpt.close()
+        return [r.overhead_s for r in self.ckpt.stats().steps]
+
+
+def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int, args: argparse.Namespace,
+        root: Path, first_step: int) -> dict[str, Any]:
+    makers: dict[str, Callable[[], Method]] = {
+        "none": lambda: Method(root),
+        "asymcheck": lambda: Asym(root, model, opt),
+        "torch.save": lambda: TorchSave(root, model, opt),
+        "dcp.async_save": lambda: DcpAsync(root, model, opt),
+    }
+    m = makers[method]()
+    iters, stalls = [], []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        x = tokens(vocab, args.batch, args.seq, first_step + i)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stall = m.after_step(first_step + i)
+        iters.append(time.perf_counter() - t0)
+        stalls.append(stall)
+    own = m.close()
+    if own is not None:  # asymcheck measures itself: all time in its hooks, drain included
+        stalls = own[:len(iters)] + [0.0] * (len(iters) - len(own))
+    shutil.rmtree(root, ignore_errors=True)
+    return {"iter_s": iters[args.warmup:], "stall_s": stalls[args.warmup:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small configs, fewer steps")
+    ap.add_argument("--configs", default=None, help=f"comma-separated, from {sorted(CONFIGS)}")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per run")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps per run (asymcheck plans after 3)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions of every method")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dir", default="bench-out/train_overhead-work", help="scratch directory on the disk to test")
+    ap.add_argument("--out", default="bench-out/train_overhead")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    configs = (args.configs or ("tiny,8m" if args.quick else "30m,124m")).split(",")
+    args.steps = args.steps or (4 if args.quick else 6)
+    args.reps = args.reps or 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = args.methods.split(",")
+    results: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                               "threads": torch.get_num_threads(), "batch": args.batch, "seq": args.seq,
+                               "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "configs": {}}
+    for name in configs:
+        model, opt, nparams = build(name, args.seq)
+        vocab = CONFIGS[name]["vocab_size"]
+        state_bytes = 3 * 4 * nparams
+        per: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "stall_s": []} for m in methods}
+        step = 0
+        print(f"{name}: {nparams / 1e6:.1f}M parameters, {state_bytes / 2**30:.2f} GiB of state per checkpoint")
+        for rep in range(args.reps):
+            order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+            for method in order:
+                r = run(method, model, opt, vocab, args, Path(args.dir) / method.replace(".", "_"), step)
+                step += args.warmup + args.steps
+                per[method]["iter_s"] += r["iter_s"]
+                per[method]["stall_s"] += r["stall_s"]
+                print(f"  rep {rep} {method:>15}: median step {statistics.median(r['iter_s']):.3f} s, "
+                      f"median stall {statistics.median(r['stall_s']):.3f} s", flush=True)
+        base = statistics.median(per["none"]["iter_s"]) if "none" in per else None
+        summary = {}
+        for method, data in per.items():
+            med = statistics.median(data["iter_s"])
+            summary[method] = {"median_step_s": med, "ratio_vs_none": med / base if base else None,
+                               "median_stall_s": statistics.median(data["stall_s"]),
+                               "iter_s": data["iter_s"], "stall_s": data["stall_s"]}
+        results["configs"][name] = {"params": nparams, "state_bytes": state_bytes, "methods": summary}
+        for method, s in summary.items():
+            ratio = f"{s['ratio_vs_none']:.3f}x" if s["ratio_vs_none"] else "-"
+            print(f"  {method:>15}: median step {s['median_step_s']:.3f} s ({ratio}), "
+                  f"median stall {s['median_stall_s']:.3f} s")
+        del model, opt
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = results["configs"]
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False)
+    for ax, (name, cfg) in zip(axes[0], configs.items(), strict=True):
+        for method, s in cfg["methods"].items():
+            ax.plot(range(len(s["stall_s"])), s["stall_s"], marker="o", ms=3, label=(
+                f"{method} ({s['ratio_vs_none']:.2f}x)" if s["ratio_vs_none"] else method))
+        ax.set_title(f"GPT-2 {name} ({cfg['params'] / 1e6:.0f}M params, {cfg['state_bytes'] / 2**30:.2f} GiB/ckpt)")
+        ax.set_xlabel("measured step (all runs)")
+        ax.set_ylabel("stall per step (s)")
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -178,6 +178,10 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"{root} is not a directory")
+    if os.path.isdir(os.path.join(root, "global")):  # a multi-rank root: rank-NNNNN/ shards + global/ manifests
+        from asymstore.fsck.multirank import check_multirank
+
+        return check_multirank(root, deep=deep, progress=progress)
     names = sorted(os.listdir(root))
     versions = [n for n in names if parse_version_dirname(n) is not None and os.path.isdir(os.path.join(root, n))]
     tick = progress(_deep_total(root, versions)) if deep and progress else None
@@ -231,6 +235,10 @@ def repair(report: FsckReport) -> list[str]:
     unreferenced files are moved to ``.quarantine/``; partial and orphaned
     data is removed; LATEST is rewritten to the newest restorable version.
     """
+    from asymstore.fsck.multirank import MultiRankFsckReport, repair_multirank
+
+    if isinstance(report, MultiRankFsckReport):
+        return repair_multirank(report)
     root = report.root
     actions: list[str] = []
     for e in report.entries:

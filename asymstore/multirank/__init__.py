@@ -1,0 +1,73 @@
+"""Multi-rank checkpoints: per-rank shards plus a global manifest published only when every rank committed.
+
+::
+
+    from asymstore.multirank import RankStore
+
+    store = RankStore("ckpt")                 # rank and world size from RANK / WORLD_SIZE
+    async with store:
+        await store.put_many(step, shard)     # this rank's tensors
+        await store.commit(step)              # rank 0 publishes global/v…step.json once all ranks did
+        ckpt = await store.restore()          # collective: the newest global version every rank can load
+
+Names are imported on first use, so fsck can read the layout without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from asymstore.multirank.errors import (
+    CoordinationTimeoutError,
+    GlobalCommitError,
+    GlobalCommitTimeoutError,
+    GlobalManifestError,
+    WorldSizeMismatchError,
+)
+
+if TYPE_CHECKING:
+    from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
+    from asymstore.multirank.kv import KV, MemoryStore, store_from_env
+    from asymstore.multirank.layout import is_multirank, rank_dirname
+    from asymstore.multirank.store import RankStore
+
+_LAZY = {
+    "KV": "asymstore.multirank.kv",
+    "GlobalManifest": "asymstore.multirank.globalmanifest",
+    "MemoryStore": "asymstore.multirank.kv",
+    "RankStore": "asymstore.multirank.store",
+    "ShardInfo": "asymstore.multirank.globalmanifest",
+    "is_multirank": "asymstore.multirank.layout",
+    "rank_dirname": "asymstore.multirank.layout",
+    "shard_digest": "asymstore.multirank.globalmanifest",
+    "store_from_env": "asymstore.multirank.kv",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import public names on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asymstore.multirank' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "KV",
+    "CoordinationTimeoutError",
+    "GlobalCommitError",
+    "GlobalCommitTimeoutError",
+    "GlobalManifest",
+    "GlobalManifestError",
+    "MemoryStore",
+    "RankStore",
+    "ShardInfo",
+    "WorldSizeMismatchError",
+    "is_multirank",
+    "rank_dirname",
+    "shard_digest",
+    "store_from_env",
+]

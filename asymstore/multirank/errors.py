@@ -1,0 +1,29 @@
+"""Errors of the multi-rank layer; each derives from :class:`asymstore.AsymstoreError`."""
+
+from __future__ import annotations
+
+from asymstore.errors import AsymstoreError, CorruptVersionError
+
+
+class GlobalCommitError(AsymstoreError):
+    """A rank's shard is committed but the global version was not published.
+
+    The previous global version stays the newest restorable one; the shards of
+    this step are reported by fsck as ``partial``.
+    """
+
+
+class GlobalCommitTimeoutError(GlobalCommitError, TimeoutError):
+    """Not every rank reported its shard committed before the timeout."""
+
+
+class CoordinationTimeoutError(AsymstoreError, TimeoutError):
+    """A rank waited too long for the coordinator (or the coordinator for the ranks) outside a commit."""
+
+
+class WorldSizeMismatchError(AsymstoreError, ValueError):
+    """The global version was written by a different number of ranks (resharding is not supported yet)."""
+
+
+class GlobalManifestError(CorruptVersionError):
+    """A global manifest is not valid JSON of a known format version."""

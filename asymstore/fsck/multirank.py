@@ -117,6 +117,8 @@ def check_multirank(root: str, *, deep: bool = False,
             entries.append(report)
             if g is not None:
                 used |= {(s.rank, s.step) for s in g.shards}
+            else:  # its shards are accounted for by the corrupt entry
+                used |= {(r, step) for r in ranks}
             if report.status == "committed":
                 good.add(step)
         elif name.startswith(TMP_PREFIX):

@@ -133,6 +133,7 @@ class RankStore(AsymStore):
         self._counters: dict[str, int] = {}
         self._floor: int | None = None  # own shards above this step may be rolled back
         self._commit_tags: dict[int, str] = {}
+        self._last_commit_key: str | None = None
         self.last_global: GlobalManifest | None = None
         """The newest global version this rank saw published (the coordinator's, after each commit)."""
         self.restored_global: GlobalManifest | None = None
@@ -159,6 +160,18 @@ class RankStore(AsymStore):
             await asyncio.to_thread(os.makedirs, self.global_dir, exist_ok=True)
         await super().open()
         return self
+
+    async def close(self) -> None:
+        """Close; a non-coordinator first waits briefly for its last global commit and drops shards it made obsolete."""
+        if self._kv is not None and self._last_commit_key is not None and not self.is_coordinator:
+            try:
+                await asyncio.to_thread(self._kv.wait, [f"{self._last_commit_key}/global"],
+                                        min(self.timeout_s, 30.0), "the last global commit")
+                await self._retain_shards()
+            except (CoordinationTimeoutError, RuntimeError) as exc:
+                logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
+            self._last_commit_key = None
+        await super().close()
 
     def _key(self, kind: str) -> str:
         n = self._counters.get(kind, 0)
@@ -274,6 +287,7 @@ class RankStore(AsymStore):
         m = result.manifest
         info = ShardInfo(self.rank, step, shard_digest(m), m.nbytes, len(m.tensors), clean_summary)
         await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", info.to_json())
+        self._last_commit_key = key
         if self.is_coordinator:
             self.last_global = await asyncio.to_thread(self._publish, key, step, clean_global)
         elif self.wait_global:

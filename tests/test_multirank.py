@@ -1,0 +1,222 @@
+"""RankStore and multi-rank fsck, in one process: each rank is a thread with its own event loop.
+
+The ranks coordinate through a real c10d store (``torch.distributed.HashStore``),
+the same calls the TCPStore of a job gets; tests/test_multirank_ddp.py runs the
+protocol across real processes with gloo and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asymstore import CorruptVersionError, NoCheckpointError
+from asymstore.errors import TierError
+from asymstore.fsck import check, repair
+from asymstore.fsck.__main__ import main as fsck_main
+from asymstore.multirank import GlobalCommitError, RankStore, WorldSizeMismatchError
+from asymstore.multirank.layout import list_global_steps, read_global
+from asymstore.testing import FailingLocalTier
+
+
+def store(root: Path, rank: int, world: int, kv: Any, **kw: Any) -> RankStore:
+    kw.setdefault("timeout_s", 3.0)
+    kw.setdefault("restore_timeout_s", 10.0)
+    return RankStore(root, rank=rank, world_size=world, kv=kv, segment_bytes=1 << 20, compression="never", **kw)
+
+
+def run_ranks(world: int, fn: Callable[[int], Awaitable[Any]]) -> dict[int, Any]:
+    """Run ``fn(rank)`` for every rank on its own thread and event loop; exceptions are returned as values."""
+    out: dict[int, Any] = {}
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = asyncio.run(fn(rank))  # type: ignore[arg-type]
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def value(step: int, rank: int) -> torch.Tensor:
+    return torch.arange(6, dtype=torch.float32) + 100 * step + rank
+
+
+def commit_steps(root: Path, kv: Any, steps: dict[int, list[int]], world: int = 2,
+                 **kw: Any) -> dict[int, Any]:
+    """Rank r commits steps[r] in order; returns per rank the exceptions raised, by step."""
+    async def rank_fn(rank: int) -> dict[int, str]:
+        errors: dict[int, str] = {}
+        async with store(root, rank, world, kv, **kw) as s:
+            for step in steps[rank]:
+                await s.put_many(step, {"w": value(step, rank), "b": torch.tensor([rank])})
+                try:
+                    await s.commit(step, {"rank": rank, "step": step})
+                except Exception as exc:
+                    errors[step] = type(exc).__name__
+        return errors
+
+    return run_ranks(world, rank_fn)
+
+
+def restore_all(root: Path, kv: Any, world: int = 2, **kw: Any) -> dict[int, Any]:
+    async def rank_fn(rank: int) -> Any:
+        async with store(root, rank, world, kv, **kw) as s:
+            ckpt = await s.restore()
+            assert s.restored_global is not None and s.restored_global.step == ckpt.step
+            return ckpt
+
+    return run_ranks(world, rank_fn)
+
+
+def test_two_ranks_publish_a_global_manifest_per_step_and_restore_their_own_shards(tmp_path: Path) -> None:
+    kv = dist.HashStore()
+    errors = commit_steps(tmp_path, kv, {0: [1, 2, 3], 1: [1, 2, 3]})
+    assert errors == {0: {}, 1: {}}
+    gdir = str(tmp_path / "global")
+    assert list_global_steps(gdir) == [1, 2, 3]
+    g = read_global(gdir, 3)
+    assert g.world_size == 2 and [s.rank for s in g.shards] == [0, 1] and [s.step for s in g.shards] == [3, 3]
+    assert g.shards[0].digest != g.shards[1].digest
+    assert (tmp_path / "global" / "LATEST").read_text().strip() == "3"
+    restored = restore_all(tmp_path, kv)
+    for rank in (0, 1):
+        ckpt = restored[rank]
+        assert ckpt.step == 3 and ckpt.meta == {"rank": rank, "step": 3}
+        assert torch.equal(ckpt.tensors["w"], value(3, rank))
+    assert check(str(tmp_path)).ok
+
+
+def test_a_rank_that_never_reports_leaves_the_previous_version_and_fsck_names_the_partial_one(
+        tmp_path: Path) -> None:
+    kv = dist.HashStore()
+    started = time.monotonic()
+    errors = commit_steps(tmp_path, kv, {0: [1, 2, 3], 1: [1, 2]}, timeout_s=1.0)
+    assert errors[0] == {3: "GlobalCommitTimeoutError"} and errors[1] == {}
+    assert time.monotonic() - started < 20
+    assert list_global_steps(str(tmp_path / "global")) == [1, 2]
+
+    report = check(str(tmp_path))
+    assert not report.ok and report.newest_restorable == 2
+    partial = [e for e in report.entries if e.status == "partial"]
+    assert [(e.name, e.step) for e in partial] == [("global/v000000000003.json", 3)]
+    assert "rank(s) [0] committed" in partial[0].problems[0] and "[1] have no shard" in partial[0].problems[0]
+    assert report.to_json()["partial_steps"] == {"3": [0]}
+
+    restored = restore_all(tmp_path, kv)
+    assert [restored[r].step for r in (0, 1)] == [2, 2]
+    assert torch.equal(restored[1].tensors["w"], value(2, 1))
+
+    # after the restore, step 3 commits again on every rank: rank 0's orphan shard is rolled back
+    async def again(rank: int) -> list[int]:
+        async with store(tmp_path, rank, 2, kv) as s:
+            await s.restore()
+            await s.put_many(3, {"w": value(30, rank)})
+            await s.commit(3)
+            return s.versions()[s.tiers[0].name]
+
+    assert run_ranks(2, again) == {0: [1, 2, 3], 1: [1, 2, 3]}
+    assert check(str(tmp_path)).ok
+    assert torch.equal(restore_all(tmp_path, kv)[0].tensors["w"], value(30, 0))
+
+
+def test_a_rank_whose_shard_fails_makes_the_coordinator_fail_fast(tmp_path: Path) -> None:
+    kv = dist.HashStore()
+
+    async def rank_fn(rank: int) -> Any:
+        tiers = ([FailingLocalTier(tmp_path / "rank-00001", fail_at="manifest_half", after=1)] if rank == 1
+                 else None)
+        async with store(tmp_path, rank, 2, kv, tiers=tiers, timeout_s=30.0) as s:
+            out = []
+            for step in (1, 2):
+                await s.put_many(step, {"w": value(step, rank)})
+                try:
+                    await s.commit(step)
+                    out.append("ok")
+                except (GlobalCommitError, TierError) as exc:
+                    out.append(type(exc).__name__)
+            return out
+
+    started = time.monotonic()
+    results = run_ranks(2, rank_fn)
+    assert results == {0: ["ok", "GlobalCommitError"], 1: ["ok", "TierError"]}
+    assert time.monotonic() - started < 15  # not the 30 s timeout
+    assert list_global_steps(str(tmp_path / "global")) == [1]
+    assert check(str(tmp_path)).partial_steps == {2: [0]}  # type: ignore[attr-defined]
+
+
+def test_a_corrupt_shard_on_one_rank_makes_every_rank_fall_back(tmp_path: Path) -> None:
+    kv = dist.HashStore()
+    commit_steps(tmp_path, kv, {0: [1, 2], 1: [1, 2]})
+    seg = next((tmp_path / "rank-00001" / "v000000000002").glob("seg-*"))
+    data = bytearray(seg.read_bytes())
+    data[3] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    restored = restore_all(tmp_path, kv)
+    assert [restored[r].step for r in (0, 1)] == [1, 1]
+    assert any("global step 2" in f for f in restored[0].fallbacks)
+    assert torch.equal(restored[0].tensors["w"], value(1, 0))
+    report = check(str(tmp_path), deep=True)
+    assert {e.name: e.status for e in report.entries}["global/v000000000002.json"] == "corrupt"
+    assert report.newest_restorable == 1
+
+
+def test_restore_needs_the_same_world_size_and_says_so(tmp_path: Path) -> None:
+    commit_steps(tmp_path, dist.HashStore(), {0: [1], 1: [1]})
+    out = restore_all(tmp_path, dist.HashStore(), world=1)
+    assert isinstance(out[0], WorldSizeMismatchError)
+    assert "2 rank(s); this job has 1" in str(out[0])
+
+
+def test_every_rank_gets_no_checkpoint_from_an_empty_root(tmp_path: Path) -> None:
+    out = restore_all(tmp_path, dist.HashStore())
+    assert all(isinstance(out[r], NoCheckpointError) for r in (0, 1))
+
+
+def test_retention_keeps_the_last_global_versions_and_the_shards_they_need(tmp_path: Path) -> None:
+    kv = dist.HashStore()
+    commit_steps(tmp_path, kv, {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5]}, keep_last=2)
+    assert list_global_steps(str(tmp_path / "global")) == [4, 5]
+    for rank in ("rank-00000", "rank-00001"):
+        kept = sorted(p.name for p in (tmp_path / rank).glob("v*"))
+        assert "v000000000004" in kept and "v000000000005" in kept and "v000000000001" not in kept
+    assert check(str(tmp_path)).ok
+
+
+def test_fsck_repair_removes_the_partial_step_and_the_cli_exit_status_follows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    commit_steps(tmp_path, dist.HashStore(), {0: [1, 2], 1: [1]}, timeout_s=0.5)
+    assert fsck_main([str(tmp_path), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["layout"] == "multirank" and doc["partial_steps"] == {"2": [0]} and doc["newest_restorable"] == 1
+    actions = repair(check(str(tmp_path)))
+    assert "removed partial shard rank-00000/v000000000002" in actions
+    assert not (tmp_path / "rank-00000" / "v000000000002").exists()
+    assert fsck_main([str(tmp_path)]) == 0
+    assert "verdict: OK" in capsys.readouterr().out
+
+
+def test_a_corrupt_global_manifest_is_reported_and_skipped(tmp_path: Path) -> None:
+    kv = dist.HashStore()
+    commit_steps(tmp_path, kv, {0: [1, 2], 1: [1, 2]})
+    (tmp_path / "global" / "v000000000002.json").write_text("{not json")
+    report = check(str(tmp_path))
+    assert {e.name: e.status for e in report.entries}["global/v000000000002.json"] == "corrupt"
+    restored = restore_all(tmp_path, kv)
+    assert restored[1].step == 1
+    with pytest.raises(CorruptVersionError):
+        read_global(str(tmp_path / "global"), 2)

@@ -9,20 +9,43 @@ inverts it. Values JSON cannot hold exactly are tagged with a one-key dict:
 - ``{"$tuple": [...]}``; ``{"$dict": [[key, value], ...]}`` for non-str keys
 - ``{"$float": "nan" | "inf" | "-inf"}``; ``{"$bytes": hex}``
 - ``{"$dtype": "float32"}``; ``{"$device": "cuda:0"}``; ``{"$np": dtype, "value": v}``
+- ``{"$size": [2, 3]}`` a ``torch.Size``; ``{"$odict": [[key, value], ...]}`` an ``OrderedDict``
+- ``{"$object": "module.Class", "state": {...}}`` / ``{"$enum": "module.Class", "value": v}``: an
+  instance of a class registered with :func:`register_type` (its ``__dict__``, or an Enum's
+  value); decoding only ever builds registered classes, never imports a name from the data.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from asymcheck.errors import UnsupportedStateError
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+_TYPES: dict[str, type] = {}
+T = TypeVar("T", bound=type)
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_type(cls: T) -> T:
+    """Allow instances of ``cls`` in encoded state: an Enum by value, any other class by its ``__dict__``.
+
+    Decoding rebuilds only registered classes (``cls.__new__`` plus the decoded
+    ``__dict__``, or ``cls(value)`` for an Enum), so register plain state holders
+    only. Returns ``cls`` (usable as a decorator).
+    """
+    _TYPES[_type_name(cls)] = cls
+    return cls
 
 
 def _piece(key: object) -> str:
@@ -56,6 +79,11 @@ def encode(value: object, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     """
     if value is None or isinstance(value, (bool, str)):
         return value
+    registered = _TYPES.get(_type_name(type(value)))
+    if registered is not None:
+        if isinstance(value, enum.Enum):
+            return {"$enum": _type_name(registered), "value": encode(value.value, path, tensors)}
+        return {"$object": _type_name(registered), "state": encode(vars(value), path, tensors)}
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
@@ -76,10 +104,15 @@ def encode(value: object, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if _is_numpy(value, "generic"):
         item = value.item()  # type: ignore[attr-defined]
         return {"$np": str(value.dtype), "value": encode(item, path, tensors)}  # type: ignore[attr-defined]
-    if isinstance(value, tuple):  # includes torch.Size and named tuples (decoded as plain tuples)
+    if isinstance(value, torch.Size):
+        return {"$size": [int(d) for d in value]}
+    if isinstance(value, tuple):  # includes named tuples (decoded as plain tuples)
         return {"$tuple": [encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, OrderedDict):
+        return {"$odict": [[encode(k, f"{path}/key", tensors), encode(v, f"{path}/{_piece(k)}", tensors)]
+                           for k, v in value.items()]}
     if isinstance(value, Mapping):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
             return {k: encode(v, f"{path}/{_piece(k)}", tensors) for k, v in value.items()}
@@ -131,6 +164,12 @@ def _decode_tagged(node: dict[str, Any], tensors: Mapping[str, torch.Tensor]) ->
         return tuple(decode(v, tensors) for v in node["$tuple"])
     if "$dict" in node:
         return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in node["$dict"]}
+    if "$size" in node:
+        return torch.Size(node["$size"])
+    if "$odict" in node:
+        return OrderedDict((_hashable(decode(k, tensors)), decode(v, tensors)) for k, v in node["$odict"])
+    if "$object" in node or "$enum" in node:
+        return _decode_registered(node, tensors)
     if "$float" in node:
         return float(node["$float"])
     if "$bytes" in node:
@@ -147,6 +186,19 @@ def _decode_tagged(node: dict[str, Any], tensors: Mapping[str, torch.Tensor]) ->
 
         return np.dtype(node["$np"]).type(decode(node["value"], tensors))
     raise UnsupportedStateError(f"unknown tag in {sorted(node)}")
+
+
+def _decode_registered(node: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> Any:
+    name = node.get("$object", node.get("$enum"))
+    cls = _TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise UnsupportedStateError(f"the checkpoint holds a {name!r}, which is not registered "
+                                    "(asymcheck.encode.register_type)")
+    if "$enum" in node:
+        return cls(decode(node["value"], tensors))
+    obj: Any = object.__new__(cls)
+    obj.__dict__.update(decode(node["state"], tensors))
+    return obj
 
 
 def _hashable(key: Any) -> Any:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ import torch
 from _asymcheck_train import equal_state
 
 from asymcheck import UnsupportedStateError
-from asymcheck.encode import decode, encode
+from asymcheck.encode import decode, encode, register_type
 from asymstore.manifest import validate_meta, validate_name
 
 
@@ -74,3 +76,36 @@ def test_values_that_need_pickle_are_refused(value: Any) -> None:
 def test_decode_of_a_missing_tensor_is_a_typed_error() -> None:
     with pytest.raises(UnsupportedStateError):
         decode({"$tensor": "nope"}, {})
+
+
+class _Scaler:
+    def __init__(self, scale: float) -> None:
+        self.cur_scale = scale
+        self.window = (1, 2)
+
+
+class _Stage(enum.IntEnum):
+    weights = 3
+
+
+def test_sizes_ordered_dicts_and_registered_types_roundtrip_exactly() -> None:
+    register_type(_Scaler)
+    register_type(_Stage)
+    value = {"shapes": [OrderedDict([("b", torch.Size([2, 3])), ("a", torch.Size([]))])],
+             "scaler": _Scaler(2.0**16), "stage": _Stage.weights, "t": torch.ones(2)}
+    back, _ = roundtrip(value)
+    shapes = back["shapes"][0]
+    assert type(shapes) is OrderedDict and list(shapes) == ["b", "a"]
+    assert type(shapes["b"]) is torch.Size and shapes["b"] == torch.Size([2, 3])
+    assert type(back["scaler"]) is _Scaler and back["scaler"].cur_scale == 2.0**16 and back["scaler"].window == (1, 2)
+    assert back["stage"] is _Stage.weights
+
+
+def test_unregistered_types_are_refused_both_ways() -> None:
+    class Other:
+        pass
+
+    with pytest.raises(UnsupportedStateError):
+        encode({"v": Other()}, "root", {})
+    with pytest.raises(UnsupportedStateError, match="not registered"):
+        decode({"$object": "os.system", "state": {}}, {})

@@ -246,7 +246,10 @@ def decode_chunk(chunk: Chunk, stored: memoryview, out: memoryview | None = None
             raise ValueError(f"out holds {len(raw)} bytes, the chunk {chunk.raw_length}")
         decode(stored, width, raw)
     expected = chunk.raw_checksum or chunk.checksum
-    if (raw is not stored or expected != chunk.checksum) and checksum(raw) != expected:
+    if width is None:  # raw: the stored bytes, verified above, are the raw bytes (a copy needs no re-hash)
+        if expected != chunk.checksum:
+            raise CorruptVersionError("raw chunk with two different checksums")
+    elif checksum(raw) != expected:
         raise CorruptVersionError("raw checksum mismatch after decoding")
     return raw
 

@@ -13,7 +13,7 @@ from asymstore.checksum import StreamingChecksum
 from asymstore.codec import RAW, decode_chunk
 from asymstore.errors import AsymstoreError, CorruptVersionError
 from asymstore.manifest import Manifest
-from asymstore.tensorbytes import dtype_from_name, from_bytes
+from asymstore.tensorbytes import as_bytes, dtype_from_name, from_bytes
 from asymstore.tiers.base import Buffer, Tier
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,9 @@ def _decode_all(manifest: Manifest, segments: dict[str, memoryview]) -> dict[str
         dtype = dtype_from_name(entry.dtype)
         # one raw chunk: the tensor is a view of the segment; else decode every chunk into place
         single = len(entry.chunks) == 1 and entry.chunks[0].codec == RAW
-        buf: memoryview | bytearray = bytearray(0 if single else entry.nbytes)
-        target = memoryview(buf)
+        # torch.empty, not bytearray: no zero-fill pass over fresh memory before the chunks land
+        buf: memoryview = as_bytes(torch.empty(0 if single else entry.nbytes, dtype=torch.uint8))
+        target = buf
         pos = 0
         for chunk in entry.chunks:
             stored = segments[chunk.segment][chunk.offset:chunk.offset + chunk.length]

@@ -1,0 +1,96 @@
+"""attach(): per-iteration asymmetric snapshots of a DeepSpeed engine (ZeRO 0-3) into a multi-rank store."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from asymcheck.checkpointer import Checkpointer
+from asymcheck.deepspeed.hooks import DeepSpeedHooks, inner_optimizer
+from asymcheck.deepspeed.state import DeepSpeedState
+from asymcheck.deepspeed.types import register_deepspeed_types
+from asymcheck.state import Stateful
+from asymstore.multirank import RankStore
+from asymstore.tiers.base import Tier
+
+logger = logging.getLogger(__name__)
+
+StoreSpec = RankStore | str | os.PathLike[str] | Sequence[Tier]
+
+
+class DeepSpeedCheckpointer(Checkpointer):
+    """A :class:`asymcheck.Checkpointer` driven by a DeepSpeed engine; made by :func:`attach`.
+
+    Versions are numbered by optimizer steps completed and hold, per rank,
+    what ``save_checkpoint`` would write (see :mod:`asymcheck.deepspeed.state`),
+    copied during the forward and backward passes of the next iteration.
+    Every rank commits its shard; rank 0 publishes the global version once all
+    did. ``resume()`` is collective and loads through ``engine.load_checkpoint``.
+    """
+
+    def __init__(self, engine: Any, store: RankStore, *, stateful: Mapping[str, Stateful] | None = None,
+                 every: int = 1, **kwargs: Any) -> None:
+        """Hook ``engine``; see :func:`attach` for the arguments."""
+        register_deepspeed_types()
+        super().__init__(engine.module, inner_optimizer(engine), store, stateful=stateful, every=every, **kwargs)
+        self._hooks.remove()  # the plain adapter's optimizer hooks do not fit DeepSpeed's step
+        self.engine = engine
+        self.state = DeepSpeedState(engine, store, self._loop.run, stateful)
+        self._hooks = self._ds_hooks = DeepSpeedHooks(
+            engine, on_forward=self._on_forward, on_grad=self._on_grad, on_step_pre=self._on_step_pre,
+            on_step_post=self._on_step_post)
+
+    @property
+    def rank_store(self) -> RankStore:
+        """The multi-rank store."""
+        store = self.store
+        assert isinstance(store, RankStore)
+        return store
+
+    def _close(self, *, save: bool) -> None:
+        if not self._closed:
+            self._ds_hooks.settle()  # the last step's version opens before close() seals it
+        super()._close(save=save)
+
+
+def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str | os.PathLike[str] | None = None,
+           stateful: Mapping[str, Stateful] | None = None, keep_last: int | None = 3, timeout_s: float = 300.0,
+           **kwargs: Any) -> DeepSpeedCheckpointer:
+    """Snapshot ``engine`` every ``every`` optimizer steps, asymmetrically, into a multi-rank store.
+
+    ::
+
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        ckpt = asymcheck.deepspeed.attach(engine, "ckpt")      # every rank
+        start = ckpt.resume() or 0                             # collective; optimizer steps done
+        for step in range(start, total):
+            engine.backward(engine(batch(step)))
+            engine.step()
+        ckpt.close()                                           # commits the last step
+
+    Args:
+        engine: the engine ``deepspeed.initialize`` returned (ZeRO stage 0, 1, 2 or 3).
+        store_or_tiers: a directory (the multi-rank root: ``rank-NNNNN/`` per rank and
+            ``global/``), an unopened :class:`asymstore.multirank.RankStore`, or this
+            rank's tiers (fastest first) with ``root=`` for the global manifests.
+        every: snapshot every ``every``-th optimizer step.
+        root: the multi-rank root when ``store_or_tiers`` is a list of tiers.
+        stateful: name -> object with ``state_dict``/``load_state_dict`` (data position, sampler),
+            saved per rank.
+        keep_last: global versions kept (when the store is built here).
+        timeout_s: how long rank 0 waits for every rank's shard at each commit.
+        **kwargs: passed to :class:`asymcheck.Checkpointer` (``warmup``, ``max_inflight``,
+            ``host_slots``, ``min_partition_bytes``...). Keep ``when_busy="wait"``: a version
+            one rank skips can never be completed globally.
+    """
+    if isinstance(store_or_tiers, RankStore):
+        store = store_or_tiers
+    elif isinstance(store_or_tiers, (str, os.PathLike)):
+        store = RankStore(store_or_tiers, keep_last=keep_last, timeout_s=timeout_s)
+    else:
+        if root is None:
+            raise ValueError("attach() with a list of tiers needs root= (the directory of the global manifests)")
+        store = RankStore(root, tiers=list(store_or_tiers), keep_last=keep_last, timeout_s=timeout_s)
+    return DeepSpeedCheckpointer(engine, store, stateful=stateful, every=every, **kwargs)

@@ -1,0 +1,92 @@
+"""Where the snapshot protocol hooks into a DeepSpeed engine, without patching it.
+
+``engine.step()`` wraps the step of the torch optimizer inside DeepSpeed's
+(ZeRO) optimizer: before it, gradients are reduced and unscaled; after it,
+ZeRO copies the fp32 masters into the model's parameters and all-gathers
+them, steps the LR scheduler and counts ``global_steps``. ZeRO-3 calls the
+inner step once per parameter sub-group. So:
+
+- *step pre* (drain and seal the previous version) is the inner optimizer's
+  first step pre-hook of an engine step: nothing the version holds has
+  changed yet;
+- *step post* (open the new version) is deferred to the first forward
+  pre-hook after the step, prepended on the root module so it runs before
+  ZeRO-3 gathers any parameter: ``engine.step()`` has finished by then, so
+  counters, scheduler and (gathered) parameters are final;
+- forward pre-hooks and post-accumulate-grad hooks drive the partitions, as
+  in the plain adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from asymcheck.errors import UnsupportedStateError
+from asymcheck.hooks import Callback, HookSet
+
+logger = logging.getLogger(__name__)
+
+
+def inner_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer whose ``step`` DeepSpeed's optimizer (ZeRO, bf16, fp16 or none) calls.
+
+    Raises:
+        UnsupportedStateError: the engine has no torch optimizer inside.
+    """
+    opt = getattr(engine, "optimizer", None)
+    for _ in range(5):
+        if isinstance(opt, torch.optim.Optimizer):
+            return opt
+        opt = getattr(opt, "optimizer", None)
+    raise UnsupportedStateError("the DeepSpeed engine has no torch optimizer to hook (engine.optimizer...optimizer)")
+
+
+class DeepSpeedHooks(HookSet):
+    """The plain adapter's hooks, with the step hooks placed for a DeepSpeed engine (see the module docstring).
+
+    Args:
+        engine: the DeepSpeed engine.
+        on_forward: called at each forward pre-hook.
+        on_grad: called after a gradient is accumulated into a parameter.
+        on_step_pre: called once per engine step, before the optimizer changes anything.
+        on_step_post: called once the engine step is complete (at the next forward, or ``settle``).
+    """
+
+    def __init__(self, engine: Any, *, on_forward: Callback, on_grad: Callback, on_step_pre: Callback,
+                 on_step_post: Callback) -> None:
+        """Register every hook."""
+        self._pre_cb = on_step_pre
+        self._post_cb = on_step_post
+        self.stepping = False  # inside an engine step (the inner pre-hook fired)
+        self.stepped = False  # the inner step ran; the post callback is due
+        super().__init__(engine.module, inner_optimizer(engine), on_forward=on_forward, on_grad=on_grad,
+                         on_step_pre=self._inner_pre, on_step_post=self._inner_post)
+        self._root: RemovableHandle | None = engine.module.register_forward_pre_hook(self._root_pre, prepend=True)
+
+    def _inner_pre(self) -> None:
+        if not self.stepping:
+            self.stepping = True
+            self._pre_cb()
+
+    def _inner_post(self) -> None:
+        self.stepped = True
+
+    def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self.settle()
+
+    def settle(self) -> None:
+        """Deliver a pending step post (the first forward after a step does this on its own)."""
+        if self.stepped:
+            self.stepping = self.stepped = False
+            self._post_cb()
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        if self._root is not None:
+            self._root.remove()
+            self._root = None
+        super().remove()

@@ -1,0 +1,237 @@
+"""The state of a DeepSpeed engine at one step: the files its ``save_checkpoint`` would write, captured lazily.
+
+A version holds, per rank, exactly the state dicts DeepSpeed's own
+``save_checkpoint`` builds (model states; the ZeRO partition of fp32 master
+weights and optimizer state; loss scaler; LR scheduler; step counters), plus
+RNG states and the user's stateful objects. The dicts are built by the
+engine's own code, with a capturing checkpoint engine swapped in for the call,
+so every ZeRO stage and precision is described the way DeepSpeed describes
+it; restoring goes through the engine's own ``load_checkpoint``.
+
+Capture is lazy: tensors that only the optimizer step changes (model
+parameters, ZeRO-3 partitions, fp32 masters, optimizer moments) are referenced
+and copied in partitions during the next iteration; every other tensor (model
+buffers, loss scale) is copied at once.
+
+Uses two private engine methods, ``_save_checkpoint`` (builds and "saves" the
+model-states dict) and ``_get_zero_ckpt_name`` (the ZeRO file's name), and
+the attributes ``save_non_zero_checkpoint``, ``save_zero_checkpoint`` and
+``micro_steps``; nothing is patched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+import deepspeed
+import torch
+
+from asymcheck import rng
+from asymcheck.deepspeed.files import (
+    META_KEY,
+    CapturingEngine,
+    ServingEngine,
+    decode_file,
+    encode_files,
+    file_keys,
+    write_stubs,
+)
+from asymcheck.deepspeed.hooks import inner_optimizer
+from asymcheck.encode import decode, encode
+from asymcheck.errors import StateMismatchError, UnsupportedStateError
+from asymcheck.state import Capture, Stateful, TrainingState
+from asymstore.multirank import RankStore
+from asymstore.restore import Checkpoint
+from asymstore.tensorbytes import host_copy
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+KIND = "deepspeed-attach"
+TAG = "asymcheck"
+_BASE = "/asymcheck-capture"  # saved paths are only ever made relative to this; nothing is written there
+
+T = TypeVar("T")
+Runner = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+class DeepSpeedState(TrainingState):
+    """What one version of a DeepSpeed engine holds, and how it goes back in.
+
+    Args:
+        engine: the DeepSpeed engine.
+        store: the rank store (other ranks' files are read from it on restore; capture needs none).
+        run: runs a store coroutine on the store's loop and returns its result (with ``store``).
+        stateful: name -> object with ``state_dict``/``load_state_dict`` (data position, sampler).
+    """
+
+    def __init__(self, engine: Any, store: RankStore | None = None, run: Runner | None = None,
+                 stateful: Mapping[str, Stateful] | None = None) -> None:
+        """Keep references to the live objects."""
+        if getattr(engine, "has_moe_layers", False):
+            raise UnsupportedStateError("attach() does not support MoE engines yet")
+        super().__init__(engine.module, inner_optimizer(engine), stateful)
+        self.engine = engine
+        self.store = store
+        self.run = run
+
+    def signature(self) -> tuple[int, ...]:
+        """Identities of the model's parameters and buffers (ZeRO keeps them across steps)."""
+        return (*(id(p) for p in self.model.parameters()), -1, *(id(b) for b in self.model.buffers()))
+
+    def _lazy_storages(self) -> set[int]:
+        """Storages that only the optimizer step writes: parameters, ZeRO-3 partitions, masters, moments."""
+        out: set[int] = set()
+        for p in self.model.parameters():
+            out.add(_storage(p))
+            ds = getattr(p, "ds_tensor", None)
+            if isinstance(ds, torch.Tensor):
+                out.add(_storage(ds))
+        for key, state in self.optimizer.state.items():
+            if isinstance(key, torch.Tensor):
+                out.add(_storage(key))
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    out.add(_storage(value))
+        for group in self.optimizer.param_groups:
+            out |= {_storage(p) for p in group["params"]}
+        out.discard(0)
+        return out
+
+    def capture_files(self) -> dict[str, Any]:
+        """Build the state dicts ``save_checkpoint`` would write for this rank (live tensors, by reference)."""
+        engine = self.engine
+        capture = CapturingEngine(_BASE)
+        saved_engine, engine.checkpoint_engine = engine.checkpoint_engine, capture
+        try:
+            engine._save_checkpoint(_BASE, TAG, client_state={})
+            if engine.save_zero_checkpoint:
+                name = engine._get_zero_ckpt_name(_BASE, TAG)
+                capture.save({"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config,
+                              "ds_version": deepspeed.__version__}, name)
+        finally:
+            engine.checkpoint_engine = saved_engine
+        return capture.saved
+
+    def capture_step(self, rng_from: Capture | None = None) -> Capture:
+        """Capture the whole version (called once ``engine.step()`` is complete)."""
+        cap = Capture(signature=self.signature())
+        tensors: dict[str, torch.Tensor] = {}
+        trees = encode_files(self.capture_files(), tensors)
+        lazy = self._lazy_storages()
+        eager: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if t.numel() and _storage(t) in lazy:
+                cap.names.append(name)
+                cap.sources.append(t.detach())
+            else:
+                eager[name] = t
+        stateful = {name: encode(obj.state_dict(), f"stateful/{name}", eager) for name, obj in self.stateful.items()}
+        for name, t in eager.items():
+            cap.eager[name] = host_copy(t)
+        rng_meta = rng.capture(cap.eager) if rng_from is None else rng_from.meta["rng"]
+        if rng_from is not None:
+            cap.eager.update({k: v for k, v in rng_from.eager.items() if k.startswith("rng/")})
+        cap.meta = {
+            "asymcheck": {"format": FORMAT, "kind": KIND},
+            META_KEY: {"tag": TAG, "files": trees,
+                       "engine": {"micro_steps": int(self.engine.micro_steps),
+                                  "global_steps": int(self.engine.global_steps)}},
+            "stateful": stateful,
+            "rng": rng_meta,
+        }
+        return cap
+
+    def capture_next(self, cap: Capture) -> None:
+        """Nothing: the version is complete at ``capture_step``."""
+
+    def capture_all(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Capture everything now, synchronously."""
+        cap = self.capture_step()
+        tensors = dict(cap.eager)
+        for name, src in zip(cap.names, cap.sources, strict=True):
+            tensors[name] = host_copy(src)
+        return tensors, cap.meta
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Load a version into the engine through its own ``load_checkpoint`` (collective), then RNG and stateful.
+
+        Raises:
+            StateMismatchError: not a version of ``attach()``, or the stateful objects differ.
+        """
+        info = meta.get("asymcheck")
+        if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("kind") != KIND:
+            raise StateMismatchError(f"not a DeepSpeed attach() version: {info!r}")
+        stateful = meta.get("stateful", {})
+        if set(stateful) != set(self.stateful):
+            raise StateMismatchError(f"stateful objects differ: checkpoint has {sorted(stateful)}, "
+                                     f"live {sorted(self.stateful)}")
+        fetch = self._fetcher(tensors, meta)
+        base = tempfile.mkdtemp(prefix="asymcheck-ds-load-")
+        engine = self.engine
+        saved_engine = engine.checkpoint_engine
+        try:
+            write_stubs(base, fetch.keys, {"tag": TAG})
+            engine.checkpoint_engine = ServingEngine(base, fetch)
+            path, _ = engine.load_checkpoint(base, tag=TAG, load_module_strict=True, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
+            if path is None:
+                raise StateMismatchError("DeepSpeed's load_checkpoint loaded nothing")
+        finally:
+            engine.checkpoint_engine = saved_engine
+            shutil.rmtree(base, ignore_errors=True)
+        engine.micro_steps = int(meta[META_KEY]["engine"]["micro_steps"])
+        for name, tree in stateful.items():
+            self.stateful[name].load_state_dict(decode(tree, tensors))
+        rng.restore(meta["rng"], tensors)
+
+    def _fetcher(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> _Fetcher:
+        store, run = self.store, self.run
+        g = store.restored_global if store is not None else None
+        if store is None or run is None or g is None:
+            raise StateMismatchError("load() needs the RankStore, after its restore()")
+        own = file_keys(meta)
+        others: dict[str, tuple[int, int]] = {}
+        for shard in g.shards:
+            if shard.rank != store.rank:
+                manifest = run(store.read_shard_manifest(shard.rank, shard.step))
+                for key in file_keys(manifest.meta):
+                    others.setdefault(key, (shard.rank, shard.step))
+        return _Fetcher(self, tensors, meta, own, others)
+
+
+class _Fetcher:
+    """key -> state dict: own files from the restored shard, others from their rank's shard (read once)."""
+
+    def __init__(self, state: DeepSpeedState, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                 own: list[str], others: dict[str, tuple[int, int]]) -> None:
+        self.state = state
+        self.tensors = tensors
+        self.meta = meta
+        self.own = set(own)
+        self.others = others
+        self.keys = sorted(self.own | set(others))
+        self._read: dict[tuple[int, int], Checkpoint] = {}
+
+    def __call__(self, key: str) -> Any:
+        key = os.path.normpath(key)
+        if key in self.own:
+            return decode_file(self.meta, self.tensors, key)
+        where = self.others.get(key)
+        if where is None:
+            raise StateMismatchError(f"DeepSpeed asked for {key}, which no rank's shard holds")
+        ckpt = self._read.get(where)
+        if ckpt is None:
+            store, run = self.state.store, self.state.run
+            assert store is not None and run is not None
+            ckpt = self._read[where] = run(store.read_shard(*where))
+        return decode_file(ckpt.meta, ckpt.tensors, key)

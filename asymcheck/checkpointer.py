@@ -142,9 +142,13 @@ class Checkpointer:
                                 min_bytes=min_partition_bytes)
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
-        self._engine = CopyEngine(copy)
         self._loop = StoreLoop(_make_store(store_or_tiers, keep_last))
-        self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
+        try:
+            self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
+            self._engine = CopyEngine(copy)
+        except BaseException:
+            self._loop.close()
+            raise
         self._step = 0
         self._saved_step: int | None = None  # newest step restored or handed to a commit
         self._snap: Snapshot | None = None
@@ -181,6 +185,11 @@ class Checkpointer:
     def versions(self) -> dict[str, list[int]]:
         """Committed versions per tier name."""
         return self._loop.run(_versions(self._loop.store))
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """The newest step's record (cheaper than ``stats()`` inside a training loop)."""
+        return self._stats.steps[-1] if self._stats.steps else None
 
     def stats(self) -> CheckpointStats:
         """Stall, copy time and bytes per step, and commit counters, so far."""

@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,12 @@ logger = logging.getLogger(__name__)
 
 VOCAB = 2048
 SEQ = 128
-BATCH = 12
+BATCH = 8
 
 
 def shm_path(ckpt_dir: str) -> str:
     """The /dev/shm directory of the ``shm`` tier for a checkpoint directory."""
-    return f"/dev/shm/asymcheck-demo-{os.getuid()}-{abs(hash(os.path.abspath(ckpt_dir))) % 10**8}"
+    return f"/dev/shm/asymcheck-demo-{os.getuid()}-{zlib.crc32(os.path.abspath(ckpt_dir).encode()):08x}"
 
 
 def make_tiers(spec: str, ckpt_dir: str) -> list[Tier]:
@@ -146,11 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=True)
             value = loss.item()
             record = {"step": step + 1, "loss": value.hex(), "iter_s": time.perf_counter() - began}
-            if ckpt is not None:
-                steps = ckpt.stats().steps
-                if steps:
-                    record["stall_s"] = steps[-1].stall_s
-                    record["overhead_s"] = steps[-1].overhead_s
+            last = ckpt.last_record if ckpt is not None else None
+            if last is not None:
+                record["stall_s"] = last.stall_s
+                record["overhead_s"] = last.overhead_s
             losses.write(json.dumps(record) + "\n")
             losses.flush()
             emit(event="step", **record)

@@ -5,7 +5,10 @@ method in turn (runs interleaved, method order rotated per repetition); every
 method checkpoints after every optimizer step into its own directory:
 
 - ``none``: no checkpoint (the baseline).
-- ``asymcheck``: ``asymcheck.Checkpointer`` into a LocalTier (fsynced, atomic).
+- ``asymcheck``: ``asymcheck.Checkpointer`` into a LocalTier (fsynced, atomic);
+  when a commit is still running as the next version is sealed, it waits.
+- ``asymcheck-skip``: the same with ``when_busy="skip"``: it drops that
+  version instead (the counts of committed and skipped versions are reported).
 - ``torch.save``: ``torch.save`` of the model and optimizer state dicts to a
   temporary file, fsync, ``os.replace`` (synchronous, the classic way).
 - ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` (stages a
@@ -45,7 +48,7 @@ CONFIGS: dict[str, dict[str, int]] = {
     "30m": {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 50257},
     "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257},
 }
-METHODS = ["none", "asymcheck", "torch.save", "dcp.async_save"]
+METHODS = ["none", "asymcheck", "asymcheck-skip", "torch.save", "dcp.async_save"]
 
 
 def build(name: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
@@ -128,20 +131,23 @@ class DcpAsync(Method):
 
 
 class Asym(Method):
-    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, when_busy: str) -> None:
         super().__init__(root)
-        self.ckpt = Checkpointer(model, opt, [LocalTier(root)], keep_last=2)
+        self.ckpt = Checkpointer(model, opt, [LocalTier(root)], keep_last=2, when_busy=when_busy)
 
     def close(self) -> list[float] | None:
         self.ckpt.close()
-        return [r.overhead_s for r in self.ckpt.stats().steps]
+        stats = self.ckpt.stats()
+        self.committed, self.skipped = stats.versions_committed, stats.versions_skipped
+        return [r.overhead_s for r in stats.steps]
 
 
 def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int, args: argparse.Namespace,
         root: Path, first_step: int) -> dict[str, Any]:
     makers: dict[str, Callable[[], Method]] = {
         "none": lambda: Method(root),
-        "asymcheck": lambda: Asym(root, model, opt),
+        "asymcheck": lambda: Asym(root, model, opt, "wait"),
+        "asymcheck-skip": lambda: Asym(root, model, opt, "skip"),
         "torch.save": lambda: TorchSave(root, model, opt),
         "dcp.async_save": lambda: DcpAsync(root, model, opt),
     }
@@ -161,7 +167,10 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
     if own is not None:  # asymcheck measures itself: all time in its hooks, drain included
         stalls = own[:len(iters)] + [0.0] * (len(iters) - len(own))
     shutil.rmtree(root, ignore_errors=True)
-    return {"iter_s": iters[args.warmup:], "stall_s": stalls[args.warmup:]}
+    out: dict[str, Any] = {"iter_s": iters[args.warmup:], "stall_s": stalls[args.warmup:]}
+    if isinstance(m, Asym):
+        out["committed"], out["skipped"] = m.committed, m.skipped
+    return out
 
 
 def main() -> int:
@@ -193,6 +202,7 @@ def main() -> int:
         vocab = CONFIGS[name]["vocab_size"]
         state_bytes = 3 * 4 * nparams
         per: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "stall_s": []} for m in methods}
+        counts: dict[str, list[int]] = {}
         step = 0
         print(f"{name}: {nparams / 1e6:.1f}M parameters, {state_bytes / 2**30:.2f} GiB of state per checkpoint")
         for rep in range(args.reps):
@@ -202,6 +212,10 @@ def main() -> int:
                 step += args.warmup + args.steps
                 per[method]["iter_s"] += r["iter_s"]
                 per[method]["stall_s"] += r["stall_s"]
+                if "committed" in r:
+                    c = counts.setdefault(method, [0, 0])
+                    c[0] += r["committed"]
+                    c[1] += r["skipped"]
                 print(f"  rep {rep} {method:>15}: median step {statistics.median(r['iter_s']):.3f} s, "
                       f"median stall {statistics.median(r['stall_s']):.3f} s", flush=True)
         base = statistics.median(per["none"]["iter_s"]) if "none" in per else None
@@ -211,11 +225,15 @@ def main() -> int:
             summary[method] = {"median_step_s": med, "ratio_vs_none": med / base if base else None,
                                "median_stall_s": statistics.median(data["stall_s"]),
                                "iter_s": data["iter_s"], "stall_s": data["stall_s"]}
+            if method in counts:
+                summary[method]["versions_committed"], summary[method]["versions_skipped"] = counts[method]
         results["configs"][name] = {"params": nparams, "state_bytes": state_bytes, "methods": summary}
         for method, s in summary.items():
             ratio = f"{s['ratio_vs_none']:.3f}x" if s["ratio_vs_none"] else "-"
+            extra = (f", {s['versions_committed']} versions committed, {s['versions_skipped']} skipped"
+                     if "versions_committed" in s else "")
             print(f"  {method:>15}: median step {s['median_step_s']:.3f} s ({ratio}), "
-                  f"median stall {s['median_stall_s']:.3f} s")
+                  f"median stall {s['median_stall_s']:.3f} s{extra}")
         del model, opt
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,168 @@
+"""The same bytes as 10,000 tensors of 4 KiB or as one tensor: commit time, segments, restore time.
+
+Run by hand (never a timed test)::
+
+    .venv/bin/python benches/small_tensors.py                 # 10,000 x 4 KiB, 5 repeats
+    .venv/bin/python benches/small_tensors.py --count 100000 --dir /mnt/nvme/bench
+
+Both layouts hold the same ``count * 4 KiB`` of fp32 ``randn`` bytes. Per
+repetition and layout, on a ``LocalTier`` under ``--dir`` with the store's
+defaults (calibrated segment size, compression "auto"):
+
+* ``put``: ``put_many`` (private host copy and chunk checksums of every tensor);
+* ``commit``: ``commit`` until the version is durable (plan, segments filled
+  and checksummed, written and fsynced, manifest, rename);
+* ``restore``: ``restore`` of that step from a freshly opened store (warm page
+  cache: this measures the per-tensor work, not the disk).
+
+Target: small-tensor commit within 2x of the one-tensor commit. The median
+over repetitions is reported; every sample is in the JSON. Outputs: JSON
+(``--out``) and a PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asymstore import AsymStore, LocalTier
+
+REPO = Path(__file__).resolve().parent.parent
+ELEMS = 1024  # fp32: 4 KiB per small tensor
+
+
+def layouts(count: int, seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(count * ELEMS, generator=g)
+    return {
+        f"{count} x 4 KiB": {f"layer.{i}.weight": flat[i * ELEMS:(i + 1) * ELEMS].clone() for i in range(count)},
+        "1 tensor": {"flat": flat},
+    }
+
+
+async def run_once(root: Path, state: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
+    async with AsymStore([LocalTier(root)], keep_last=1) as store:
+        t0 = time.perf_counter()
+        await store.put_many(step, state)
+        t1 = time.perf_counter()
+        result = await store.commit(step)
+        t2 = time.perf_counter()
+    stats = result.flush[store.tiers[0].name]
+    async with AsymStore([LocalTier(root)]) as store:
+        t3 = time.perf_counter()
+        ckpt = await store.restore(step)
+        t4 = time.perf_counter()
+    assert ckpt.step == step and len(ckpt.tensors) == len(state)
+    return {
+        "put_s": t1 - t0, "commit_s": t2 - t1, "put_commit_s": t2 - t0, "restore_s": t4 - t3,
+        "segments": stats.segments, "segment_bytes": stats.segment_bytes,
+        "chunks_compressed": stats.chunks_compressed, "chunks_raw": stats.chunks_raw,
+        "stored_bytes": stats.stored_bytes, "raw_bytes": stats.raw_bytes, "write_s": stats.write_seconds,
+        "files": len(os.listdir(root / f"v{step:012d}")),
+    }
+
+
+def verify(root: Path, state: dict[str, torch.Tensor], step: int) -> bool:
+    async def go() -> bool:
+        async with AsymStore([LocalTier(root)]) as store:
+            ckpt = await store.restore(step)
+        return all(torch.equal(ckpt.tensors[k].view(torch.int32), v.view(torch.int32)) for k, v in state.items())
+    return asyncio.run(go())
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc["median"])
+    keys = [("put_s", "put_many"), ("commit_s", "commit (durable)"), ("restore_s", "restore (warm)")]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        med = doc["median"][name]
+        xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(keys))]
+        bars = ax.bar(xs, [med[k] for k, _ in keys], width, label=f"{name} ({med['segments']} segments)")
+        for bar, (k, _) in zip(bars, keys, strict=True):
+            lo = min(r[k] for r in doc["reps"][name])
+            hi = max(r[k] for r in doc["reps"][name])
+            ax.vlines(bar.get_x() + bar.get_width() / 2, lo, hi, colors="black", linewidth=1)
+    ax.set_xticks(range(len(keys)), [label for _, label in keys])
+    ax.set_ylabel("seconds (median; lines: min-max)")
+    ax.set_title(doc["title"], fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--count", type=int, default=10_000, help="small tensors (10000)")
+    parser.add_argument("--repeat", type=int, default=5, help="repetitions per layout; medians reported (5)")
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--out", default=str(REPO / "bench-out" / "small_tensors.json"), help="JSON output")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="asymstore-small-"))
+    data = layouts(args.count, args.seed)
+    reps: dict[str, list[dict[str, Any]]] = {name: [] for name in data}
+    try:
+        for i in range(args.repeat):
+            for name, state in (data.items() if i % 2 == 0 else reversed(data.items())):  # alternate the order
+                root = base / name.replace(" ", "_")
+                r = asyncio.run(run_once(root, state, step=i))
+                if i == 0:
+                    r["bit_exact"] = verify(root, state, i)
+                reps[name].append(r)
+                print(f"rep {i} {name:14s}: put {r['put_s']:.3f} s, commit {r['commit_s']:.3f} s, "
+                      f"restore {r['restore_s']:.3f} s, {r['segments']} segments of B={r['segment_bytes']}, "
+                      f"{r['files']} files", flush=True)
+    finally:
+        if not args.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    median = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))
+               and not isinstance(rs[0][k], bool)}
+        for name, rs in reps.items()
+    }
+    small, one = (median[n] for n in data)
+    ratio = {k: small[k] / one[k] for k in ("put_s", "commit_s", "put_commit_s", "restore_s")}
+    doc = {
+        "title": (f"{args.count} x 4 KiB vs one {args.count * 4} KiB tensor, LocalTier; commit ratio "
+                  f"{ratio['commit_s']:.2f}x (target <= 2); {platform.node()}, {os.cpu_count()} CPUs"),
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0],
+                 "torch": torch.__version__},
+        "count": args.count, "bytes": args.count * ELEMS * 4, "reps": reps, "median": median,
+        "ratio_small_over_one": ratio, "target_commit_ratio": 2.0, "met": ratio["commit_s"] <= 2.0,
+        "bit_exact": all(r.get("bit_exact", True) for rs in reps.values() for r in rs),
+    }
+    for k, v in ratio.items():
+        print(f"small / one, {k}: {v:.2f}x")
+    print(f"commit target (<= 2x): {'met' if doc['met'] else 'MISSED'}; bit exact: {doc['bit_exact']}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(doc, png)
+    print(f"wrote {args.out} and {png}")
+    return 0 if doc["met"] and doc["bit_exact"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,8 +15,8 @@ buffers, loss scale) is copied at once.
 
 Uses two private engine methods, ``_save_checkpoint`` (builds and "saves" the
 model-states dict) and ``_get_zero_ckpt_name`` (the ZeRO file's name), and
-the attributes ``save_non_zero_checkpoint``, ``save_zero_checkpoint`` and
-``micro_steps``; nothing is patched.
+the attributes ``save_zero_checkpoint`` and ``micro_steps``; nothing is
+patched. Unlike ``save_checkpoint`` it runs no collective.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from asymcheck.deepspeed.files import (
     write_stubs,
 )
 from asymcheck.deepspeed.hooks import inner_optimizer
+from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.encode import decode, encode
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
 from asymcheck.state import Capture, Stateful, TrainingState
@@ -80,6 +81,7 @@ class DeepSpeedState(TrainingState):
         if getattr(engine, "has_moe_layers", False):
             raise UnsupportedStateError("attach() does not support MoE engines yet")
         super().__init__(engine.module, inner_optimizer(engine), stateful)
+        register_deepspeed_types()
         self.engine = engine
         self.store = store
         self.run = run
@@ -120,7 +122,28 @@ class DeepSpeedState(TrainingState):
                               "ds_version": deepspeed.__version__}, name)
         finally:
             engine.checkpoint_engine = saved_engine
+        if engine.zero_optimization_partition_weights():
+            self._as_partitioned(capture.saved)
         return capture.saved
+
+    def _as_partitioned(self, files: dict[str, Any]) -> None:
+        """ZeRO-3: describe every partitioned parameter as ``save_checkpoint`` does after its prologue.
+
+        ``save_checkpoint`` first releases every gathered parameter (the small
+        persistent ones too, gathered again afterwards: a collective), so its
+        model states hold empty tensors for them. Here nothing is released: the
+        persistent parameters' entries are replaced by the same empty tensors
+        (their values are in the fp32 partitions, and the load gathers them).
+        """
+        partitioned = {name: p for name, p in self.model.named_parameters() if hasattr(p, "ds_id")}
+        for sd in files.values():
+            module = sd.get("module") if isinstance(sd, dict) else None
+            if not isinstance(module, dict):
+                continue
+            for key, p in partitioned.items():
+                value = module.get(key)
+                if isinstance(value, torch.Tensor) and value.numel():
+                    module[key] = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def capture_step(self, rng_from: Capture | None = None) -> Capture:
         """Capture the whole version (called once ``engine.step()`` is complete)."""

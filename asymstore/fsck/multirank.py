@@ -13,9 +13,12 @@ against the rank directories:
   that did not complete on every rank (a rank died or timed out). Listed as
   ``global/v….json`` with the ranks that have and lack their shard. Also a
   ``global/.tmp-*`` file: a global manifest that was being written.
+- ``orphaned``: the same for a step older than the newest global version
+  (shards retention had not removed yet when a rank stopped, or a commit that
+  failed before newer ones succeeded): never restorable, safe to remove.
 
 ``newest restorable`` is the newest committed global step, ``LATEST`` is
-``global/LATEST``. ``repair`` removes partial shards and temporary files,
+``global/LATEST``. ``repair`` removes partial and orphaned shards and temporary files,
 moves corrupt global manifests to ``global/.quarantine/``, repairs every
 rank directory as a single tier, and rewrites ``global/LATEST``.
 """
@@ -49,16 +52,20 @@ class MultiRankFsckReport(FsckReport):
 
     Attributes:
         ranks: rank -> the report of its directory.
-        partial_steps: step -> ranks holding a committed shard of it that no global manifest uses.
+        partial_steps: step -> ranks holding a committed shard of it that no global manifest uses,
+            newer than the newest global version (an incomplete multi-rank commit).
+        stale_steps: the same for steps older than the newest global version (``orphaned``).
     """
 
     ranks: dict[int, FsckReport] = field(default_factory=dict)
     partial_steps: dict[int, list[int]] = field(default_factory=dict)
+    stale_steps: dict[int, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        """Return the single-tier schema plus ``layout``, ``ranks`` and ``partial_steps``."""
+        """Return the single-tier schema plus ``layout``, ``ranks``, ``partial_steps`` and ``stale_steps``."""
         return super().to_json() | {"layout": "multirank", "ranks": sorted(self.ranks),
-                                    "partial_steps": {str(k): v for k, v in sorted(self.partial_steps.items())}}
+                                    "partial_steps": {str(k): v for k, v in sorted(self.partial_steps.items())},
+                                    "stale_steps": {str(k): v for k, v in sorted(self.stale_steps.items())}}
 
 
 def _shard_ok(rank_report: FsckReport | None, rank_dir: str | None, step: int, digest: str) -> str | None:
@@ -132,11 +139,14 @@ def check_multirank(root: str, *, deep: bool = False,
             entries += [VersionReport(f"{layout.GLOBAL_DIR}/{QUARANTINE}/{q}", "quarantined",
                                       layout.parse_global_filename(q.split("-")[0]))
                         for q in sorted(os.listdir(path))]
-    partial: dict[int, list[int]] = {}
+    unused: dict[int, list[int]] = {}
     for r, rep in ranks.items():
         for e in rep.entries:
             if e.status == "committed" and e.step is not None and (r, e.step) not in used:
-                partial.setdefault(e.step, []).append(r)
+                unused.setdefault(e.step, []).append(r)
+    newest = max(good) if good else None
+    partial = {s: have for s, have in unused.items() if newest is None or s > newest}
+    stale = {s: have for s, have in unused.items() if s not in partial}
     world = max(len(dirs), 1)
     for step, have in sorted(partial.items()):
         lacking = [r for r in range(world) if r not in have]
@@ -144,7 +154,11 @@ def check_multirank(root: str, *, deep: bool = False,
             f"{layout.GLOBAL_DIR}/{layout.global_filename(step)}", "partial", step,
             problems=[f"rank shard(s) of rank(s) {have} committed but no global manifest: a multi-rank commit "
                       f"that did not complete" + (f" (rank(s) {lacking} have no shard)" if lacking else "")]))
-    newest = max(good) if good else None
+    for step, have in sorted(stale.items()):
+        entries.append(VersionReport(
+            f"{layout.GLOBAL_DIR}/{layout.global_filename(step)}", "orphaned", step,
+            problems=[f"rank shard(s) of rank(s) {have} that no global version uses, older than the newest "
+                      f"one: left by retention on a rank that stopped early, or by an incomplete commit"]))
     latest, latest_problem = _check_latest(gdir, newest, set(good))
     rank_latest = [f"{layout.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
                    for r, rep in ranks.items() if rep.latest_problem]
@@ -153,7 +167,7 @@ def check_multirank(root: str, *, deep: bool = False,
     if rank_latest:
         latest_problem = "; ".join([*([latest_problem] if latest_problem else []), *rank_latest])
     return MultiRankFsckReport(root, deep, entries, latest, latest_problem, newest, ranks=ranks,
-                               partial_steps=partial)
+                               partial_steps=partial, stale_steps=stale)
 
 
 def _delete_shard(vdir: str) -> None:
@@ -170,10 +184,11 @@ def repair_multirank(report: MultiRankFsckReport) -> list[str]:
     gdir = os.path.join(root, layout.GLOBAL_DIR)
     dirs = layout.rank_dirs(root)
     actions: list[str] = []
-    for step, have in sorted(report.partial_steps.items()):
-        for r in have:
-            _delete_shard(os.path.join(dirs[r], version_dirname(step)))
-            actions.append(f"removed partial shard {layout.rank_dirname(r)}/{version_dirname(step)}")
+    for kind, steps in (("partial", report.partial_steps), ("orphaned", report.stale_steps)):
+        for step, have in sorted(steps.items()):
+            for r in have:
+                _delete_shard(os.path.join(dirs[r], version_dirname(step)))
+                actions.append(f"removed {kind} shard {layout.rank_dirname(r)}/{version_dirname(step)}")
     for r, d in dirs.items():
         rep = check_tier(d, deep=report.deep)
         actions += [f"{layout.rank_dirname(r)}: {a}" for a in repair_tier(rep)]

@@ -1,0 +1,276 @@
+"""What one rank does in one case of the multi-rank tests (imported by tests/_mr_driver.py, in its forked child).
+
+Case fields:
+
+- ``kind``: ``"ds"`` (a DeepSpeed engine, ``stage`` 0-3) or ``"ddp"`` (plain PyTorch DDP + Checkpointer).
+- ``mode``: ``"ref"`` (train ``iterations`` without checkpoints), ``"attach"`` (checkpoint every
+  iteration into ``dir``: DeepSpeed ``attach()`` or a Checkpointer over a RankStore; resumes from
+  what ``dir`` holds) or ``"roundtrip"`` (DeepSpeed ``save_checkpoint`` at ``save_at`` through
+  AsymCheckpointEngine, continue; then a fresh engine loads it and continues the same way).
+- ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
+  forward pass of iteration K, or inside this rank's commit after N commits succeeded
+  (``CrashingLocalTier`` dies with half a manifest written).
+
+Every rank appends ``{"it", "loss"}`` (a hex float) to ``losses-rankR.jsonl`` per iteration and, when
+it finishes, writes its final state through asymstore to ``final-rankR`` and events to ``events-rankR.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+HIDDEN = 64
+TIMEOUT = datetime.timedelta(seconds=45)
+
+
+def preload(kinds: set[str]) -> None:
+    """Import what the children need (fork copies it): DeepSpeed costs seconds, its ZeRO optimizers more."""
+    import asymcheck
+    from asymstore.multirank import RankStore  # noqa: F401
+
+    if "ds" in kinds:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (imports torch._inductor)
+
+        import asymcheck.deepspeed  # noqa: F401
+
+
+class DataPosition:
+    """Iterations completed; advanced at the end of the loop body."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"iteration": self.iteration}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.iteration = int(state["iteration"])
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    random.seed(1234)
+    np.random.seed(1234)
+    return nn.Sequential(nn.Linear(16, HIDDEN), nn.LayerNorm(HIDDEN), nn.GELU(), nn.Dropout(0.1),
+                         nn.Linear(HIDDEN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.GELU(), nn.Linear(HIDDEN, 16))
+
+
+def batch(it: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(it * 1000 + rank)
+    x = torch.randn(8, 16, generator=g)
+    return x, x.flip(1) * 0.5
+
+
+class Log:
+    def __init__(self, cdir: Path, rank: int) -> None:
+        self.cdir, self.rank = cdir, rank
+        cdir.mkdir(parents=True, exist_ok=True)
+
+    def loss(self, it: int, value: float) -> None:
+        with open(self.cdir / f"losses-rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"it": it, "loss": float(value).hex()}) + "\n")
+
+    def event(self, **event: Any) -> None:
+        with open(self.cdir / f"events-rank{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_final(path: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    from asymstore import AsymStore, LocalTier
+
+    async def write() -> None:
+        async with AsymStore([LocalTier(path)], keep_last=None, segment_bytes=4 << 20, compression="never") as s:
+            await s.put_many(step, tensors)
+            await s.commit(step, meta)
+
+    asyncio.run(write())
+
+
+def kill_spec(case: dict[str, Any], rank: int) -> tuple[str, int]:
+    kill = case.get("kill")
+    if not kill or (kill.get("rank") is not None and kill["rank"] != rank):
+        return "", -1
+    kind, _, at = kill["at"].partition(":")
+    return kind, int(at)
+
+
+def rank_tiers(case: dict[str, Any], rank: int) -> list[Any] | None:
+    kind, at = kill_spec(case, rank)
+    if kind != "commit":
+        return None
+    from asymstore.multirank.layout import rank_dirname
+    from asymstore.testing import CrashingLocalTier
+
+    return [CrashingLocalTier(Path(case["dir"]) / rank_dirname(rank), crash_at="manifest_half", after=at)]
+
+
+def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(case["port"]), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    log = Log(cdir, rank)
+    if case["kind"] == "ds":
+        run_ds(case, rank, log)
+    else:
+        run_ddp(case, rank, log)
+
+
+# -- DeepSpeed -----------------------------------------------------------------------------
+
+
+def ds_engine(stage: int) -> Any:
+    import deepspeed
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64},
+           "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    return engine
+
+
+def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataPosition | None = None,
+             kill_at: int = -1) -> None:
+    for it in range(start, stop):
+        if it == kill_at:
+            log.event(event="dying", it=it)
+        x, y = batch(it, rank)
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        log.loss(it, loss.item())
+        if pos is not None:
+            pos.iteration += 1
+
+
+def ds_final(engine: Any, cdir: Path, rank: int, name: str = "final") -> None:
+    from asymcheck.deepspeed import DeepSpeedState
+
+    tensors, meta = DeepSpeedState(engine).capture_all()
+    save_final(cdir / f"{name}-rank{rank}", int(engine.global_steps), tensors, meta)
+
+
+def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
+    import deepspeed
+
+    import asymcheck.deepspeed as ads
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
+    n = case["iterations"]
+    if case["mode"] == "ref":
+        engine = ds_engine(case["stage"])
+        ds_train(engine, 0, n, rank, log)
+        ds_final(engine, log.cdir, rank)
+    elif case["mode"] == "attach":
+        engine = ds_engine(case["stage"])
+        pos = DataPosition()
+        tiers = rank_tiers(case, rank)
+        where: Any = tiers if tiers is not None else case["dir"]
+        ckpt = ads.attach(engine, where, root=case["dir"], stateful={"pos": pos}, keep_last=3,
+                          timeout_s=case.get("timeout_s", 60.0), warmup=1, min_partition_bytes=512)
+        resumed = ckpt.resume()
+        log.event(event="resumed", step=resumed, iteration=pos.iteration, fallbacks=list(
+            ckpt.restored.fallbacks) if ckpt.restored else [])
+        kind, at = kill_spec(case, rank)
+        if kind == "forward":
+            engine.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
+        ds_train(engine, pos.iteration, n, rank, log, pos)
+        ckpt.close()
+        stats = ckpt.stats()
+        log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed,
+                  versions=ckpt.final_versions, plan=len(ckpt.plan.partitions) if ckpt.plan else 0)
+        ds_final(engine, log.cdir, rank)
+    elif case["mode"] == "roundtrip":
+        ds_roundtrip(case, rank, log)
+
+
+def ds_roundtrip(case: dict[str, Any], rank: int, log: Log) -> None:
+    import torch.distributed as dist
+
+    import asymcheck.deepspeed as ads
+
+    n, at, root = case["iterations"], case["save_at"], case["dir"]
+    engine = ds_engine(case["stage"])
+    ce = ads.install(engine)
+    ds_train(engine, 0, at, rank, log)
+    engine.save_checkpoint(root, tag=f"step{at}", client_state={"note": "hello", "at": at})
+    torch.manual_seed(99)  # DeepSpeed checkpoints hold no RNG state: start both continuations alike
+    ds_train(engine, at, n, rank, log)
+    ds_final(engine, log.cdir, rank, "continued")
+    ce.close()
+    dist.barrier()
+    if rank == 0:  # DeepSpeed's own 'latest' (a plain file) torn: asymstore's global manifests still know
+        Path(root, "latest").write_text("")
+    dist.barrier()
+    fresh = ds_engine(case["stage"])
+    ce2 = ads.install(fresh)
+    path, client = ads.load_checkpoint(fresh, root)
+    log.event(event="loaded", path=os.path.relpath(path, root), client={k: client[k] for k in ("note", "at")},
+              global_steps=int(fresh.global_steps))
+    torch.manual_seed(99)
+    ds_train(fresh, at, n, rank, log)
+    ds_final(fresh, log.cdir, rank, "reloaded")
+    ce2.close()
+
+
+# -- DDP -----------------------------------------------------------------------------------
+
+
+def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from asymcheck import Checkpointer
+    from asymcheck.state import TrainingState
+    from asymstore.multirank import RankStore
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    n = case["iterations"]
+    model = DDP(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    pos = DataPosition()
+    stateful: dict[str, Any] = {"sched": sched, "pos": pos}
+    ckpt = None
+    if case["mode"] == "attach":
+        store = RankStore(case["dir"], tiers=rank_tiers(case, rank), keep_last=3,
+                          timeout_s=case.get("timeout_s", 60.0))
+        ckpt = Checkpointer(model, opt, store, stateful=stateful, warmup=1, min_partition_bytes=512)
+        resumed = ckpt.resume()
+        log.event(event="resumed", step=resumed, iteration=pos.iteration)
+        kind, at = kill_spec(case, rank)
+        if kind == "forward":
+            model.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
+    for it in range(pos.iteration, n):
+        x, y = batch(it, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        log.loss(it, loss.item())
+        pos.iteration += 1
+    if ckpt is not None:
+        ckpt.close()
+        stats = ckpt.stats()
+        log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed)
+    tensors, meta = TrainingState(model, opt, stateful).capture_all()
+    save_final(log.cdir / f"final-rank{rank}", pos.iteration, tensors, meta)
+    dist.destroy_process_group()

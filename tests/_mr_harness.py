@@ -1,0 +1,106 @@
+"""Pytest-side helpers of the multi-rank tests: launch one driver per rank, read what the cases left."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asymstore import AsymStore, LocalTier
+from asymstore.restore import Checkpoint
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DRIVER = HERE / "_mr_driver.py"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def run_cases(cases: list[dict[str, Any]], world: int, out: Path, timeout: float = 900) -> None:
+    """Run every case on ``world`` ranks (one driver process per rank); raise if a driver failed."""
+    out.mkdir(parents=True, exist_ok=True)
+    for case, port in zip(cases, free_ports(len(cases)), strict=True):
+        case.setdefault("port", port)
+    spec = out / "cases.json"
+    spec.write_text(json.dumps(cases))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(DRIVER), "--rank", str(r), "--world", str(world),
+                               "--cases", str(spec), "--out", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for r in range(world)]
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        (out / f"driver-rank{r}.log").write_text(log)
+        assert p.returncode == 0, f"driver of rank {r} failed:\n{log[-4000:]}"
+
+
+class Case:
+    """What one case left under ``out/<name>``."""
+
+    def __init__(self, out: Path, name: str, world: int) -> None:
+        self.dir = out / name
+        self.world = world
+
+    def rc(self, rank: int) -> int:
+        return int(json.loads((self.dir / f"rc-rank{rank}.json").read_text())["rc"])
+
+    def log(self, rank: int) -> str:
+        return (self.dir.parent / f"driver-rank{rank}.log").read_text()[-3000:]
+
+    def events(self, rank: int, kind: str) -> list[dict[str, Any]]:
+        path = self.dir / f"events-rank{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+    def losses(self, rank: int) -> list[tuple[int, str]]:
+        path = self.dir / f"losses-rank{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [(d["it"], d["loss"]) for d in map(json.loads, path.read_text().splitlines())]
+
+    def fsck(self) -> dict[str, Any]:
+        return json.loads((self.dir / "fsck.json").read_text())  # type: ignore[no-any-return]
+
+    def final(self, rank: int, name: str = "final") -> Checkpoint:
+        async def read() -> Checkpoint:
+            async with AsymStore([LocalTier(self.dir / f"{name}-rank{rank}")], keep_last=None,
+                                 segment_bytes=4 << 20, compression="never") as store:
+                return await store.restore()
+
+        return asyncio.run(read())
+
+
+def assert_same_state(a: Checkpoint, b: Checkpoint, *, ignore_meta: tuple[str, ...] = ()) -> None:
+    """Every tensor bit-identical (dtype, shape, bytes) and the JSON meta equal (but for ``ignore_meta`` paths)."""
+    assert sorted(a.tensors) == sorted(b.tensors)
+    for name, x in a.tensors.items():
+        y = b.tensors[name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), name
+    ma, mb = json.loads(json.dumps(a.meta)), json.loads(json.dumps(b.meta))
+    for path in ignore_meta:
+        *parents, leaf = path.split("/")
+        for m in (ma, mb):
+            for p in parents:
+                m = m[p]
+            m.pop(leaf)
+    assert ma == mb

@@ -39,6 +39,8 @@ def preload(kinds: set[str]) -> None:
     import asymcheck
     from asymstore.multirank import RankStore  # noqa: F401
 
+    if "ddp" in kinds:
+        import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it on construction: seconds)
     if "ds" in kinds:
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (imports torch._inductor)
 

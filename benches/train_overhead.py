@@ -17,7 +17,10 @@ method checkpoints after every optimizer step into its own directory:
 
 Reported per config and method: median iteration time, its ratio to
 ``none``, and the stall per step (time the training thread spent inside the
-checkpointing code). Writes JSON and a PNG of stall per step.
+checkpointing code), and the process CPU seconds per step (training plus
+every background thread of the method). Between runs the page cache is
+synced, so one method's write-back does not slow the next. Writes JSON and a
+PNG of stall per step.
 
     python benches/train_overhead.py                 # ~30M and 124M GPT-2 (slow on CPU)
     python benches/train_overhead.py --quick         # small configs, a few minutes
@@ -30,6 +33,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import shutil
 import statistics
 import time
@@ -142,6 +146,11 @@ class Asym(Method):
         return [r.overhead_s for r in stats.steps]
 
 
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int, args: argparse.Namespace,
         root: Path, first_step: int) -> dict[str, Any]:
     makers: dict[str, Callable[[], Method]] = {
@@ -151,9 +160,14 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
         "torch.save": lambda: TorchSave(root, model, opt),
         "dcp.async_save": lambda: DcpAsync(root, model, opt),
     }
+    os.sync()  # the previous run's dirty pages must not be written back during this one
+    time.sleep(1.0)
     m = makers[method]()
     iters, stalls = [], []
+    cpu0 = 0.0
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            cpu0 = _cpu_seconds()
         t0 = time.perf_counter()
         x = tokens(vocab, args.batch, args.seq, first_step + i)
         loss = model(input_ids=x, labels=x).loss
@@ -164,10 +178,11 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
         iters.append(time.perf_counter() - t0)
         stalls.append(stall)
     own = m.close()
+    cpu_per_step = (_cpu_seconds() - cpu0) / args.steps  # includes the method's background threads
     if own is not None:  # asymcheck measures itself: all time in its hooks, drain included
         stalls = own[:len(iters)] + [0.0] * (len(iters) - len(own))
     shutil.rmtree(root, ignore_errors=True)
-    out: dict[str, Any] = {"iter_s": iters[args.warmup:], "stall_s": stalls[args.warmup:]}
+    out: dict[str, Any] = {"iter_s": iters[args.warmup:], "stall_s": stalls[args.warmup:], "cpu_s": cpu_per_step}
     if isinstance(m, Asym):
         out["committed"], out["skipped"] = m.committed, m.skipped
     return out
@@ -201,7 +216,7 @@ def main() -> int:
         model, opt, nparams = build(name, args.seq)
         vocab = CONFIGS[name]["vocab_size"]
         state_bytes = 3 * 4 * nparams
-        per: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "stall_s": []} for m in methods}
+        per: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "stall_s": [], "cpu_s": []} for m in methods}
         counts: dict[str, list[int]] = {}
         step = 0
         print(f"{name}: {nparams / 1e6:.1f}M parameters, {state_bytes / 2**30:.2f} GiB of state per checkpoint")
@@ -212,18 +227,21 @@ def main() -> int:
                 step += args.warmup + args.steps
                 per[method]["iter_s"] += r["iter_s"]
                 per[method]["stall_s"] += r["stall_s"]
+                per[method]["cpu_s"].append(r["cpu_s"])
                 if "committed" in r:
                     c = counts.setdefault(method, [0, 0])
                     c[0] += r["committed"]
                     c[1] += r["skipped"]
                 print(f"  rep {rep} {method:>15}: median step {statistics.median(r['iter_s']):.3f} s, "
-                      f"median stall {statistics.median(r['stall_s']):.3f} s", flush=True)
+                      f"median stall {statistics.median(r['stall_s']):.3f} s, "
+                      f"{r['cpu_s']:.2f} CPU s/step", flush=True)
         base = statistics.median(per["none"]["iter_s"]) if "none" in per else None
         summary = {}
         for method, data in per.items():
             med = statistics.median(data["iter_s"])
             summary[method] = {"median_step_s": med, "ratio_vs_none": med / base if base else None,
                                "median_stall_s": statistics.median(data["stall_s"]),
+                               "cpu_s_per_step": statistics.median(data["cpu_s"]),
                                "iter_s": data["iter_s"], "stall_s": data["stall_s"]}
             if method in counts:
                 summary[method]["versions_committed"], summary[method]["versions_skipped"] = counts[method]
@@ -233,7 +251,7 @@ def main() -> int:
             extra = (f", {s['versions_committed']} versions committed, {s['versions_skipped']} skipped"
                      if "versions_committed" in s else "")
             print(f"  {method:>15}: median step {s['median_step_s']:.3f} s ({ratio}), "
-                  f"median stall {s['median_stall_s']:.3f} s{extra}")
+                  f"median stall {s['median_stall_s']:.3f} s, {s['cpu_s_per_step']:.2f} CPU s/step{extra}")
         del model, opt
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

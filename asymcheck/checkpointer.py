@@ -47,6 +47,11 @@ def _make_store(spec: StoreSpec, keep_last: int | None) -> AsymStore:
     if isinstance(spec, AsymStore):
         return spec
     if isinstance(spec, (str, os.PathLike)):
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:  # DDP: one shard per rank, a global commit
+            from asymstore.multirank import RankStore
+
+            return RankStore(spec, keep_last=keep_last)
         return AsymStore([LocalTier(spec)], keep_last=keep_last)
     return AsymStore(list(spec), keep_last=keep_last)
 
@@ -93,7 +98,10 @@ class Checkpointer:
         optimizer: its optimizer.
         store_or_tiers: an unopened :class:`asymstore.AsymStore` (the
             Checkpointer opens and closes it), a list of tiers (fastest
-            first), or a directory path (a single ``LocalTier``).
+            first), or a directory path (a single ``LocalTier``; in a
+            torch.distributed job of several ranks, an
+            :class:`asymstore.multirank.RankStore` there: one shard per
+            rank, published globally once every rank committed).
         stateful: name -> object with ``state_dict``/``load_state_dict``
             (LR scheduler, GradScaler, sampler, data position).
         every: snapshot every ``every``-th optimizer step.
@@ -160,6 +168,7 @@ class Checkpointer:
         self._hook_s = 0.0
         self._open_s = 0.0
         self._last_pre: float | None = None
+        self._copy_mark = 0.0
         self.restored: RestoreInfo | None = None
         self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
         self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
@@ -295,9 +304,12 @@ class Checkpointer:
         ended = time.perf_counter()
         iteration = started - self._last_pre if self._last_pre is not None else 0.0
         self._last_pre = started
+        busy = self._engine.busy_seconds
         self._stats.add_step(StepRecord(
             step=self._step, sealed=sealed, stall_s=ended - started, backpressure_s=waited, hook_s=self._hook_s,
-            open_s=self._open_s, copy_bytes=nbytes, iteration_s=iteration, skipped=skipped))
+            open_s=self._open_s, copy_bytes=nbytes, iteration_s=iteration, skipped=skipped,
+            copy_s=busy - self._copy_mark))
+        self._copy_mark = busy
         self._hook_s = self._open_s = 0.0
 
     def _on_step_post(self) -> None:

@@ -21,6 +21,8 @@ class StepRecord:
         hook_s: seconds spent inside forward/backward hooks during the iteration.
         open_s: seconds the previous step's post-hook took (opening the version).
         copy_bytes: bytes of the flat state of the sealed version.
+        copy_s: seconds the copy engine spent copying since the previous step's record
+            (off the training thread with the copy thread; inside the hooks when inline).
         iteration_s: seconds since the previous step pre-hook.
         skipped: the version was dropped because a commit was still in flight.
     """
@@ -34,6 +36,7 @@ class StepRecord:
     copy_bytes: int
     iteration_s: float
     skipped: bool = False
+    copy_s: float = 0.0
 
     @property
     def overhead_s(self) -> float:

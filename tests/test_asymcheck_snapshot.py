@@ -151,5 +151,6 @@ def test_plan_and_stats_are_reported(tmp_path: Path) -> None:
     sealed = [r for r in records if r.sealed]
     assert len(sealed) == 7  # the 8th step's version is sealed by close()
     assert all(r.copy_bytes == plan.total_bytes and r.stall_s >= 0 and r.iteration_s >= 0 for r in sealed)
+    assert all(r.copy_s >= 0 for r in records) and sum(r.copy_s for r in records) > 0
     summary = ckpt.stats().summary()
     assert summary["versions_committed"] == 8 and summary["bytes_per_version"] > plan.total_bytes

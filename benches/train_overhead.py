@@ -9,6 +9,8 @@ method checkpoints after every optimizer step into its own directory:
   when a commit is still running as the next version is sealed, it waits.
 - ``asymcheck-skip``: the same with ``when_busy="skip"``: it drops that
   version instead (the counts of committed and skipped versions are reported).
+- ``asymcheck-inline`` (only with ``--methods``): copies inside the hooks
+  instead of on the copy thread, to measure what the thread buys.
 - ``torch.save``: ``torch.save`` of the model and optimizer state dicts to a
   temporary file, fsync, ``os.replace`` (synchronous, the classic way).
 - ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` (stages a
@@ -135,9 +137,10 @@ class DcpAsync(Method):
 
 
 class Asym(Method):
-    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, when_busy: str) -> None:
+    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, when_busy: str,
+                 copy: str = "thread") -> None:
         super().__init__(root)
-        self.ckpt = Checkpointer(model, opt, [LocalTier(root)], keep_last=2, when_busy=when_busy)
+        self.ckpt = Checkpointer(model, opt, [LocalTier(root)], keep_last=2, when_busy=when_busy, copy=copy)
 
     def close(self) -> list[float] | None:
         self.ckpt.close()
@@ -157,6 +160,7 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
         "none": lambda: Method(root),
         "asymcheck": lambda: Asym(root, model, opt, "wait"),
         "asymcheck-skip": lambda: Asym(root, model, opt, "skip"),
+        "asymcheck-inline": lambda: Asym(root, model, opt, "wait", copy="inline"),
         "torch.save": lambda: TorchSave(root, model, opt),
         "dcp.async_save": lambda: DcpAsync(root, model, opt),
     }

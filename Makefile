@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: demo test setup lint typecheck bench-store gpu-test clean
+.PHONY: demo example test setup lint typecheck bench-store gpu-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ $(VENV)/.setup-done: pyproject.toml | $(PY)
 setup: $(VENV)/.setup-done
 
 demo: setup
+	$(PY) -m asymcheck.demo
+
+example: setup
 	$(PY) examples/store_roundtrip.py
 
 test: setup

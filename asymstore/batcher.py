@@ -377,6 +377,7 @@ class SegmentBuilder:
         digest = StreamingChecksum()
         size = 0
         count = 0
+        raw_count = 0
 
         def flush_small() -> None:
             if small:
@@ -385,25 +386,41 @@ class SegmentBuilder:
                 digest.update(blob)
                 small.clear()
 
+        out = self._chunks
         while self._carry is not None or self._pos < total:
             st = self._carry
             if st is None:
                 index = self._pos
                 view = views[index]
                 mask = masks[index]
-                st = self._compressed(index, mask) if mask is not None and len(view) else None
-                if st is None:  # raw: the staged bytes themselves, no copy
-                    st = _Stored([view], len(view), RAW, digests[index])
-                    self.stats.chunks_raw += 1
-                else:
-                    self.stats.chunks_compressed += 1
+                n = len(view)
+                if mask is not None and n:
+                    st = self._compressed(index, mask)
+                if st is None:  # raw: the staged bytes themselves, no copy (the common case: kept lean)
+                    if size and size + n > limit:
+                        self._carry = _Stored([view], n, RAW, digests[index])
+                        self.stats.chunks_raw += 1
+                        break
+                    self._pos += 1
+                    out.append(Chunk(name, size, n, n, digests[index], RAW, digests[index]))
+                    if n < SMALL_CHUNK_BYTES:
+                        small.append(view)
+                    else:
+                        flush_small()
+                        parts.append(view)
+                        digest.update(view)
+                    size += n
+                    count += 1
+                    raw_count += 1
+                    continue
+                self.stats.chunks_compressed += 1
             if size and size + st.nbytes > limit:
                 self._carry = st
                 break
             self._carry = None
             index = self._pos
             self._pos += 1
-            self._chunks.append(Chunk(name, size, st.nbytes, len(views[index]), st.checksum, st.codec, digests[index]))
+            out.append(Chunk(name, size, st.nbytes, len(views[index]), st.checksum, st.codec, digests[index]))
             if st.codec == RAW and st.nbytes < SMALL_CHUNK_BYTES:
                 small.append(views[index])
             else:
@@ -414,6 +431,7 @@ class SegmentBuilder:
                         digest.update(part)
             size += st.nbytes
             count += 1
+        self.stats.chunks_raw += raw_count
         flush_small()
         if self._carry is None and self._pos >= total:
             self._done = True

@@ -18,6 +18,11 @@ from asymstore.tensorbytes import as_bytes, host_copy
 _INLINE_BYTES = 1 << 20  # below this a put copies on the event loop; above, in a thread
 
 
+def stages_inline(value: object) -> bool:
+    """True when ``PendingStep.put(name, value)`` stages on the calling thread, without suspending."""
+    return not isinstance(value, torch.Tensor) or value.numel() * value.element_size() <= _INLINE_BYTES
+
+
 @dataclass
 class StagedTensor:
     """A private CPU copy of one tensor, cut into checksummed chunks."""
@@ -65,10 +70,10 @@ class PendingStep:
             raise DuplicateNameError(f"{name!r} was already put for step {self.step}")
         self.tensors[name] = None  # reserve the name
         try:
-            if isinstance(value, torch.Tensor) and value.numel() * value.element_size() > _INLINE_BYTES:
-                staged = await asyncio.to_thread(stage, value, self.chunk_bytes)
-            else:
+            if stages_inline(value):
                 staged = stage(value, self.chunk_bytes)
+            else:
+                staged = await asyncio.to_thread(stage, value, self.chunk_bytes)
         except BaseException:
             del self.tensors[name]
             raise

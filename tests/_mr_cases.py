@@ -252,9 +252,12 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     stateful: dict[str, Any] = {"sched": sched, "pos": pos}
     ckpt = None
     if case["mode"] == "attach":
-        store = RankStore(case["dir"], tiers=rank_tiers(case, rank), keep_last=3,
-                          timeout_s=case.get("timeout_s", 60.0))
-        ckpt = Checkpointer(model, opt, store, stateful=stateful, warmup=1, min_partition_bytes=512)
+        tiers = rank_tiers(case, rank)
+        # a directory: the Checkpointer sees a multi-rank job and makes the RankStore itself
+        where: Any = case["dir"] if tiers is None and "timeout_s" not in case else RankStore(
+            case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0))
+        ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512)
+        assert isinstance(ckpt.store, RankStore)
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration)
         kind, at = kill_spec(case, rank)

@@ -42,9 +42,15 @@ def preload(kinds: set[str]) -> None:
     if "ddp" in kinds:
         import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it on construction: seconds)
     if "ds" in kinds:
+        import importlib
+
         import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (imports torch._inductor)
 
         import asymcheck.deepspeed  # noqa: F401
+
+        # the CPU accelerator's shared-memory comm op is JIT-built on first use (minutes on a fresh
+        # machine, then cached): build and load it here, once, not inside a case's deadline
+        importlib.import_module("deepspeed.comm.torch").build_shm_op()
 
 
 class DataPosition:

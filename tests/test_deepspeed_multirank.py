@@ -31,6 +31,7 @@ import pytest
 from _mr_harness import Case, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
 ITERATIONS = 7
 STAGES = (0, 1, 2, 3)

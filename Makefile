@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: demo example test setup lint typecheck bench-store gpu-test clean
+.PHONY: demo example test setup lint typecheck bench-store bench-deepspeed gpu-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,9 @@ gpu-test: setup
 
 bench-store: setup
 	$(PY) benches/store_throughput.py
+
+bench-deepspeed: setup
+	$(PY) benches/deepspeed_overhead.py --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

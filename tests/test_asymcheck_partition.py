@@ -33,12 +33,17 @@ def covered_once(extents: list[Extent], plan: Plan) -> None:
         assert sum(s.nbytes for s in part.spans) == part.nbytes
         pos = part.stop
     assert pos == plan.total_bytes
-    seen = [bytearray(e.nbytes) for e in extents]
+    per_tensor: list[list[tuple[int, int]]] = [[] for _ in extents]
     for part in plan.partitions:
         for span in part.spans:
-            for b in range(span.start, span.stop):
-                seen[span.tensor][b] += 1
-    assert all(all(c == 1 for c in s) for s in seen)
+            assert span.stop > span.start  # no empty spans
+            per_tensor[span.tensor].append((span.start, span.stop))
+    for ext, spans in zip(extents, per_tensor, strict=True):  # the spans of a tensor tile [0, nbytes)
+        pos = 0
+        for start, stop in sorted(spans):
+            assert start == pos, "gap or overlap"
+            pos = stop
+        assert pos == ext.nbytes
 
 
 def windows(*spec: tuple[str, float]) -> list[Window]:

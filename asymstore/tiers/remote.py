@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import time
 import uuid
@@ -39,6 +40,7 @@ from asymstore.tiers.retry import RetryPolicy
 logger = logging.getLogger(__name__)
 
 _MARKER_SCHEMES = {"s3", "gs", "gcs", "abfs", "abfss", "az"}
+_MAP_MIN_BYTES = 1 << 20  # reads at least this large land in an anonymous mapping
 _S3_KEYS = {"endpoint_override", "scheme", "region", "access_key", "secret_key", "session_token",
             "allow_bucket_creation", "force_virtual_addressing", "connect_timeout", "request_timeout"}
 
@@ -364,10 +366,12 @@ def _write_all(fs: pafs.FileSystem, path: str, parts: Sequence[Buffer], part_siz
                 out.write(view[off:off + part_size])
 
 
-def _read_all(fs: pafs.FileSystem, path: str) -> bytearray:
+def _read_all(fs: pafs.FileSystem, path: str) -> bytearray | memoryview:
     with fs.open_input_file(path) as f:
         size = f.size()
-        buf = bytearray(size)
+        # a large buffer is a fresh private mapping, not bytearray(size), whose zero-fill pass costs as much as the read
+        buf: bytearray | memoryview = bytearray(size) if size < _MAP_MIN_BYTES else memoryview(
+            mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
         view = memoryview(buf)
         done = 0
         while done < size:

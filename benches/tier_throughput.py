@@ -101,6 +101,7 @@ from store_throughput import (
     evict,
     files_under,
     gbps,
+    git_state,
     median,
     odirect_read,
     odirect_write,
@@ -841,16 +842,6 @@ def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def git_head() -> dict[str, str]:
-    """HEAD and the uncommitted changes under asymstore/ (the benchmark measures the working tree)."""
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"head": git("rev-parse", "HEAD"), "asymstore_changes": git("status", "--porcelain", "asymstore")}
-
-
 def read_text(path: str) -> str:
     """A small system file's content, or '' when unreadable."""
     try:
@@ -907,7 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
         "dir": os.path.abspath(args.dir), "kernel": platform.release(),
         "transparent_hugepage": read_text("/sys/kernel/mm/transparent_hugepage/enabled"),
-        "loadavg_at_start": os.getloadavg(), "git": git_head(), "skipped": {},
+        "loadavg_at_start": os.getloadavg(), "git": git_state(), "skipped": {},
         "options": {k: v for k, v in vars(args).items()},
     }
     started = time.perf_counter()

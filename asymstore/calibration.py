@@ -211,13 +211,15 @@ class ProbeableTier(Protocol):
 
 
 def probe_directory(root: str, sizes: Sequence[int], *, fsync: bool,
-                    write: Callable[[str, Sequence[memoryview]], object] | None = None) -> list[float]:
+                    write: Callable[[str, Sequence[memoryview]], object] | None = None,
+                    scratch: str | None = None) -> list[float]:
     """Time one segment write per size into ``ROOT/.tmp-calibrate-<id>/``, then remove it.
 
     ``write(path, parts)`` writes one file the way the tier writes segments
-    (default: ``write_parts``, i.e. writev + fsync).
+    (default: ``write_parts``, i.e. writev + fsync). ``scratch`` names the
+    scratch directory (default: a fresh ``.tmp-calibrate-<id>``).
     """
-    scratch = os.path.join(root, f"{TMP_PREFIX}calibrate-{uuid.uuid4().hex[:8]}")
+    scratch = os.path.join(root, scratch or f"{TMP_PREFIX}calibrate-{uuid.uuid4().hex[:8]}")
     os.makedirs(scratch)
     data = memoryview(os.urandom(max(sizes, default=0)))
     times: list[float] = []

@@ -76,5 +76,9 @@ class TierError(AsymstoreError):
     """A tier failed to read, write, publish or delete."""
 
 
+class RootLockedError(AsymstoreError):
+    """Another writer holds the root of a tier (one writer per root; the message names the holder)."""
+
+
 class StoreClosedError(AsymstoreError):
     """The store is not open (use ``async with AsymStore(...)``)."""

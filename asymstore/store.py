@@ -39,7 +39,7 @@ from asymstore.errors import (
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.restore import Checkpoint, describe, load_version
 from asymstore.staging import PendingStep, stages_inline
-from asymstore.tiers.base import Tier, VersionWriter
+from asymstore.tiers.base import ExclusiveTier, Tier, VersionWriter
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class AsymStore:
             self._cache = CalibrationCache(calibration_cache)
         self._durable = self._find_durable(durable)
         self._pending: dict[int, PendingStep] = {}
+        self._commit_lock = asyncio.Lock()
         self._committed_steps: set[int] = set()  # committed through this store object
         self._side_tasks: set[asyncio.Future[None]] = set()
         self._flushers: dict[str, Flusher] = {}
@@ -189,9 +190,26 @@ class AsymStore:
     # -- lifecycle -------------------------------------------------------
 
     async def open(self) -> AsymStore:
-        """Open every tier, read what versions they hold, and calibrate their write costs."""
-        for state in self._tiers:
-            await state.tier.open()
+        """Open every tier, take its root, sweep leftovers, list versions and calibrate write costs.
+
+        One writer per root: each directory tier is locked while the store is
+        open, so what dead writers left behind can be swept safely.
+
+        Raises:
+            RootLockedError: another live store writes one of the roots.
+        """
+        opened: list[Tier] = []
+        try:
+            for state in self._tiers:
+                await state.tier.open()
+                opened.append(state.tier)
+                if isinstance(state.tier, ExclusiveTier):
+                    await state.tier.lock_root()
+                    await state.tier.sweep_leftovers()
+        except BaseException:
+            for tier in reversed(opened):
+                await self._close_tier(tier)
+            raise
         await self.refresh()
         await self._calibrate(refresh=False)
         for state in self._tiers[self._durable + 1:]:
@@ -249,7 +267,15 @@ class AsymStore:
             self._pending.clear()
             self._open = False
             for state in self._tiers:
-                await state.tier.close()
+                await self._close_tier(state.tier)
+
+    @staticmethod
+    async def _close_tier(tier: Tier) -> None:
+        try:
+            await tier.close()
+        finally:
+            if isinstance(tier, ExclusiveTier):
+                await tier.unlock_root()
 
     async def refresh(self) -> None:
         """Re-read the versions each tier lists (after another process wrote)."""
@@ -371,14 +397,21 @@ class AsymStore:
         self._require_open()
         _check_step(step)
         clean_meta = validate_meta(meta)
+        async with self._commit_lock:  # one commit at a time: step order is checked where it is decided
+            self._check_commit_order(step)
+            pending = self._pending.get(step)
+            if pending is None or not pending.tensors:
+                raise EmptyStepError(f"nothing was put for step {step}")
+            return await self._commit_locked(step, pending, clean_meta)
+
+    def _check_commit_order(self, step: int) -> None:
         if self._committed_anywhere(step):
             raise StepCommittedError(f"step {step} is already committed")
         newest = self.newest_step
         if newest is not None and step <= newest:
             raise StepOrderError(f"step {step} is not newer than the newest committed step {newest}")
-        pending = self._pending.get(step)
-        if pending is None or not pending.tensors:
-            raise EmptyStepError(f"nothing was put for step {step}")
+
+    async def _commit_locked(self, step: int, pending: PendingStep, clean_meta: dict[str, Any]) -> CommitResult:
         pending.sealed = True
         started = time.perf_counter()
         try:
@@ -396,15 +429,15 @@ class AsymStore:
                 try:
                     manifest, flush[state.tier.name] = await self._write_tier(state, plan)
                     done.append(state.tier.name)
-                except CapacityError as exc:
-                    if i == self._durable:
+                except BaseException as exc:
+                    if i == self._durable or not isinstance(exc, AsymstoreError):
+                        # not durable: no faster tier may keep it, or restore would return a step never committed
+                        await asyncio.shield(self._unpublish(step, self._tiers[:i]))
                         raise
-                    logger.warning("step %d skipped on %s: %s", step, state.tier.name, exc)
-                except AsymstoreError as exc:
-                    if i == self._durable:
-                        await self._unpublish(step, self._tiers[:i])
-                        raise
-                    logger.error("step %d failed on %s: %s", step, state.tier.name, exc)
+                    if isinstance(exc, CapacityError):
+                        logger.warning("step %d skipped on %s: %s", step, state.tier.name, exc)
+                    else:
+                        logger.error("step %d failed on %s: %s", step, state.tier.name, exc)
         except BaseException:
             pending.sealed = False
             raise
@@ -488,6 +521,8 @@ class AsymStore:
         try:
             await tier.write_latest(max(state.versions))
             await self._retain(state)  # retries a delete that failed earlier, so reconcile after it
+            if isinstance(tier, ExclusiveTier):
+                await tier.sweep_leftovers()
             # a bounded tier (HostTier) evicts old versions on its own in ``begin``
             state.versions &= set(await tier.list_versions()) | {step}
         except Exception as exc:  # the version is committed; housekeeping can wait

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from typing import Any
 
 import pyarrow as pa
@@ -147,10 +148,20 @@ async def test_hdfs_rename_semantics_publish(handler: LocalHandler, tmp_path: ob
         writer = await t.begin(3, 10)
         os.makedirs(os.path.join(root, "v000000000003"))  # someone published step 3 meanwhile
         with open(os.path.join(root, "v000000000003", "MANIFEST.json"), "w") as f:
-            f.write("{}")
+            f.write('{"another": "version"}')
+        started = time.monotonic()
         with pytest.raises(StepCommittedError):
             await writer.publish(b"{}")  # the rename is refused, never replaces a version
         await writer.abort()
+        # the same manifest already there: an earlier attempt of this very publish got through
+        shutil.rmtree(os.path.join(root, "v000000000003"))
+        writer = await t.begin(3, 10)
+        os.makedirs(os.path.join(root, "v000000000003"))
+        with open(os.path.join(root, "v000000000003", "MANIFEST.json"), "w") as f:
+            f.write("{}")
+        await writer.publish(b"{}")
+        assert time.monotonic() - started < 5  # "already there" is never retried as a transient error
+        assert not os.path.exists(writer.target)  # its own copy is gone
         shutil.rmtree(os.path.join(root, "v000000000003"))
         assert torch.equal((await store.restore()).tensors["w"], state(2)["w"])
     assert not [n for n in os.listdir(root) if n.startswith(".tmp")]

@@ -149,7 +149,7 @@ async def test_retention_keeps_last_and_latest(tmp_path: object) -> None:
         assert await store.tiers[0].read_latest() == 10
         old = await store.restore(step=9)
     assert old.tensors["w"].item() == 9
-    assert sorted(os.listdir(tmp_path)) == ["LATEST", "v000000000009", "v000000000010"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "LATEST", "v000000000009", "v000000000010"]
 
 
 async def test_store_reopens_and_continues(tmp_path: object) -> None:

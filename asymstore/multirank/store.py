@@ -51,6 +51,7 @@ from asymstore.multirank.errors import (
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.multirank.kv import KV, MemoryStore, store_from_env
 from asymstore.restore import Checkpoint, describe, load_version, read_manifest
+from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.store import AsymStore, CommitResult
 from asymstore.tiers.base import Tier
 from asymstore.tiers.local import LocalTier
@@ -116,6 +117,7 @@ class RankStore(AsymStore):
             raise ValueError("keep_last must be >= 1 (or None to keep everything)")
         self.root = os.path.abspath(os.fspath(root))
         self.global_dir = os.path.join(self.root, layout.GLOBAL_DIR)
+        self._global_lock = DirLock(self.global_dir)
         self.fsync = fsync
         self._peer_tiers = peer_tiers or (lambda r: [LocalTier(os.path.join(self.root, layout.rank_dirname(r)),
                                                                fsync=fsync)])
@@ -156,9 +158,15 @@ class RankStore(AsymStore):
             else:
                 self._kv = KV(await asyncio.to_thread(store_from_env, self.namespace, timeout_s=self.timeout_s))
         self._session = await asyncio.to_thread(self._kv.store.add, f"session/{self.rank}", 1)
-        if self.is_coordinator:
+        if self.is_coordinator:  # the only writer of global/: lock it, then sweep what a dead coordinator left
             await asyncio.to_thread(os.makedirs, self.global_dir, exist_ok=True)
-        await super().open()
+            await asyncio.to_thread(self._global_lock.acquire)
+            await asyncio.to_thread(sweep_directory, self.global_dir, fsync=self.fsync)
+        try:
+            await super().open()
+        except BaseException:
+            self._global_lock.release()
+            raise
         return self
 
     async def close(self) -> None:
@@ -171,7 +179,10 @@ class RankStore(AsymStore):
             except (CoordinationTimeoutError, RuntimeError) as exc:
                 logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
             self._last_commit_key = None
-        await super().close()
+        try:
+            await super().close()
+        finally:
+            self._global_lock.release()
 
     def _key(self, kind: str) -> str:
         n = self._counters.get(kind, 0)

@@ -20,6 +20,9 @@ Call order, for one tier, driven by :class:`asymstore.AsymStore`:
    out of the way (kept for inspection where the tier can).
 6. ``await tier.close()`` once, last.
 
+Optional capabilities are declared as protocols below and checked with
+``isinstance``: :class:`ExclusiveTier` (one writer per root, leftovers swept).
+
 Buffers given to ``write_segment`` stay valid and unchanged until the call
 returns; a tier that keeps them longer must copy. Buffers returned by
 ``read_segment`` belong to the caller.
@@ -96,4 +99,28 @@ class Tier(Protocol):
 
     async def read_latest(self) -> int | None:
         """Return the LATEST hint, or None when absent or unreadable."""
+        ...
+
+
+@runtime_checkable
+class ExclusiveTier(Protocol):
+    """A tier whose root one writer owns at a time (optional capability).
+
+    The store calls ``lock_root`` right after ``open`` (a second live writer
+    gets :class:`~asymstore.errors.RootLockedError`), then ``sweep_leftovers``;
+    it sweeps again after each publish and calls ``unlock_root`` after
+    ``close``. Holding the root, the tier may remove every temporary entry
+    it did not create itself: only a dead writer can have left it.
+    """
+
+    async def lock_root(self) -> None:
+        """Become the root's only writer, or raise RootLockedError naming the holder."""
+        ...
+
+    async def unlock_root(self) -> None:
+        """Give the root up (idempotent)."""
+        ...
+
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove what dead writers left under the root; return the names removed."""
         ...

@@ -31,6 +31,7 @@ import torch
 from asymstore.calibration import probe_memory
 from asymstore.errors import CapacityError, SnapshotSkippedError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.manifest import validate_segment_name
+from asymstore.rootlock import is_leftover_name
 from asymstore.tensorbytes import as_bytes
 from asymstore.tiers.base import Buffer, VersionWriter
 from asymstore.tiers.local import LocalTier
@@ -87,6 +88,7 @@ class HostTier:
         self._held: set[int] = set()
         self._space = asyncio.Condition()
         self._reserved = 0
+        self._leftover_bytes = 0  # dead writers' shared-memory files not removed (yet)
         self.high_water_bytes = 0
         self.skipped = 0
 
@@ -105,8 +107,8 @@ class HostTier:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held by committed versions plus reservations in flight."""
-        return sum(self._sizes.values()) + self._reserved
+        """Bytes held by committed versions, reservations in flight and dead writers' leftovers."""
+        return sum(self._sizes.values()) + self._reserved + self._leftover_bytes
 
     async def open(self) -> None:
         """Open the backing directory and account for versions already in it."""
@@ -114,6 +116,24 @@ class HostTier:
             await self._files.open()
             for step in await self._files.list_versions():
                 self._sizes[step] = await asyncio.to_thread(_dir_size, self._files._vdir(step))
+
+    async def lock_root(self) -> None:
+        """Take the shared-memory directory's writer lock (nothing to lock in process memory)."""
+        if self._files:
+            await self._files.lock_root()
+
+    async def unlock_root(self) -> None:
+        """Give the writer lock up."""
+        if self._files:
+            await self._files.unlock_root()
+
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove dead writers' shared-memory files; what cannot be removed counts against the capacity."""
+        if not self._files:
+            return []
+        removed = await self._files.sweep_leftovers()
+        self._leftover_bytes = await asyncio.to_thread(_leftover_size, self._files.root, set(self._files._active))
+        return removed
 
     async def close(self) -> None:
         """Drop in-memory versions (shared-memory files stay for a restart)."""
@@ -311,6 +331,16 @@ def _to_host(buf: torch.Tensor) -> Buffer:
     if buf.device.type == "cpu":
         return bytearray(as_bytes(buf))
     return as_bytes(buf.cpu())
+
+
+def _leftover_size(root: str, active: set[str]) -> int:
+    """Bytes under ``root``'s temporary entries that are not this writer's own."""
+    total = 0
+    for entry in os.scandir(root):
+        if is_leftover_name(entry.name) and entry.name not in active:
+            total += _dir_size(entry.path) if entry.is_dir(follow_symlinks=False) else entry.stat(
+                follow_symlinks=False).st_size
+    return total
 
 
 def _dir_size(path: str) -> int:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from asymstore.layout import (
     version_dirname,
 )
 from asymstore.manifest import MANIFEST_NAME, validate_segment_name
+from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.tiers.base import Buffer
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ class LocalTier:
         self.name = name or f"local:{self.root}"
         self.keep_last = keep_last
         self.fsync = fsync
+        self._lock = DirLock(self.root)
+        self._active: set[str] = set()  # this writer's temporary names in flight
 
     def __repr__(self) -> str:
         """Return a short description."""
@@ -64,7 +68,21 @@ class LocalTier:
         await asyncio.to_thread(os.makedirs, self.root, exist_ok=True)
 
     async def close(self) -> None:
-        """Nothing to release."""
+        """Nothing to release (the root lock is the store's to give up: :meth:`unlock_root`)."""
+
+    async def lock_root(self) -> None:
+        """Take the root's writer lock (see :mod:`asymstore.rootlock`)."""
+        await asyncio.to_thread(self._lock.acquire)
+
+    async def unlock_root(self) -> None:
+        """Give the writer lock up."""
+        self._lock.release()
+
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove dead writers' leftovers (only while holding the root; a no-op otherwise)."""
+        if not self._lock.held:
+            return []
+        return await asyncio.to_thread(sweep_directory, self.root, set(self._active), fsync=self.fsync)
 
     async def list_versions(self) -> list[int]:
         """Return the steps whose directory holds a manifest, ascending."""
@@ -78,7 +96,9 @@ class LocalTier:
             return []
         for entry in entries:
             step = parse_version_dirname(entry.name)
-            if step is not None and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+            # a real directory holding a regular manifest: symlinks are never followed out of the root
+            if step is not None and entry.is_dir(follow_symlinks=False) and _is_regular(
+                    os.path.join(entry.path, MANIFEST_NAME)):
                 steps.append(step)
         return sorted(steps)
 
@@ -87,7 +107,12 @@ class LocalTier:
         if os.path.exists(os.path.join(self._vdir(step), MANIFEST_NAME)):
             raise StepCommittedError(f"step {step} is already committed on {self.name}")
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{version_dirname(step)}-{uuid.uuid4().hex[:8]}")
-        await asyncio.to_thread(os.makedirs, tmp)
+        self._active.add(os.path.basename(tmp))
+        try:
+            await asyncio.to_thread(os.makedirs, tmp)
+        except BaseException:
+            self._active.discard(os.path.basename(tmp))
+            raise
         return _DirWriter(self, step, tmp)
 
     async def read_manifest(self, step: int) -> bytes:
@@ -151,8 +176,14 @@ class LocalTier:
         return filesystem_key("local", self.root, fsync=self.fsync)
 
     async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
-        """Time one segment-like write per size in a scratch directory under the root (removed after)."""
-        return await asyncio.to_thread(probe_directory, self.root, sizes, fsync=self.fsync)
+        """Time one segment write (this tier's I/O engine) per size in a scratch directory under the root."""
+        scratch = f"{TMP_PREFIX}calibrate-{uuid.uuid4().hex[:8]}"
+        self._active.add(scratch)
+        try:
+            return await asyncio.to_thread(probe_directory, self.root, sizes, fsync=self.fsync,
+                                           write=self._write_segment_file, scratch=scratch)
+        finally:
+            self._active.discard(scratch)
 
     async def write_latest(self, step: int) -> None:
         """Atomically replace the LATEST hint."""
@@ -186,6 +217,7 @@ class _DirWriter:
     async def publish(self, manifest: bytes) -> None:
         try:
             await asyncio.to_thread(self._publish_sync, manifest)
+            self.tier._active.discard(os.path.basename(self.tmp))
         except FileExistsError as exc:
             raise StepCommittedError(f"step {self.step} is already committed on {self.tier.name}") from exc
         except OSError as exc:
@@ -206,3 +238,13 @@ class _DirWriter:
 
     async def abort(self) -> None:
         await asyncio.to_thread(shutil.rmtree, self.tmp, True)
+        if not os.path.lexists(self.tmp):
+            self.tier._active.discard(os.path.basename(self.tmp))  # else the next sweep retries it
+
+
+def _is_regular(path: str) -> bool:
+    """True when ``path`` is a regular file itself (not a symlink, FIFO or directory)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

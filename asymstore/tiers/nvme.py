@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Sequence
 
-from asymstore.calibration import filesystem_key, probe_directory
+from asymstore.calibration import filesystem_key
 from asymstore.tiers.base import Buffer
 from asymstore.tiers.engines import Engine, select_engine
 from asymstore.tiers.local import LocalTier
@@ -43,11 +42,6 @@ class NVMeTier(LocalTier):
     def calibration_key(self) -> str:
         """Identify the filesystem and engine for the calibration cache."""
         return filesystem_key(f"nvme-{self.engine.name}", self.root, fsync=self.fsync)
-
-    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
-        """Time one engine write per size in a scratch directory under the root."""
-        return await asyncio.to_thread(probe_directory, self.root, sizes, fsync=self.fsync,
-                                       write=self._write_segment_file)
 
     def _write_segment_file(self, path: str, parts: Sequence[Buffer]) -> None:
         self.engine.write(path, parts, fsync=self.fsync)

@@ -34,7 +34,9 @@ from asymstore.checksum import StreamingChecksum
 from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, parse_version_dirname, version_dirname
 from asymstore.manifest import MANIFEST_NAME, validate_segment_name
+from asymstore.rootlock import is_leftover_name
 from asymstore.tiers.base import Buffer
+from asymstore.tiers.lease import RemoteLease
 from asymstore.tiers.retry import RetryPolicy
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,9 @@ class RemoteTier:
         parallel_segments: segments uploaded at once.
         retry: the retry policy.
         filesystem: an already built pyarrow filesystem (then ``uri`` gives only the path).
+        lease_ttl_s: lifetime of the writer lease (one writer per root, see
+            :mod:`asymstore.tiers.lease`); renewed every third of it while open.
+        lease_wait_s: how long ``open`` waits for another writer's lease to lapse.
         **options: S3 options (``endpoint_override``, ``scheme``, ``access_key``, ...).
     """
 
@@ -91,7 +96,8 @@ class RemoteTier:
     def __init__(self, uri: str, *, name: str | None = None, keep_last: int | None = None,
                  publish: str | None = None, verify: str = "checksum", part_size: int = 16 << 20,
                  parallel_segments: int = 4, retry: RetryPolicy | None = None,
-                 filesystem: pafs.FileSystem | None = None, **options: Any) -> None:
+                 filesystem: pafs.FileSystem | None = None, lease_ttl_s: float = 30.0,
+                 lease_wait_s: float = 40.0, **options: Any) -> None:
         """Build the filesystem client; nothing is contacted before ``open``."""
         if filesystem is not None:
             parts = urlsplit(uri)
@@ -110,6 +116,9 @@ class RemoteTier:
         self.keep_last = keep_last
         safe = urlunsplit(urlsplit(uri)._replace(query=""))
         self.name = name or f"remote:{safe}"
+        self._lease = RemoteLease(self.fs, self.root, ttl_s=lease_ttl_s, wait_s=lease_wait_s)
+        self._renewer: asyncio.Task[None] | None = None
+        self._active: set[str] = set()  # this writer's temporary names in flight
 
     def __repr__(self) -> str:
         """Return a short description."""
@@ -127,6 +136,66 @@ class RemoteTier:
 
     async def close(self) -> None:
         """Nothing to release (pyarrow filesystems close with the process)."""
+
+    async def lock_root(self) -> None:
+        """Take the root's writer lease and keep renewing it until :meth:`unlock_root`."""
+        await asyncio.to_thread(self._lease.acquire)
+        self._renewer = asyncio.ensure_future(self._renew_forever())
+
+    async def _renew_forever(self) -> None:
+        while self._lease.held:
+            await asyncio.sleep(self._lease.ttl_s / 3)
+            try:
+                await asyncio.to_thread(self._lease.renew)
+            except OSError as exc:  # the remote is down: the next renewal tries again
+                logger.warning("%s: renewing the writer lease failed: %s", self.name, exc)
+
+    async def unlock_root(self) -> None:
+        """Stop renewing and delete the writer lease."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
+        try:
+            await asyncio.to_thread(self._lease.release)
+        except OSError as exc:
+            logger.warning("%s: could not delete the writer lease (it lapses by itself): %s", self.name, exc)
+
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove dead writers' leftovers (only while holding the lease).
+
+        Temporary directories and files (``.tmp-*``, ``LATEST`` temp files) and
+        version prefixes without a manifest (uploads aborted while the remote
+        was down, or cut short by a crash) that are not this writer's own.
+        """
+        if not self._lease.held:
+            return []
+        active = set(self._active)
+
+        def sweep() -> list[str]:
+            removed = []
+            sel = pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
+            for info in self.fs.get_file_info(sel):
+                name = info.base_name
+                if name in active:
+                    continue
+                orphan = (parse_version_dirname(name) is not None and info.type == pafs.FileType.Directory
+                          and self.fs.get_file_info(f"{info.path}/{MANIFEST_NAME}").type != pafs.FileType.File)
+                if not (orphan or is_leftover_name(name)):
+                    continue
+                if info.type == pafs.FileType.Directory:
+                    self.fs.delete_dir(info.path)
+                else:
+                    self.fs.delete_file(info.path)
+                removed.append(name)
+            return removed
+        try:
+            removed = await asyncio.to_thread(sweep)
+        except OSError as exc:
+            logger.info("%s: sweeping leftovers failed (will retry after the next commit): %s", self.name, exc)
+            return []
+        for name in removed:
+            logger.info("%s: removed leftover %s", self.name, name)
+        return removed
 
     async def list_versions(self) -> list[int]:
         """Return steps whose ``v…/MANIFEST.json`` exists, ascending."""
@@ -155,6 +224,7 @@ class RemoteTier:
             target = vdir
         else:
             target = self._p(f"{TMP_PREFIX}{version_dirname(step)}-{uuid.uuid4().hex[:8]}")
+        self._active.add(target.rsplit("/", 1)[-1])
         await self._io("create dir", lambda: self.fs.create_dir(target, recursive=True))
         return _RemoteWriter(self, step, target)
 
@@ -211,6 +281,7 @@ class RemoteTier:
         """Time one verified upload per size under a scratch prefix, then remove it."""
         scratch = self._p(f"{TMP_PREFIX}calibrate-{uuid.uuid4().hex[:8]}")
         data = memoryview(os.urandom(max(sizes, default=0)))
+        self._active.add(scratch.rsplit("/", 1)[-1])
 
         def probe() -> list[float]:
             times = []
@@ -229,7 +300,10 @@ class RemoteTier:
                 except OSError:
                     pass
             return times
-        result: list[float] = await asyncio.to_thread(probe)
+        try:
+            result: list[float] = await asyncio.to_thread(probe)
+        finally:
+            self._active.discard(scratch.rsplit("/", 1)[-1])
         return result
 
     async def write_latest(self, step: int) -> None:
@@ -299,7 +373,7 @@ class _RemoteWriter:
             got = await tier._io("verify manifest", lambda: _read_all(tier.fs, f"{self.target}/{MANIFEST_NAME}"))
             if bytes(got) != manifest:
                 raise CorruptVersionError(f"manifest of step {self.step} on {tier.name} read back differently")
-            await self.sweep()
+            self._done()
             return
         dest = tier._p(version_dirname(self.step))
 
@@ -313,39 +387,18 @@ class _RemoteWriter:
         try:
             await tier._io("publish", rename)
         except TierError as exc:
-            if isinstance(exc.__cause__, FileExistsError):
+            if not isinstance(exc.__cause__, FileExistsError):
+                raise
+            # an earlier attempt may have renamed it and lost the answer: the same manifest there is our commit
+            there = await tier._io("read manifest", lambda: _read_all(tier.fs, f"{dest}/{MANIFEST_NAME}"))
+            if bytes(there) != manifest:
                 raise StepCommittedError(f"step {self.step} is already committed on {tier.name}") from exc
-            raise
-        await self.sweep()
+            logger.info("%s: step %d was already published by an earlier attempt", tier.name, self.step)
+            await self.abort()
+        self._done()
 
-    async def sweep(self) -> None:
-        """Remove leftovers older than this version: aborted uploads the remote was too down to delete.
-
-        One writer per remote root is assumed (as for every tier), so a prefix
-        without manifest below a step just published can only be a leftover.
-        """
-        tier = self.tier
-
-        def sweep() -> list[str]:
-            removed = []
-            sel = pafs.FileSelector(tier.root, allow_not_found=True, recursive=False)
-            for info in tier.fs.get_file_info(sel):
-                name = info.base_name
-                step = parse_version_dirname(name)
-                stale_tmp = name.startswith(TMP_PREFIX)  # this writer's own was renamed away already
-                orphan = (step is not None and step < self.step and
-                          tier.fs.get_file_info(f"{info.path}/{MANIFEST_NAME}").type != pafs.FileType.File)
-                if info.type == pafs.FileType.Directory and (stale_tmp or orphan):
-                    tier.fs.delete_dir(info.path)
-                    removed.append(name)
-            return removed
-        try:
-            removed = await asyncio.to_thread(sweep)
-        except OSError as exc:
-            logger.info("%s: sweeping leftovers failed (will retry next commit): %s", tier.name, exc)
-            return
-        for name in removed:
-            logger.info("%s: removed leftover %s", tier.name, name)
+    def _done(self) -> None:
+        self.tier._active.discard(self.target.rsplit("/", 1)[-1])
 
     async def abort(self) -> None:
         for task in self.uploads:
@@ -354,8 +407,12 @@ class _RemoteWriter:
         target = self.target
         try:
             await asyncio.to_thread(self.tier.fs.delete_dir, target)
-        except OSError as exc:  # best effort: fsck reports what is left as partial
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # best effort: the next sweep removes what is left
             logger.warning("could not remove %s after an aborted commit: %s", target, exc)
+            return
+        self._done()
 
 
 def _write_all(fs: pafs.FileSystem, path: str, parts: Sequence[Buffer], part_size: int) -> None:

@@ -30,7 +30,8 @@ class RemoteUnavailableError(TierError):
 
 def is_transient(exc: BaseException) -> bool:
     """Return True for errors worth retrying: network and server trouble, not permission or absence."""
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError)):
         return False
     if isinstance(exc, PermanentRemoteError):
         return False

@@ -6,10 +6,12 @@ import errno
 import fcntl
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Sequence
 
+from asymstore.errors import CorruptVersionError
 from asymstore.layout import fsync_dir
 
 _IOV_MAX = 1024
@@ -112,6 +114,45 @@ def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
                 return [memoryview(bytes(bounce[written:filled])), *pending[i:]]
             filled = 0
     return []
+
+
+def check_regular(path: str, *, expected_size: int | None = None, max_size: int | None = None) -> int:
+    """Return the size of ``path`` after checking it is a plain file of an acceptable size.
+
+    Opened without following a symlink and without blocking (a FIFO or a
+    device never hangs the caller); nothing is read.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CorruptVersionError: it is a symlink, not a regular file, or its size is not the one expected.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptVersionError(f"{path} is a symlink; only regular files are read") from exc
+        raise
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise CorruptVersionError(f"{path} is not a regular file")
+    if expected_size is not None and info.st_size != expected_size:
+        raise CorruptVersionError(f"{path} has {info.st_size} bytes, the manifest says {expected_size}")
+    if max_size is not None and info.st_size > max_size:
+        raise CorruptVersionError(f"{path} has {info.st_size} bytes, more than the {max_size} accepted")
+    return info.st_size
+
+
+def check_directory(path: str) -> None:
+    """Raise CorruptVersionError unless ``path`` is a real directory (not a symlink to one)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise
+    if not stat.S_ISDIR(mode):
+        raise CorruptVersionError(f"{path} is not a directory (symlinks are never followed out of the root)")
 
 
 def read_whole(path: str) -> bytearray:

@@ -22,10 +22,23 @@ checksum) and the user's JSON metadata. Schema (format version 1)::
 
 ``checksum`` covers the stored bytes of a chunk, ``raw_checksum`` the bytes
 after decoding (equal for the ``raw`` codec).
+
+Format version 2 (written since asymstore 0.2) ends with a checksum of the
+manifest itself: the text is ``<body>,"manifest_checksum":"<16 hex>"}`` where
+the xxh3-64 digest covers ``<body>``, every byte before that suffix. It is
+verified before any field is read, so a flipped bit anywhere in the file is
+a :class:`ManifestError`, never a wrong name, dtype or offset. Version 1
+manifests (no self-checksum) are still read, with every structural check.
+
+Every manifest read is untrusted input: at most :data:`MAX_MANIFEST_BYTES`
+and :data:`MAX_JSON_DEPTH` levels, only the dtypes of :data:`DTYPE_SIZES`,
+``prod(shape) * itemsize == nbytes``, chunks inside their segment and not
+overlapping, and no chunk declaring more than :data:`MAX_CHUNK_RAW_BYTES`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -34,14 +47,47 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from asymstore.checksum import ALGORITHM
+from asymstore.checksum import ALGORITHM, checksum
 from asymstore.errors import InvalidMetaError, InvalidNameError, ManifestError
 
 FORMAT = "asymstore.manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 MANIFEST_NAME = "MANIFEST.json"
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest read (about 200,000 single-chunk tensors); a larger file is refused unread."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of JSON arrays and objects accepted (user ``meta`` included)."""
+MAX_CHUNK_RAW_BYTES = 1 << 30
+"""Largest raw length one chunk may declare (the store never writes chunks larger)."""
+MAX_DIMS = 64
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    **{f"{kind}{bits}": 1 for kind in ("int", "uint") for bits in range(1, 8)},
+}
+"""Storable dtypes (torch names) and their item sizes; quantized and opaque ``bits`` dtypes are not storable."""
+_CODEC = re.compile(r"^(raw|zstd-planes:[1248])$")
+_CHECKSUM_SUFFIX = re.compile(rb',"manifest_checksum":"([0-9a-f]{16})"\}\s*$')
 _jstr = encode_basestring_ascii  # a str as a JSON string literal, as json.dumps writes it
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+
+
+def seal(body: bytes) -> bytes:
+    """Close the JSON object text ``body`` (all of it but the final ``}``) with its self-checksum."""
+    return body + b',"manifest_checksum":"' + checksum(body).encode() + b'"}'
+
+
+def seal_document(doc: dict[str, Any]) -> bytes:
+    """Serialize a manifest document (as parsed JSON) and seal it; a ``manifest_checksum`` key in it is replaced.
+
+    For tools and fault-injection tests that edit a manifest on purpose; the
+    store itself writes through :meth:`Manifest.to_json`.
+    """
+    body = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+    return seal(json.dumps(body, allow_nan=False, separators=(",", ":")).encode()[:-1])
 
 
 def validate_name(name: object) -> str:
@@ -204,30 +250,61 @@ class Manifest:
         head = json.dumps(doc, allow_nan=False, separators=(",", ":"))
         tensors = ",".join(f"{_jstr(name)}:{t.json_text()}" for name, t in self.tensors.items())
         extra = json.dumps(self.extra, allow_nan=False, separators=(",", ":"))
-        return f'{head[:-1]},"tensors":{{{tensors}}},"extra":{extra}}}'.encode()
+        return seal(f'{head[:-1]},"tensors":{{{tensors}}},"extra":{extra}'.encode())
+
 
     @classmethod
     def from_json(cls, data: bytes | bytearray | memoryview) -> Manifest:
         """Parse and validate manifest bytes.
 
+        The self-checksum (format 2) is verified before anything is parsed;
+        sizes, depth, dtypes, shapes and chunk bounds are checked before
+        anything is allocated from them.
+
         Raises:
-            ManifestError: the bytes are not a valid manifest of a known version.
+            ManifestError: the bytes are not a valid, intact manifest of a readable format version.
         """
+        data = bytes(data)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+        match = _CHECKSUM_SUFFIX.search(data, max(0, len(data) - 64))
+        if match is not None:
+            body = data[:match.start()]
+            if checksum(body) != match.group(1).decode():
+                raise ManifestError("manifest checksum mismatch: the manifest is damaged")
+        try:  # the C decoder raises RecursionError on deep nesting at once; the schema bounds the rest
+            doc = json.loads(data, parse_constant=_refuse_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
+            raise ManifestError(f"manifest is not strict JSON: {type(exc).__name__}: {str(exc)[:200]}") from exc
         try:
-            doc = json.loads(bytes(data))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ManifestError(f"manifest is not JSON: {exc}") from exc
-        try:
-            return _parse(doc)
+            return _parse(doc, checksummed=match is not None)
         except ManifestError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ManifestError(f"malformed manifest: {exc!r}") from exc
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise ManifestError(f"malformed manifest: {type(exc).__name__}: {str(exc)[:200]}") from exc
+
+
+_INT_MAX = 1 << 62
+
+
+def _refuse_constant(name: str) -> None:
+    raise ManifestError(f"manifest holds {name}, which strict JSON has not")
+
+
+def _check_depth(value: object, what: str) -> None:
+    """Refuse free-form JSON (``meta``, ``extra``) nested deeper than MAX_JSON_DEPTH (an iterative walk)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise ManifestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
 
 
 def _int(value: object, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ManifestError(f"{what} must be a non-negative int, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _INT_MAX:
+        raise ManifestError(f"{what} must be a non-negative int below 2**62, got {str(value)[:40]}")
     return value
 
 
@@ -237,11 +314,65 @@ def _str(value: object, what: str) -> str:
     return value
 
 
-def _parse(doc: Any) -> Manifest:
+def _parse_tensor(name: str, entry: Any, segments: dict[str, SegmentEntry],
+                  spans: dict[str, list[tuple[int, int, str]]]) -> TensorEntry:
+    dtype = _str(entry["dtype"], "dtype")
+    itemsize = DTYPE_SIZES.get(dtype)
+    if itemsize is None:
+        raise ManifestError(f"{name!r}: dtype {dtype[:40]!r} is not a storable dtype")
+    if not isinstance(entry["shape"], list) or len(entry["shape"]) > MAX_DIMS:
+        raise ManifestError(f"{name!r}: shape must be a list of at most {MAX_DIMS} dims")
+    shape = tuple(_int(d, "shape dim") for d in entry["shape"])
+    nbytes = _int(entry["nbytes"], "nbytes")
+    if math.prod(shape) * itemsize != nbytes:
+        raise ManifestError(f"{name!r}: shape {list(shape)} of {dtype} is not {nbytes} bytes")
+    chunks = []
+    for c in entry["chunks"]:
+        seg_name = _str(c["segment"], "chunk segment")
+        if seg_name not in segments:
+            raise ManifestError(f"chunk of {name!r} names unknown segment {seg_name[:140]!r}")
+        chunk = Chunk(
+            segment=seg_name,
+            offset=_int(c["offset"], "offset"),
+            length=_int(c["length"], "length"),
+            raw_length=_int(c["raw_length"], "raw_length"),
+            checksum=_hex(c["checksum"], "checksum"),
+            codec=_str(c.get("codec", "raw"), "codec"),
+            raw_checksum=_hex(c.get("raw_checksum", c["checksum"]), "raw_checksum"),
+        )
+        if not _CODEC.match(chunk.codec):
+            raise ManifestError(f"chunk of {name!r} names unknown codec {chunk.codec[:40]!r}")
+        if chunk.codec == "raw" and chunk.length != chunk.raw_length:
+            raise ManifestError(f"raw chunk of {name!r}: length {chunk.length} != raw_length {chunk.raw_length}")
+        if chunk.raw_length > MAX_CHUNK_RAW_BYTES:
+            raise ManifestError(f"chunk of {name!r} declares {chunk.raw_length} raw bytes, "
+                                f"more than the {MAX_CHUNK_RAW_BYTES}-byte limit")
+        if chunk.offset + chunk.length > segments[seg_name].size:
+            raise ManifestError(f"chunk of {name!r} runs past the end of {seg_name}")
+        if chunk.length:
+            spans[seg_name].append((chunk.offset, chunk.length, name))
+        chunks.append(chunk)
+    if sum(c.raw_length for c in chunks) != nbytes:
+        raise ManifestError(f"chunks of {name!r} do not add up to {nbytes} bytes")
+    return TensorEntry(dtype, shape, nbytes, tuple(chunks))
+
+
+def _hex(value: object, what: str) -> str:
+    text = _str(value, what)
+    if len(text) > 64 or not re.fullmatch(r"[0-9a-f]+", text):
+        raise ManifestError(f"{what} must be a hex digest, got {text[:40]!r}")
+    return text
+
+
+def _parse(doc: Any, *, checksummed: bool) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError("not an asymstore manifest")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(f"unsupported manifest format_version {doc.get('format_version')!r}")
+    version = doc.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise ManifestError(f"unsupported manifest format_version {str(version)[:20]} (this asymstore reads "
+                            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
+    if version >= 2 and not checksummed:
+        raise ManifestError(f"format_version {version} manifest without its self-checksum: the manifest is damaged")
     if doc.get("checksum_algorithm") != ALGORITHM:
         raise ManifestError(f"unsupported checksum algorithm {doc.get('checksum_algorithm')!r}")
     segments: dict[str, SegmentEntry] = {}
@@ -249,39 +380,26 @@ def _parse(doc: Any) -> Manifest:
         name = validate_segment_name(seg["name"])
         if name in segments:
             raise ManifestError(f"segment {name} listed twice")
-        segments[name] = SegmentEntry(name, _int(seg["size"], "segment size"), _str(seg["checksum"], "checksum"))
+        segments[name] = SegmentEntry(name, _int(seg["size"], "segment size"), _hex(seg["checksum"], "checksum"))
     tensors: dict[str, TensorEntry] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {name: [] for name in segments}
     for name, entry in doc["tensors"].items():
         try:
             validate_name(name)
         except InvalidNameError as exc:
             raise ManifestError(str(exc)) from exc
-        chunks = []
-        for c in entry["chunks"]:
-            seg_name = _str(c["segment"], "chunk segment")
-            if seg_name not in segments:
-                raise ManifestError(f"chunk of {name!r} names unknown segment {seg_name!r}")
-            chunk = Chunk(
-                segment=seg_name,
-                offset=_int(c["offset"], "offset"),
-                length=_int(c["length"], "length"),
-                raw_length=_int(c["raw_length"], "raw_length"),
-                checksum=_str(c["checksum"], "checksum"),
-                codec=_str(c.get("codec", "raw"), "codec"),
-                raw_checksum=_str(c.get("raw_checksum", c["checksum"]), "raw_checksum"),
-            )
-            if chunk.offset + chunk.length > segments[seg_name].size:
-                raise ManifestError(f"chunk of {name!r} runs past the end of {seg_name}")
-            chunks.append(chunk)
-        shape = tuple(_int(d, "shape dim") for d in entry["shape"])
-        nbytes = _int(entry["nbytes"], "nbytes")
-        if sum(c.raw_length for c in chunks) != nbytes:
-            raise ManifestError(f"chunks of {name!r} do not add up to {nbytes} bytes")
-        tensors[name] = TensorEntry(_str(entry["dtype"], "dtype"), shape, nbytes, tuple(chunks))
+        tensors[name] = _parse_tensor(name, entry, segments, spans)
+    for seg_name, used in spans.items():  # one stored byte belongs to at most one chunk
+        used.sort()
+        for (a_off, a_len, a_name), (b_off, _, b_name) in itertools.pairwise(used):
+            if b_off < a_off + a_len:
+                raise ManifestError(f"chunks of {a_name!r} and {b_name!r} overlap in {seg_name} at {b_off}")
     meta = doc.get("meta", {})
     extra = doc.get("extra", {})
     if not isinstance(meta, dict) or not isinstance(extra, dict):
         raise ManifestError("meta and extra must be JSON objects")
+    _check_depth(meta, "meta")
+    _check_depth(extra, "extra")
     created = doc.get("created", 0.0)
     if not isinstance(created, (int, float)) or not math.isfinite(created):
         raise ManifestError("created must be a number")

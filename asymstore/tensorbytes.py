@@ -12,8 +12,7 @@ import ctypes
 import torch
 
 from asymstore.errors import InvalidValueError, ManifestError
-
-_UNSTORABLE_PREFIXES = ("q", "bits")  # quantized and opaque bit dtypes
+from asymstore.manifest import DTYPE_SIZES
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -22,9 +21,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """Return the torch dtype named ``name``; raise :class:`ManifestError` if unknown."""
-    value = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(value, torch.dtype) or dtype_name(value) != name:
+    """Return the torch dtype named ``name``; raise :class:`ManifestError` unless it is a storable dtype."""
+    value = getattr(torch, name, None) if name in DTYPE_SIZES else None
+    if not isinstance(value, torch.dtype) or dtype_name(value) != name or value.itemsize != DTYPE_SIZES[name]:
         raise ManifestError(f"unknown dtype {name!r} in manifest")
     return value
 
@@ -39,7 +38,7 @@ def host_copy(value: object) -> torch.Tensor:
         raise InvalidValueError(f"expected a torch.Tensor, got {type(value).__name__}")
     if value.layout != torch.strided:
         raise InvalidValueError(f"only dense (strided) tensors are stored, got {value.layout}")
-    if value.is_quantized or dtype_name(value.dtype).startswith(_UNSTORABLE_PREFIXES):
+    if value.is_quantized or dtype_name(value.dtype) not in DTYPE_SIZES:  # quantized and opaque bit dtypes
         raise InvalidValueError(f"dtype {value.dtype} cannot be stored")
     if value.is_meta:
         raise InvalidValueError("meta tensors have no data to store")

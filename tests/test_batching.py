@@ -28,7 +28,7 @@ from asymstore.checksum import StreamingChecksum, checksum
 from asymstore.codec import RAW, PlaneCodec
 from asymstore.fsck import check
 from asymstore.layout import version_dirname
-from asymstore.manifest import MANIFEST_NAME
+from asymstore.manifest import MANIFEST_NAME, seal_document
 from asymstore.staging import stage
 
 MIB = 1 << 20
@@ -205,7 +205,7 @@ def _forge_plane_damage(root: Path, step: int) -> str:
     for seg in doc["segments"]:
         if seg["name"] == chunk["segment"]:
             seg["checksum"] = StreamingChecksum([memoryview(data)]).hexdigest()
-    mpath.write_bytes(json.dumps(doc).encode())
+    mpath.write_bytes(seal_document(doc))  # a forger can re-seal the manifest too: only the chunks can tell
     return str(name)
 
 

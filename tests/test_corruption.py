@@ -56,24 +56,24 @@ def flip_byte(root: Path, step: int) -> str:
         byte = f.read(1)
         f.seek(size // 2)
         f.write(bytes([byte[0] ^ 0x40]))
-    return f"segment {path.name} checksum mismatch"
+    return f"segment {path.name}: checksum mismatch"
 
 
 def truncate(root: Path, step: int) -> str:
     path, size = last_segment(root, step)
     os.truncate(path, size - 100)
-    return f"segment {path.name} has {size - 100} bytes, manifest says {size}"
+    return f"{path.name} has {size - 100} bytes, the manifest says {size}"
 
 
 def remove_segment(root: Path, step: int) -> str:
     path, _ = last_segment(root, step)
     path.unlink()
-    return f"missing segment {path.name}"
+    return f"segment {path.name} of step {step} missing"
 
 
 def garbage_manifest(root: Path, step: int) -> str:
     (root / version_dirname(step) / MANIFEST_NAME).write_bytes(b'{"format": "asymstore.manifest", \x00\xff garbage')
-    return "bad manifest: manifest is not JSON"
+    return "bad manifest: manifest is not strict JSON"
 
 
 # damage -> (whether only --deep sees it)

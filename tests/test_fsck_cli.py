@@ -16,9 +16,10 @@ from _store_child import fsck, fsck_json, make_state, same_state, store_kw
 from asymstore import AsymStore, LocalTier
 from asymstore.fsck.__main__ import main
 from asymstore.layout import LATEST, QUARANTINE, version_dirname
+from asymstore.rootlock import LOCK_NAME
 
 TOP_KEYS = {"schema", "root", "deep", "ok", "latest", "latest_problem", "newest_restorable", "versions",
-            "problems", "repaired"}
+            "problems", "repaired", "writer"}
 VERSION_KEYS = {"name", "status", "step", "nbytes", "problems", "unreferenced", "ok"}
 
 
@@ -31,9 +32,13 @@ async def make_root(root: Path, steps: tuple[int, ...] = (10, 20)) -> Path:
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int, int, str]]:
-    """Every path under ``root`` -> (inode, size, mtime_ns, sha256) of a file, (inode, 0, 0, "dir") of a directory."""
+    """Every path under ``root`` -> (inode, size, mtime_ns, sha256) of a file, (inode, 0, 0, "dir") of a directory.
+
+    The writer lock file is left out: every writer (repair too) records itself in it.
+    """
     out = {}
     for dirpath, dirnames, filenames in os.walk(root):
+        filenames = [n for n in filenames if n != LOCK_NAME]
         for name in dirnames:
             path = Path(dirpath, name)
             out[str(path.relative_to(root))] = (path.stat().st_ino, 0, 0, "dir")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asymstore import AsymStore, HostTier, LocalTier
+from asymstore.checksum import checksum
 from asymstore.manifest import MANIFEST_NAME, Manifest
 
 DTYPES = [
@@ -133,7 +134,10 @@ async def test_manifest_is_json_with_checksums_and_meta(tmp_path: object) -> Non
     assert ckpt.meta == meta
     raw = (tmp_path / "v000000000005" / MANIFEST_NAME).read_bytes()  # type: ignore[operator]
     doc = json.loads(raw)
-    assert doc["format"] == "asymstore.manifest" and doc["format_version"] == 1
+    assert doc["format"] == "asymstore.manifest" and doc["format_version"] == 2
+    # the manifest's own checksum: xxh3 of every byte before its closing key
+    cut = raw.rindex(b',"manifest_checksum":')
+    assert raw[cut:] == b',"manifest_checksum":"' + checksum(raw[:cut]).encode() + b'"}'
     chunk = doc["tensors"]["w"]["chunks"][0]
     assert len(chunk["checksum"]) == 16 and chunk["codec"] == "raw"
     assert Manifest.from_json(raw).step == 5

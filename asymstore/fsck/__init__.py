@@ -21,24 +21,29 @@ removed as partial.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from asymstore.checksum import StreamingChecksum
-from asymstore.errors import CorruptVersionError, ManifestError
 from asymstore.fileio import atomic_write, read_whole
 from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, parse_version_dirname
-from asymstore.manifest import MANIFEST_NAME, Manifest
+from asymstore.manifest import MANIFEST_NAME
+from asymstore.rootlock import DirLock, is_leftover_name
+from asymstore.tiers.base import Tier
+from asymstore.tiers.local import LocalTier
+from asymstore.verify import check_version
 
 logger = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+T = TypeVar("T")
 Progress = Callable[[int], None]
 
 
@@ -55,8 +60,8 @@ class VersionReport:
 
     @property
     def ok(self) -> bool:
-        """True for a committed version without problems, or a quarantined entry."""
-        return self.status in ("committed", "quarantined") and not self.problems
+        """True for a committed version without problems, a quarantined entry, or a live writer's work."""
+        return self.status in ("committed", "quarantined", "in_progress") and not self.problems
 
 
 @dataclass
@@ -70,6 +75,8 @@ class FsckReport:
     latest_problem: str | None
     newest_restorable: int | None
     repaired: list[str] = field(default_factory=list)
+    writer: str | None = None
+    """The live writer holding the root while it was checked (None: nobody)."""
 
     @property
     def ok(self) -> bool:
@@ -97,58 +104,40 @@ class FsckReport:
             "versions": [asdict(e) | {"ok": e.ok} for e in self.entries],
             "problems": self.problems,
             "repaired": self.repaired,
+            "writer": self.writer,
         }
 
 
-def _check_version(path: str, name: str, step: int, deep: bool, progress: Progress | None) -> VersionReport:
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion from synchronous code, also when an event loop already runs in this thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def _check_version(tier: Tier, path: str, name: str, step: int, deep: bool,
+                         progress: Progress | None) -> VersionReport:
+    """One version directory, through the verification path restore uses (:mod:`asymstore.verify`)."""
     report = VersionReport(name, "committed", step)
-    mpath = os.path.join(path, MANIFEST_NAME)
-    if not os.path.exists(mpath):
+    if os.path.isdir(path) and not os.path.islink(path) and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
         report.status = "orphaned"
         report.problems.append("no manifest: an interrupted delete or a foreign directory")
         return report
-    try:
-        manifest = Manifest.from_json(read_whole(mpath))
-        if manifest.step != step:
-            raise ManifestError(f"manifest says step {manifest.step}")
-    except ManifestError as exc:
+    manifest, problems = await check_version(tier, step, deep=deep, progress=progress)
+    if problems:
         report.status = "corrupt"
-        report.problems.append(f"bad manifest: {exc}")
+        report.problems += problems
+    if manifest is None:
         return report
     report.nbytes = manifest.stored_bytes
-    listed = {s.name for s in manifest.segments}
-    report.unreferenced = sorted(set(os.listdir(path)) - listed - {MANIFEST_NAME})
-    for f in report.unreferenced:
-        report.problems.append(f"unreferenced file {f}")
-    for seg in manifest.segments:
-        spath = os.path.join(path, seg.name)
-        if not os.path.isfile(spath):
-            report.status = "corrupt"
-            report.problems.append(f"missing segment {seg.name}")
-            continue
-        size = os.path.getsize(spath)
-        if size != seg.size:
-            report.status = "corrupt"
-            report.problems.append(f"segment {seg.name} has {size} bytes, manifest says {seg.size}")
-            continue
-        if deep:
-            data = memoryview(read_whole(spath))
-            if StreamingChecksum([data]).hexdigest() != seg.checksum:
-                report.status = "corrupt"
-                report.problems.append(f"segment {seg.name} checksum mismatch")
-            from asymstore.codec import decode_chunk  # imports torch: only --deep needs it
-
-            for tname, entry in manifest.tensors.items():
-                for c in entry.chunks:
-                    if c.segment != seg.name:
-                        continue
-                    try:  # the stored checksum, then (compressed chunks) decoding and the raw checksum
-                        decode_chunk(c, data[c.offset:c.offset + c.length])
-                    except CorruptVersionError as exc:
-                        report.status = "corrupt"
-                        report.problems.append(f"tensor {tname!r}: chunk at {seg.name}+{c.offset}: {exc}")
-            if progress:
-                progress(size)
+    if os.path.isdir(path) and not os.path.islink(path):
+        listed = {s.name for s in manifest.segments}
+        report.unreferenced = sorted(set(os.listdir(path)) - listed - {MANIFEST_NAME})
+        for f in report.unreferenced:
+            report.problems.append(f"unreferenced file {f}")
     return report
 
 
@@ -156,10 +145,17 @@ def _deep_total(root: str, names: list[str]) -> int:
     total = 0
     for name in names:
         path = os.path.join(root, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
         for entry in os.scandir(path):
-            if entry.is_file() and entry.name != MANIFEST_NAME:
-                total += entry.stat().st_size
+            if entry.is_file(follow_symlinks=False) and entry.name != MANIFEST_NAME:
+                total += entry.stat(follow_symlinks=False).st_size
     return total
+
+
+def is_uri(location: str) -> bool:
+    """True for a tier URI (``file://``, ``s3://``, ``hdfs://`` ...), False for a plain directory path."""
+    return "://" in location
 
 
 def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None) -> FsckReport:
@@ -175,6 +171,10 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
     Raises:
         FileNotFoundError: ``root`` is not a directory.
     """
+    if is_uri(root):
+        from asymstore.fsck.remote import check_remote
+
+        return check_remote(root, deep=deep, progress=progress)
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"{root} is not a directory")
@@ -182,16 +182,24 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
         from asymstore.fsck.multirank import check_multirank
 
         return check_multirank(root, deep=deep, progress=progress)
+    return run_sync(_check_dir(root, deep, progress))
+
+
+async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] | None) -> FsckReport:
     names = sorted(os.listdir(root))
-    versions = [n for n in names if parse_version_dirname(n) is not None and os.path.isdir(os.path.join(root, n))]
+    versions = [n for n in names if parse_version_dirname(n) is not None and os.path.lexists(os.path.join(root, n))]
     tick = progress(_deep_total(root, versions)) if deep and progress else None
+    holder = DirLock(root).holder()  # a live writer: its temporary entries are work in progress
+    tier = LocalTier(root, fsync=False)
     entries: list[VersionReport] = []
     for name in names:
         path = os.path.join(root, name)
         step = parse_version_dirname(name)
         if name in versions and step is not None:
-            entries.append(_check_version(path, name, step, deep, tick))
-        elif name.startswith(TMP_PREFIX) and os.path.isdir(path):
+            entries.append(await _check_version(tier, path, name, step, deep, tick))
+        elif is_leftover_name(name) and holder is not None:
+            entries.append(VersionReport(name, "in_progress", None, problems=[]))
+        elif name.startswith(TMP_PREFIX):
             vstep = parse_version_dirname(name[len(TMP_PREFIX):].split("-")[0])
             entries.append(VersionReport(name, "partial", vstep, problems=["a commit that never published"]))
         elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
@@ -202,7 +210,7 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
     good = [e.step for e in entries if e.status == "committed" and e.step is not None]
     newest = max(good) if good else None
     latest, latest_problem = _check_latest(root, newest, {e.step for e in entries if e.status == "committed"})
-    return FsckReport(root, deep, entries, latest, latest_problem, newest)
+    return FsckReport(root, deep, entries, latest, latest_problem, newest, writer=holder)
 
 
 def _check_latest(root: str, newest: int | None, committed: set[int | None]) -> tuple[int | None, str | None]:
@@ -234,11 +242,28 @@ def repair(report: FsckReport) -> list[str]:
     Never touches a committed version without problems. Corrupt versions and
     unreferenced files are moved to ``.quarantine/``; partial and orphaned
     data is removed; LATEST is rewritten to the newest restorable version.
+    Takes the root's writer lock (the writer lease on a remote root) first.
+
+    Raises:
+        RootLockedError: a live writer holds the root.
     """
     from asymstore.fsck.multirank import MultiRankFsckReport, repair_multirank
 
-    if isinstance(report, MultiRankFsckReport):
-        return repair_multirank(report)
+    if is_uri(report.root):
+        from asymstore.fsck.remote import repair_remote
+
+        return repair_remote(report)
+    lock = DirLock(report.root)
+    lock.acquire()  # never repair under a live writer: its commit in progress would look partial
+    try:
+        if isinstance(report, MultiRankFsckReport):
+            return repair_multirank(report)
+        return _repair_dir(report)
+    finally:
+        lock.release()
+
+
+def _repair_dir(report: FsckReport) -> list[str]:
     root = report.root
     actions: list[str] = []
     for e in report.entries:

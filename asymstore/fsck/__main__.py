@@ -1,8 +1,15 @@
-"""``python -m asymstore.fsck ROOT [--deep] [--repair] [--json]``.
+"""``python -m asymstore.fsck LOCATION [--deep] [--repair] [--json]``.
+
+LOCATION is any tier location a store takes: a directory (``LocalTier``,
+``NVMeTier``, ``HostTier(path=...)``, a multi-rank root), or a URI
+(``file:///path``, ``s3://bucket/prefix?endpoint_override=...``,
+``hdfs://namenode:port/path``). ``--repair`` implies ``--deep``: it acts on
+everything a deep check finds, flipped bytes included.
 
 Exit status: 0 when every version verifies and LATEST is right (after
 ``--repair``, when the repaired root does), 1 when problems were found,
-2 on a usage error (bad arguments, ROOT not a directory).
+2 on a usage error (bad arguments, LOCATION not a tier root) or when
+``--repair`` finds a live writer holding the root.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from asymstore.errors import RootLockedError
 from asymstore.fsck import FsckReport, check, repair
 
 
@@ -49,20 +57,25 @@ def _print_text(report: FsckReport) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the checker; return the exit status."""
     parser = argparse.ArgumentParser(prog="python -m asymstore.fsck", description=__doc__.splitlines()[0])
-    parser.add_argument("root", help="directory of a LocalTier or HostTier(path=...)")
+    parser.add_argument("root", metavar="LOCATION", help="a tier's directory, or a file://, s3:// or hdfs:// URI")
     parser.add_argument("--deep", action="store_true", help="verify every checksum (reads all data)")
-    parser.add_argument("--repair", action="store_true", help="remove partial/orphaned data, quarantine corrupt "
-                        "versions, fix LATEST; never touches a committed version that verifies")
+    parser.add_argument("--repair", action="store_true", help="(implies --deep) remove partial/orphaned data, "
+                        "quarantine corrupt versions, fix LATEST; never touches a committed version that verifies")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
     args = parser.parse_args(argv)
+    args.deep = args.deep or args.repair
     progress = _progress_factory(args.deep and not args.json and sys.stderr.isatty())
     try:
         report = check(args.root, deep=args.deep, progress=progress)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError, OSError) as exc:
         print(f"fsck: {exc}", file=sys.stderr)
         return 2
     if args.repair and not report.ok:
-        actions = repair(report)
+        try:
+            actions = repair(report)
+        except RootLockedError as exc:
+            print(f"fsck: not repairing: {exc}", file=sys.stderr)
+            return 2
         report = check(args.root, deep=args.deep, progress=progress)
         report.repaired = actions
     if args.json:

@@ -42,6 +42,7 @@ from asymstore.manifest import MANIFEST_NAME, Manifest
 from asymstore.multirank import layout
 from asymstore.multirank.errors import GlobalManifestError
 from asymstore.multirank.globalmanifest import GlobalManifest, shard_digest
+from asymstore.rootlock import DirLock
 
 logger = logging.getLogger(__name__)
 
@@ -180,8 +181,17 @@ def _delete_shard(vdir: str) -> None:
 
 def repair_multirank(report: MultiRankFsckReport) -> list[str]:
     """Fix what ``report`` found; return one line per action (see the module docstring)."""
+    gdir = os.path.join(report.root, layout.GLOBAL_DIR)
+    lock = DirLock(gdir)
+    lock.acquire()  # the coordinator's lock: never repair under a live job
+    try:
+        return _repair(report, gdir)
+    finally:
+        lock.release()
+
+
+def _repair(report: MultiRankFsckReport, gdir: str) -> list[str]:
     root = report.root
-    gdir = os.path.join(root, layout.GLOBAL_DIR)
     dirs = layout.rank_dirs(root)
     actions: list[str] = []
     for kind, steps in (("partial", report.partial_steps), ("orphaned", report.stale_steps)):

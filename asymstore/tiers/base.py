@@ -21,7 +21,8 @@ Call order, for one tier, driven by :class:`asymstore.AsymStore`:
 6. ``await tier.close()`` once, last.
 
 Optional capabilities are declared as protocols below and checked with
-``isinstance``: :class:`ExclusiveTier` (one writer per root, leftovers swept).
+``isinstance``: :class:`ExclusiveTier` (one writer per root, leftovers swept)
+and :class:`StatTier` (a segment's presence and size checked without reading it).
 
 Buffers given to ``write_segment`` stay valid and unchanged until the call
 returns; a tier that keeps them longer must copy. Buffers returned by
@@ -78,11 +79,19 @@ class Tier(Protocol):
         ...
 
     async def read_manifest(self, step: int) -> bytes:
-        """Return the manifest bytes of ``step`` (VersionNotFoundError if absent)."""
+        """Return the manifest bytes of ``step`` (VersionNotFoundError if absent).
+
+        Anything larger than :data:`~asymstore.manifest.MAX_MANIFEST_BYTES`
+        raises CorruptVersionError unread.
+        """
         ...
 
-    async def read_segment(self, step: int, name: str) -> Buffer:
-        """Return the whole segment ``name`` of version ``step``."""
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
+        """Return the whole segment ``name`` of version ``step``.
+
+        With ``size`` (what the manifest says), a stored object of another
+        size raises CorruptVersionError before anything is read.
+        """
         ...
 
     async def delete_version(self, step: int) -> None:
@@ -123,4 +132,13 @@ class ExclusiveTier(Protocol):
 
     async def sweep_leftovers(self) -> list[str]:
         """Remove what dead writers left under the root; return the names removed."""
+        ...
+
+
+@runtime_checkable
+class StatTier(Protocol):
+    """A tier that can check a segment's presence and size without reading it (optional; fsck uses it)."""
+
+    async def stat_segment(self, step: int, name: str, size: int) -> None:
+        """Raise CorruptVersionError (wrong size, not a regular file) or TierError (missing) unless it is whole."""
         ...

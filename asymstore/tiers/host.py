@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 import torch
 
 from asymstore.calibration import probe_memory
-from asymstore.errors import CapacityError, SnapshotSkippedError, StepCommittedError, TierError, VersionNotFoundError
+from asymstore.errors import (
+    CapacityError,
+    CorruptVersionError,
+    SnapshotSkippedError,
+    StepCommittedError,
+    TierError,
+    VersionNotFoundError,
+)
 from asymstore.manifest import validate_segment_name
 from asymstore.rootlock import is_leftover_name
 from asymstore.tensorbytes import as_bytes
@@ -215,14 +222,17 @@ class HostTier:
             raise VersionNotFoundError(f"step {step} not on {self.name}")
         return self._mem[step].manifest
 
-    async def read_segment(self, step: int, name: str) -> Buffer:
-        """Return a private copy of one segment."""
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
+        """Return a private copy of one segment (of ``size`` bytes when given)."""
         if self._files:
-            return await self._files.read_segment(step, name)
+            return await self._files.read_segment(step, name, size)
         validate_segment_name(name)
         version = self._mem.get(step)
         if version is None or name not in version.segments:
             raise TierError(f"segment {name} of step {step} missing on {self.name}")
+        if size is not None and version.segments[name].numel() != size:
+            raise CorruptVersionError(f"segment {name} of step {step} on {self.name} has "
+                                      f"{version.segments[name].numel()} bytes, the manifest says {size}")
         return await asyncio.to_thread(_to_host, version.segments[name])
 
     async def delete_version(self, step: int) -> None:

@@ -96,6 +96,10 @@ class RemoteLease:
             return None
         return f"pid {pid} on {host[:64]} (lease valid for {expires - time.time():.0f} s more)"
 
+    def holder(self) -> str | None:
+        """Describe the live writer holding the lease now, or None (no lease, expired, or a dead local holder)."""
+        return self._blocker(self._read())
+
     def acquire(self) -> None:
         """Take the lease, waiting up to ``wait_s`` for a live holder's lease to lapse.
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from asymstore.calibration import filesystem_key, probe_directory
 from asymstore.errors import StepCommittedError, TierError, VersionNotFoundError
-from asymstore.fileio import atomic_write, read_large, read_whole, write_parts
+from asymstore.fileio import atomic_write, check_directory, check_regular, read_large, read_whole, write_parts
 from asymstore.layout import (
     LATEST,
     QUARANTINE,
@@ -22,7 +22,7 @@ from asymstore.layout import (
     parse_version_dirname,
     version_dirname,
 )
-from asymstore.manifest import MANIFEST_NAME, validate_segment_name
+from asymstore.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
 from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.tiers.base import Buffer
 
@@ -116,24 +116,46 @@ class LocalTier:
         return _DirWriter(self, step, tmp)
 
     async def read_manifest(self, step: int) -> bytes:
-        """Return the manifest of ``step``."""
+        """Return the manifest of ``step`` (a regular file of at most MAX_MANIFEST_BYTES, never followed)."""
         path = os.path.join(self._vdir(step), MANIFEST_NAME)
+
+        def read() -> bytes:
+            check_directory(self._vdir(step))
+            check_regular(path, max_size=MAX_MANIFEST_BYTES)
+            return bytes(read_whole(path))
         try:
-            return bytes(await asyncio.to_thread(read_whole, path))
+            return await asyncio.to_thread(read)
         except FileNotFoundError as exc:
             raise VersionNotFoundError(f"step {step} not on {self.name}") from exc
         except OSError as exc:
             raise TierError(f"reading {path}: {exc}") from exc
 
-    async def read_segment(self, step: int, name: str) -> Buffer:
-        """Return the bytes of one segment."""
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
+        """Return the bytes of one segment: a regular file, of ``size`` bytes when given (checked before reading)."""
         path = os.path.join(self._vdir(step), validate_segment_name(name))
+
+        def read() -> Buffer:
+            check_directory(self._vdir(step))
+            check_regular(path, expected_size=size)
+            return self._read_segment_file(path)
         try:
-            return await asyncio.to_thread(self._read_segment_file, path)
+            return await asyncio.to_thread(read)
         except FileNotFoundError as exc:
             raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
         except OSError as exc:
             raise TierError(f"reading {path}: {exc}") from exc
+
+    async def stat_segment(self, step: int, name: str, size: int) -> None:
+        """Check that segment ``name`` is a regular file of ``size`` bytes, without reading it."""
+        path = os.path.join(self._vdir(step), validate_segment_name(name))
+
+        def stat_it() -> None:
+            check_directory(self._vdir(step))
+            check_regular(path, expected_size=size)
+        try:
+            await asyncio.to_thread(stat_it)
+        except FileNotFoundError as exc:
+            raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
 
     def _write_segment_file(self, path: str, parts: Sequence[Buffer]) -> None:
         """Create one segment file durably (blocking; subclasses change the I/O engine)."""

@@ -33,7 +33,7 @@ import pyarrow.fs as pafs
 from asymstore.checksum import StreamingChecksum
 from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, parse_version_dirname, version_dirname
-from asymstore.manifest import MANIFEST_NAME, validate_segment_name
+from asymstore.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
 from asymstore.rootlock import is_leftover_name
 from asymstore.tiers.base import Buffer
 from asymstore.tiers.lease import RemoteLease
@@ -232,17 +232,26 @@ class RemoteTier:
         """Return the manifest bytes of ``step``."""
         path = self._p(version_dirname(step), MANIFEST_NAME)
         try:
-            return bytes(await self._io("read manifest", lambda: _read_all(self.fs, path)))
+            return bytes(await self._io("read manifest", lambda: _read_all(self.fs, path, max_size=MAX_MANIFEST_BYTES)))
         except TierError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 raise VersionNotFoundError(f"step {step} not on {self.name}") from exc
             raise
 
-    async def read_segment(self, step: int, name: str) -> Buffer:
-        """Return one segment's bytes (read with a large buffer, not a stream)."""
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
+        """Return one segment's bytes (read with a large buffer, not a stream; of ``size`` bytes when given)."""
         path = self._p(version_dirname(step), validate_segment_name(name))
-        result: Buffer = await self._io(f"read {name}", lambda: _read_all(self.fs, path))
+        result: Buffer = await self._io(f"read {name}", lambda: _read_all(self.fs, path, expected_size=size))
         return result
+
+    async def stat_segment(self, step: int, name: str, size: int) -> None:
+        """Check that segment ``name`` exists with ``size`` bytes, without reading it."""
+        path = self._p(version_dirname(step), validate_segment_name(name))
+        info = await self._io(f"stat {name}", lambda: self.fs.get_file_info(path))
+        if info.type != pafs.FileType.File:
+            raise TierError(f"segment {name} of step {step} missing on {self.name}")
+        if info.size != size:
+            raise CorruptVersionError(f"{path} has {info.size} bytes, the manifest says {size}")
 
     async def delete_version(self, step: int) -> None:
         """Delete the manifest first, then the rest of the version."""
@@ -423,9 +432,14 @@ def _write_all(fs: pafs.FileSystem, path: str, parts: Sequence[Buffer], part_siz
                 out.write(view[off:off + part_size])
 
 
-def _read_all(fs: pafs.FileSystem, path: str) -> bytearray | memoryview:
+def _read_all(fs: pafs.FileSystem, path: str, *, expected_size: int | None = None,
+              max_size: int | None = None) -> bytearray | memoryview:
     with fs.open_input_file(path) as f:
         size = f.size()
+        if expected_size is not None and size != expected_size:
+            raise CorruptVersionError(f"{path} has {size} bytes, the manifest says {expected_size}")
+        if max_size is not None and size > max_size:
+            raise CorruptVersionError(f"{path} has {size} bytes, more than the {max_size} accepted")
         # a large buffer is a fresh private mapping, not bytearray(size), whose zero-fill pass costs as much as the read
         buf: bytearray | memoryview = bytearray(size) if size < _MAP_MIN_BYTES else memoryview(
             mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
 
-from asymstore.errors import TierError
+from asymstore.errors import AsymstoreError, TierError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,7 +78,7 @@ class RetryPolicy:
                 with attempt:
                     return await asyncio.to_thread(fn)
         except Exception as exc:
-            if isinstance(exc, TierError):
+            if isinstance(exc, AsymstoreError):  # already typed (a size check, a nested retry)
                 raise
             if is_transient(exc):
                 raise RemoteUnavailableError(f"{what}: gave up after retries: {exc}") from exc

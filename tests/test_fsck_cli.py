@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 from _store_child import fsck, fsck_json, make_state, same_state, store_kw
 
 from asymstore import AsymStore, LocalTier
@@ -221,3 +222,68 @@ async def test_real_entry_points(tmp_path: Path) -> None:
     assert rc == 2 and "is not a directory" in err
     (out, err), rc = done["usage"]
     assert rc == 2 and "unrecognized arguments: --no-such-flag" in err
+
+
+# -- remote tier locations -----------------------------------------------------
+
+
+@pytest.fixture(params=["file", "s3"])
+def remote_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/remote"
+    uri: str = request.getfixturevalue("s3_uri")
+    return uri
+
+
+async def test_fsck_checks_and_repairs_remote_roots(remote_uri: str) -> None:
+    from asymstore.tiers.remote import RemoteTier
+
+    async with AsymStore([RemoteTier(remote_uri)], keep_last=None, **store_kw()) as store:
+        for step in (10, 20):
+            await store.put_many(step, make_state(step))
+            await store.commit(step, meta={"step": step})
+    tier = RemoteTier(remote_uri)
+    seg = f"{tier.root}/{version_dirname(20)}/seg-000000.bin"
+    with tier.fs.open_input_file(seg) as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0x10  # same size: only --deep reads the bytes
+    with tier.fs.open_output_stream(seg) as out:
+        out.write(bytes(data))
+    tier.fs.create_dir(f"{tier.root}/.tmp-v000000000030-deadbeef")
+    with tier.fs.open_output_stream(f"{tier.root}/.tmp-v000000000030-deadbeef/seg-000000.bin") as out:
+        out.write(b"left by a dead writer")
+
+    rc, shallow = fsck_json(remote_uri)
+    assert rc == 1 and shallow["root"] == remote_uri
+    assert [(v["name"], v["status"]) for v in shallow["versions"]] == [
+        (".tmp-v000000000030-deadbeef", "partial"), (version_dirname(10), "committed"),
+        (version_dirname(20), "committed")]
+    rc, deep = fsck_json("--deep", remote_uri)
+    assert rc == 1 and deep["newest_restorable"] == 10
+    (bad,) = [v for v in deep["versions"] if v["name"] == version_dirname(20)]
+    assert bad["status"] == "corrupt" and any("checksum mismatch" in p for p in bad["problems"]), bad
+
+    rc, fixed = fsck_json("--repair", remote_uri)  # implies --deep
+    assert rc == 0 and fixed["ok"] and fixed["deep"], fixed["problems"]
+    assert "moved corrupt v000000000020 to .quarantine/" in fixed["repaired"]
+    assert "removed leftover .tmp-v000000000030-deadbeef" in fixed["repaired"]
+    rc, after = fsck_json("--deep", remote_uri)
+    assert rc == 0 and after["latest"] == after["newest_restorable"] == 10, after["problems"]
+    async with AsymStore([RemoteTier(remote_uri)], **store_kw()) as store:
+        ckpt = await store.restore()
+    assert ckpt.step == 10 and not ckpt.fell_back and same_state(ckpt.tensors, make_state(10))
+
+
+async def test_repair_refuses_a_root_with_a_live_writer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "root"
+    async with AsymStore([LocalTier(root)], **store_kw()) as store:
+        await store.put_many(1, make_state(1))
+        await store.commit(1)
+        (root / ".tmp-v000000000002-0badc0de").mkdir()  # looks partial, but a live writer holds the root
+        rc, report = fsck_json(str(root))
+        assert rc == 0 and report["writer"] and f"pid {os.getpid()}" in report["writer"]
+        assert ("in_progress" in {v["status"] for v in report["versions"]})
+        (root / version_dirname(1) / "stray.bin").write_bytes(b"x")
+        assert main(["--repair", str(root)]) == 2
+        assert "not repairing" in capsys.readouterr().err
+        assert (root / ".tmp-v000000000002-0badc0de").is_dir()  # nothing touched

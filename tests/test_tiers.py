@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
 import torch
 from _servers import s3_server, s3_uri, stub_libcuda  # noqa: F401  (fixtures)
 
-from asymstore import AsymStore, GPUTier, HostTier, LocalTier, ManifestError, StepCommittedError, Tier
+from asymstore import (
+    AsymStore,
+    GPUTier,
+    HostTier,
+    LocalTier,
+    ManifestError,
+    RootLockedError,
+    StepCommittedError,
+    Tier,
+)
+from asymstore.fsck import check
 from asymstore.tiers.nvme import NVMeTier
 from asymstore.tiers.remote import RemoteTier
 
@@ -132,3 +145,78 @@ async def test_bad_segment_names_never_escape(make_tier: Callable[[], Tier], nam
         await writer.abort()
     with pytest.raises(ManifestError):
         await tier.read_segment(1, name)
+
+
+# -- one writer per root, and what a dead writer leaves ------------------------
+
+_KILLED_WRITER = """
+import asyncio, os, signal, sys
+import torch
+from asymstore import AsymStore, HostTier, LocalTier
+from asymstore.tiers.nvme import NVMeTier
+from asymstore.tiers.remote import RemoteTier
+
+kind, where = sys.argv[1], sys.argv[2]
+if kind == "host-shm":
+    tier = HostTier(capacity_bytes=64 << 20, path=where)
+elif kind.startswith("nvme"):
+    tier = NVMeTier(where, engine="posix")  # same layout as kvikio's; the parent's writer uses its own engine
+elif kind.startswith("remote"):
+    tier = RemoteTier(where)
+else:
+    tier = LocalTier(where)
+
+async def main() -> None:
+    store = AsymStore([tier], segment_bytes=512 << 10)
+    await store.open()
+    await store.put(1, "w", torch.full((1000,), 1.0))
+    await store.commit(1)
+    writer = await tier.begin(2, 1 << 20)  # a commit in flight, as the kill finds it
+    await writer.write_segment("seg-000000.bin", [b"x" * 4096])
+    print("writing", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_one_writer_per_root(make_tier: Callable[[], Tier]) -> None:
+    first = make_tier()
+    if isinstance(first, HostTier) and first.path is None:
+        pytest.skip("process memory: nothing another writer could share")
+    async with AsymStore([first]) as store:
+        second = make_tier()
+        if isinstance(second, RemoteTier):
+            second.lease.wait_s = 0.5
+        with pytest.raises(RootLockedError, match=f"pid {os.getpid()} on "):
+            async with AsymStore([second]):
+                pass
+        await store.put(1, "w", torch.ones(3))
+        await store.commit(1)  # the refused writer changed nothing
+        assert (await store.restore()).step == 1
+    async with AsymStore([make_tier()]) as store:  # the root is free again once the first store closed
+        assert (await store.restore()).step == 1
+
+
+async def test_killed_writer_leaves_nothing_after_the_next_publish(make_tier: Callable[[], Tier],
+                                                                   request: pytest.FixtureRequest) -> None:
+    tier = make_tier()
+    if isinstance(tier, HostTier) and tier.path is None:
+        pytest.skip("process memory dies with the writer")
+    where = tier.path if isinstance(tier, HostTier) else (
+        tier.root if isinstance(tier, LocalTier) else request.getfixturevalue("s3_uri")
+        if tier.scheme == "s3" else f"file://{tier.root}")
+    assert where is not None
+    child = subprocess.run([sys.executable, "-c", _KILLED_WRITER, request.node.callspec.params["make_tier"], where],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL and child.stdout == "writing\n", child.stderr[-2000:]
+    before = check(where)
+    assert {e.status for e in before.entries} - {"committed"}, "the kill left nothing to sweep"
+    async with AsymStore([tier]) as store:
+        assert (await store.restore()).step == 1
+        await store.put(2, "w", torch.full((1000,), 2.0))
+        await store.commit(2)
+        after = check(where, deep=True)
+        assert after.ok and after.writer is not None, after.problems
+        assert [(e.status, e.step) for e in after.entries] == [("committed", 1), ("committed", 2)], after.entries
+        assert torch.equal((await store.restore()).tensors["w"], torch.full((1000,), 2.0))

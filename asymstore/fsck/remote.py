@@ -110,8 +110,6 @@ async def _repair(report: FsckReport) -> list[str]:
     await tier.lock_root()
     actions: list[str] = []
     try:
-        for name in await tier.sweep_leftovers():
-            actions.append(f"removed leftover {name}")
         for e in report.entries:
             if e.status == "corrupt" and e.step is not None:
                 await tier.quarantine(e.step)
@@ -125,6 +123,8 @@ async def _repair(report: FsckReport) -> list[str]:
                         tier.fs.move(src, dest)
                     await asyncio.to_thread(move)
                     actions.append(f"moved unreferenced {e.name}/{f} to {QUARANTINE}/")
+        for name in await tier.sweep_leftovers():  # after quarantines: a marker store leaves the segments behind
+            actions.append(f"removed leftover {name}")
         if report.latest_problem and report.newest_restorable is not None:
             await tier.write_latest(report.newest_restorable)
             actions.append(f"set LATEST to {report.newest_restorable}")

@@ -124,6 +124,11 @@ class RemoteTier:
         """Return a short description."""
         return f"RemoteTier({self.name!r}, publish={self.publish_mode!r})"
 
+    @property
+    def lease(self) -> RemoteLease:
+        """The writer lease of the root (``ttl_s`` and ``wait_s`` may be changed before ``open``)."""
+        return self._lease
+
     def _p(self, *names: str) -> str:
         return "/".join((self.root, *names))
 

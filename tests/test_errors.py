@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from asymstore import (
     AsymStore,
     AsymstoreError,
+    CapacityError,
     DuplicateNameError,
     EmptyStepError,
     InvalidMetaError,
@@ -25,7 +27,7 @@ from asymstore import (
     VersionNotFoundError,
 )
 from asymstore.fsck import check
-from asymstore.manifest import Manifest
+from asymstore.manifest import Manifest, seal_document
 
 
 @pytest.fixture
@@ -161,14 +163,15 @@ async def test_manifest_validation_refuses_tampering(store: AsymStore, mutate: o
     with open(path, "rb") as f:
         doc = json.load(f)
     mutate(doc)  # type: ignore[operator]
-    with pytest.raises(ManifestError):
-        Manifest.from_json(json.dumps(doc).encode())
+    with pytest.raises(ManifestError):  # re-sealed, as a forger would: the structural checks must catch it
+        Manifest.from_json(seal_document(doc))
 
 
 class _DiskFull(LocalTier):
-    """Fault injection: the durable tier refuses one publish."""
+    """Fault injection: the durable tier refuses one publish (OSError, or CapacityError when ``capacity``)."""
 
     fail = True
+    capacity = False
 
     async def begin(self, step: int, nbytes: int):  # type: ignore[no-untyped-def]
         writer = await super().begin(step, nbytes)
@@ -176,6 +179,8 @@ class _DiskFull(LocalTier):
 
         class W:
             async def write_segment(self, name, parts):  # type: ignore[no-untyped-def]
+                if tier.fail and tier.capacity:
+                    raise CapacityError("the durable tier is full")
                 if tier.fail:
                     raise OSError(28, "No space left on device")
                 await writer.write_segment(name, parts)
@@ -189,16 +194,18 @@ class _DiskFull(LocalTier):
         return W()
 
 
-async def test_durable_failure_keeps_previous_and_allows_retry(tmp_path: object) -> None:
+@pytest.mark.parametrize("capacity", [False, True])
+async def test_durable_failure_keeps_previous_and_allows_retry(tmp_path: object, capacity: bool) -> None:
     from asymstore import HostTier, TierError
     disk = _DiskFull(str(tmp_path))
     disk.fail = False
+    disk.capacity = capacity
     async with AsymStore([HostTier(capacity_bytes=1 << 20), disk]) as s:
         await s.put(1, "w", torch.ones(2))
         await s.commit(1)
         disk.fail = True
         await s.put(2, "w", torch.full((2,), 2.0))
-        with pytest.raises(TierError):
+        with pytest.raises(CapacityError if capacity else TierError):
             await s.commit(2)
         assert s.versions() == {"host:memory": [1], disk.name: [1]}  # host copy rolled back
         assert not [n for n in os.listdir(str(tmp_path)) if n.startswith(".tmp")]  # aborted cleanly
@@ -206,3 +213,35 @@ async def test_durable_failure_keeps_previous_and_allows_retry(tmp_path: object)
         disk.fail = False
         await s.commit(2)  # the staged step is still there: retry succeeds
         assert (await s.restore()).tensors["w"].tolist() == [2.0, 2.0]
+
+
+class _Gated(LocalTier):
+    """Fault injection: the write of step 6 waits at ``begin`` until ``gate`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def begin(self, step: int, nbytes: int):  # type: ignore[no-untyped-def]
+        if step == 6:
+            self.entered.set()
+            await self.gate.wait()
+        return await super().begin(step, nbytes)
+
+
+async def test_an_older_commit_started_during_a_newer_one_is_refused_typed(tmp_path: object) -> None:
+    tier = _Gated(str(tmp_path))
+    async with AsymStore([tier]) as s:
+        await s.put(5, "w", torch.full((2,), 5.0))
+        await s.put(6, "w", torch.full((2,), 6.0))
+        six = asyncio.ensure_future(s.commit(6))
+        await tier.entered.wait()  # commit 6 holds the tier
+        five = asyncio.ensure_future(s.commit(5))
+        await asyncio.sleep(0.05)
+        tier.gate.set()
+        await six
+        with pytest.raises(StepOrderError):
+            await five
+        assert s.versions() == {tier.name: [6]}
+        assert (await s.restore()).tensors["w"].tolist() == [6.0, 6.0]

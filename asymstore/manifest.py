@@ -2,10 +2,10 @@
 
 A version exists on a tier only once its manifest is published there. The
 manifest lists every tensor (dtype, shape, chunks), every segment file (size,
-checksum) and the user's JSON metadata. Schema (format version 1)::
+checksum) and the user's JSON metadata. Schema (format version 2)::
 
     {
-      "format": "asymstore.manifest", "format_version": 1,
+      "format": "asymstore.manifest", "format_version": 2,
       "step": 12, "created": 1763776000.5, "checksum_algorithm": "xxh3_64",
       "meta": {...user JSON...},
       "segments": [{"name": "seg-000000.bin", "size": 4096, "checksum": "hex"}],
@@ -17,7 +17,8 @@ checksum) and the user's JSON metadata. Schema (format version 1)::
                       "raw_checksum": "hex"}]
         }
       },
-      "extra": {...asymstore-internal JSON, e.g. rank layout...}
+      "extra": {...asymstore-internal JSON, e.g. rank layout...},
+      "manifest_checksum": "hex"
     }
 
 ``checksum`` covers the stored bytes of a chunk, ``raw_checksum`` the bytes

@@ -220,3 +220,29 @@ def test_a_corrupt_global_manifest_is_reported_and_skipped(tmp_path: Path) -> No
     assert restored[1].step == 1
     with pytest.raises(CorruptVersionError):
         read_global(str(tmp_path / "global"), 2)
+
+
+def test_a_second_job_on_the_same_root_is_refused_and_dead_coordinators_leftovers_swept(tmp_path: Path) -> None:
+    from asymstore import RootLockedError
+
+    async def one_rank() -> None:
+        first = store(tmp_path, 0, 1, dist.HashStore())
+        await first.open()
+        try:
+            with pytest.raises(RootLockedError, match="global"):  # the coordinator's global/ is taken
+                await store(tmp_path, 0, 1, dist.HashStore()).open()
+            await first.put(1, "w", value(1, 0))
+            await first.commit(1)
+        finally:
+            await first.close()
+        (tmp_path / "global" / ".tmp-v000000000002.json-0badc0de").write_bytes(b"{half a global manifest")
+        again = store(tmp_path, 0, 1, dist.HashStore())
+        await again.open()  # a dead coordinator's temp file is swept at open
+        try:
+            assert not [p for p in (tmp_path / "global").iterdir() if p.name.startswith(".tmp-")]
+            assert (await again.restore()).step == 1
+        finally:
+            await again.close()
+
+    asyncio.run(one_rank())
+    assert check(str(tmp_path), deep=True).ok

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asymstore.errors import AsymstoreError
+from asymstore.errors import AsymstoreError, CorruptVersionError, NoCheckpointError, TierError, VersionNotFoundError
 from asymstore.manifest import Manifest
 from asymstore.verify import load_version, read_manifest
 
-__all__ = ["Checkpoint", "describe", "load_version", "read_manifest"]
+if TYPE_CHECKING:
+    from asymstore.tierwrite import TierState
+
+__all__ = ["Checkpoint", "describe", "load_version", "read_manifest", "restore_newest"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +54,48 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, AsymstoreError):
         return f"{type(exc).__name__}: {exc}"
     return f"{type(exc).__name__}: {exc!r}"
+
+
+async def restore_newest(states: Sequence[TierState], step: int | None) -> Checkpoint:
+    """Return the newest version that verifies (or ``step``) from the fastest tier holding it.
+
+    ``states`` are the store's tiers fastest first, with their versions
+    listed. A copy that fails verification is skipped, logged, listed in
+    ``fallbacks`` and marked bad on its tier; the next tier's copy is tried,
+    then the previous version. With ``step`` given, only that step is tried.
+
+    Raises:
+        NoCheckpointError: no tier holds any version.
+        VersionNotFoundError: ``step`` is on no tier.
+        CorruptVersionError: no copy of any candidate verifies.
+    """
+    holders: dict[int, list[TierState]] = {}
+    for state in states:
+        for v in state.versions:
+            holders.setdefault(v, []).append(state)
+    if step is not None:
+        if step not in holders:
+            raise VersionNotFoundError(f"step {step} is not committed on any tier")
+        candidates = [step]
+    else:
+        if not holders:
+            raise NoCheckpointError("no tier holds a committed version")
+        candidates = sorted(holders, reverse=True)
+    fallbacks: list[str] = []
+    for s in candidates:
+        for state in holders[s]:
+            try:
+                manifest, tensors = await load_version(state.tier, s)
+            except (AsymstoreError, OSError) as exc:
+                reason = f"step {s} on {state.tier.name}: {describe(exc)}"
+                logger.warning("restore skipped %s", reason)
+                fallbacks.append(reason)
+                if isinstance(exc, (CorruptVersionError, TierError, OSError)):
+                    state.bad.add(s)
+                continue
+            state.bad.discard(s)
+            if fallbacks:
+                logger.warning("restored step %d from %s after %d failed attempt(s)",
+                               s, state.tier.name, len(fallbacks))
+            return Checkpoint(s, tensors, manifest.meta, state.tier.name, manifest, fallbacks)
+    raise CorruptVersionError("no copy verified: " + "; ".join(fallbacks))

@@ -16,7 +16,6 @@ from asymstore.batcher import (
     COMPRESSION_POLICIES,
     Compression,
     FlushStats,
-    SegmentBuilder,
     TierStatus,
     VersionPlan,
 )
@@ -26,20 +25,17 @@ from asymstore.codec import PlaneCodec
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
-    CorruptVersionError,
     EmptyStepError,
     InvalidStepError,
-    NoCheckpointError,
     StepCommittedError,
     StepOrderError,
     StoreClosedError,
-    TierError,
-    VersionNotFoundError,
 )
 from asymstore.manifest import Manifest, validate_meta
-from asymstore.restore import Checkpoint, describe, load_version
+from asymstore.restore import Checkpoint, restore_newest
 from asymstore.staging import PendingStep, stages_inline
-from asymstore.tiers.base import ExclusiveTier, Tier, VersionWriter
+from asymstore.tiers.base import ExclusiveTier, Tier
+from asymstore.tierwrite import TierState, write_version
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +59,6 @@ class CommitResult:
     def nbytes(self) -> int:
         """Raw bytes of the version."""
         return self.manifest.nbytes
-
-
-class _TierState:
-    def __init__(self, tier: Tier) -> None:
-        self.tier = tier
-        self.versions: set[int] = set()
-        self.bad: set[int] = set()  # steps that failed verification here
-        self.lock = asyncio.Lock()  # one version written at a time, in step order
-        self.last_error: str | None = None
-        self.calibration: TierCalibration | None = None
-        self.last_flush: FlushStats | None = None
 
 
 def _check_step(step: object) -> int:
@@ -142,7 +127,7 @@ class AsymStore:
         unknown = set(calibrations or {}) - set(names)
         if unknown:
             raise ValueError(f"calibrations name unknown tiers: {sorted(unknown)}")
-        self._tiers = [_TierState(t) for t in tiers]
+        self._tiers = [TierState(t) for t in tiers]
         self.keep_last = keep_last
         self.segment_bytes = segment_bytes
         self.chunk_bytes = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
@@ -458,7 +443,7 @@ class AsymStore:
         assert manifest is not None, "the durable tier either committed or raised"
         return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 
-    async def _unpublish(self, step: int, states: list[_TierState]) -> None:
+    async def _unpublish(self, step: int, states: list[TierState]) -> None:
         """Remove ``step`` from the fast tiers when the durable tier refused it, so it can be retried."""
         for state in states:
             if step in state.versions:
@@ -468,7 +453,7 @@ class AsymStore:
                     logger.error("could not remove step %d from %s: %s", step, state.tier.name, exc)
                 state.versions.discard(step)
 
-    async def _write_locked(self, state: _TierState, plan: VersionPlan) -> None:
+    async def _write_locked(self, state: TierState, plan: VersionPlan) -> None:
         """A background tier's write (the flusher retries it and counts the tier done once)."""
         async with state.lock:
             await self._write_tier_locked(state, plan)
@@ -489,72 +474,16 @@ class AsymStore:
                 self._side_tasks.add(task)
                 task.add_done_callback(self._side_tasks.discard)
 
-    async def _write_tier(self, state: _TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
+    async def _write_tier(self, state: TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
         try:
             async with state.lock:
                 return await self._write_tier_locked(state, plan)
         finally:
             plan.tier_done()
 
-    async def _write_tier_locked(self, state: _TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
-        step, tier = plan.step, state.tier
-        if step in state.bad:
-            await tier.quarantine(step)
-            state.bad.discard(step)
-            state.versions.discard(step)
-        tier_plan = await asyncio.to_thread(
-            plan.plan_tier, tier.name, state.calibration or assumed_calibration(), policy=self.compression,
-            segment_bytes=self.segment_bytes, memory_bytes=self.flush_memory_bytes)
-        builder = SegmentBuilder(plan, tier_plan)
-        writer = await tier.begin(step, tier_plan.reserve_bytes)
-        try:
-            await self._stream_segments(builder, writer)
-            manifest = builder.manifest()
-            await writer.publish(manifest.to_json())
-        except BaseException as exc:
-            await asyncio.shield(writer.abort())
-            state.last_error = describe(exc)
-            if isinstance(exc, AsymstoreError) or not isinstance(exc, Exception):
-                raise
-            raise TierError(f"{tier.name}: {exc}") from exc
-        state.versions.add(step)
-        try:
-            await tier.write_latest(max(state.versions))
-            await self._retain(state)  # retries a delete that failed earlier, so reconcile after it
-            if isinstance(tier, ExclusiveTier):
-                await tier.sweep_leftovers()
-            # a bounded tier (HostTier) evicts old versions on its own in ``begin``
-            state.versions &= set(await tier.list_versions()) | {step}
-        except Exception as exc:  # the version is committed; housekeeping can wait
-            state.last_error = describe(exc)
-            logger.error("after committing step %d on %s: %s", step, tier.name, exc)
-        state.last_flush = builder.stats
-        return manifest, builder.stats
-
-    async def _stream_segments(self, builder: SegmentBuilder, writer: VersionWriter) -> None:
-        """Write the builder's segments in order, filling segment k+1 in a thread while k is written."""
-        nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
-        try:
-            while (seg := await nxt) is not None:
-                nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
-                t0 = time.perf_counter()
-                await writer.write_segment(seg.name, seg.parts)
-                builder.stats.write_seconds += time.perf_counter() - t0
-        finally:
-            if not nxt.done():
-                nxt.cancel()  # its thread runs to the end on its own; that segment is dropped
-            elif not nxt.cancelled():
-                nxt.exception()  # retrieved: the error that matters is already propagating
-
-    async def _retain(self, state: _TierState) -> None:
-        keep = state.tier.keep_last if state.tier.keep_last is not None else self.keep_last
-        if keep is None:
-            return
-        ordered = sorted(state.versions)
-        for old in ordered[:-keep]:
-            await state.tier.delete_version(old)
-            state.versions.discard(old)
-            state.bad.discard(old)
+    async def _write_tier_locked(self, state: TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
+        return await write_version(state, plan, compression=self.compression, segment_bytes=self.segment_bytes,
+                                   memory_bytes=self.flush_memory_bytes, keep_last=self.keep_last)
 
     async def flushed(self, step: int | None = None, *, tier: Tier | str | None = None,
                       timeout: float | None = None) -> None:
@@ -597,35 +526,7 @@ class AsymStore:
             CorruptVersionError: no copy of any candidate verifies.
         """
         self._require_open()
-        await self.refresh()
-        holders: dict[int, list[_TierState]] = {}
-        for state in self._tiers:
-            for v in state.versions:
-                holders.setdefault(v, []).append(state)
         if step is not None:
             _check_step(step)
-            if step not in holders:
-                raise VersionNotFoundError(f"step {step} is not committed on any tier")
-            candidates = [step]
-        else:
-            if not holders:
-                raise NoCheckpointError("no tier holds a committed version")
-            candidates = sorted(holders, reverse=True)
-        fallbacks: list[str] = []
-        for s in candidates:
-            for state in holders[s]:
-                try:
-                    manifest, tensors = await load_version(state.tier, s)
-                except (AsymstoreError, OSError) as exc:
-                    reason = f"step {s} on {state.tier.name}: {describe(exc)}"
-                    logger.warning("restore skipped %s", reason)
-                    fallbacks.append(reason)
-                    if isinstance(exc, (CorruptVersionError, TierError, OSError)):
-                        state.bad.add(s)
-                    continue
-                state.bad.discard(s)
-                if fallbacks:
-                    logger.warning("restored step %d from %s after %d failed attempt(s)",
-                                   s, state.tier.name, len(fallbacks))
-                return Checkpoint(s, tensors, manifest.meta, state.tier.name, manifest, fallbacks)
-        raise CorruptVersionError("no copy verified: " + "; ".join(fallbacks))
+        await self.refresh()
+        return await restore_newest(self._tiers, step)

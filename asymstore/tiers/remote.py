@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import mmap
 import os
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -37,38 +36,14 @@ from asymstore.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segme
 from asymstore.rootlock import is_leftover_name
 from asymstore.tiers.base import Buffer
 from asymstore.tiers.lease import RemoteLease
+from asymstore.tiers.remotefs import open_filesystem, read_all, write_all
 from asymstore.tiers.retry import RetryPolicy
+
+__all__ = ["RemoteTier", "open_filesystem"]
 
 logger = logging.getLogger(__name__)
 
 _MARKER_SCHEMES = {"s3", "gs", "gcs", "abfs", "abfss", "az"}
-_MAP_MIN_BYTES = 1 << 20  # reads at least this large land in an anonymous mapping
-_S3_KEYS = {"endpoint_override", "scheme", "region", "access_key", "secret_key", "session_token",
-            "allow_bucket_creation", "force_virtual_addressing", "connect_timeout", "request_timeout"}
-
-
-def open_filesystem(uri: str, **options: Any) -> tuple[pafs.FileSystem, str, str]:
-    """Return ``(filesystem, root path, scheme)`` for ``uri``; ``options`` override URI query options."""
-    parts = urlsplit(uri)
-    scheme = parts.scheme or "file"
-    if scheme == "s3":
-        opts: dict[str, Any] = dict(parse_qsl(parts.query))
-        opts.update(options)
-        unknown = set(opts) - _S3_KEYS
-        if unknown:
-            raise ValueError(f"unknown S3 options {sorted(unknown)}")
-        for key in ("connect_timeout", "request_timeout"):
-            if key in opts:
-                opts[key] = float(opts[key])
-        fs = pafs.S3FileSystem(**opts)
-        return fs, f"{parts.netloc}{parts.path}".rstrip("/"), scheme
-    if options:
-        raise ValueError(f"keyword options are only understood for s3:// URIs, got {sorted(options)}")
-    if scheme == "hdfs":
-        fs, path = pafs.HadoopFileSystem.from_uri(urlunsplit(parts))
-        return fs, path.rstrip("/") or "/", scheme
-    fs, path = pafs.FileSystem.from_uri(uri)
-    return fs, path.rstrip("/") or "/", scheme
 
 
 class RemoteTier:
@@ -237,7 +212,7 @@ class RemoteTier:
         """Return the manifest bytes of ``step``."""
         path = self._p(version_dirname(step), MANIFEST_NAME)
         try:
-            return bytes(await self._io("read manifest", lambda: _read_all(self.fs, path, max_size=MAX_MANIFEST_BYTES)))
+            return bytes(await self._io("read manifest", lambda: read_all(self.fs, path, max_size=MAX_MANIFEST_BYTES)))
         except TierError as exc:
             if isinstance(exc.__cause__, FileNotFoundError):
                 raise VersionNotFoundError(f"step {step} not on {self.name}") from exc
@@ -246,7 +221,7 @@ class RemoteTier:
     async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
         """Return one segment's bytes (read with a large buffer, not a stream; of ``size`` bytes when given)."""
         path = self._p(version_dirname(step), validate_segment_name(name))
-        result: Buffer = await self._io(f"read {name}", lambda: _read_all(self.fs, path, expected_size=size))
+        result: Buffer = await self._io(f"read {name}", lambda: read_all(self.fs, path, expected_size=size))
         return result
 
     async def stat_segment(self, step: int, name: str, size: int) -> None:
@@ -304,9 +279,9 @@ class RemoteTier:
                 for i, size in enumerate(sizes):
                     path = f"{scratch}/probe-{i}.bin"
                     t0 = time.perf_counter()
-                    _write_all(self.fs, path, [data[:size]], self.part_size)
+                    write_all(self.fs, path, [data[:size]], self.part_size)
                     if self.verify == "checksum":
-                        _read_all(self.fs, path)
+                        read_all(self.fs, path)
                     times.append(time.perf_counter() - t0)
             finally:
                 try:
@@ -327,10 +302,10 @@ class RemoteTier:
 
         def write() -> None:
             if self.publish_mode == "marker":
-                _write_all(self.fs, latest, [data], self.part_size)
+                write_all(self.fs, latest, [data], self.part_size)
                 return
             tmp = self._p(f".{LATEST}.{uuid.uuid4().hex[:12]}.tmp")
-            _write_all(self.fs, tmp, [data], self.part_size)
+            write_all(self.fs, tmp, [data], self.part_size)
             try:
                 self.fs.move(tmp, latest)
             except OSError:  # HDFS will not rename onto an existing file: a hint may vanish briefly
@@ -341,7 +316,7 @@ class RemoteTier:
     async def read_latest(self) -> int | None:
         """Return the LATEST hint, or None."""
         try:
-            data = await self._io("read LATEST", lambda: _read_all(self.fs, self._p(LATEST)))
+            data = await self._io("read LATEST", lambda: read_all(self.fs, self._p(LATEST)))
             return int(bytes(data).decode().strip())
         except (TierError, ValueError, UnicodeDecodeError):
             return None
@@ -366,11 +341,11 @@ class _RemoteWriter:
             size = sum(len(p) for p in parts)
 
             def put_and_verify() -> None:
-                _write_all(self.tier.fs, path, parts, self.tier.part_size)
+                write_all(self.tier.fs, path, parts, self.tier.part_size)
                 info = self.tier.fs.get_file_info(path)
                 if info.size != size:
                     raise OSError(f"upload of {path} has {info.size} bytes, expected {size}")  # retried
-                if expected and StreamingChecksum([_read_all(self.tier.fs, path)]).hexdigest() != expected:
+                if expected and StreamingChecksum([read_all(self.tier.fs, path)]).hexdigest() != expected:
                     raise OSError(f"upload of {path} read back with a different checksum")  # retried
             await self.tier._io(f"upload {path}", put_and_verify)
 
@@ -381,10 +356,10 @@ class _RemoteWriter:
             await asyncio.gather(*self.uploads, return_exceptions=True)
             raise
         tier = self.tier
-        await tier._io("write manifest", lambda: _write_all(
+        await tier._io("write manifest", lambda: write_all(
             tier.fs, f"{self.target}/{MANIFEST_NAME}", [manifest], tier.part_size))
         if tier.publish_mode == "marker":
-            got = await tier._io("verify manifest", lambda: _read_all(tier.fs, f"{self.target}/{MANIFEST_NAME}"))
+            got = await tier._io("verify manifest", lambda: read_all(tier.fs, f"{self.target}/{MANIFEST_NAME}"))
             if bytes(got) != manifest:
                 raise CorruptVersionError(f"manifest of step {self.step} on {tier.name} read back differently")
             self._done()
@@ -404,7 +379,7 @@ class _RemoteWriter:
             if not isinstance(exc.__cause__, FileExistsError):
                 raise
             # an earlier attempt may have renamed it and lost the answer: the same manifest there is our commit
-            there = await tier._io("read manifest", lambda: _read_all(tier.fs, f"{dest}/{MANIFEST_NAME}"))
+            there = await tier._io("read manifest", lambda: read_all(tier.fs, f"{dest}/{MANIFEST_NAME}"))
             if bytes(there) != manifest:
                 raise StepCommittedError(f"step {self.step} is already committed on {tier.name}") from exc
             logger.info("%s: step %d was already published by an earlier attempt", tier.name, self.step)
@@ -427,32 +402,3 @@ class _RemoteWriter:
             logger.warning("could not remove %s after an aborted commit: %s", target, exc)
             return
         self._done()
-
-
-def _write_all(fs: pafs.FileSystem, path: str, parts: Sequence[Buffer], part_size: int) -> None:
-    with fs.open_output_stream(path, buffer_size=None, metadata=None) as out:
-        for part in parts:
-            view = memoryview(part).cast("B") if len(part) else memoryview(b"")
-            for off in range(0, len(view), part_size):
-                out.write(view[off:off + part_size])
-
-
-def _read_all(fs: pafs.FileSystem, path: str, *, expected_size: int | None = None,
-              max_size: int | None = None) -> bytearray | memoryview:
-    with fs.open_input_file(path) as f:
-        size = f.size()
-        if expected_size is not None and size != expected_size:
-            raise CorruptVersionError(f"{path} has {size} bytes, the manifest says {expected_size}")
-        if max_size is not None and size > max_size:
-            raise CorruptVersionError(f"{path} has {size} bytes, more than the {max_size} accepted")
-        # a large buffer is a fresh private mapping, not bytearray(size), whose zero-fill pass costs as much as the read
-        buf: bytearray | memoryview = bytearray(size) if size < _MAP_MIN_BYTES else memoryview(
-            mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
-        view = memoryview(buf)
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise OSError(f"{path}: short read ({done} of {size} bytes)")
-            done += n
-        return buf

@@ -45,11 +45,12 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from asymstore.checksum import checksum
 from asymstore.fileio import atomic_write, read_whole, write_parts
 from asymstore.layout import TMP_PREFIX, fsync_dir
+from asymstore.tiers.base import ProbeableTier
 
 logger = logging.getLogger(__name__)
 
@@ -195,19 +196,6 @@ def host_fill_seconds_per_byte() -> float:
 
 
 # -- probing -----------------------------------------------------------------
-
-
-@runtime_checkable
-class ProbeableTier(Protocol):
-    """A tier that can time real writes to a scratch area of itself (optional)."""
-
-    def calibration_key(self) -> str | None:
-        """Identify where the tier writes (None: do not cache its calibration)."""
-        ...
-
-    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
-        """Write one scratch file per size, as a segment is written; return seconds per write."""
-        ...
 
 
 def probe_directory(root: str, sizes: Sequence[int], *, fsync: bool,

@@ -34,7 +34,7 @@ from asymstore.errors import (
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.restore import Checkpoint, restore_newest
 from asymstore.staging import PendingStep, stages_inline
-from asymstore.tiers.base import ExclusiveTier, Tier
+from asymstore.tiers.base import ExclusiveTier, HoldingTier, Tier
 from asymstore.tierwrite import TierState, write_version
 
 logger = logging.getLogger(__name__)
@@ -435,9 +435,8 @@ class AsymStore:
             if not self._tiers[self._durable].tier.persistent:  # keep the only copies until a slower tier has them
                 self._holds[step] = len(self._flushers)
                 for state in self._tiers[: self._durable + 1]:
-                    hold = getattr(state.tier, "hold", None)
-                    if hold is not None and step in state.versions:
-                        hold(step)
+                    if isinstance(state.tier, HoldingTier) and step in state.versions:
+                        state.tier.hold(step)
             for f in self._flushers.values():
                 f.submit(plan)
         assert manifest is not None, "the durable tier either committed or raised"
@@ -468,9 +467,8 @@ class AsymStore:
             return
         del self._holds[step]
         for state in self._tiers[: self._durable + 1]:
-            release = getattr(state.tier, "release", None)
-            if release is not None:
-                task = asyncio.ensure_future(release(step))
+            if isinstance(state.tier, HoldingTier):
+                task = asyncio.ensure_future(state.tier.release(step))
                 self._side_tasks.add(task)
                 task.add_done_callback(self._side_tasks.discard)
 

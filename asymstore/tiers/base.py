@@ -21,8 +21,11 @@ Call order, for one tier, driven by :class:`asymstore.AsymStore`:
 6. ``await tier.close()`` once, last.
 
 Optional capabilities are declared as protocols below and checked with
-``isinstance``: :class:`ExclusiveTier` (one writer per root, leftovers swept)
-and :class:`StatTier` (a segment's presence and size checked without reading it).
+``isinstance``, never discovered with ``getattr``: :class:`ExclusiveTier` (one
+writer per root, leftovers swept), :class:`StatTier` (a segment's presence
+and size checked without reading it), :class:`ProbeableTier` (timed probe
+writes for the cost model) and :class:`HoldingTier` (a bounded tier keeps
+versions the store still needs).
 
 Buffers given to ``write_segment`` stay valid and unchanged until the call
 returns; a tier that keeps them longer must copy. Buffers returned by
@@ -141,4 +144,34 @@ class StatTier(Protocol):
 
     async def stat_segment(self, step: int, name: str, size: int) -> None:
         """Raise CorruptVersionError (wrong size, not a regular file) or TierError (missing) unless it is whole."""
+        ...
+
+
+@runtime_checkable
+class ProbeableTier(Protocol):
+    """A tier that can time real writes to a scratch area of itself (optional; see :mod:`asymstore.calibration`)."""
+
+    def calibration_key(self) -> str | None:
+        """Identify where the tier writes (None: do not cache its calibration)."""
+        ...
+
+    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
+        """Write one scratch file per size, as a segment is written; return seconds per write."""
+        ...
+
+
+@runtime_checkable
+class HoldingTier(Protocol):
+    """A bounded tier that evicts old versions, except those the store holds (optional).
+
+    The store holds a version on its fast tiers while they keep the only
+    copies (a memory tier as the durable one) until every slower tier has it.
+    """
+
+    def hold(self, step: int) -> None:
+        """Keep ``step`` from eviction until :meth:`release`."""
+        ...
+
+    async def release(self, step: int) -> None:
+        """Let ``step`` be evicted again."""
         ...

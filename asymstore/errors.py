@@ -24,6 +24,10 @@ class InvalidValueError(AsymstoreError, TypeError):
     """A value given to ``put`` is not a dense tensor of a storable dtype."""
 
 
+class DestinationMismatchError(InvalidValueError):
+    """A tensor given to restore into has another dtype or shape than the stored one, or is not stored."""
+
+
 class InvalidMetaError(AsymstoreError, ValueError):
     """User metadata is not strict JSON (dict with str keys, no NaN/inf)."""
 

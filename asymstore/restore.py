@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asymstore.errors import AsymstoreError, CorruptVersionError, NoCheckpointError, TierError, VersionNotFoundError
+from asymstore.errors import (
+    AsymstoreError,
+    CorruptVersionError,
+    DestinationMismatchError,
+    NoCheckpointError,
+    TierError,
+    VersionNotFoundError,
+)
+from asymstore.load import load_version
 from asymstore.manifest import Manifest
-from asymstore.verify import load_version, read_manifest
+from asymstore.verify import read_manifest
 
 if TYPE_CHECKING:
     from asymstore.tierwrite import TierState
@@ -56,15 +64,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc!r}"
 
 
-async def restore_newest(states: Sequence[TierState], step: int | None) -> Checkpoint:
+async def restore_newest(states: Sequence[TierState], step: int | None,
+                         into: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
     """Return the newest version that verifies (or ``step``) from the fastest tier holding it.
 
     ``states`` are the store's tiers fastest first, with their versions
     listed. A copy that fails verification is skipped, logged, listed in
     ``fallbacks`` and marked bad on its tier; the next tier's copy is tried,
     then the previous version. With ``step`` given, only that step is tried.
+    ``into`` names tensors to fill in place (see :mod:`asymstore.load`).
 
     Raises:
+        DestinationMismatchError: a tensor of ``into`` does not match the version (never a fallback).
         NoCheckpointError: no tier holds any version.
         VersionNotFoundError: ``step`` is on no tier.
         CorruptVersionError: no copy of any candidate verifies.
@@ -85,7 +96,9 @@ async def restore_newest(states: Sequence[TierState], step: int | None) -> Check
     for s in candidates:
         for state in holders[s]:
             try:
-                manifest, tensors = await load_version(state.tier, s)
+                manifest, tensors = await load_version(state.tier, s, into)
+            except DestinationMismatchError:
+                raise  # the caller's tensors do not fit: an older version would not either
             except (AsymstoreError, OSError) as exc:
                 reason = f"step {s} on {state.tier.name}: {describe(exc)}"
                 logger.warning("restore skipped %s", reason)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asymstore.batcher import (
     COMPRESSION_POLICIES,
@@ -36,6 +36,9 @@ from asymstore.restore import Checkpoint, restore_newest
 from asymstore.staging import PendingStep, stages_inline
 from asymstore.tiers.base import ExclusiveTier, HoldingTier, Tier
 from asymstore.tierwrite import TierState, write_version
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -511,8 +514,15 @@ class AsymStore:
 
     # -- reading ---------------------------------------------------------
 
-    async def restore(self, step: int | None = None) -> Checkpoint:
+    async def restore(self, step: int | None = None, *, into: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
         """Return the newest version that verifies (or ``step``), from the fastest tier holding it.
+
+        With ``into`` (name -> tensor of the stored dtype and shape), those
+        tensors are filled in place and returned as they are: each chunk is
+        read straight into the tensor's memory where the tier can (directory
+        tiers, host memory) and its checksum verified there; a copy that fails
+        verification is followed by an older one into the same tensors. If
+        none verifies, the ``into`` tensors hold no particular version.
 
         A copy that fails verification is skipped (logged, and listed in the
         result's ``fallbacks``): the next tier's copy is tried, then the
@@ -522,9 +532,11 @@ class AsymStore:
             NoCheckpointError: no tier holds any version.
             VersionNotFoundError: ``step`` is on no tier.
             CorruptVersionError: no copy of any candidate verifies.
+            DestinationMismatchError: a tensor of ``into`` is not stored or has another dtype or shape
+                (checked before anything is written into it).
         """
         self._require_open()
         if step is not None:
             _check_step(step)
         await self.refresh()
-        return await restore_newest(self._tiers, step)
+        return await restore_newest(self._tiers, step, into)

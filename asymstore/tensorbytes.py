@@ -65,7 +65,7 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
         raise InvalidValueError("as_bytes needs a contiguous CPU tensor")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
-        return memoryview(b"")
+        return memoryview(bytearray())  # writable, like every other view this returns
     array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
     array._owner = tensor  # type: ignore[attr-defined]  # keeps the storage alive
     return memoryview(array).cast("B")

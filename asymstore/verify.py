@@ -22,15 +22,11 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from asymstore.checksum import StreamingChecksum
 from asymstore.errors import CorruptVersionError
 from asymstore.manifest import Chunk, Manifest
 from asymstore.tiers.base import Buffer, StatTier, Tier
-
-if TYPE_CHECKING:
-    import torch
 
 READ_AHEAD = 4
 """Segments read concurrently."""
@@ -104,61 +100,6 @@ def physical_memory_bytes() -> int:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 1 << 50
-
-
-async def read_segments(tier: Tier, step: int, manifest: Manifest) -> dict[str, memoryview]:
-    """Read every segment of ``step``, each checked against its manifest size before and after reading."""
-    sem = asyncio.Semaphore(READ_AHEAD)
-
-    async def fetch(name: str, size: int) -> tuple[str, memoryview]:
-        async with sem:
-            data = await tier.read_segment(step, name, size)
-            verify_segment(manifest, name, data, deep=False)
-            return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
-
-    return dict(await asyncio.gather(*(fetch(s.name, s.size) for s in manifest.segments)))
-
-
-async def load_version(tier: Tier, step: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """Read, verify and decode every tensor of ``step`` from ``tier``.
-
-    Raises:
-        CorruptVersionError: the manifest, a segment or a chunk fails verification,
-            or the version declares more bytes than this machine has memory.
-        VersionNotFoundError: the tier does not hold ``step``.
-        TierError: the tier failed to read.
-    """
-    manifest = await read_manifest(tier, step)
-    if manifest.nbytes > physical_memory_bytes():
-        raise CorruptVersionError(f"step {step} on {tier.name} declares {manifest.nbytes} bytes of tensors, "
-                                  "more than this machine's memory")
-    segments = await read_segments(tier, step, manifest)
-    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments)
-
-
-def decode_tensors(manifest: Manifest, segments: dict[str, memoryview]) -> dict[str, torch.Tensor]:
-    """Decode every tensor of ``manifest`` from its verified segments."""
-    import torch
-
-    from asymstore.codec import RAW
-    from asymstore.tensorbytes import as_bytes, dtype_from_name, from_bytes
-
-    out: dict[str, torch.Tensor] = {}
-    for name, entry in manifest.tensors.items():
-        dtype = dtype_from_name(entry.dtype)
-        # one raw chunk: the tensor is a view of the segment; else decode every chunk into place
-        single = len(entry.chunks) == 1 and entry.chunks[0].codec == RAW
-        # torch.empty, not bytearray: no zero-fill pass over fresh memory before the chunks land
-        buf: memoryview = as_bytes(torch.empty(0 if single else entry.nbytes, dtype=torch.uint8))
-        pos = 0
-        for chunk in entry.chunks:
-            stored = segments[chunk.segment][chunk.offset:chunk.offset + chunk.length]
-            raw = decode_one(name, chunk, stored, None if single else buf[pos:pos + chunk.raw_length])
-            if single:
-                buf = raw
-            pos += chunk.raw_length
-        out[name] = from_bytes(buf, dtype, list(entry.shape))
-    return out
 
 
 async def check_version(tier: Tier, step: int, *, deep: bool,

@@ -14,6 +14,7 @@ from _servers import s3_server, s3_uri, stub_libcuda  # noqa: F401  (fixtures)
 
 from asymstore import (
     AsymStore,
+    DestinationMismatchError,
     GPUTier,
     HostTier,
     LocalTier,
@@ -220,3 +221,52 @@ async def test_killed_writer_leaves_nothing_after_the_next_publish(make_tier: Ca
         assert after.ok and after.writer is not None, after.problems
         assert [(e.status, e.step) for e in after.entries] == [("committed", 1), ("committed", 2)], after.entries
         assert torch.equal((await store.restore()).tensors["w"], torch.full((1000,), 2.0))
+
+
+# -- restore into the caller's tensors -------------------------------------------
+
+
+async def test_restore_into_fills_the_callers_tensors(make_tier: Callable[[], Tier]) -> None:
+    async with AsymStore([make_tier()], segment_bytes=512 << 10, keep_last=None) as store:
+        for step in (1, 2):
+            await store.put_many(step, state(step))
+            await store.commit(step)
+        dest = {k: torch.empty_like(v) for k, v in state(2).items()}
+        ptrs = {k: v.data_ptr() for k, v in dest.items()}
+        ckpt = await store.restore(into=dest)
+        assert ckpt.step == 2 and all(ckpt.tensors[k] is dest[k] for k in dest)
+        assert {k: v.data_ptr() for k, v in dest.items()} == ptrs and same(dest, state(2))
+        partial = {"bf16": torch.empty(13, 77, dtype=torch.bfloat16).t()}  # not contiguous: one copy
+        ckpt = await store.restore(step=1, into=partial)
+        assert ckpt.tensors["bf16"] is partial["bf16"] and torch.equal(partial["bf16"], state(1)["bf16"])
+        assert same({k: v for k, v in ckpt.tensors.items() if k != "bf16"},
+                    {k: v for k, v in state(1).items() if k != "bf16"})
+        for bad in ({"big": torch.zeros(300_000)}, {"big": torch.zeros(300_001, dtype=torch.float64)},
+                    {"nope": torch.zeros(3)}):
+            with pytest.raises(DestinationMismatchError):
+                await store.restore(into=bad)
+            assert not next(iter(bad.values())).any()  # checked before any byte was written
+
+
+@pytest.mark.parametrize("compression", ["never", "always"])
+async def test_restore_into_verifies_on_the_destination_and_falls_back(tmp_path: object, compression: str) -> None:
+    root = os.path.join(str(tmp_path), "local")
+    big = {step: {"w": torch.randn(3_000_001, generator=torch.Generator().manual_seed(step)),
+                  "b": torch.full((5,), float(step))} for step in (1, 2)}
+    async with AsymStore([LocalTier(root)], keep_last=None, segment_bytes=64 << 20, compression=compression) as store:
+        for step in (1, 2):
+            await store.put_many(step, big[step])
+            await store.commit(step)
+    seg = os.path.join(root, "v000000000002", "seg-000000.bin")
+    size = os.path.getsize(seg)
+    assert compression == "always" or size >= 8 << 20  # large enough for the O_DIRECT window path
+    with open(seg, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    dest = {k: torch.empty_like(v) for k, v in big[2].items()}
+    async with AsymStore([LocalTier(root)]) as store:
+        ckpt = await store.restore(into=dest)
+    assert ckpt.step == 1 and ckpt.fell_back and "checksum mismatch" in ckpt.fallbacks[0]
+    assert torch.equal(dest["w"], big[1]["w"]) and torch.equal(dest["b"], big[1]["b"])  # all of step 1, nothing of 2

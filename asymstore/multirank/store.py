@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asymstore.checksum import checksum
 from asymstore.errors import (
@@ -55,6 +55,9 @@ from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.store import AsymStore, CommitResult
 from asymstore.tiers.base import Tier
 from asymstore.tiers.local import LocalTier
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -374,11 +377,12 @@ class RankStore(AsymStore):
 
     # -- reading ---------------------------------------------------------
 
-    async def restore(self, step: int | None = None) -> Checkpoint:
+    async def restore(self, step: int | None = None, *, into: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
         """Restore this rank's shard of the newest global version every rank can load (collective).
 
         Args:
             step: restore exactly this global step.
+            into: this rank's tensors to fill in place (see :meth:`asymstore.AsymStore.restore`).
 
         Raises:
             NoCheckpointError: no global version is published.
@@ -391,10 +395,10 @@ class RankStore(AsymStore):
         key = self._key("restore")
         if self.is_coordinator:
             haves = await asyncio.to_thread(self._gather_haves, key)
-            return await self._restore_coordinator(key, haves, step)
+            return await self._restore_coordinator(key, haves, step, into)
         have = sorted({v for vs in self.versions().values() for v in vs})
         await asyncio.to_thread(self.kv.put, f"{key}/have/{self.rank}", have)
-        return await self._restore_follower(key)
+        return await self._restore_follower(key, into)
 
     def _gather_haves(self, key: str) -> dict[int, set[int]]:
         own = sorted({v for vs in self.versions().values() for v in vs})
@@ -432,7 +436,8 @@ class RankStore(AsymStore):
             out.append(g)
         return out
 
-    async def _restore_coordinator(self, key: str, haves: dict[int, set[int]], step: int | None) -> Checkpoint:
+    async def _restore_coordinator(self, key: str, haves: dict[int, set[int]], step: int | None,
+                                   into: Mapping[str, torch.Tensor] | None) -> Checkpoint:
         kv = self.kv
         notes: list[str] = []
         try:
@@ -442,7 +447,7 @@ class RankStore(AsymStore):
             raise
         for k, g in enumerate(candidates):
             await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
-            ckpt, reason = await self._try_shard(g)
+            ckpt, reason = await self._try_shard(g, into)
             await asyncio.to_thread(kv.put, f"{key}/result/{k}/{self.rank}", {"ok": ckpt is not None, "reason": reason})
             keys = [f"{key}/result/{k}/{r}" for r in range(self.world_size)]
             await asyncio.to_thread(kv.wait, keys, self.restore_timeout_s, f"ranks loading global step {g.step}")
@@ -458,7 +463,7 @@ class RankStore(AsymStore):
                                 {"error": "CorruptVersionError", "message": msg})
         raise CorruptVersionError(msg)
 
-    async def _restore_follower(self, key: str) -> Checkpoint:
+    async def _restore_follower(self, key: str, into: Mapping[str, torch.Tensor] | None) -> Checkpoint:
         kv = self.kv
         k = 0
         ckpt: Checkpoint | None = None
@@ -472,14 +477,15 @@ class RankStore(AsymStore):
                 assert ckpt is not None and g is not None and g.step == msg["done"]
                 return self._restored(g, ckpt, list(msg.get("notes", [])))
             g = GlobalManifest.from_json(msg["global"].encode())
-            ckpt, reason = await self._try_shard(g)
+            ckpt, reason = await self._try_shard(g, into)
             await asyncio.to_thread(kv.put, f"{key}/result/{k}/{self.rank}", {"ok": ckpt is not None, "reason": reason})
             k += 1
 
-    async def _try_shard(self, g: GlobalManifest) -> tuple[Checkpoint | None, str]:
+    async def _try_shard(self, g: GlobalManifest,
+                         into: Mapping[str, torch.Tensor] | None) -> tuple[Checkpoint | None, str]:
         shard = g.shard(self.rank)
         try:
-            ckpt = await AsymStore.restore(self, step=shard.step)
+            ckpt = await AsymStore.restore(self, step=shard.step, into=into)
         except (AsymstoreError, OSError) as exc:
             return None, describe(exc)
         digest = shard_digest(ckpt.manifest)

@@ -25,7 +25,8 @@ Optional capabilities are declared as protocols below and checked with
 writer per root, leftovers swept), :class:`StatTier` (a segment's presence
 and size checked without reading it), :class:`ProbeableTier` (timed probe
 writes for the cost model) and :class:`HoldingTier` (a bounded tier keeps
-versions the store still needs).
+versions the store still needs), :class:`ReadIntoTier` (segment ranges read
+straight into caller buffers).
 
 Buffers given to ``write_segment`` stay valid and unchanged until the call
 returns; a tier that keeps them longer must copy. Buffers returned by
@@ -174,4 +175,19 @@ class HoldingTier(Protocol):
 
     async def release(self, step: int) -> None:
         """Let ``step`` be evicted again."""
+        ...
+
+
+@runtime_checkable
+class ReadIntoTier(Protocol):
+    """A tier that reads parts of a segment straight into caller buffers (optional; restore ``into=`` uses it)."""
+
+    async def read_segment_into(self, step: int, name: str, size: int,
+                                ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, view)`` with the segment's bytes ``[offset, offset + len(view))``.
+
+        The segment must be ``size`` bytes (CorruptVersionError otherwise,
+        before anything is read). The bytes are not verified here: the caller
+        checks the chunk checksums on the filled buffers.
+        """
         ...

@@ -235,6 +235,21 @@ class HostTier:
                                       f"{version.segments[name].numel()} bytes, the manifest says {size}")
         return await asyncio.to_thread(_to_host, version.segments[name])
 
+    async def read_segment_into(self, step: int, name: str, size: int,
+                                ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Copy ranges of one segment straight into caller buffers (one copy out of the pool or the shm file)."""
+        if self._files:
+            return await self._files.read_segment_into(step, name, size, ranges)
+        validate_segment_name(name)
+        version = self._mem.get(step)
+        if version is None or name not in version.segments:
+            raise TierError(f"segment {name} of step {step} missing on {self.name}")
+        buf = version.segments[name]
+        if buf.numel() != size or any(off + len(view) > size for off, view in ranges):
+            raise CorruptVersionError(f"segment {name} of step {step} on {self.name} has {buf.numel()} bytes, "
+                                      f"the manifest says {size}")
+        await asyncio.to_thread(_copy_out, buf, ranges)
+
     async def delete_version(self, step: int) -> None:
         """Drop a version and give its memory back."""
         await self._drop(step)
@@ -334,6 +349,18 @@ def _fill(buf: torch.Tensor, parts: Sequence[Buffer]) -> None:
             if len(part):
                 buf[pos:pos + len(part)].copy_(torch.frombuffer(part, dtype=torch.uint8))
                 pos += len(part)
+
+
+def _copy_out(buf: torch.Tensor, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    """Copy ``buf[offset:offset + len(view)]`` into each view (host or device pool buffer)."""
+    src = as_bytes(buf) if buf.device.type == "cpu" else None
+    for off, view in ranges:
+        if not len(view):
+            continue
+        if src is not None:
+            view[:] = src[off:off + len(view)]
+        else:
+            torch.frombuffer(view, dtype=torch.uint8).copy_(buf[off:off + len(view)])
 
 
 def _to_host(buf: torch.Tensor) -> Buffer:

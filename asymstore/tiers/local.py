@@ -13,7 +13,15 @@ from collections.abc import Sequence
 
 from asymstore.calibration import filesystem_key, probe_directory
 from asymstore.errors import StepCommittedError, TierError, VersionNotFoundError
-from asymstore.fileio import atomic_write, check_directory, check_regular, read_large, read_whole, write_parts
+from asymstore.fileio import (
+    atomic_write,
+    check_directory,
+    check_regular,
+    read_large,
+    read_ranges,
+    read_whole,
+    write_parts,
+)
 from asymstore.layout import (
     LATEST,
     QUARANTINE,
@@ -140,6 +148,21 @@ class LocalTier:
             return self._read_segment_file(path)
         try:
             return await asyncio.to_thread(read)
+        except FileNotFoundError as exc:
+            raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
+        except OSError as exc:
+            raise TierError(f"reading {path}: {exc}") from exc
+
+    async def read_segment_into(self, step: int, name: str, size: int,
+                                ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Read ranges of one segment straight into caller buffers (see :func:`asymstore.fileio.read_ranges`)."""
+        path = os.path.join(self._vdir(step), validate_segment_name(name))
+
+        def read() -> None:
+            check_directory(self._vdir(step))
+            read_ranges(path, size, ranges)
+        try:
+            await asyncio.to_thread(read)
         except FileNotFoundError as exc:
             raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
         except OSError as exc:

@@ -1,0 +1,145 @@
+"""Loading one verified version from one tier: into fresh tensors, or straight into the caller's.
+
+``load_version(tier, step, into=...)`` reads each chunk of a tensor named in
+``into`` straight into that tensor's memory (a contiguous CPU tensor of the
+stored dtype and shape): a tier that can read ranges into caller buffers
+(:class:`~asymstore.tiers.base.ReadIntoTier`: directory tiers, host memory)
+fills the destination from the file or the pool with one copy, and the
+chunk checksums are verified on the destination bytes; compressed chunks
+decode into the destination. Other destinations (non-contiguous, on a GPU)
+receive one copy from a decoded host tensor. Every check of
+:mod:`asymstore.verify` applies; names, dtypes and shapes of ``into`` are
+checked against the manifest before any byte is written
+(:class:`~asymstore.errors.DestinationMismatchError`).
+
+A load that fails verification part way has written some destinations: the
+caller (``AsymStore.restore``) then loads an older version into the same
+tensors, and if none verifies the destinations hold no version at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from asymstore.errors import CorruptVersionError, DestinationMismatchError
+from asymstore.manifest import Manifest
+from asymstore.tiers.base import ReadIntoTier, Tier
+from asymstore.verify import READ_AHEAD, decode_one, physical_memory_bytes, read_manifest, verify_segment
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _targets(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
+    """Writable byte views of the destinations that can be filled in place; check every destination."""
+    from asymstore.tensorbytes import as_bytes, dtype_name
+
+    views = {}
+    for name, dest in into.items():
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            raise DestinationMismatchError(f"{name!r} is not stored in step {manifest.step}")
+        if dtype_name(dest.dtype) != entry.dtype or tuple(dest.shape) != entry.shape:
+            raise DestinationMismatchError(f"{name!r}: the destination is {dtype_name(dest.dtype)} "
+                                           f"{list(dest.shape)}, step {manifest.step} stores {entry.dtype} "
+                                           f"{list(entry.shape)}")
+        if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+            views[name] = as_bytes(dest.detach())
+    return views
+
+
+def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dict[str, list[tuple[int, memoryview]]]:
+    """Segments whose every chunk is raw and lands in a destination: segment -> (offset, destination slice)."""
+    ranges: dict[str, list[tuple[int, memoryview]]] = {s.name: [] for s in manifest.segments}
+    mixed: set[str] = set()
+    for name, entry in manifest.tensors.items():
+        dest = targets.get(name)
+        pos = 0
+        for c in entry.chunks:
+            if dest is None or c.codec != "raw":
+                mixed.add(c.segment)
+            else:
+                ranges[c.segment].append((c.offset, dest[pos:pos + c.raw_length]))
+            pos += c.raw_length
+    return {seg: r for seg, r in ranges.items() if seg not in mixed}
+
+
+async def load_version(tier: Tier, step: int, into: Mapping[str, torch.Tensor] | None = None,
+                       ) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Read, verify and decode every tensor of ``step`` from ``tier`` (named ones into ``into``).
+
+    Returns:
+        The manifest, and name -> tensor: the destination tensor itself for names in ``into``.
+
+    Raises:
+        DestinationMismatchError: a name of ``into`` is not stored, or has another dtype or shape.
+        CorruptVersionError: the manifest, a segment or a chunk fails verification,
+            or the version declares more bytes than this machine has memory.
+        VersionNotFoundError: the tier does not hold ``step``.
+        TierError: the tier failed to read.
+    """
+    manifest = await read_manifest(tier, step)
+    into = into or {}
+    fresh = manifest.nbytes - sum(manifest.tensors[n].nbytes for n in into if n in manifest.tensors)
+    if fresh > physical_memory_bytes():
+        raise CorruptVersionError(f"step {step} on {tier.name} declares {manifest.nbytes} bytes of tensors, "
+                                  "more than this machine's memory")
+    targets = _targets(manifest, into)
+    direct = _direct_ranges(manifest, targets) if isinstance(tier, ReadIntoTier) else {}
+    sem = asyncio.Semaphore(READ_AHEAD)
+
+    async def fetch(name: str, size: int) -> tuple[str, memoryview | None]:
+        async with sem:
+            if name in direct:
+                assert isinstance(tier, ReadIntoTier)
+                await tier.read_segment_into(step, name, size, direct[name])
+                return name, None  # the bytes are in the destinations; checked chunk by chunk below
+            data = await tier.read_segment(step, name, size)
+            verify_segment(manifest, name, data, deep=False)
+            return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
+
+    segments = dict(await asyncio.gather(*(fetch(s.name, s.size) for s in manifest.segments)))
+    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, into)
+
+
+def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None],
+                   targets: Mapping[str, memoryview] | None = None,
+                   into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Verify and decode every tensor of ``manifest`` from its segments (None: already in its destination)."""
+    import torch
+
+    from asymstore.codec import RAW
+    from asymstore.tensorbytes import as_bytes, dtype_from_name, from_bytes
+
+    targets = targets or {}
+    into = into or {}
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in manifest.tensors.items():
+        dest = targets.get(name)
+        dtype = dtype_from_name(entry.dtype)
+        # one raw chunk and no destination: the tensor is a view of the segment; else decode every chunk into place
+        single = dest is None and len(entry.chunks) == 1 and entry.chunks[0].codec == RAW
+        # torch.empty, not bytearray: no zero-fill pass over fresh memory before the chunks land
+        buf: memoryview = dest if dest is not None else as_bytes(
+            torch.empty(0 if single else entry.nbytes, dtype=torch.uint8))
+        pos = 0
+        for chunk in entry.chunks:
+            target = buf[pos:pos + chunk.raw_length]
+            stored = segments[chunk.segment]
+            if stored is None:  # read straight into the destination: verify it there
+                decode_one(name, chunk, target, None)
+            else:
+                raw = decode_one(name, chunk, stored[chunk.offset:chunk.offset + chunk.length],
+                                 None if single else target)
+                if single:
+                    buf = raw
+            pos += chunk.raw_length
+        if name in into:
+            if dest is None:  # not fillable in place (GPU, non-contiguous): one copy from the decoded bytes
+                into[name].copy_(from_bytes(buf, dtype, list(entry.shape)))
+            out[name] = into[name]
+        else:
+            out[name] = from_bytes(buf, dtype, list(entry.shape))
+    return out

@@ -15,8 +15,7 @@ tools (``python -m asymstore.fsck``) start without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from asymstore.errors import (
     AsymstoreError,
@@ -40,6 +39,7 @@ from asymstore.errors import (
     TierError,
     VersionNotFoundError,
 )
+from asymstore.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from asymstore.batcher import FlushStats, TierStatus
@@ -69,14 +69,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import public names on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asymstore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __version__ = "0.1.0"

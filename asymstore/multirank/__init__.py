@@ -15,9 +15,9 @@ Names are imported on first use, so fsck can read the layout without torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from asymstore.lazy import lazy_getattr
 from asymstore.multirank.errors import (
     CoordinationTimeoutError,
     GlobalCommitError,
@@ -45,14 +45,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import public names on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asymstore.multirank' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

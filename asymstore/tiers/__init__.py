@@ -7,9 +7,9 @@ torch through the memory tiers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from asymstore.lazy import lazy_getattr
 from asymstore.tiers.base import Tier, VersionWriter
 
 if TYPE_CHECKING:
@@ -28,14 +28,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Import a tier class on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asymstore.tiers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = ["GPUTier", "HostTier", "LocalTier", "NVMeTier", "RemoteTier", "Tier", "VersionWriter"]

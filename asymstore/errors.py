@@ -84,5 +84,9 @@ class RootLockedError(AsymstoreError):
     """Another writer holds the root of a tier (one writer per root; the message names the holder)."""
 
 
+class ReadOnlyStoreError(AsymstoreError):
+    """``put`` or ``commit`` on a store opened with ``read_only=True``."""
+
+
 class StoreClosedError(AsymstoreError):
     """The store is not open (use ``async with AsymStore(...)``)."""

@@ -27,6 +27,7 @@ from asymstore.errors import (
     CapacityError,
     EmptyStepError,
     InvalidStepError,
+    ReadOnlyStoreError,
     StepCommittedError,
     StepOrderError,
     StoreClosedError,
@@ -102,6 +103,9 @@ class AsymStore:
             arrives beyond it, the oldest waiting one is skipped there.
         close_timeout_s: how long ``close`` waits for background tiers
             (None: as long as it takes); what is left is reported and dropped.
+        read_only: open to read only (restore, versions, status) beside a
+            live writer: no root is locked, nothing is swept or calibrated,
+            and ``put`` / ``commit`` raise :class:`ReadOnlyStoreError`.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, keep_last: int | None = 3,
@@ -110,7 +114,7 @@ class AsymStore:
                  codec: PlaneCodec | None = None, calibrations: Mapping[str, TierCalibration] | None = None,
                  calibration_cache: str | os.PathLike[str] | bool = True,
                  flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES, backlog: int = 1,
-                 close_timeout_s: float | None = 60.0) -> None:
+                 close_timeout_s: float | None = 60.0, read_only: bool = False) -> None:
         """Configure the store; tiers are opened by ``open`` / ``async with``."""
         if not tiers:
             raise ValueError("AsymStore needs at least one tier")
@@ -153,6 +157,7 @@ class AsymStore:
         self._holds: dict[int, int] = {}  # step -> background tiers still to write it (held fast tiers)
         self.close_timeout_s = close_timeout_s
         self.backlog = backlog
+        self.read_only = read_only
         self._open = False
 
     def _find_durable(self, durable: Tier | str | None) -> int:
@@ -181,7 +186,8 @@ class AsymStore:
         """Open every tier, take its root, sweep leftovers, list versions and calibrate write costs.
 
         One writer per root: each directory tier is locked while the store is
-        open, so what dead writers left behind can be swept safely.
+        open, so what dead writers left behind can be swept safely (a
+        ``read_only`` store locks, sweeps and calibrates nothing).
 
         Raises:
             RootLockedError: another live store writes one of the roots.
@@ -191,7 +197,7 @@ class AsymStore:
             for state in self._tiers:
                 await state.tier.open()
                 opened.append(state.tier)
-                if isinstance(state.tier, ExclusiveTier):
+                if isinstance(state.tier, ExclusiveTier) and not self.read_only:
                     await state.tier.lock_root()
                     await state.tier.sweep_leftovers()
         except BaseException:
@@ -199,6 +205,9 @@ class AsymStore:
                 await self._close_tier(tier)
             raise
         await self.refresh()
+        if self.read_only:
+            self._open = True
+            return self
         await self._calibrate(refresh=False)
         for state in self._tiers[self._durable + 1:]:
             self._flushers[state.tier.name] = Flusher(
@@ -257,12 +266,11 @@ class AsymStore:
             for state in self._tiers:
                 await self._close_tier(state.tier)
 
-    @staticmethod
-    async def _close_tier(tier: Tier) -> None:
+    async def _close_tier(self, tier: Tier) -> None:
         try:
             await tier.close()
         finally:
-            if isinstance(tier, ExclusiveTier):
+            if isinstance(tier, ExclusiveTier) and not self.read_only:
                 await tier.unlock_root()
 
     async def refresh(self) -> None:
@@ -313,8 +321,13 @@ class AsymStore:
 
     # -- writing ---------------------------------------------------------
 
-    def _pending_for(self, step: int) -> PendingStep:
+    def _require_writer(self) -> None:
         self._require_open()
+        if self.read_only:
+            raise ReadOnlyStoreError("the store was opened with read_only=True")
+
+    def _pending_for(self, step: int) -> PendingStep:
+        self._require_writer()
         _check_step(step)
         if self._committed_anywhere(step):
             raise StepCommittedError(f"step {step} is already committed")
@@ -381,8 +394,9 @@ class AsymStore:
             EmptyStepError: nothing was put for the step.
             InvalidMetaError: ``meta`` is not strict JSON.
             TierError: the durable tier failed (the previous version is intact).
+            ReadOnlyStoreError: the store was opened ``read_only``.
         """
-        self._require_open()
+        self._require_writer()
         _check_step(step)
         clean_meta = validate_meta(meta)
         async with self._commit_lock:  # one commit at a time: step order is checked where it is decided

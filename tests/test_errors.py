@@ -245,3 +245,23 @@ async def test_an_older_commit_started_during_a_newer_one_is_refused_typed(tmp_p
             await five
         assert s.versions() == {tier.name: [6]}
         assert (await s.restore()).tensors["w"].tolist() == [6.0, 6.0]
+
+
+async def test_a_read_only_store_reads_beside_a_live_writer_and_refuses_writes(tmp_path: object) -> None:
+    from asymstore import ReadOnlyStoreError
+
+    root = str(tmp_path)
+    async with AsymStore([LocalTier(root)]) as writer:
+        await writer.put(1, "w", torch.ones(3))
+        await writer.commit(1)
+        pending = await writer.tiers[0].begin(2, 10)  # the writer's commit in flight
+        async with AsymStore([LocalTier(root)], read_only=True) as reader:
+            assert (await reader.restore()).step == 1
+            with pytest.raises(ReadOnlyStoreError):
+                await reader.put(2, "w", torch.ones(3))
+            with pytest.raises(ReadOnlyStoreError):
+                await reader.commit(2)
+        assert os.path.isdir(pending.tmp)  # the reader swept nothing  # type: ignore[attr-defined]
+        await pending.abort()
+        await writer.put(2, "w", torch.full((3,), 2.0))
+        await writer.commit(2)  # the writer still holds its root

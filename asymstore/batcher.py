@@ -54,6 +54,7 @@ from asymstore.codec import (
     plane_width,
     sample,
 )
+from asymstore.gcpause import gc_paused
 from asymstore.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.staging import StagedTensor
 from asymstore.tensorbytes import dtype_name
@@ -204,6 +205,16 @@ class VersionPlan:
         self.widths: list[int] = []
         self.owners: list[str] = []
         kinds: dict[torch.dtype, tuple[str, int]] = {}
+        with gc_paused():
+            self._index(staged, kinds)
+        self.raw_bytes = sum(t[2] for t in self.tensors.values())
+        self._lock = threading.Lock()
+        self._samples: dict[int, Sample] = {}
+        self._shared: dict[int, tuple[tuple[bool, ...], Encoded]] = {}
+        self._shared_bytes = 0
+        self._tiers_left = tiers
+
+    def _index(self, staged: Mapping[str, StagedTensor], kinds: dict[torch.dtype, tuple[str, int]]) -> None:
         for name, st in staged.items():
             t = st.tensor
             kind = kinds.get(t.dtype)
@@ -218,12 +229,6 @@ class VersionPlan:
             self.widths.extend([kind[1]] * count)
             self.owners.extend([name] * count)
             self.tensors[name] = (kind[0], tuple(t.shape), nbytes, count)
-        self.raw_bytes = sum(t[2] for t in self.tensors.values())
-        self._lock = threading.Lock()
-        self._samples: dict[int, Sample] = {}
-        self._shared: dict[int, tuple[tuple[bool, ...], Encoded]] = {}
-        self._shared_bytes = 0
-        self._tiers_left = tiers
 
     def chunk(self, index: int) -> ChunkRef:
         """Return chunk ``index`` (in version order)."""
@@ -449,9 +454,10 @@ class SegmentBuilder:
             raise RuntimeError("manifest() before the last segment was built")
         entries = {}
         pos = 0
-        for name, (dtype, shape, nbytes, count) in self.plan.tensors.items():
-            entries[name] = TensorEntry(dtype, shape, nbytes, tuple(self._chunks[pos:pos + count]))
-            pos += count
+        with gc_paused():
+            for name, (dtype, shape, nbytes, count) in self.plan.tensors.items():
+                entries[name] = TensorEntry(dtype, shape, nbytes, tuple(self._chunks[pos:pos + count]))
+                pos += count
         return Manifest(step=self.plan.step, tensors=entries, segments=tuple(self._segments),
                         meta=dict(self.plan.meta), created=self.plan.created)
 

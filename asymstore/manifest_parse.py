@@ -6,16 +6,14 @@ what :meth:`~asymstore.manifest.Manifest.from_json` runs.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 from asymstore.checksum import ALGORITHM, checksum
 from asymstore.errors import InvalidNameError, ManifestError
+from asymstore.gcpause import gc_paused
 from asymstore.manifest import (
     CHECKSUM_SUFFIX,
     CODEC_NAME,
@@ -50,7 +48,7 @@ def parse_manifest(data: bytes) -> Manifest:
         body = data[:match.start()]
         if checksum(body) != match.group(1).decode():
             raise ManifestError("manifest checksum mismatch: the manifest is damaged")
-    with _gc_paused():  # tens of thousands of fresh objects would run the cyclic GC over all of them, repeatedly
+    with gc_paused():  # tens of thousands of fresh objects would run the cyclic GC over all of them, repeatedly
         try:  # the C decoder raises RecursionError on deep nesting at once; the schema bounds the rest
             doc = json.loads(data, parse_constant=_refuse_constant)
         except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
@@ -64,18 +62,6 @@ def parse_manifest(data: bytes) -> Manifest:
 
 
 _INT_MAX = 1 << 62
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (the objects built here hold no cycles); restore its state after."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _refuse_constant(name: str) -> None:

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="demo-out/ckpt", help="checkpoint directory (the local tier)")
     ap.add_argument("--tiers", default="local", help="comma-separated tiers, fastest first: host, shm, local")
     ap.add_argument("--out", default=None, help="where the runs write losses and final states "
-                                                "(default: next to --dir)")
+                                                "(default: DIR-runs next to --dir)")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kill-after", type=int, default=None, help="step after which to SIGKILL (default: random)")
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from asymcheck.demo_worker import shm_path
 
-    out = Path(args.out) if args.out else Path(args.dir).resolve().parent
+    ckpt_dir = Path(args.dir).resolve()
+    out = Path(args.out) if args.out else ckpt_dir.with_name(f"{ckpt_dir.name}-runs")  # never shared by two demos
     ref, killed, resumed = out / "reference", out / "run-killed", out / "run-resumed"
     for path in (Path(args.dir), ref, killed, resumed, Path(shm_path(args.dir))):
         shutil.rmtree(path, ignore_errors=True)

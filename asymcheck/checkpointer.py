@@ -232,23 +232,30 @@ class Checkpointer:
         return ckpt.step
 
     def mark(self) -> None:
-        """Say that the loop body of this iteration is done: take the step's late state now.
+        """Say that the loop body of this iteration is done: the open version takes its small state now.
 
-        Needed only in loops the hooks cannot read: ones that draw from the
-        global RNG or a ``data`` object after ``optimizer.step()`` within the
-        same iteration (a validation pass with dropout in training mode, a
-        random augmentation of the validation set), or that run a training-mode
-        forward with grad enabled between the step and ``scheduler.step()``.
-        Call it as the last statement of the loop body: param groups,
-        ``stateful`` and ``data`` objects and RNG states of the open version are
-        taken here. A no-op when no version is open.
+        Needed only in loops the hooks cannot read: ones that, after
+        ``optimizer.step()`` and within the same iteration, draw from the
+        global RNG or a ``data`` object, run a forward in training mode (dropout
+        RNG, BatchNorm statistics), or run a forward with grad enabled before
+        ``scheduler.step()``. Call it as the last statement of the loop body:
+        buffers, RNG states, ``data`` and ``stateful`` objects and param groups
+        of the open version are taken again here (parameters and optimizer
+        tensors keep their values of the step). A no-op when no version is open.
         """
         self._settle()
         snap = self._snap
-        if self._closed or snap is None or not snap.next_pending:
+        if self._closed or snap is None:
             return
-        self.state.capture_moment().apply(snap.capture)
-        self._snap = self._capture_next(snap)
+        fresh = self.state.capture_step(self.state.capture_moment())
+        if [n for n in fresh.names if n not in self._edits.eager] == snap.capture.names:
+            snap.capture.eager.update(fresh.eager)  # eagerly copied edited tensors keep their values of the step
+            snap.capture.meta = fresh.meta
+            self.state.capture_next(snap.capture)
+            snap.next_pending = False
+        elif snap.next_pending:  # parameters added since the step: re-capture (nothing was copied yet)
+            Moment.of(fresh).apply(snap.capture)
+            self._snap = self._capture_next(snap)
 
     @contextlib.contextmanager
     def editing(self) -> Iterator[None]:

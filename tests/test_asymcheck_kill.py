@@ -35,9 +35,11 @@ pytestmark = pytest.mark.slow
 CHILD = Path(__file__).with_name("_asymcheck_child.py")
 ROOT = Path(__file__).resolve().parent.parent
 KILLED = -signal.SIGKILL
-ITERATIONS = {"plain": 16, "accum": 10, "scaler": 14}
+ITERATIONS = {"plain": 16, "accum": 10, "scaler": 14, "val": 12, "rngbatch": 12, "loader": 12, "ema": 12,
+              "emaraw": 12, "edits": 12}
+EDITED = {"emaraw", "edits"}  # loops that edit captured tensors outside editing(): versions dropped and reported
 
-# (config, kill point): see the child's docstring
+# (config, kill point): see the child's docstring; one case per loop shape of issue 9 at least
 CASES = [
     ("plain", "forward:5"),
     ("plain", "backward:7"),
@@ -48,6 +50,12 @@ CASES = [
     ("accum", "backward:5"),
     ("scaler", "forward:7"),
     ("scaler", "commit:4"),
+    ("val", "forward:6"),  # step, validation forward (no_grad, eval), then scheduler
+    ("rngbatch", "backward:5"),  # batch drawn from the global RNG before the forward
+    ("loader", "forward:7"),  # a data loader that advances when a batch is fetched (data=)
+    ("ema", "forward:6"),  # EMA swap evaluation inside editing()
+    ("emaraw", "backward:7"),  # the same swap without editing(): dropped versions, never a wrong one
+    ("edits", "forward:6"),  # Embedding(max_norm), load_state_dict surgery, p.data.mul_
 ]
 
 
@@ -105,12 +113,12 @@ def assert_bit_exact(ref: Path, got: Path) -> None:
 
 
 def assert_losses_match(ref: Path, *runs: Path, iterations: int) -> None:
-    want = {r["it"]: r["loss"] for r in losses(ref)}
+    want = {r["it"]: (r["loss"], r.get("extra")) for r in losses(ref)}
     assert sorted(want) == list(range(iterations))
     seen: set[int] = set()
     for run in runs:
-        for rec in losses(run):
-            assert rec["loss"] == want[rec["it"]], f"iteration {rec['it']} of {run.name}"
+        for rec in losses(run):  # training loss, and the validation / EMA evaluation loss
+            assert (rec["loss"], rec.get("extra")) == want[rec["it"]], f"iteration {rec['it']} of {run.name}"
             seen.add(rec["it"])
     assert seen == set(range(iterations))
 
@@ -155,9 +163,19 @@ def test_resume_after_sigkill_is_bit_exact(config: str, kill: str, references: d
     logged = losses(run["work"] / "killed")
     last_step = logged[-1]["step"] if logged else 0
     step = check_resumed(config, run["work"], references[config], run["resumed"])
+    dropped = max((rec["dropped"] for rec in logged), default=0)
+    if config in EDITED:
+        assert dropped >= 1  # the edit was detected and reported before the kill
+    else:
+        assert dropped == 0  # an ordinary loop never loses a version to the edit checks
+    if config == "scaler":
+        ref_steps = losses(references[config])[-1]["step"]
+        assert ref_steps < ITERATIONS[config]  # GradScaler really skipped steps in this loop
     kind, _, at = kill.partition(":")
     if kind == "commit":
         assert step == int(at)  # the K commits before the crash are there, the torn one is not
+    elif config in EDITED:
+        assert 1 <= step <= last_step  # dropped versions are never committed; eager copies keep later ones
     else:
         # lost at most the open version and the one still committing
         assert last_step - 2 <= step <= last_step

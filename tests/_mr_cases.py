@@ -3,10 +3,15 @@
 Case fields:
 
 - ``kind``: ``"ds"`` (a DeepSpeed engine, ``stage`` 0-3) or ``"ddp"`` (plain PyTorch DDP + Checkpointer).
-- ``mode``: ``"ref"`` (train ``iterations`` without checkpoints), ``"attach"`` (checkpoint every
+- ``mode``: ``"refuse"`` (DeepSpeed: an engine with optimizer offload; ``attach()`` and ``install()``
+  must refuse it), ``"ref"`` (train ``iterations`` without checkpoints), ``"attach"`` (checkpoint every
   iteration into ``dir``: DeepSpeed ``attach()`` or a Checkpointer over a RankStore; resumes from
   what ``dir`` holds) or ``"roundtrip"`` (DeepSpeed ``save_checkpoint`` at ``save_at`` through
   AsymCheckpointEngine, continue; then a fresh engine loads it and continues the same way).
+- ``shape``: ``"shapes"`` (DeepSpeed only) trains the loop shapes of issue 9 at once: the batch comes
+  from a data loader that advances when a batch is fetched (``data=``) plus a draw from the global
+  RNG before the forward, and a validation forward (no_grad, eval()) runs after ``engine.step()``,
+  before the data position (a ``stateful`` counter) is advanced.
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
@@ -78,6 +83,25 @@ def batch(it: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(it * 1000 + rank)
     x = torch.randn(8, 16, generator=g)
     return x, x.flip(1) * 0.5
+
+
+class Loader:
+    """A data loader whose position advances when a batch is fetched."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.fetched = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(500 + self.fetched, self.rank)
+        self.fetched += 1
+        return x, y
+
+    def state_dict(self) -> dict[str, int]:
+        return {"fetched": self.fetched}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.fetched = int(state["fetched"])
 
 
 class Log:
@@ -155,23 +179,33 @@ def ds_engine(stage: int) -> Any:
 
 
 def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataPosition | None = None,
-             kill_at: int = -1) -> None:
+             kill_at: int = -1, loader: Loader | None = None) -> None:
     for it in range(start, stop):
         if it == kill_at:
             log.event(event="dying", it=it)
-        x, y = batch(it, rank)
+        if loader is not None:  # fetched batch, then a draw from the global RNG, before the forward
+            x, y = loader.next()
+            x = x + 0.1 * torch.randn(x.shape)
+        else:
+            x, y = batch(it, rank)
         loss = nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
-        log.loss(it, loss.item())
+        value = loss.item()
+        if loader is not None:  # validation between the step and the loop's own bookkeeping
+            engine.eval()
+            with torch.no_grad():
+                value += nn.functional.mse_loss(engine(batch(900 + it, rank)[0]), batch(900 + it, rank)[1]).item()
+            engine.train()
+        log.loss(it, value)
         if pos is not None:
             pos.iteration += 1
 
 
-def ds_final(engine: Any, cdir: Path, rank: int, name: str = "final") -> None:
+def ds_final(engine: Any, cdir: Path, rank: int, name: str = "final", **objs: Any) -> None:
     from asymcheck.deepspeed import DeepSpeedState
 
-    tensors, meta = DeepSpeedState(engine).capture_all()
+    tensors, meta = DeepSpeedState(engine, **objs).capture_all()
     save_final(cdir / f"{name}-rank{rank}", int(engine.global_steps), tensors, meta)
 
 
@@ -182,31 +216,61 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     n = case["iterations"]
+    loader = Loader(rank) if case.get("shape") else None
+    objs: dict[str, Any] = {"data": {"loader": loader}} if loader is not None else {}
     if case["mode"] == "ref":
         engine = ds_engine(case["stage"])
-        ds_train(engine, 0, n, rank, log)
-        ds_final(engine, log.cdir, rank)
+        ds_train(engine, 0, n, rank, log, loader=loader)
+        ds_final(engine, log.cdir, rank, **objs)
     elif case["mode"] == "attach":
         engine = ds_engine(case["stage"])
         pos = DataPosition()
         tiers = rank_tiers(case, rank)
         where: Any = tiers if tiers is not None else case["dir"]
         ckpt = ads.attach(engine, where, root=case["dir"], stateful={"pos": pos}, keep_last=3,
-                          timeout_s=case.get("timeout_s", 60.0), warmup=1, min_partition_bytes=512)
+                          timeout_s=case.get("timeout_s", 60.0), warmup=1, min_partition_bytes=512, **objs)
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration, fallbacks=list(
-            ckpt.restored.fallbacks) if ckpt.restored else [])
+            ckpt.restored.fallbacks) if ckpt.restored else [], fetched=loader.fetched if loader else None)
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             engine.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
-        ds_train(engine, pos.iteration, n, rank, log, pos)
+        ds_train(engine, pos.iteration, n, rank, log, pos, loader=loader)
         ckpt.close()
         stats = ckpt.stats()
         log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed,
-                  versions=ckpt.final_versions, plan=len(ckpt.plan.partitions) if ckpt.plan else 0)
-        ds_final(engine, log.cdir, rank)
+                  versions=ckpt.final_versions, plan=len(ckpt.plan.partitions) if ckpt.plan else 0,
+                  dropped=stats.versions_dropped)
+        ds_final(engine, log.cdir, rank, **objs)
     elif case["mode"] == "roundtrip":
         ds_roundtrip(case, rank, log)
+    elif case["mode"] == "refuse":
+        ds_refuse(case, rank, log)
+
+
+def ds_refuse(case: dict[str, Any], rank: int, log: Log) -> None:
+    """A real engine with ZeRO-Offload (optimizer state on the CPU): attach() and install() must refuse it."""
+    import deepspeed
+
+    import asymcheck.deepspeed as ads
+    from asymcheck.errors import UnsupportedConfigError
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
+           "zero_force_ds_cpu_optimizer": False,
+           "zero_optimization": {"stage": case["stage"], "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    for api in ("attach", "install"):
+        try:
+            if api == "attach":
+                ads.attach(engine, case["dir"])
+            else:
+                ads.install(engine)
+            log.event(event="accepted", api=api)
+        except UnsupportedConfigError as exc:
+            log.event(event="refused", api=api, message=str(exc))
+    ds_train(engine, 0, 2, rank, log)  # the engine is untouched and trains
 
 
 def ds_roundtrip(case: dict[str, Any], rank: int, log: Log) -> None:

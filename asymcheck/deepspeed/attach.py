@@ -10,6 +10,7 @@ from typing import Any
 from asymcheck.checkpointer import Checkpointer
 from asymcheck.deepspeed.hooks import DeepSpeedHooks, inner_optimizer
 from asymcheck.deepspeed.state import DeepSpeedState
+from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.state import Stateful
 from asymstore.multirank import RankStore
@@ -33,6 +34,7 @@ class DeepSpeedCheckpointer(Checkpointer):
     def __init__(self, engine: Any, store: RankStore, *, stateful: Mapping[str, Stateful] | None = None,
                  data: Mapping[str, Stateful] | None = None, every: int = 1, **kwargs: Any) -> None:
         """Hook ``engine``; see :func:`attach` for the arguments."""
+        check_engine(engine, "attach")
         register_deepspeed_types()
         super().__init__(engine.module, inner_optimizer(engine), store, stateful=stateful, data=data, every=every,
                          **kwargs)
@@ -95,7 +97,13 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
         **kwargs: passed to :class:`asymcheck.Checkpointer` (``warmup``, ``max_inflight``,
             ``host_slots``, ``min_partition_bytes``...). Keep ``when_busy="wait"``: a version
             one rank skips can never be completed globally.
+
+    Raises:
+        UnsupportedConfigError: the engine uses a setting whose state the capture would miss
+            (offload, MoE, pipeline or model parallelism, ZeRO++ hpZ; see
+            :mod:`asymcheck.deepspeed.support`) or an untested DeepSpeed version.
     """
+    check_engine(engine, "attach")
     if isinstance(store_or_tiers, RankStore):
         store = store_or_tiers
     elif isinstance(store_or_tiers, (str, os.PathLike)):

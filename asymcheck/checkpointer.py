@@ -13,13 +13,14 @@ import torch
 
 from asymcheck.commits import CommitQueue
 from asymcheck.copyengine import CopyEngine
+from asymcheck.cycle import VersionCycle
 from asymcheck.edits import EditTracker, check_plain_tensors
-from asymcheck.errors import CheckpointerStateError, StepConflictError
+from asymcheck.errors import CheckpointerStateError
 from asymcheck.failures import FailureBudget, OnError
 from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
 from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
-from asymcheck.snapshot import Snapshot, extents_of
+from asymcheck.snapshot import Snapshot
 from asymcheck.state import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.storeloop import StoreLoop
@@ -34,7 +35,7 @@ WhenBusy = Literal["wait", "skip"]
 CopyMode = Literal["thread", "inline"]
 
 
-class Checkpointer:
+class Checkpointer(VersionCycle):
     """Snapshots every ``every``-th optimizer step of an ordinary training loop.
 
     The state after step ``t`` is copied to host memory during the forward
@@ -189,7 +190,7 @@ class Checkpointer:
 
     @property
     def versions_dropped(self) -> int:
-        """Versions dropped because a captured tensor changed before its copy (cheap; also in ``stats()``)."""
+        """Versions dropped because a captured tensor changed before its copy (also in ``stats()``)."""
         return self._edits.dropped
 
     def stats(self) -> CheckpointStats:
@@ -263,17 +264,11 @@ class Checkpointer:
 
         The pending version's copy is finished first (a stall of what was
         left to copy), so the block may change parameters or optimizer state
-        freely: the version keeps the values of the step. Use it for EMA
-        evaluation (swap EMA weights in, evaluate, swap back), weight surgery,
-        ``load_state_dict`` or manual ``p.data`` edits between steps::
-
-            opt.step()
-            with ckpt.editing(), ema.average_parameters():
-                evaluate(model)
-            sched.step()
-
-        Edits made outside it before the lazy copy read them are detected and
-        the version is dropped (see :mod:`asymcheck.edits`).
+        freely: the version keeps the values of the step. For EMA evaluation
+        (``with ckpt.editing(), ema.average_parameters(): evaluate(model)``),
+        weight surgery, ``load_state_dict`` or ``p.data`` edits between steps.
+        Edits outside it, before the lazy copy read them, are detected and the
+        version is dropped (see :mod:`asymcheck.edits`).
         """
         self._settle()
         snap = self._snap
@@ -375,83 +370,6 @@ class Checkpointer:
             self._open(self._step)
         self._recorder.start()
         self._open_s = time.perf_counter() - started
-
-    # -- versions --------------------------------------------------------
-
-    def _take_moment(self) -> Moment | None:
-        moment, self._moment = self._moment, None
-        return moment
-
-    def _open(self, step: int) -> None:
-        if not self._checked_store:
-            newest = self._loop.store.newest_step
-            if newest is not None and step <= newest:
-                self._conflict = True  # nothing of this run is written, not even by close()
-                raise StepConflictError(f"the store already holds step {newest} and this run is at step {step}: "
-                                        "call resume() first, or use a fresh directory")
-            self._checked_store = True
-        cap = self.state.capture_step(self._take_moment())
-        if self._edits.eager:
-            cap.make_eager(self._edits.eager)
-        plan = self._planner.plan(extents_of(cap.sources))
-        slot = self._pool.acquire()
-        assert slot is not None
-        slot.arrange(cap.sources)
-        self._snap = Snapshot(step, cap, plan, slot)
-        self._stats.versions_opened += 1
-
-    def _capture_next(self, snap: Snapshot) -> Snapshot:
-        """Capture param groups and stateful objects; re-open the version if parameters were added."""
-        if self.state.signature() != snap.capture.signature and not snap.issued_bytes:
-            # parameters, buffers or param groups were added or replaced after the step (before any
-            # partition was issued): re-capture so the version stays one consistent state
-            logger.info("model or optimizer changed after step %d: re-capturing its version", snap.step)
-            cap = self.state.capture_step(Moment.of(snap.capture))
-            if self._edits.eager:
-                cap.make_eager(self._edits.eager)
-            plan = self._planner.plan(extents_of(cap.sources))
-            snap.slot.arrange(cap.sources)
-            snap = Snapshot(snap.step, cap, plan, snap.slot)
-            self._hooks.refresh()
-        self.state.capture_next(snap.capture)
-        snap.next_pending = False
-        return snap
-
-    def _finish_copy(self, snap: Snapshot) -> None:
-        """Copy what is left of ``snap``, wait, and check which tensors changed before their copy."""
-        snap.issue_rest(self._engine)
-        snap.ready = self._engine.wait()
-        snap.verify(self._engine.take_bad())
-
-    def _seal(self, snap: Snapshot, *, force: bool = False) -> tuple[bool, float, int, bool]:
-        """Finish the copy and hand the version to the commit queue, or drop it if it is not clean.
-
-        Returns:
-            (submitted, seconds of back-pressure, bytes of the flat state, dropped).
-        """
-        if snap.next_pending:
-            snap = self._capture_next(snap)
-        if not snap.verified:
-            self._finish_copy(snap)
-        else:
-            snap.ready = self._engine.wait() or snap.ready
-        if snap.dirty:
-            self._pool.release(snap.slot)
-            self._edits.dropped_version(snap.step, snap.dirty)
-            return False, 0.0, snap.nbytes, True
-        meta = snap.capture.meta
-        meta["asymcheck"]["step"] = snap.step
-        meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
-                                     "partitions": len(snap.plan.partitions)}
-        slot = snap.slot
-        submitted, waited = self._commits.submit(snap.step, snap.tensors(), meta, snap.ready,
-                                                 lambda: self._pool.release(slot), force=force)
-        self._stats.versions_sealed += 1
-        if submitted:
-            self._saved_step = snap.step
-        else:
-            self._stats.versions_skipped += 1
-        return submitted, waited, snap.nbytes, False
 
     def _require_open(self) -> None:
         if self._closed:

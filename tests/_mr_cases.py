@@ -195,8 +195,10 @@ def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataP
         if loader is not None:  # validation between the step and the loop's own bookkeeping
             engine.eval()
             with torch.no_grad():
-                value += nn.functional.mse_loss(engine(batch(900 + it, rank)[0]), batch(900 + it, rank)[1]).item()
+                val = nn.functional.mse_loss(engine(batch(900 + it, rank)[0]), batch(900 + it, rank)[1]).item()
             engine.train()
+            log.event(event="val", it=it, train=float(value).hex(), val=float(val).hex())
+            value += val
         log.loss(it, value)
         if pos is not None:
             pos.iteration += 1

@@ -62,7 +62,8 @@ def cases_for(world: int, root: Path) -> list[dict[str, Any]]:
              "shape": "shapes"},
         ]
     if world == 1:
-        cases.append({"name": "refuse", "kind": "ds", "stage": 2, "mode": "refuse", "dir": str(root / "refused")})
+        cases.append({"name": "refuse", "kind": "ds", "stage": 2, "mode": "refuse", "iterations": 2,
+                      "dir": str(root / "refused")})
     if world == 2:
         mc = str(root / "midcommit")
         cases += [
@@ -151,8 +152,11 @@ def test_save_and_load_checkpoint_roundtrip_through_asym_checkpoint_engine(world
         [loaded] = rt.events(r, "loaded")
         assert loaded["client"] == {"note": "hello", "at": 3} and loaded["global_steps"] == 3
         assert loaded["path"] in (model_file, model_file.replace("rank_0_", f"rank_{r}_"))
-        # DeepSpeed's checkpoint does not hold micro_steps; everything else must match
-        assert_same_state(rt.final(r, "continued"), rt.final(r, "reloaded"), ignore_meta=("deepspeed/engine",))
+        # DeepSpeed's checkpoint does not hold micro_steps, and below ZeRO-3 it holds rank 0's module
+        # buffers only (every rank loads rank 0's BatchNorm statistics); everything else must match
+        ignore = "buffers/" if stage < 3 and r > 0 else None
+        assert_same_state(rt.final(r, "continued"), rt.final(r, "reloaded"), ignore_meta=("deepspeed/engine",),
+                          ignore_tensors=ignore)
         logged = rt.losses(r)
         assert [it for it, _ in logged] == [0, 1, 2, 3, 4, 5, 3, 4, 5]
         assert logged[3:6] == logged[6:]

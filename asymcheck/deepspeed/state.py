@@ -16,7 +16,10 @@ buffers, loss scale) is copied at once.
 Uses two private engine methods, ``_save_checkpoint`` (builds and "saves" the
 model-states dict) and ``_get_zero_ckpt_name`` (the ZeRO file's name), and
 the attributes ``save_zero_checkpoint`` and ``micro_steps``; nothing is
-patched. Unlike ``save_checkpoint`` it runs no collective.
+patched. Unlike ``save_checkpoint`` it runs no collective. DeepSpeed writes the
+module states of rank 0 only, so each version also holds this rank's own module
+buffers (BatchNorm statistics differ between ranks), loaded after DeepSpeed's
+``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ logger = logging.getLogger(__name__)
 FORMAT = 1
 KIND = "deepspeed-attach"
 TAG = "asymcheck"
+BUFFERS = "buffers/"  # this rank's module buffers (BatchNorm statistics differ per rank)
 _BASE = "/asymcheck-capture"  # saved paths are only ever made relative to this; nothing is written there
 
 T = TypeVar("T")
@@ -160,6 +164,8 @@ class DeepSpeedState(TrainingState):
                 eager[name] = t
         for name, t in eager.items():
             cap.eager[name] = host_copy(t)
+        for name, b in self.model.named_buffers():  # this rank's own: DeepSpeed saves rank 0's module only
+            cap.eager[f"{BUFFERS}{name}"] = host_copy(b)
         cap.meta = {
             "asymcheck": {"format": FORMAT, "kind": KIND},
             META_KEY: {"tag": TAG, "files": trees,
@@ -217,6 +223,11 @@ class DeepSpeedState(TrainingState):
             engine.checkpoint_engine = saved_engine
             shutil.rmtree(base, ignore_errors=True)
         engine.micro_steps = int(meta[META_KEY]["engine"]["micro_steps"])
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                own = tensors.get(f"{BUFFERS}{name}")
+                if own is not None:
+                    b.copy_(own)
         for name, tree in stateful.items():
             self.stateful[name].load_state_dict(decode(tree, tensors))
         for name, tree in data.items():

@@ -8,10 +8,10 @@ Case fields:
   iteration into ``dir``: DeepSpeed ``attach()`` or a Checkpointer over a RankStore; resumes from
   what ``dir`` holds) or ``"roundtrip"`` (DeepSpeed ``save_checkpoint`` at ``save_at`` through
   AsymCheckpointEngine, continue; then a fresh engine loads it and continues the same way).
-- ``shape``: ``"shapes"`` (DeepSpeed only) trains the loop shapes of issue 9 at once: the batch comes
-  from a data loader that advances when a batch is fetched (``data=``) plus a draw from the global
-  RNG before the forward, and a validation forward (no_grad, eval()) runs after ``engine.step()``,
-  before the data position (a ``stateful`` counter) is advanced.
+- ``shape`` (DeepSpeed only), loop shapes of issue 9: ``"loader"``: the batch comes from a data
+  loader that advances when a batch is fetched (``data=``) plus a draw from the global RNG before
+  the forward; ``"val"``: a validation forward (no_grad, eval()) runs after ``engine.step()``, before
+  the data position (a ``stateful`` counter) is advanced.
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
@@ -179,7 +179,7 @@ def ds_engine(stage: int) -> Any:
 
 
 def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataPosition | None = None,
-             kill_at: int = -1, loader: Loader | None = None) -> None:
+             kill_at: int = -1, loader: Loader | None = None, val: bool = False) -> None:
     for it in range(start, stop):
         if it == kill_at:
             log.event(event="dying", it=it)
@@ -192,13 +192,11 @@ def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataP
         engine.backward(loss)
         engine.step()
         value = loss.item()
-        if loader is not None:  # validation between the step and the loop's own bookkeeping
+        if val:  # validation between the step and the loop's own bookkeeping (the data position below)
             engine.eval()
             with torch.no_grad():
-                val = nn.functional.mse_loss(engine(batch(900 + it, rank)[0]), batch(900 + it, rank)[1]).item()
+                value += nn.functional.mse_loss(engine(batch(900 + it, rank)[0]), batch(900 + it, rank)[1]).item()
             engine.train()
-            log.event(event="val", it=it, train=float(value).hex(), val=float(val).hex())
-            value += val
         log.loss(it, value)
         if pos is not None:
             pos.iteration += 1
@@ -218,11 +216,12 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     n = case["iterations"]
-    loader = Loader(rank) if case.get("shape") else None
+    loader = Loader(rank) if case.get("shape") == "loader" else None
+    val = case.get("shape") == "val"
     objs: dict[str, Any] = {"data": {"loader": loader}} if loader is not None else {}
     if case["mode"] == "ref":
         engine = ds_engine(case["stage"])
-        ds_train(engine, 0, n, rank, log, loader=loader)
+        ds_train(engine, 0, n, rank, log, loader=loader, val=val)
         ds_final(engine, log.cdir, rank, **objs)
     elif case["mode"] == "attach":
         engine = ds_engine(case["stage"])
@@ -237,7 +236,7 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             engine.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
-        ds_train(engine, pos.iteration, n, rank, log, pos, loader=loader)
+        ds_train(engine, pos.iteration, n, rank, log, pos, loader=loader, val=val)
         ckpt.close()
         stats = ckpt.stats()
         log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed,

@@ -2,7 +2,7 @@
 
 When a version opens, every source's version counter, data address and
 storage need are recorded (the copy engine checks them right before and after
-each copy), and a sparse byte sample of every contiguous CPU source is taken:
+each copy), and a sparse byte sample of every contiguous CPU parameter is taken:
 ``p.data.mul_()`` and other edits through ``.data`` do not move the version
 counter PyTorch keeps, but a whole-tensor edit changes the sampled bytes.
 :meth:`Snapshot.verify` names the tensors that changed before their copy.
@@ -38,6 +38,8 @@ def _need(t: torch.Tensor) -> int:
     """Bytes of its storage a tensor reaches into (offset plus its furthest element)."""
     if t.numel() == 0:
         return 0
+    if t.is_contiguous():
+        return int((t.storage_offset() + t.numel()) * t.element_size())
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
     return int((t.storage_offset() + last + 1) * t.element_size())
 
@@ -73,7 +75,8 @@ class Snapshot:
         self.versions = [t._version for t in srcs]
         self.ptrs = [t.data_ptr() for t in srcs]
         self.needs = [_need(t) for t in srcs]
-        self._sampled = [i for i, t in enumerate(srcs) if _sampled(t)]
+        self._sampled = [i for i, (t, owner) in enumerate(zip(srcs, capture.owners, strict=False))
+                         if owner is not None and _sampled(t)]  # parameters: what ``p.data`` edits reach
         self._sample = (torch.cat([_sample_view(srcs[i].reshape(-1).view(torch.uint8)) for i in self._sampled])
                         if self._sampled else None)
 

@@ -48,6 +48,8 @@ class CopyJob:
 def intact(job: CopyJob) -> bool:
     """Whether ``job.src`` is still the memory, size and contents-version recorded when its version opened."""
     src = job.src
+    if type(src) is not torch.Tensor:  # a subclass (DTensor): no raw memory of its own to read
+        return False
     if job.version >= 0 and src._version != job.version:
         return False
     if job.ptr and (src.data_ptr() != job.ptr or src.untyped_storage().nbytes() < job.need):

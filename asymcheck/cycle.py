@@ -6,7 +6,7 @@ import logging
 
 from asymcheck.commits import CommitQueue
 from asymcheck.copyengine import CopyEngine
-from asymcheck.edits import EditTracker
+from asymcheck.edits import EditTracker, check_plain_tensors
 from asymcheck.errors import StepConflictError
 from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
@@ -72,6 +72,7 @@ class VersionCycle:
             # parameters, buffers or param groups were added or replaced after the step (before any
             # partition was issued): re-capture so the version stays one consistent state
             logger.info("model or optimizer changed after step %d: re-capturing its version", snap.step)
+            check_plain_tensors(self.state.model, self.state.optimizer)  # no tensor subclass added since
             cap = self.state.capture_step(Moment.of(snap.capture))
             if self._edits.eager:
                 cap.make_eager(self._edits.eager)

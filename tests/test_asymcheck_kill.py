@@ -9,6 +9,12 @@ stateful objects and RNG states must equal those of an uninterrupted run
 without a Checkpointer, byte for byte, and every loss either child logged
 must equal the uninterrupted run's loss for that iteration.
 
+The configurations are the loop shapes of issue 9 (step then scheduler, validation between step
+and scheduler, a batch from the global RNG, a fetching data loader, gradient accumulation,
+GradScaler skipping steps) and the in-place edits (EMA swap inside and outside ``editing()``,
+``Embedding(max_norm)``, ``load_state_dict``, ``p.data.mul_``): ordinary loops must drop no
+version, edited ones must report their dropped versions, and every resume is bit-exact.
+
 Children run five at a time so their torch imports and fsyncs overlap.
 """
 

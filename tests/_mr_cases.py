@@ -11,7 +11,8 @@ Case fields:
 - ``shape`` (DeepSpeed only), loop shapes of issue 9: ``"loader"``: the batch comes from a data
   loader that advances when a batch is fetched (``data=``) plus a draw from the global RNG before
   the forward; ``"val"``: a validation forward (no_grad, eval()) runs after ``engine.step()``, before
-  the data position (a ``stateful`` counter) is advanced.
+  the data position (a ``stateful`` counter) is advanced; ``"accum"``: gradient accumulation over two
+  micro-batches (``gradient_accumulation_steps: 2``, ``engine.step()`` after each).
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
@@ -165,13 +166,13 @@ def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
 # -- DeepSpeed -----------------------------------------------------------------------------
 
 
-def ds_engine(stage: int) -> Any:
+def ds_engine(stage: int, accum: int = 1) -> Any:
     import deepspeed
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
-    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": accum, "steps_per_print": 10**6,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64},
            "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
@@ -180,18 +181,21 @@ def ds_engine(stage: int) -> Any:
 
 def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataPosition | None = None,
              kill_at: int = -1, loader: Loader | None = None, val: bool = False) -> None:
+    accum = int(engine.gradient_accumulation_steps())
     for it in range(start, stop):
         if it == kill_at:
             log.event(event="dying", it=it)
-        if loader is not None:  # fetched batch, then a draw from the global RNG, before the forward
-            x, y = loader.next()
-            x = x + 0.1 * torch.randn(x.shape)
-        else:
-            x, y = batch(it, rank)
-        loss = nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        value = loss.item()
+        value = 0.0
+        for micro in range(accum):  # engine.step() after every micro-batch; the optimizer steps on the last
+            if loader is not None:  # fetched batch, then a draw from the global RNG, before the forward
+                x, y = loader.next()
+                x = x + 0.1 * torch.randn(x.shape)
+            else:
+                x, y = batch(it * 10 + micro if accum > 1 else it, rank)
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            value += loss.item()
         if val:  # validation between the step and the loop's own bookkeeping (the data position below)
             engine.eval()
             with torch.no_grad():
@@ -218,13 +222,14 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
     n = case["iterations"]
     loader = Loader(rank) if case.get("shape") == "loader" else None
     val = case.get("shape") == "val"
+    accum = 2 if case.get("shape") == "accum" else 1
     objs: dict[str, Any] = {"data": {"loader": loader}} if loader is not None else {}
     if case["mode"] == "ref":
-        engine = ds_engine(case["stage"])
+        engine = ds_engine(case["stage"], accum)
         ds_train(engine, 0, n, rank, log, loader=loader, val=val)
         ds_final(engine, log.cdir, rank, **objs)
     elif case["mode"] == "attach":
-        engine = ds_engine(case["stage"])
+        engine = ds_engine(case["stage"], accum)
         pos = DataPosition()
         tiers = rank_tiers(case, rank)
         where: Any = tiers if tiers is not None else case["dir"]

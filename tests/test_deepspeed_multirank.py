@@ -38,7 +38,8 @@ STAGES = (0, 1, 2, 3)
 KILL_AT = {0: 4, 1: 5, 2: 4, 3: 5}  # iteration whose forward pass dies
 MID_COMMIT_STAGE = 2
 SHAPE_STAGES = (1, 3)
-SHAPES = ("loader", "val")  # loop shapes of issue 9: fetching loader + global-RNG batch; validation after the step
+SHAPES = ("loader", "val", "accum")  # loop shapes of issue 9: fetching loader + global-RNG batch; validation after
+#                                     the step; gradient accumulation
 
 
 def cases_for(world: int, root: Path) -> list[dict[str, Any]]:

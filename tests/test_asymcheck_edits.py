@@ -144,7 +144,8 @@ def _val(model: nn.Module, it: int) -> None:
         model(data(it + 200)[0])  # no_grad in training mode (BatchNorm stats move: a buffer, taken at the step)
 
 
-def test_mark_takes_late_state_for_loops_hooks_cannot_read(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mark", [True, False], ids=["mark", "no-mark"])
+def test_mark_takes_late_state_for_loops_hooks_cannot_read(tmp_path: Path, mark: bool) -> None:
     """A training-mode forward with grad enabled between step and scheduler needs ``mark()``."""
     model = make_model()
     opt, sched = make_opt(model)
@@ -161,7 +162,12 @@ def test_mark_takes_late_state_for_loops_hooks_cannot_read(tmp_path: Path) -> No
             rec.end_of_body(ckpt.step, opt, {"sched": sched})
             buffers = {k: v.clone() for k, v in model.named_buffers()}  # the extra forward moved BatchNorm's
             rec.after_step[ckpt.step]["model"].update(buffers)
-            ckpt.mark()
+            if mark:
+                ckpt.mark()
     versions = read_versions(tmp_path / "ckpt")
     assert sorted(versions) == list(range(1, 7))
-    check_all(versions, rec, make_model)
+    if mark:
+        check_all(versions, rec, make_model)
+    else:  # without it, that forward looks like iteration t+1: the scheduler is taken before its step
+        with pytest.raises(AssertionError):
+            check_all(versions, rec, make_model)

@@ -237,6 +237,21 @@ def test_training_stops_once_no_version_was_durable_within_the_step_budget(tmp_p
     assert ckpt.stats().last_committed == 2
 
 
+def test_training_stops_once_no_version_was_durable_within_the_time_budget(tmp_path: Path) -> None:
+    tier = FailingTier(tmp_path, after=1, times=None)
+    model = make_model()
+    opt, _ = make_opt(model)
+    ckpt = open_ckpt(model, opt, [tier], max_seconds_without_durable=0.3)
+    with pytest.raises(NoDurableVersionError, match="max_seconds_without_durable=0.3"):
+        for it in range(100):
+            step_once(model, opt, it)
+            ckpt.flush()
+            time.sleep(0.05)
+    assert 3 <= ckpt.step <= 40  # stopped after about 0.3 s of failing, not at the first failure
+    with pytest.raises(CommitFailedError):
+        ckpt.close()
+
+
 class SlowTier(LocalTier):
     """A LocalTier that takes ``delay`` seconds longer to start each version."""
 

@@ -187,12 +187,13 @@ def test_resume_after_sigkill_is_bit_exact(config: str, kill: str, references: d
         assert last_step - 2 <= step <= last_step
 
 
-def test_resume_after_a_random_kill_from_the_parent(tmp_path: Path, references: dict[str, Path]) -> None:
+@pytest.mark.parametrize("config", ["plain", "val", "edits"])
+def test_resume_after_a_random_kill_from_the_parent(tmp_path: Path, references: dict[str, Path], config: str) -> None:
     seed = int(os.environ.get("ASYMCHECK_KILL_SEED", "0"))
-    rng = random.Random(seed)
+    rng = random.Random(f"{seed}-{config}")
     delay = rng.uniform(0.05, 0.5)
     print(f"random kill: seed {seed}, {delay:.3f} s after the child's first iteration")
-    proc = spawn(*child_args("plain", tmp_path / "ckpt", tmp_path / "killed", "--iter-sleep", "0.02"))
+    proc = spawn(*child_args(config, tmp_path / "ckpt", tmp_path / "killed", "--iter-sleep", "0.04"))
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert json.loads(line)["event"] == "resumed"
@@ -200,6 +201,7 @@ def test_resume_after_a_random_kill_from_the_parent(tmp_path: Path, references: 
     os.kill(proc.pid, signal.SIGKILL)
     rc, _, err = finish(proc)
     assert rc == KILLED, err
-    resumed = finish(spawn(*child_args("plain", tmp_path / "ckpt", tmp_path / "resumed")))
-    step = check_resumed("plain", tmp_path, references["plain"], resumed)
+    assert len(losses(tmp_path / "killed")) < ITERATIONS[config]  # killed while training
+    resumed = finish(spawn(*child_args(config, tmp_path / "ckpt", tmp_path / "resumed")))
+    step = check_resumed(config, tmp_path, references[config], resumed)
     print(f"killed after {len(losses(tmp_path / 'killed'))} iterations, resumed at step {step}")

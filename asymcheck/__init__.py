@@ -12,12 +12,16 @@ Quick start::
 """
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
+from asymcheck.edits import DroppedVersionWarning
 from asymcheck.errors import (
     AsymcheckError,
     CheckpointerStateError,
     CommitFailedError,
+    NoDurableVersionError,
     StateMismatchError,
     StepConflictError,
+    UnsupportedConfigError,
+    UnsupportedModelError,
     UnsupportedStateError,
 )
 from asymcheck.partition import Extent, Partition, Plan, Planner, Span, Window, WindowRecorder, plan_partitions
@@ -30,7 +34,9 @@ __all__ = [
     "Checkpointer",
     "CheckpointerStateError",
     "CommitFailedError",
+    "DroppedVersionWarning",
     "Extent",
+    "NoDurableVersionError",
     "Partition",
     "Plan",
     "Planner",
@@ -40,6 +46,8 @@ __all__ = [
     "Stateful",
     "StepConflictError",
     "StepRecord",
+    "UnsupportedConfigError",
+    "UnsupportedModelError",
     "UnsupportedStateError",
     "Window",
     "WindowRecorder",

@@ -2,96 +2,71 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from types import TracebackType
+from typing import Literal
 
 import torch
 
 from asymcheck.commits import CommitQueue
 from asymcheck.copyengine import CopyEngine
-from asymcheck.errors import CheckpointerStateError, CommitFailedError, StepConflictError
+from asymcheck.cycle import VersionCycle
+from asymcheck.edits import EditTracker, check_plain_tensors
+from asymcheck.errors import CheckpointerStateError
+from asymcheck.failures import FailureBudget, OnError
 from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
 from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
-from asymcheck.snapshot import Snapshot, extents_of
-from asymcheck.state import Stateful, TrainingState
+from asymcheck.snapshot import Snapshot
+from asymcheck.state import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.storeloop import StoreLoop
-from asymstore import AsymStore, LocalTier, NoCheckpointError, Tier
+from asymcheck.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, versions_of
+from asymstore import AsymStore, NoCheckpointError
 
 logger = logging.getLogger(__name__)
 
-StoreSpec = AsymStore | Sequence[Tier] | str | os.PathLike[str]
+__all__ = ["Checkpointer", "RestoreInfo", "StoreSpec"]
+
+WhenBusy = Literal["wait", "skip"]
+CopyMode = Literal["thread", "inline"]
 
 
-@dataclass(frozen=True)
-class RestoreInfo:
-    """Where ``resume()`` found its version.
-
-    Attributes:
-        step: the version restored (optimizer steps completed).
-        tier: the tier it was read from.
-        fallbacks: newer versions or faster copies that failed verification first.
-    """
-
-    step: int
-    tier: str
-    fallbacks: tuple[str, ...]
-
-
-def _make_store(spec: StoreSpec, keep_last: int | None) -> AsymStore:
-    if isinstance(spec, AsymStore):
-        return spec
-    if isinstance(spec, (str, os.PathLike)):
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:  # DDP: one shard per rank, a global commit
-            from asymstore.multirank import RankStore
-
-            return RankStore(spec, keep_last=keep_last)
-        return AsymStore([LocalTier(spec)], keep_last=keep_last)
-    return AsymStore(list(spec), keep_last=keep_last)
-
-
-def _on_cuda(model: torch.nn.Module) -> bool:
-    return any(p.is_cuda for p in model.parameters())
-
-
-class Checkpointer:
+class Checkpointer(VersionCycle):
     """Snapshots every ``every``-th optimizer step of an ordinary training loop.
 
-    The state of step ``t`` (parameters, optimizer state, param groups, the
-    ``stateful`` objects, RNG states) is copied to host memory during the
-    forward and backward passes of iteration ``t + 1``, in partitions sized
-    to the idle windows between hooks; the optimizer's step pre-hook copies
-    what is left and waits (the only stall), then the version is committed to
-    the store in the background. Versions are numbered by optimizer steps
-    completed. The last step is captured by :meth:`close`, so use the
-    Checkpointer as a context manager.
+    The state after step ``t`` is copied to host memory during the forward
+    and backward passes of iteration ``t + 1``, in partitions sized to the
+    idle windows between hooks; the optimizer's step pre-hook copies what is
+    left and waits (the only stall), then the version is committed to the
+    store in the background. Versions are numbered by optimizer steps
+    completed; :meth:`close` (the ``with`` block) captures the last step.
 
     ::
 
-        with Checkpointer(model, opt, "ckpt", stateful={"sched": sched}) as ckpt:
+        with Checkpointer(model, opt, "ckpt", stateful={"sched": sched}, data={"loader": loader}) as ckpt:
             start = ckpt.resume() or 0
             for step in range(start, total):
-                loss = model(batch(step)).loss
+                loss = model(next(batches)).loss
                 loss.backward()
                 opt.step()
+                evaluate(model)                 # no_grad / eval() forwards are not iteration t+1
                 sched.step()
                 opt.zero_grad(set_to_none=True)
 
-    What is captured when: parameters and optimizer tensors are only changed
-    by ``optimizer.step()``, so they are read lazily until the next step.
-    Buffers and RNG states are copied right after the step. Param groups and
-    ``stateful`` objects are captured at the first forward or backward hook
-    of the next iteration (or its step, or ``close()``), i.e. after the loop's
-    ``scheduler.step()`` / ``scaler.update()``. A data position kept in
-    ``stateful`` must therefore count the batches of completed iterations
-    (advance it at the end of the loop body), and data loading before the
-    forward must not draw from the global RNG after the step's capture.
+    When each kind of state is taken (README, "Capture points"): parameters
+    and optimizer tensors hold their values when ``optimizer.step()``
+    returns (read lazily, checked for edits); buffers, RNG states and the
+    ``data`` objects are copied when the step returns; param groups and the
+    ``stateful`` objects at the first *training* activity of the next
+    iteration (a forward with grad enabled in training mode, a gradient, the
+    next step, or ``close()``), i.e. after the loop's ``scheduler.step()`` and
+    ``scaler.update()``. Loops that hooks cannot read call :meth:`mark` at the
+    end of the loop body; code that edits parameters between steps runs inside
+    :meth:`editing`.
 
     Args:
         model: the module trained.
@@ -100,10 +75,11 @@ class Checkpointer:
             Checkpointer opens and closes it), a list of tiers (fastest
             first), or a directory path (a single ``LocalTier``; in a
             torch.distributed job of several ranks, an
-            :class:`asymstore.multirank.RankStore` there: one shard per
-            rank, published globally once every rank committed).
-        stateful: name -> object with ``state_dict``/``load_state_dict``
-            (LR scheduler, GradScaler, sampler, data position).
+            :class:`asymstore.multirank.RankStore` there).
+        stateful: name -> object with ``state_dict``/``load_state_dict`` that the
+            loop updates after the step (LR scheduler, GradScaler, counters).
+        data: name -> object with ``state_dict``/``load_state_dict`` that
+            advances when a batch is drawn (data loader, sampler): taken when the step returns.
         every: snapshot every ``every``-th optimizer step.
         keep_last: versions kept per tier (when the store is built here).
         max_inflight: background commits running at once.
@@ -117,40 +93,51 @@ class Checkpointer:
         replan_tolerance: relative drift of the windows that triggers a re-plan.
         clock: timing source for windows (default: CUDA events for a CUDA
             model, ``perf_counter`` otherwise).
-        on_error: a failed background commit is ``"raise"``-d (as
-            :class:`CommitFailedError` at the next step) or only ``"log"``-ged.
+        on_error: what a failed background commit does: ``"budget"`` (logged,
+            counted, retried by the next versions; training stops with
+            :class:`NoDurableVersionError` only past the budget below),
+            ``"raise"`` (:class:`CommitFailedError` at the next step) or ``"log"``.
+        max_steps_without_durable: with ``"budget"``, optimizer steps tolerated
+            without a durable version once commits fail (None: no step limit).
+        max_seconds_without_durable: the same in seconds (None: no time limit).
         save_on_close: ``close()`` saves the final step even when it is not
             a multiple of ``every``.
+
+    Raises:
+        UnsupportedModelError: a parameter, buffer or optimizer tensor is a
+            tensor subclass (FSDP2's DTensor): nothing was hooked.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
-                 stateful: Mapping[str, Stateful] | None = None, every: int = 1, keep_last: int | None = 3,
-                 max_inflight: int = 1, when_busy: str = "wait", host_slots: int = 2, copy: str = "thread",
-                 warmup: int = 3, max_partitions: int = 16, min_partition_bytes: int = 1 << 20,
-                 replan_tolerance: float = 0.25, clock: Clock | None = None, on_error: str = "raise",
-                 save_on_close: bool = True) -> None:
+                 stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
+                 every: int = 1, keep_last: int | None = 3, max_inflight: int = 1, when_busy: WhenBusy = "wait",
+                 host_slots: int = 2, copy: CopyMode = "thread", warmup: int = 3, max_partitions: int = 16,
+                 min_partition_bytes: int = 1 << 20, replan_tolerance: float = 0.25, clock: Clock | None = None,
+                 on_error: OnError = "budget", max_steps_without_durable: int | None = None,
+                 max_seconds_without_durable: float | None = 1800.0, save_on_close: bool = True) -> None:
         """Open the store on its own thread and register the hooks."""
         if every < 1:
             raise ValueError("every must be >= 1")
-        if on_error not in ("raise", "log"):
-            raise ValueError(f"on_error must be 'raise' or 'log', got {on_error!r}")
-        self.state = TrainingState(model, optimizer, stateful)
+        check_plain_tensors(model, optimizer)
+        self.state = TrainingState(model, optimizer, stateful, data)
         self.every = every
         self.on_error = on_error
         self.save_on_close = save_on_close
-        cuda = _on_cuda(model)
+        self._stats = StatsRecorder()
+        self._budget = FailureBudget(self._stats, on_error, max_steps_without_durable, max_seconds_without_durable)
+        self._edits = EditTracker()
+        cuda = on_cuda(model)
         if clock is None:
             if cuda:
                 from asymcheck.cudaclock import CudaEventClock
                 clock = CudaEventClock()
             else:
                 clock = PerfCounterClock()
-        self._stats = StatsRecorder()
         self._planner = Planner(warmup=warmup, tolerance=replan_tolerance, max_partitions=max_partitions,
                                 min_bytes=min_partition_bytes)
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
-        self._loop = StoreLoop(_make_store(store_or_tiers, keep_last))
+        self._loop = StoreLoop(make_store(store_or_tiers, keep_last))
         try:
             self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
             self._engine = CopyEngine(copy)
@@ -160,6 +147,7 @@ class Checkpointer:
         self._step = 0
         self._saved_step: int | None = None  # newest step restored or handed to a commit
         self._snap: Snapshot | None = None
+        self._moment: Moment | None = None  # RNG and data states taken when the step returned (DeepSpeed)
         self._in_step = False
         self._started = False
         self._checked_store = False
@@ -193,16 +181,22 @@ class Checkpointer:
 
     def versions(self) -> dict[str, list[int]]:
         """Committed versions per tier name."""
-        return self._loop.run(_versions(self._loop.store))
+        return self._loop.run(versions_of(self._loop.store))
 
     @property
     def last_record(self) -> StepRecord | None:
         """The newest step's record (cheaper than ``stats()`` inside a training loop)."""
         return self._stats.steps[-1] if self._stats.steps else None
 
+    @property
+    def versions_dropped(self) -> int:
+        """Versions dropped because a captured tensor changed before its copy (also in ``stats()``)."""
+        return self._edits.dropped
+
     def stats(self) -> CheckpointStats:
-        """Stall, copy time and bytes per step, and commit counters, so far."""
-        return self._stats.snapshot(self._engine.busy_seconds, self._engine.bytes_copied, self._planner.replans)
+        """Stall, copy time and bytes per step, commit counters, dropped versions, so far."""
+        return self._stats.snapshot(self._engine.busy_seconds, self._engine.bytes_copied, self._planner.replans,
+                                    self._edits.dropped, tuple(sorted(self._edits.eager)))
 
     def resume(self) -> int | None:
         """Load the newest version that verifies into the live objects.
@@ -231,22 +225,69 @@ class Checkpointer:
             return None
         self.state.load(ckpt.tensors, ckpt.meta)
         self._step = self._saved_step = ckpt.step
+        self._budget.restart(ckpt.step)
         self._checked_store = True
         self.restored = RestoreInfo(ckpt.step, ckpt.tier, tuple(ckpt.fallbacks))
         logger.info("resumed step %d from %s%s", ckpt.step, ckpt.tier,
                     f" after {len(ckpt.fallbacks)} fallback(s)" if ckpt.fallbacks else "")
         return ckpt.step
 
+    def mark(self) -> None:
+        """Say that the loop body of this iteration is done: the open version takes its small state now.
+
+        Needed only in loops the hooks cannot read: ones that, after
+        ``optimizer.step()`` and within the same iteration, draw from the
+        global RNG or a ``data`` object, run a forward in training mode (dropout
+        RNG, BatchNorm statistics), or run a forward with grad enabled before
+        ``scheduler.step()``. Call it as the last statement of the loop body:
+        buffers, RNG states, ``data`` and ``stateful`` objects and param groups
+        of the open version are taken again here (parameters and optimizer
+        tensors keep their values of the step). A no-op when no version is open.
+        """
+        self._settle()
+        snap = self._snap
+        if self._closed or snap is None:
+            return
+        fresh = self.state.capture_step(self.state.capture_moment())
+        if [n for n in fresh.names if n not in self._edits.eager] == snap.capture.names:
+            snap.capture.eager.update(fresh.eager)  # eagerly copied edited tensors keep their values of the step
+            snap.capture.meta = fresh.meta
+            self.state.capture_next(snap.capture)
+            snap.next_pending = False
+        elif snap.next_pending:  # parameters added since the step: re-capture (nothing was copied yet)
+            Moment.of(fresh).apply(snap.capture)
+            self._snap = self._capture_next(snap)
+
+    @contextlib.contextmanager
+    def editing(self) -> Iterator[None]:
+        """Run code that edits captured tensors between steps without losing the version.
+
+        The pending version's copy is finished first (a stall of what was
+        left to copy), so the block may change parameters or optimizer state
+        freely: the version keeps the values of the step. For EMA evaluation
+        (``with ckpt.editing(), ema.average_parameters(): evaluate(model)``),
+        weight surgery, ``load_state_dict`` or ``p.data`` edits between steps.
+        Edits outside it, before the lazy copy read them, are detected and the
+        version is dropped (see :mod:`asymcheck.edits`).
+        """
+        self._settle()
+        snap = self._snap
+        if snap is not None and not self._closed and not snap.verified:
+            started = time.perf_counter()
+            self._finish_copy(snap)
+            self._hook_s += time.perf_counter() - started
+        yield
+
     def flush(self) -> None:
-        """Wait until every sealed version is committed."""
+        """Wait until every sealed version is committed (and apply the failure policy)."""
         self._commits.drain()
-        self._raise_commit_error()
+        self._budget.check(self._step, self._commits.take_error())
 
     def close(self) -> None:
         """Capture the last step (if not saved), commit it, wait for every commit, release everything.
 
         Raises:
-            CommitFailedError: a commit failed (with ``on_error="raise"``).
+            CommitFailedError: the final version was not committed (unless ``on_error="log"``).
         """
         self._close(save=True)
 
@@ -267,8 +308,12 @@ class Checkpointer:
 
     # -- hooks -----------------------------------------------------------
 
-    def _on_forward(self) -> None:
-        self._event(FORWARD)
+    def _settle(self) -> None:
+        """Open a version whose step finished but was not delivered yet (DeepSpeed)."""
+
+    def _on_forward(self, training: bool) -> None:
+        if training:  # a validation forward (no_grad or eval()) is not part of the next iteration
+            self._event(FORWARD)
 
     def _on_grad(self) -> None:
         self._event(BACKWARD)
@@ -282,7 +327,8 @@ class Checkpointer:
         if snap is not None:
             if snap.next_pending:
                 snap = self._snap = self._capture_next(snap)
-            snap.issue_event(ordinal, self._engine)
+            if not snap.verified:
+                snap.issue_event(ordinal, self._engine)
         self._recorder.leave()
         self._hook_s += time.perf_counter() - started
 
@@ -292,15 +338,15 @@ class Checkpointer:
         started = time.perf_counter()
         for windows in self._recorder.finish():
             self._planner.observe(windows)
-        self._raise_commit_error()
+        self._budget.check(self._step, self._commits.take_error())
         self._in_step = True
         snap, self._snap = self._snap, None
-        sealed = skipped = False
+        sealed = skipped = dropped = False
         waited = 0.0
         nbytes = 0
         if snap is not None:
-            submitted, waited, nbytes = self._seal(snap)
-            sealed, skipped = True, not submitted
+            submitted, waited, nbytes, dropped = self._seal(snap)
+            sealed, skipped = not dropped, not submitted and not dropped
         ended = time.perf_counter()
         iteration = started - self._last_pre if self._last_pre is not None else 0.0
         self._last_pre = started
@@ -308,7 +354,7 @@ class Checkpointer:
         self._stats.add_step(StepRecord(
             step=self._step, sealed=sealed, stall_s=ended - started, backpressure_s=waited, hook_s=self._hook_s,
             open_s=self._open_s, copy_bytes=nbytes, iteration_s=iteration, skipped=skipped,
-            copy_s=busy - self._copy_mark))
+            copy_s=busy - self._copy_mark, dropped=dropped))
         self._copy_mark = busy
         self._hook_s = self._open_s = 0.0
 
@@ -325,64 +371,6 @@ class Checkpointer:
         self._recorder.start()
         self._open_s = time.perf_counter() - started
 
-    # -- versions --------------------------------------------------------
-
-    def _open(self, step: int) -> None:
-        if not self._checked_store:
-            newest = self._loop.store.newest_step
-            if newest is not None and step <= newest:
-                self._conflict = True  # nothing of this run is written, not even by close()
-                raise StepConflictError(f"the store already holds step {newest} and this run is at step {step}: "
-                                        "call resume() first, or use a fresh directory")
-            self._checked_store = True
-        cap = self.state.capture_step()
-        plan = self._planner.plan(extents_of(cap.sources))
-        slot = self._pool.acquire()
-        assert slot is not None
-        slot.arrange(cap.sources)
-        self._snap = Snapshot(step, cap, plan, slot)
-        self._stats.versions_opened += 1
-
-    def _capture_next(self, snap: Snapshot) -> Snapshot:
-        """Capture param groups and stateful objects; re-open the version if parameters were added."""
-        if self.state.signature() != snap.capture.signature:
-            # parameters, buffers or param groups were added or replaced after the step (before any
-            # partition was issued): re-capture so the version stays one consistent state
-            logger.info("model or optimizer changed after step %d: re-capturing its version", snap.step)
-            cap = self.state.capture_step(rng_from=snap.capture)
-            plan = self._planner.plan(extents_of(cap.sources))
-            snap.slot.arrange(cap.sources)
-            snap = Snapshot(snap.step, cap, plan, snap.slot)
-            self._hooks.refresh()
-        self.state.capture_next(snap.capture)
-        snap.next_pending = False
-        return snap
-
-    def _seal(self, snap: Snapshot, *, force: bool = False) -> tuple[bool, float, int]:
-        """Copy what is left, wait for the copies, and hand the version to the commit queue."""
-        if snap.next_pending:
-            snap = self._capture_next(snap)
-        snap.issue_rest(self._engine)
-        ready = self._engine.wait()
-        meta = snap.capture.meta
-        meta["asymcheck"]["step"] = snap.step
-        meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
-                                     "partitions": len(snap.plan.partitions)}
-        slot = snap.slot
-        submitted, waited = self._commits.submit(snap.step, snap.tensors(), meta, ready,
-                                                 lambda: self._pool.release(slot), force=force)
-        self._stats.versions_sealed += 1
-        if submitted:
-            self._saved_step = snap.step
-        else:
-            self._stats.versions_skipped += 1
-        return submitted, waited, snap.nbytes
-
-    def _raise_commit_error(self) -> None:
-        exc = self._commits.take_error()
-        if exc is not None and self.on_error == "raise":
-            raise CommitFailedError(f"a background commit failed: {type(exc).__name__}: {exc}") from exc
-
     def _require_open(self) -> None:
         if self._closed:
             raise CheckpointerStateError("the Checkpointer is closed")
@@ -394,23 +382,20 @@ class Checkpointer:
         try:
             snap, self._snap = self._snap, None
             if save and not self._in_step and not self._conflict:
-                if snap is not None:
-                    self._seal(snap, force=True)
-                elif self.save_on_close and self._step > 0 and self._step != self._saved_step:
+                if snap is None and self.save_on_close and self._step > 0 and self._step != self._saved_step:
                     self._open(self._step)
                     snap, self._snap = self._snap, None
-                    assert snap is not None
+                if snap is not None:
                     self._seal(snap, force=True)
             elif snap is not None:
                 self._pool.release(snap.slot)
             self._commits.drain()
-            self.final_versions = self._loop.run(_versions(self._loop.store))
+            self.final_versions = self._loop.run(versions_of(self._loop.store))
         finally:
             self._hooks.remove()
             self._engine.close()
             self._loop.close()
-        self._raise_commit_error()
-
-
-async def _versions(store: AsymStore) -> dict[str, list[int]]:
-    return store.versions()
+        error = self._commits.take_error()
+        if self.on_error == "raise" and error is not None:
+            self._budget.check(self._step, error)
+        self._budget.check_final()

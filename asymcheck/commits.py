@@ -116,7 +116,11 @@ class CommitQueue:
             result = await store.commit(step, meta)
         except Exception as exc:
             self.stats.failed(f"step {step}: {type(exc).__name__}: {exc}")
-            logger.error("commit of version %d failed: %s", step, exc)
+            logger.error("commit of version %d failed (the next version is the next attempt): %s", step, exc)
+            try:
+                store.abandon(step)  # nothing staged for a failed version stays in memory
+            except Exception:  # pragma: no cover - abandon only drops a dict entry
+                logger.debug("abandon(%d) failed", step, exc_info=True)
             raise
         self.stats.committed(step, result.nbytes, result.seconds)
         logger.debug("version %d committed to %s in %.3f s", step, result.tiers, result.seconds)

@@ -6,6 +6,13 @@ copied on a side stream into pinned memory, ordered after the work already
 queued on the compute stream; the drain makes the compute stream wait for the
 copies instead of blocking the host. ``mode="inline"`` copies CPU spans in
 the calling hook instead (for measurement).
+
+A raw copy only runs from memory that is still the tensor's: each job carries
+the tensor's version counter, data address and the storage size it needs, as
+recorded when the version opened, and is checked right before the ``memmove``
+(and the counter again right after). A job that fails a check copies nothing;
+its tensor index is reported by :meth:`CopyEngine.take_bad` and the version is
+not committed as if it were clean.
 """
 
 from __future__ import annotations
@@ -32,17 +39,36 @@ class CopyJob:
     dst: torch.Tensor
     start: int
     stop: int
+    version: int = -1  # src._version when the version opened (-1: not checked)
+    ptr: int = 0  # src.data_ptr() then
+    need: int = 0  # bytes of its storage the tensor needs (offset + size)
+    index: int = -1  # the tensor's index in its version (reported when a check fails)
 
 
-def _copy_cpu(job: CopyJob) -> None:
+def intact(job: CopyJob) -> bool:
+    """Whether ``job.src`` is still the memory, size and contents-version recorded when its version opened."""
+    src = job.src
+    if type(src) is not torch.Tensor:  # a subclass (DTensor): no raw memory of its own to read
+        return False
+    if job.version >= 0 and src._version != job.version:
+        return False
+    if job.ptr and (src.data_ptr() != job.ptr or src.untyped_storage().nbytes() < job.need):
+        return False
+    return True
+
+
+def _copy_cpu(job: CopyJob) -> bool:
     n = job.stop - job.start
     if n <= 0:
-        return
+        return True
+    if not intact(job):
+        return False
     src = job.src
     if src.is_contiguous():
         ctypes.memmove(job.dst.data_ptr() + job.start, src.data_ptr() + job.start, n)
     else:  # never split (the planner keeps it whole): copy with its strides
         job.dst.view(src.dtype).view(src.shape).copy_(src)
+    return job.version < 0 or src._version == job.version  # changed while it was read: not clean either
 
 
 class CopyEngine:
@@ -66,6 +92,8 @@ class CopyEngine:
         self._stream: Any = None
         self._events: list[Any] = []
         self._thread: threading.Thread | None = None
+        self._bad: set[int] = set()
+        self._cuda_jobs: list[CopyJob] = []
         if mode == "thread":
             self._thread = threading.Thread(target=self._run, name="asymcheck-copy", daemon=True)
             self._thread.start()
@@ -81,7 +109,8 @@ class CopyEngine:
         if self.mode == "inline":
             started = time.perf_counter()
             for job in cpu:
-                _copy_cpu(job)
+                if not _copy_cpu(job):
+                    self._bad.add(job.index)
             self.busy_seconds += time.perf_counter() - started
             self.bytes_copied += sum(j.stop - j.start for j in cpu)
             return
@@ -97,6 +126,10 @@ class CopyEngine:
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             for job in jobs:
+                if not intact(job):
+                    self._bad.add(job.index)
+                    continue
+                self._cuda_jobs.append(job)  # its counter is checked again in wait()
                 src = job.src
                 if src.is_contiguous():
                     flat = src.reshape(-1).view(torch.uint8)
@@ -114,14 +147,17 @@ class CopyEngine:
             if batch is None:
                 return
             started = time.perf_counter()
+            bad: list[int] = []
             try:
                 for job in batch:
-                    _copy_cpu(job)
+                    if not _copy_cpu(job):
+                        bad.append(job.index)
             except BaseException as exc:  # reported by wait()
                 logger.exception("copy failed")
                 self._error = exc
             elapsed = time.perf_counter() - started
             with self._cond:
+                self._bad.update(bad)
                 self.busy_seconds += elapsed
                 self.bytes_copied += sum(j.stop - j.start for j in batch)
                 self._outstanding -= 1
@@ -139,12 +175,22 @@ class CopyEngine:
         if self._error is not None:
             exc, self._error = self._error, None
             raise exc
+        for job in self._cuda_jobs:  # an edit queued while the side stream copied: not clean
+            if job.version >= 0 and job.src._version != job.version:
+                self._bad.add(job.index)
+        self._cuda_jobs.clear()
         if not self._events:
             return None
         last = self._events[-1]
         self._events.clear()
         torch.cuda.current_stream().wait_event(last)  # step t+1 must not overwrite before the copy
         return last
+
+    def take_bad(self) -> set[int]:
+        """Indices of tensors whose copy failed a check since the last call (call after :meth:`wait`)."""
+        with self._cond:
+            bad, self._bad = self._bad, set()
+        return bad
 
     def close(self) -> None:
         """Stop the worker after the queued copies."""

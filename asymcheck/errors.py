@@ -33,3 +33,25 @@ class StepConflictError(AsymcheckError):
 
     Call ``resume()`` first, or point the Checkpointer at a fresh directory.
     """
+
+
+class UnsupportedModelError(AsymcheckError, TypeError):
+    """The model or optimizer holds tensors the lazy copy cannot read safely (a tensor subclass such as DTensor).
+
+    Raised when the Checkpointer is constructed, before any hook is registered.
+    """
+
+
+class UnsupportedConfigError(AsymcheckError, ValueError):
+    """A DeepSpeed configuration (or version) the adapter does not capture correctly; the message names the setting.
+
+    Raised by ``attach()`` and ``install()`` before anything is hooked.
+    """
+
+
+class NoDurableVersionError(CommitFailedError):
+    """Background commits kept failing and no version became durable within the failure budget.
+
+    Raised at the next optimizer step (or ``close()``); see ``Checkpointer(max_steps_without_durable=...,
+    max_seconds_without_durable=...)``.
+    """

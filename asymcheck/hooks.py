@@ -13,6 +13,7 @@ from torch.utils.hooks import RemovableHandle
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
+ForwardCallback = Callable[[bool], None]
 
 
 class HookSet:
@@ -24,13 +25,14 @@ class HookSet:
     Args:
         model: the module whose submodules get forward pre-hooks.
         optimizer: the optimizer whose step is hooked (its parameters get grad hooks too).
-        on_forward: called at each forward pre-hook.
+        on_forward: called at each forward pre-hook with whether it is a training forward
+            (grad enabled and the module in training mode) or not (validation).
         on_grad: called after a gradient is accumulated into a parameter.
         on_step_pre: called before ``optimizer.step()``.
         on_step_post: called after it.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, on_forward: Callback,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, on_forward: ForwardCallback,
                  on_grad: Callback, on_step_pre: Callback, on_step_post: Callback) -> None:
         """Register every hook."""
         self.model = model
@@ -68,7 +70,7 @@ class HookSet:
         return added
 
     def _forward_hook(self, module: torch.nn.Module, args: Any) -> None:
-        self._on_forward()
+        self._on_forward(torch.is_grad_enabled() and module.training)
 
     def _grad_hook(self, param: torch.Tensor) -> None:
         self._on_grad()

@@ -7,9 +7,13 @@ The state has two parts, captured at different moments (see
   and optimizer state tensors. Only ``optimizer.step()`` changes them, so they
   are read lazily, in partitions, during the next iteration.
 - the *eager state*: buffers and extra state of the model, optimizer state
-  scalars, RNG states (at the step), then the optimizer's param groups and
-  every stateful object (at the first activity of the next iteration, after
-  ``scheduler.step()`` and ``scaler.update()`` ran). These are small and copied
+  scalars, and the *moment* of the step: RNG states and the ``data`` objects
+  (data loaders, samplers: anything that advances when a batch is drawn), all
+  taken when the step returns, before anything of the next iteration draws;
+  then the optimizer's param groups and every ``stateful`` object (LR
+  schedulers, GradScaler, counters advanced at the end of the loop body), taken
+  at the first training activity of the next iteration, after the loop's
+  ``scheduler.step()`` and ``scaler.update()`` ran. These are small and copied
   at once.
 
 Everything non-tensor goes into the version's JSON ``meta`` through
@@ -57,6 +61,8 @@ class Capture:
         sources: the live tensors behind ``names`` (read later, in partitions).
         eager: private copies of small tensors, taken already.
         meta: the JSON part.
+        owners: per source, the parameter it was detached from (checked for
+            a replaced ``.data`` before the version is committed), or None.
     """
 
     names: list[str] = field(default_factory=list)
@@ -64,6 +70,49 @@ class Capture:
     eager: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     signature: tuple[int, ...] = ()
+    owners: list[torch.Tensor | None] = field(default_factory=list)
+
+    def make_eager(self, names: set[str]) -> int:
+        """Copy the sources named in ``names`` now instead of lazily; return how many moved."""
+        keep: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+        moved = 0
+        for name, src, owner in zip(self.names, self.sources, self.owners, strict=True):
+            if name in names:
+                self.eager[name] = host_copy(src)
+                moved += 1
+            else:
+                keep.append((name, src, owner))
+        if moved:
+            self.names = [k[0] for k in keep]
+            self.sources = [k[1] for k in keep]
+            self.owners = [k[2] for k in keep]
+        return moved
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What must be taken right when a step returns: RNG states and the ``data`` objects.
+
+    Attributes:
+        meta: ``{"rng": ..., "data": {name: tree}}`` (JSON).
+        tensors: the tensor parts (torch RNG states, tensors of data states), private copies.
+    """
+
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, cap: Capture) -> Moment:
+        """The moment already in ``cap``."""
+        return cls({"rng": cap.meta["rng"], "data": cap.meta.get("data", {})},
+                   {k: v for k, v in cap.eager.items() if k.startswith(("rng/", "data/"))})
+
+    def apply(self, cap: Capture) -> None:
+        """Put this moment into ``cap`` (replacing an earlier one)."""
+        for name in [n for n in cap.eager if n.startswith(("rng/", "data/"))]:
+            del cap.eager[name]
+        cap.eager.update(self.tensors)
+        cap.meta.update(self.meta)
 
 
 def _copy_all(tensors: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
@@ -89,20 +138,22 @@ class TrainingState:
     Args:
         model: the module trained.
         optimizer: its optimizer.
-        stateful: name -> object with ``state_dict``/``load_state_dict``.
+        stateful: name -> object with ``state_dict``/``load_state_dict``,
+            captured after the loop's own bookkeeping (LR scheduler, GradScaler, counters).
+        data: name -> object with ``state_dict``/``load_state_dict``, captured
+            when the step returns (data loaders and samplers that advance when a batch is drawn).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 stateful: Mapping[str, Stateful] | None = None) -> None:
+                 stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None) -> None:
         """Keep references to the live objects."""
         self.model = model
         self.optimizer = optimizer
-        self.stateful: dict[str, Stateful] = dict(stateful or {})
-        for name, obj in self.stateful.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"stateful keys must be non-empty str, got {name!r}")
-            if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
-                raise TypeError(f"stateful[{name!r}] has no state_dict/load_state_dict")
+        self.stateful: dict[str, Stateful] = _checked("stateful", stateful)
+        self.data: dict[str, Stateful] = _checked("data", data)
+        both = set(self.stateful) & set(self.data)
+        if both:
+            raise ValueError(f"names in both stateful= and data=: {sorted(both)}")
 
     # -- capture ---------------------------------------------------------
 
@@ -116,14 +167,25 @@ class TrainingState:
             sig += [id(p) for p in group["params"]]
         return tuple(sig)
 
-    def capture_step(self, rng_from: Capture | None = None) -> Capture:
-        """Capture what is fixed right after ``optimizer.step()``: flat refs, buffers, RNG.
+    def capture_moment(self) -> Moment:
+        """Take the RNG states and the ``data`` objects' states now."""
+        tensors: dict[str, torch.Tensor] = {}
+        rng_meta = rng.capture(tensors)
+        data = {name: encode(obj.state_dict(), f"data/{_safe(name)}", tensors) for name, obj in self.data.items()}
+        for name, t in list(tensors.items()):
+            if name.startswith("data/"):
+                tensors[name] = host_copy(t)
+        return Moment({"rng": rng_meta, "data": data}, tensors)
+
+    def capture_step(self, moment: Moment | None = None) -> Capture:
+        """Capture what is fixed right after ``optimizer.step()``: flat refs, buffers, the moment.
 
         Args:
-            rng_from: reuse the RNG states of this earlier capture (a re-capture
-                after parameters were added, when the RNG may have moved on).
+            moment: the RNG and data states taken when the step returned
+                (default: now).
         """
         cap = Capture(signature=self.signature())
+        owners: list[torch.Tensor | None] = []
         lazy: dict[str, torch.Tensor] = {}
         eager: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
@@ -142,6 +204,7 @@ class TrainingState:
             if isinstance(value, torch.nn.Parameter):
                 model_params.add(id(value))
                 lazy[name] = value.detach()
+                owners.append(value)
             else:
                 eager[name] = value.detach()
         params = _param_indices(self.optimizer)
@@ -149,20 +212,18 @@ class TrainingState:
         for i, p in enumerate(params):
             if id(p) not in model_params and id(p) not in seen:
                 lazy[f"optim/param/{i}"] = p.detach()
+                owners.append(p)
                 outside[str(i)] = f"optim/param/{i}"
         opt_sd = self.optimizer.state_dict()
         opt_tensors: dict[str, torch.Tensor] = {}
         state_tree = encode(opt_sd["state"], "optim/state", opt_tensors)
         for name, tensor in opt_tensors.items():
             lazy[name] = tensor.detach()
+            owners.append(None)
         cap.names = list(lazy)
         cap.sources = list(lazy.values())
+        cap.owners = owners
         _copy_all(eager, cap.eager)
-        if rng_from is None:
-            rng_meta = rng.capture(cap.eager)
-        else:
-            rng_meta = rng_from.meta["rng"]
-            cap.eager.update({k: v for k, v in rng_from.eager.items() if k.startswith("rng/")})
         cap.meta = {
             "asymcheck": {"format": FORMAT},
             "model": {"aliases": aliases, "extra": extra},
@@ -172,14 +233,14 @@ class TrainingState:
                 "param_dtypes": [str(p.dtype).removeprefix("torch.") for p in params],
                 "outside_params": outside,
             },
-            "rng": rng_meta,
         }
+        (moment or self.capture_moment()).apply(cap)
         return cap
 
     def capture_next(self, cap: Capture) -> None:
         """Capture what may change after the step but before the next one: param groups, stateful.
 
-        The caller must first re-capture (``capture_step(rng_from=cap)``) if
+        The caller must first re-capture (``capture_step(moment)``) if
         ``signature()`` changed since ``cap`` was taken (parameters added).
         """
         eager: dict[str, torch.Tensor] = {}
@@ -218,6 +279,7 @@ class TrainingState:
             model_sd = self._check_model(tensors, meta["model"])
             opt_sd, outside = self._check_optimizer(tensors, meta["optimizer"])
             states = self._check_stateful(tensors, meta.get("stateful", {}))
+            datas = _check_named("data", self.data, tensors, meta.get("data", {}))
             rng_meta = meta["rng"]
         except (KeyError, TypeError, UnsupportedStateError) as exc:
             if isinstance(exc, StateMismatchError):
@@ -232,6 +294,8 @@ class TrainingState:
             self.optimizer.load_state_dict(opt_sd)
             for name, state in states.items():
                 self.stateful[name].load_state_dict(state)
+            for name, state in datas.items():
+                self.data[name].load_state_dict(state)
             rng.restore(rng_meta, tensors)
 
         return apply
@@ -286,10 +350,24 @@ class TrainingState:
         return {"state": decode(meta["state"], tensors), "param_groups": groups}, outside
 
     def _check_stateful(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
-        if set(meta) != set(self.stateful):
-            raise StateMismatchError(f"stateful objects differ: checkpoint has {sorted(meta)}, "
-                                     f"live {sorted(self.stateful)}")
-        return {name: decode(tree, tensors) for name, tree in meta.items()}
+        return _check_named("stateful", self.stateful, tensors, meta)
+
+
+def _check_named(kind: str, live: Mapping[str, Stateful], tensors: Mapping[str, torch.Tensor],
+                 meta: Mapping[str, Any]) -> dict[str, Any]:
+    if set(meta) != set(live):
+        raise StateMismatchError(f"{kind} objects differ: checkpoint has {sorted(meta)}, live {sorted(live)}")
+    return {name: decode(tree, tensors) for name, tree in meta.items()}
+
+
+def _checked(kind: str, objs: Mapping[str, Stateful] | None) -> dict[str, Stateful]:
+    out = dict(objs or {})
+    for name, obj in out.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{kind} keys must be non-empty str, got {name!r}")
+        if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
+            raise TypeError(f"{kind}[{name!r}] has no state_dict/load_state_dict")
+    return out
 
 
 def _safe(name: str) -> str:

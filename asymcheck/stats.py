@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ class StepRecord:
             (off the training thread with the copy thread; inside the hooks when inline).
         iteration_s: seconds since the previous step pre-hook.
         skipped: the version was dropped because a commit was still in flight.
+        dropped: the version was dropped because a captured tensor changed before its copy.
     """
 
     step: int
@@ -37,6 +39,7 @@ class StepRecord:
     iteration_s: float
     skipped: bool = False
     copy_s: float = 0.0
+    dropped: bool = False
 
     @property
     def overhead_s(self) -> float:
@@ -46,7 +49,14 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class CheckpointStats:
-    """A copy of the Checkpointer's counters; ``summary()`` gives the headline numbers."""
+    """A copy of the Checkpointer's counters; ``summary()`` gives the headline numbers.
+
+    ``versions_dropped`` counts versions not committed because a captured
+    tensor changed in place before it was copied (see :mod:`asymcheck.edits`),
+    ``eager_tensors`` the tensors copied eagerly since. ``commits_failed`` and
+    ``failures_since_durable`` count failed background commits (all of them,
+    and those since the newest durable version); ``last_error`` is the newest.
+    """
 
     steps: tuple[StepRecord, ...]
     versions_opened: int
@@ -61,6 +71,9 @@ class CheckpointStats:
     last_error: str | None
     replans: int
     last_committed: int | None
+    versions_dropped: int = 0
+    eager_tensors: tuple[str, ...] = ()
+    failures_since_durable: int = 0
 
     def summary(self) -> dict[str, Any]:
         """Medians and 90th percentiles of stall and iteration time over sealed steps."""
@@ -81,6 +94,7 @@ class CheckpointStats:
             "versions_committed": self.versions_committed,
             "versions_skipped": self.versions_skipped,
             "commits_failed": self.commits_failed,
+            "versions_dropped": self.versions_dropped,
             "stall_median_s": statistics.median(stall) if stall else 0.0,
             "stall_p90_s": pct(stall, 0.9),
             "overhead_median_s": statistics.median(overhead) if overhead else 0.0,
@@ -109,6 +123,8 @@ class StatsRecorder:
     stored_bytes: int = 0
     last_error: str | None = None
     last_committed: int | None = None
+    last_committed_at: float | None = None  # time.monotonic() of the newest commit
+    failures_since_durable: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_step(self, record: StepRecord) -> None:
@@ -126,14 +142,18 @@ class StatsRecorder:
             if len(self.commit_seconds) > self.keep:
                 self.commit_seconds.popleft()
             self.last_committed = max(step, self.last_committed or 0)
+            self.last_committed_at = time.monotonic()
+            self.failures_since_durable = 0
 
     def failed(self, reason: str) -> None:
         """Count a failed commit."""
         with self.lock:
             self.commits_failed += 1
+            self.failures_since_durable += 1
             self.last_error = reason
 
-    def snapshot(self, copy_seconds: float, copy_bytes: int, replans: int) -> CheckpointStats:
+    def snapshot(self, copy_seconds: float, copy_bytes: int, replans: int, dropped: int = 0,
+                 eager: tuple[str, ...] = ()) -> CheckpointStats:
         """Return an immutable copy."""
         with self.lock:
             return CheckpointStats(
@@ -150,4 +170,7 @@ class StatsRecorder:
                 last_error=self.last_error,
                 replans=replans,
                 last_committed=self.last_committed,
+                versions_dropped=dropped,
+                eager_tensors=eager,
+                failures_since_durable=self.failures_since_durable,
             )

@@ -9,6 +9,15 @@ Checkpointer into ``--dir``, and can SIGKILL itself at a chosen point:
 - ``commit:K``   inside the background commit after K commits succeeded
   (a CrashingLocalTier that dies with half a manifest written)
 
+``--config`` picks the loop shape: ``plain`` (step, then scheduler), ``accum`` (gradient
+accumulation), ``scaler`` (GradScaler, fp16 autocast: some steps are skipped), ``val`` (a
+validation forward under no_grad and eval() between the step and the scheduler), ``rngbatch``
+(the batch is drawn from the global RNG before the forward), ``loader`` (a data loader that
+advances when a batch is fetched, passed as ``data=``), ``ema`` (an EMA of the weights, swapped
+into the model for an evaluation inside ``ckpt.editing()``), ``emaraw`` (the same swap without
+``editing()``: versions are dropped and reported) and ``edits`` (an ``nn.Embedding(max_norm=...)``
+front, ``load_state_dict`` weight surgery and ``p.data.mul_`` at the head of the iteration).
+
 Each finished iteration appends ``{"it", "loss"}`` (loss as a hex float) to
 ``OUT/losses.jsonl``; a run that ends writes its final state through
 asymstore to ``OUT/final``. ``--no-ckpt`` trains without a Checkpointer (the
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -51,15 +61,83 @@ class DataPosition:
         self.iteration = int(state["iteration"])
 
 
+class Loader:
+    """A data loader whose position advances when a batch is fetched (captured as ``data=``)."""
+
+    def __init__(self) -> None:
+        self.fetched = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(77 + self.fetched)
+        self.fetched += 1
+        x = torch.randn(16, 32, generator=g)
+        return x, x.flip(1) * 0.5
+
+    def state_dict(self) -> dict[str, int]:
+        return {"fetched": self.fetched}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.fetched = int(state["fetched"])
+
+
+class EMA:
+    """An exponential moving average of the parameters (a stateful object, updated after each step)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = list(model.parameters())
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    def update(self) -> None:
+        with torch.no_grad():
+            for s, p in zip(self.shadow, self.params, strict=True):
+                s.mul_(0.9).add_(p, alpha=0.1)
+
+    def swap_eval(self, model: nn.Module, x: torch.Tensor) -> float:
+        """Evaluate with the EMA weights (copied in under no_grad), then put the originals back."""
+        with torch.no_grad():
+            backup = [p.detach().clone() for p in self.params]
+            for p, s in zip(self.params, self.shadow, strict=True):
+                p.copy_(s)
+            model.eval()
+            loss = float(model(x).square().mean())
+            model.train()
+            for p, b in zip(self.params, backup, strict=True):
+                p.copy_(b)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shadow": [s.clone() for s in self.shadow]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s, v in zip(self.shadow, state["shadow"], strict=True):
+            s.copy_(v)
+
+
+class Embedded(nn.Module):
+    """An ``nn.Embedding(max_norm=...)`` (renormalises looked-up rows in place, in the forward) before the MLP."""
+
+    def __init__(self, body: nn.Sequential) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32, max_norm=0.8)
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 9).long().clamp(max=63)
+        out: torch.Tensor = self.body(self.emb(ids).mean(1) + x)
+        return out
+
+
 def build(config: str) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
     torch.manual_seed(1234)
     random.seed(1234)  # unused by training, but part of the state compared
     np.random.seed(1234)
-    model = nn.Sequential(
+    model: nn.Module = nn.Sequential(
         nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.2),
         nn.Linear(128, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.2),
         nn.Linear(128, 32),
     )
+    if config == "edits":
+        model = Embedded(model)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18, growth_interval=2) if config == "scaler" else None
@@ -91,12 +169,23 @@ def save_final(out: Path, state: TrainingState, step: int) -> None:
     asyncio.run(write())
 
 
+CONFIGS = ["plain", "accum", "scaler", "val", "rngbatch", "loader", "ema", "emaraw", "edits"]
+
+
+def head_edits(model: nn.Module, it: int) -> None:
+    """Edits at the head of the iteration (a restart repeats them): surgery and a manual ``.data`` edit."""
+    body = model.body if isinstance(model, Embedded) else model
+    if it % 4 == 2:
+        model.load_state_dict({k: v * 0.97 for k, v in model.state_dict().items()})
+    body[3].weight.data.mul_(0.995)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--iterations", type=int, default=14)
-    ap.add_argument("--config", choices=["plain", "accum", "scaler"], default="plain")
+    ap.add_argument("--config", choices=CONFIGS, default="plain")
     ap.add_argument("--kill", default="none")
     ap.add_argument("--no-ckpt", action="store_true")
     ap.add_argument("--iter-sleep", type=float, default=0.0, help="seconds to sleep per iteration")
@@ -113,8 +202,15 @@ def main() -> int:
     model, opt, sched, scaler = build(args.config)
     pos = DataPosition()
     stateful: dict[str, Any] = {"sched": sched, "pos": pos}
+    data: dict[str, Any] = {}
     if scaler is not None:
         stateful["scaler"] = scaler
+    loader = Loader()
+    if args.config == "loader":
+        data["loader"] = loader
+    ema = EMA(model) if args.config in ("ema", "emaraw") else None
+    if ema is not None:
+        stateful["ema"] = ema
     micro_now = [0]
 
     if args.no_ckpt:
@@ -124,13 +220,13 @@ def main() -> int:
     else:
         tier = (CrashingLocalTier(args.dir, crash_at="manifest_half", after=kill_at) if kind == "commit"
                 else LocalTier(args.dir))
-        ckpt = Checkpointer(model, opt, [tier], stateful=stateful, keep_last=3, warmup=2,
+        ckpt = Checkpointer(model, opt, [tier], stateful=stateful, data=data, keep_last=3, warmup=2,
                             min_partition_bytes=16 << 10)
 
     def steps_done() -> int:
         return ckpt.step if ckpt is not None else step_of[0]
 
-    middle = model[3]
+    middle = model.body[3] if isinstance(model, Embedded) else model[3]
     if kind == "forward":
         middle.register_forward_pre_hook(
             lambda m, a: die() if steps_done() == kill_at and micro_now[0] == accum - 1 else None)
@@ -156,9 +252,17 @@ def main() -> int:
         while pos.iteration < args.iterations:
             it = pos.iteration
             total = 0.0
+            if args.config == "edits":
+                head_edits(model, it)
             for micro in range(accum):
                 micro_now[0] = micro
-                x, y = batch(it, micro)
+                if args.config == "rngbatch":  # drawn from the global RNG before the forward
+                    x = torch.randn(16, 32)
+                    y = x.flip(1) * 0.5
+                elif args.config == "loader":
+                    x, y = loader.next()
+                else:
+                    x, y = batch(it, micro)
                 if scaler is not None:
                     with torch.autocast("cpu", dtype=torch.float16):
                         loss = nn.functional.mse_loss(model(x).float(), y) / accum
@@ -172,9 +276,22 @@ def main() -> int:
                 scaler.update()
             else:
                 opt.step()
+            extra = 0.0
+            if args.config == "val":  # validation between the step and the scheduler
+                model.eval()
+                with torch.no_grad():
+                    extra = float(nn.functional.mse_loss(model(batch(it, 99)[0]), batch(it, 99)[1]))
+                model.train()
+            if ema is not None:
+                ema.update()
+                guard = ckpt.editing() if ckpt is not None and args.config == "ema" else contextlib.nullcontext()
+                with guard:
+                    extra = ema.swap_eval(model, batch(it, 98)[0])
             sched.step()
             opt.zero_grad(set_to_none=True)
-            losses.write(json.dumps({"it": it, "loss": float(total).hex(), "step": steps_done()}) + "\n")
+            record = {"it": it, "loss": float(total).hex(), "extra": float(extra).hex(), "step": steps_done(),
+                      "dropped": ckpt.versions_dropped if ckpt is not None else 0}
+            losses.write(json.dumps(record) + "\n")
             losses.flush()
             pos.iteration += 1
             if args.iter_sleep:
@@ -183,9 +300,10 @@ def main() -> int:
     if ckpt is not None:
         ckpt.close()
         stats = ckpt.stats()
-        emit(event="stats", skipped=stats.versions_skipped, committed=stats.versions_committed)
-    save_final(out, TrainingState(model, opt, stateful), steps_done())
-    emit(event="done", step=steps_done(), train_seconds=train_seconds)
+        emit(event="stats", skipped=stats.versions_skipped, committed=stats.versions_committed,
+             dropped=stats.versions_dropped)
+    save_final(out, TrainingState(model, opt, stateful, data), steps_done())
+    emit(event="done", step=steps_done(), iterations=pos.iteration, train_seconds=train_seconds)
     return 0
 
 

@@ -3,10 +3,16 @@
 Case fields:
 
 - ``kind``: ``"ds"`` (a DeepSpeed engine, ``stage`` 0-3) or ``"ddp"`` (plain PyTorch DDP + Checkpointer).
-- ``mode``: ``"ref"`` (train ``iterations`` without checkpoints), ``"attach"`` (checkpoint every
+- ``mode``: ``"refuse"`` (DeepSpeed: an engine with optimizer offload; ``attach()`` and ``install()``
+  must refuse it), ``"ref"`` (train ``iterations`` without checkpoints), ``"attach"`` (checkpoint every
   iteration into ``dir``: DeepSpeed ``attach()`` or a Checkpointer over a RankStore; resumes from
   what ``dir`` holds) or ``"roundtrip"`` (DeepSpeed ``save_checkpoint`` at ``save_at`` through
   AsymCheckpointEngine, continue; then a fresh engine loads it and continues the same way).
+- ``shape`` (DeepSpeed only), loop shapes of issue 9: ``"loader"``: the batch comes from a data
+  loader that advances when a batch is fetched (``data=``) plus a draw from the global RNG before
+  the forward; ``"val"``: a validation forward (no_grad, eval()) runs after ``engine.step()``, before
+  the data position (a ``stateful`` counter) is advanced; ``"accum"``: gradient accumulation over two
+  micro-batches (``gradient_accumulation_steps: 2``, ``engine.step()`` after each).
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
@@ -80,6 +86,25 @@ def batch(it: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.flip(1) * 0.5
 
 
+class Loader:
+    """A data loader whose position advances when a batch is fetched."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.fetched = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(500 + self.fetched, self.rank)
+        self.fetched += 1
+        return x, y
+
+    def state_dict(self) -> dict[str, int]:
+        return {"fetched": self.fetched}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.fetched = int(state["fetched"])
+
+
 class Log:
     def __init__(self, cdir: Path, rank: int) -> None:
         self.cdir, self.rank = cdir, rank
@@ -141,13 +166,13 @@ def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
 # -- DeepSpeed -----------------------------------------------------------------------------
 
 
-def ds_engine(stage: int) -> Any:
+def ds_engine(stage: int, accum: int = 1) -> Any:
     import deepspeed
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
-    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": accum, "steps_per_print": 10**6,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64},
            "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
@@ -155,23 +180,36 @@ def ds_engine(stage: int) -> Any:
 
 
 def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataPosition | None = None,
-             kill_at: int = -1) -> None:
+             kill_at: int = -1, loader: Loader | None = None, val: bool = False) -> None:
+    accum = int(engine.gradient_accumulation_steps())
     for it in range(start, stop):
         if it == kill_at:
             log.event(event="dying", it=it)
-        x, y = batch(it, rank)
-        loss = nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        log.loss(it, loss.item())
+        value = 0.0
+        for micro in range(accum):  # engine.step() after every micro-batch; the optimizer steps on the last
+            if loader is not None:  # fetched batch, then a draw from the global RNG, before the forward
+                x, y = loader.next()
+                x = x + 0.1 * torch.randn(x.shape)
+            else:
+                x, y = batch(it * 10 + micro if accum > 1 else it, rank)
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            value += loss.item()
+        if val:  # validation between the step and the loop's own bookkeeping (the data position below)
+            engine.eval()
+            with torch.no_grad():
+                value += nn.functional.mse_loss(engine(batch(900 + it, rank)[0]), batch(900 + it, rank)[1]).item()
+            engine.train()
+        log.loss(it, value)
         if pos is not None:
             pos.iteration += 1
 
 
-def ds_final(engine: Any, cdir: Path, rank: int, name: str = "final") -> None:
+def ds_final(engine: Any, cdir: Path, rank: int, name: str = "final", **objs: Any) -> None:
     from asymcheck.deepspeed import DeepSpeedState
 
-    tensors, meta = DeepSpeedState(engine).capture_all()
+    tensors, meta = DeepSpeedState(engine, **objs).capture_all()
     save_final(cdir / f"{name}-rank{rank}", int(engine.global_steps), tensors, meta)
 
 
@@ -182,31 +220,63 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     n = case["iterations"]
+    loader = Loader(rank) if case.get("shape") == "loader" else None
+    val = case.get("shape") == "val"
+    accum = 2 if case.get("shape") == "accum" else 1
+    objs: dict[str, Any] = {"data": {"loader": loader}} if loader is not None else {}
     if case["mode"] == "ref":
-        engine = ds_engine(case["stage"])
-        ds_train(engine, 0, n, rank, log)
-        ds_final(engine, log.cdir, rank)
+        engine = ds_engine(case["stage"], accum)
+        ds_train(engine, 0, n, rank, log, loader=loader, val=val)
+        ds_final(engine, log.cdir, rank, **objs)
     elif case["mode"] == "attach":
-        engine = ds_engine(case["stage"])
+        engine = ds_engine(case["stage"], accum)
         pos = DataPosition()
         tiers = rank_tiers(case, rank)
         where: Any = tiers if tiers is not None else case["dir"]
         ckpt = ads.attach(engine, where, root=case["dir"], stateful={"pos": pos}, keep_last=3,
-                          timeout_s=case.get("timeout_s", 60.0), warmup=1, min_partition_bytes=512)
+                          timeout_s=case.get("timeout_s", 60.0), warmup=1, min_partition_bytes=512, **objs)
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration, fallbacks=list(
-            ckpt.restored.fallbacks) if ckpt.restored else [])
+            ckpt.restored.fallbacks) if ckpt.restored else [], fetched=loader.fetched if loader else None)
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             engine.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
-        ds_train(engine, pos.iteration, n, rank, log, pos)
+        ds_train(engine, pos.iteration, n, rank, log, pos, loader=loader, val=val)
         ckpt.close()
         stats = ckpt.stats()
         log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed,
-                  versions=ckpt.final_versions, plan=len(ckpt.plan.partitions) if ckpt.plan else 0)
-        ds_final(engine, log.cdir, rank)
+                  versions=ckpt.final_versions, plan=len(ckpt.plan.partitions) if ckpt.plan else 0,
+                  dropped=stats.versions_dropped)
+        ds_final(engine, log.cdir, rank, **objs)
     elif case["mode"] == "roundtrip":
         ds_roundtrip(case, rank, log)
+    elif case["mode"] == "refuse":
+        ds_refuse(case, rank, log)
+
+
+def ds_refuse(case: dict[str, Any], rank: int, log: Log) -> None:
+    """A real engine with ZeRO-Offload (optimizer state on the CPU): attach() and install() must refuse it."""
+    import deepspeed
+
+    import asymcheck.deepspeed as ads
+    from asymcheck.errors import UnsupportedConfigError
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
+           "zero_force_ds_cpu_optimizer": False,
+           "zero_optimization": {"stage": case["stage"], "offload_optimizer": {"device": "cpu"}}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    for api in ("attach", "install"):
+        try:
+            if api == "attach":
+                ads.attach(engine, case["dir"])
+            else:
+                ads.install(engine)
+            log.event(event="accepted", api=api)
+        except UnsupportedConfigError as exc:
+            log.event(event="refused", api=api, message=str(exc))
+    ds_train(engine, 0, 2, rank, log)  # the engine is untouched and trains
 
 
 def ds_roundtrip(case: dict[str, Any], rank: int, log: Log) -> None:

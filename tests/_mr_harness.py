@@ -89,10 +89,14 @@ class Case:
         return asyncio.run(read())
 
 
-def assert_same_state(a: Checkpoint, b: Checkpoint, *, ignore_meta: tuple[str, ...] = ()) -> None:
-    """Every tensor bit-identical (dtype, shape, bytes) and the JSON meta equal (but for ``ignore_meta`` paths)."""
+def assert_same_state(a: Checkpoint, b: Checkpoint, *, ignore_meta: tuple[str, ...] = (),
+                      ignore_tensors: str | None = None) -> None:
+    """Every tensor bit-identical (dtype, shape, bytes) and the JSON meta equal (but for ``ignore_meta`` paths
+    and tensors whose name starts with ``ignore_tensors``)."""
     assert sorted(a.tensors) == sorted(b.tensors)
     for name, x in a.tensors.items():
+        if ignore_tensors is not None and name.startswith(ignore_tensors):
+            continue
         y = b.tensors[name]
         assert x.dtype == y.dtype and x.shape == y.shape, name
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), name

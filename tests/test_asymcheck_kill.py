@@ -9,6 +9,12 @@ stateful objects and RNG states must equal those of an uninterrupted run
 without a Checkpointer, byte for byte, and every loss either child logged
 must equal the uninterrupted run's loss for that iteration.
 
+The configurations are the loop shapes of issue 9 (step then scheduler, validation between step
+and scheduler, a batch from the global RNG, a fetching data loader, gradient accumulation,
+GradScaler skipping steps) and the in-place edits (EMA swap inside and outside ``editing()``,
+``Embedding(max_norm)``, ``load_state_dict``, ``p.data.mul_``): ordinary loops must drop no
+version, edited ones must report their dropped versions, and every resume is bit-exact.
+
 Children run five at a time so their torch imports and fsyncs overlap.
 """
 
@@ -35,9 +41,11 @@ pytestmark = pytest.mark.slow
 CHILD = Path(__file__).with_name("_asymcheck_child.py")
 ROOT = Path(__file__).resolve().parent.parent
 KILLED = -signal.SIGKILL
-ITERATIONS = {"plain": 16, "accum": 10, "scaler": 14}
+ITERATIONS = {"plain": 16, "accum": 10, "scaler": 14, "val": 12, "rngbatch": 12, "loader": 12, "ema": 12,
+              "emaraw": 12, "edits": 12}
+EDITED = {"emaraw", "edits"}  # loops that edit captured tensors outside editing(): versions dropped and reported
 
-# (config, kill point): see the child's docstring
+# (config, kill point): see the child's docstring; one case per loop shape of issue 9 at least
 CASES = [
     ("plain", "forward:5"),
     ("plain", "backward:7"),
@@ -48,6 +56,12 @@ CASES = [
     ("accum", "backward:5"),
     ("scaler", "forward:7"),
     ("scaler", "commit:4"),
+    ("val", "forward:6"),  # step, validation forward (no_grad, eval), then scheduler
+    ("rngbatch", "backward:5"),  # batch drawn from the global RNG before the forward
+    ("loader", "forward:7"),  # a data loader that advances when a batch is fetched (data=)
+    ("ema", "forward:6"),  # EMA swap evaluation inside editing()
+    ("emaraw", "backward:7"),  # the same swap without editing(): dropped versions, never a wrong one
+    ("edits", "forward:6"),  # Embedding(max_norm), load_state_dict surgery, p.data.mul_
 ]
 
 
@@ -105,12 +119,12 @@ def assert_bit_exact(ref: Path, got: Path) -> None:
 
 
 def assert_losses_match(ref: Path, *runs: Path, iterations: int) -> None:
-    want = {r["it"]: r["loss"] for r in losses(ref)}
+    want = {r["it"]: (r["loss"], r.get("extra")) for r in losses(ref)}
     assert sorted(want) == list(range(iterations))
     seen: set[int] = set()
     for run in runs:
-        for rec in losses(run):
-            assert rec["loss"] == want[rec["it"]], f"iteration {rec['it']} of {run.name}"
+        for rec in losses(run):  # training loss, and the validation / EMA evaluation loss
+            assert (rec["loss"], rec.get("extra")) == want[rec["it"]], f"iteration {rec['it']} of {run.name}"
             seen.add(rec["it"])
     assert seen == set(range(iterations))
 
@@ -155,20 +169,31 @@ def test_resume_after_sigkill_is_bit_exact(config: str, kill: str, references: d
     logged = losses(run["work"] / "killed")
     last_step = logged[-1]["step"] if logged else 0
     step = check_resumed(config, run["work"], references[config], run["resumed"])
+    dropped = max((rec["dropped"] for rec in logged), default=0)
+    if config in EDITED:
+        assert dropped >= 1  # the edit was detected and reported before the kill
+    else:
+        assert dropped == 0  # an ordinary loop never loses a version to the edit checks
+    if config == "scaler":
+        ref_steps = losses(references[config])[-1]["step"]
+        assert ref_steps < ITERATIONS[config]  # GradScaler really skipped steps in this loop
     kind, _, at = kill.partition(":")
     if kind == "commit":
         assert step == int(at)  # the K commits before the crash are there, the torn one is not
+    elif config in EDITED:
+        assert 1 <= step <= last_step  # dropped versions are never committed; eager copies keep later ones
     else:
         # lost at most the open version and the one still committing
         assert last_step - 2 <= step <= last_step
 
 
-def test_resume_after_a_random_kill_from_the_parent(tmp_path: Path, references: dict[str, Path]) -> None:
+@pytest.mark.parametrize("config", ["plain", "val", "edits"])
+def test_resume_after_a_random_kill_from_the_parent(tmp_path: Path, references: dict[str, Path], config: str) -> None:
     seed = int(os.environ.get("ASYMCHECK_KILL_SEED", "0"))
-    rng = random.Random(seed)
+    rng = random.Random(f"{seed}-{config}")
     delay = rng.uniform(0.05, 0.5)
     print(f"random kill: seed {seed}, {delay:.3f} s after the child's first iteration")
-    proc = spawn(*child_args("plain", tmp_path / "ckpt", tmp_path / "killed", "--iter-sleep", "0.02"))
+    proc = spawn(*child_args(config, tmp_path / "ckpt", tmp_path / "killed", "--iter-sleep", "0.04"))
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert json.loads(line)["event"] == "resumed"
@@ -176,6 +201,7 @@ def test_resume_after_a_random_kill_from_the_parent(tmp_path: Path, references: 
     os.kill(proc.pid, signal.SIGKILL)
     rc, _, err = finish(proc)
     assert rc == KILLED, err
-    resumed = finish(spawn(*child_args("plain", tmp_path / "ckpt", tmp_path / "resumed")))
-    step = check_resumed("plain", tmp_path, references["plain"], resumed)
+    assert len(losses(tmp_path / "killed")) < ITERATIONS[config]  # killed while training
+    resumed = finish(spawn(*child_args(config, tmp_path / "ckpt", tmp_path / "resumed")))
+    step = check_resumed(config, tmp_path, references[config], resumed)
     print(f"killed after {len(losses(tmp_path / 'killed'))} iterations, resumed at step {step}")

@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from _asymcheck_train import data, equal_state, make_model, make_opt, open_ckpt, tensors_of
+from _asymcheck_train import data, equal_state, make_model, make_opt, open_ckpt, read_versions, tensors_of
 from torch import nn
 
 from asymcheck import (
     Checkpointer,
     CheckpointerStateError,
     CommitFailedError,
+    NoDurableVersionError,
     StateMismatchError,
     StepConflictError,
     UnsupportedStateError,
@@ -173,11 +174,11 @@ class FailingTier(LocalTier):
         return await super().begin(step, nbytes)
 
 
-def test_failed_commits_raise_at_the_next_step(tmp_path: Path) -> None:
+def test_failed_commits_raise_at_the_next_step_with_on_error_raise(tmp_path: Path) -> None:
     tier = FailingTier(tmp_path, after=2, times=None)
     model = make_model()
     opt, _ = make_opt(model)
-    ckpt = open_ckpt(model, opt, [tier])
+    ckpt = open_ckpt(model, opt, [tier], on_error="raise")
     with pytest.raises(CommitFailedError):
         for it in range(20):
             step_once(model, opt, it)
@@ -198,6 +199,57 @@ def test_failed_commits_can_be_only_logged(tmp_path: Path) -> None:
     stats = ckpt.stats()
     assert stats.commits_failed == 2 and stats.versions_committed == 4
     assert stats.last_error and "injected failure" in stats.last_error
+
+
+def test_by_default_failed_commits_are_retried_by_later_versions_and_reported(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = FailingTier(tmp_path, after=2, times=5)  # an outage of 5 versions, then the tier is back
+    model = make_model()
+    opt, _ = make_opt(model)
+    with open_ckpt(model, opt, [tier]) as ckpt:  # on_error="budget": 30 minutes by default
+        for it in range(12):
+            step_once(model, opt, it)
+            ckpt.flush()
+            if it == 5:
+                mid = ckpt.stats()
+                assert mid.commits_failed >= 3 and mid.failures_since_durable >= 3 and mid.last_error
+    stats = ckpt.stats()
+    assert stats.commits_failed == 5 and stats.failures_since_durable == 0
+    assert stats.versions_committed == 12 - 5 and stats.last_committed == 12
+    assert sum("failed (the next version is the next attempt)" in r.message for r in caplog.records) == 5
+    assert read_versions(tmp_path).keys() == {1, 2, 8, 9, 10, 11, 12}
+
+
+def test_training_stops_once_no_version_was_durable_within_the_step_budget(tmp_path: Path) -> None:
+    tier = FailingTier(tmp_path, after=2, times=None)  # the tier never comes back
+    model = make_model()
+    opt, _ = make_opt(model)
+    ckpt = open_ckpt(model, opt, [tier], max_steps_without_durable=4, max_seconds_without_durable=None)
+    done = 0
+    with pytest.raises(NoDurableVersionError, match="max_steps_without_durable=4"):
+        for it in range(20):
+            step_once(model, opt, it)
+            ckpt.flush()
+            done = it + 1
+    assert done == 6  # durable at step 2; steps 3-6 failed; the 7th step is refused (7 - 2 > 4)
+    with pytest.raises(CommitFailedError):
+        ckpt.close()
+    assert ckpt.stats().last_committed == 2
+
+
+def test_training_stops_once_no_version_was_durable_within_the_time_budget(tmp_path: Path) -> None:
+    tier = FailingTier(tmp_path, after=1, times=None)
+    model = make_model()
+    opt, _ = make_opt(model)
+    ckpt = open_ckpt(model, opt, [tier], max_seconds_without_durable=0.3)
+    with pytest.raises(NoDurableVersionError, match=r"max_seconds_without_durable=0\.3"):
+        for it in range(100):
+            step_once(model, opt, it)
+            ckpt.flush()
+            time.sleep(0.05)
+    assert 3 <= ckpt.step <= 40  # stopped after about 0.3 s of failing, not at the first failure
+    with pytest.raises(CommitFailedError):
+        ckpt.close()
 
 
 class SlowTier(LocalTier):

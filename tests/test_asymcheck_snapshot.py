@@ -154,3 +154,32 @@ def test_plan_and_stats_are_reported(tmp_path: Path) -> None:
     assert all(r.copy_s >= 0 for r in records) and sum(r.copy_s for r in records) > 0
     summary = ckpt.stats().summary()
     assert summary["versions_committed"] == 8 and summary["bytes_per_version"] > plan.total_bytes
+
+
+def test_copy_engine_never_reads_memory_that_is_no_longer_the_tensors() -> None:
+    from asymcheck.copyengine import CopyEngine, CopyJob
+
+    engine = CopyEngine("thread")
+    try:
+        src = torch.arange(1 << 16, dtype=torch.float32)
+        dst = torch.zeros(src.numel() * 4, dtype=torch.uint8)
+        job = CopyJob(src, dst, 0, dst.numel(), version=src._version, ptr=src.data_ptr(), need=dst.numel(), index=0)
+        engine.submit([job])
+        engine.wait()
+        assert engine.take_bad() == set()
+        assert torch.equal(dst.view(torch.float32), src)
+
+        gone = torch.arange(1 << 16, dtype=torch.float32)
+        ptr, version = gone.data_ptr(), gone._version
+        gone.untyped_storage().resize_(0)  # what FSDP does to an unsharded parameter after its forward
+        edited = torch.ones(1 << 16)
+        v0 = edited._version
+        edited.mul_(2)
+        out = torch.zeros(1 << 18, dtype=torch.uint8)
+        engine.submit([CopyJob(gone, out, 0, out.numel(), version, ptr, out.numel(), index=1),
+                       CopyJob(edited, out.clone(), 0, out.numel(), v0, edited.data_ptr(), out.numel(), index=2)])
+        engine.wait()
+        assert engine.take_bad() == {1, 2}  # neither copied: reported instead
+        assert int(out.count_nonzero()) == 0
+    finally:
+        engine.close()

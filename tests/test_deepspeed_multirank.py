@@ -37,6 +37,9 @@ ITERATIONS = 7
 STAGES = (0, 1, 2, 3)
 KILL_AT = {0: 4, 1: 5, 2: 4, 3: 5}  # iteration whose forward pass dies
 MID_COMMIT_STAGE = 2
+SHAPE_STAGES = (1, 3)
+SHAPES = ("loader", "val", "accum")  # loop shapes of issue 9: fetching loader + global-RNG batch; validation after
+#                                     the step; gradient accumulation
 
 
 def cases_for(world: int, root: Path) -> list[dict[str, Any]]:
@@ -51,6 +54,19 @@ def cases_for(world: int, root: Path) -> list[dict[str, Any]]:
             {"name": f"rt{s}", "kind": "ds", "stage": s, "mode": "roundtrip", "iterations": 6, "save_at": 3,
              "dir": str(root / f"rt{s}"), "fsck": True},
         ]
+    for s in SHAPE_STAGES:
+        for shape in SHAPES:
+            ck = str(root / f"{shape}{s}")
+            common = {"kind": "ds", "stage": s, "iterations": ITERATIONS, "shape": shape}
+            cases += [
+                {"name": f"{shape}-ref{s}", "mode": "ref", **common},
+                {"name": f"{shape}-kill{s}", "mode": "attach", "dir": ck, "fsck": True,
+                 "kill": {"rank": None, "at": f"forward:{KILL_AT[s]}"}, **common},
+                {"name": f"{shape}-resume{s}", "mode": "attach", "dir": ck, **common},
+            ]
+    if world == 1:
+        cases.append({"name": "refuse", "kind": "ds", "stage": 2, "mode": "refuse", "iterations": 2,
+                      "dir": str(root / "refused")})
     if world == 2:
         mc = str(root / "midcommit")
         cases += [
@@ -104,6 +120,25 @@ def test_attach_sigkill_resume_is_bit_identical_to_an_uninterrupted_run(world: t
         assert check_losses(ref, kill, resume, rank=r) == KILL_AT[stage] + ITERATIONS - resumed["step"]
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stage", SHAPE_STAGES)
+def test_attach_is_bit_identical_in_every_loop_shape(world: tuple[int, Path], stage: int, shape: str) -> None:
+    n, out = world
+    ref, kill, resume = (Case(out, f"{shape}-{k}{stage}", n) for k in ("ref", "kill", "resume"))
+    restorable = kill.fsck()["newest_restorable"]
+    for r in range(n):
+        assert ref.rc(r) == 0 and resume.rc(r) == 0, resume.log(r)
+        assert kill.rc(r) == -9, f"rank {r} of the killed run: rc {kill.rc(r)}\n{kill.log(r)}"
+        [resumed] = resume.events(r, "resumed")
+        assert resumed["step"] == restorable == resumed["iteration"]
+        assert resumed["fetched"] == (resumed["step"] if shape == "loader" else None)
+        assert 1 <= resumed["step"] < KILL_AT[stage]
+        [stats] = resume.events(r, "stats")
+        assert stats["failed"] == 0 and stats["dropped"] == 0
+        assert_same_state(ref.final(r), resume.final(r))  # engine, RNG, this rank's buffers, the loader
+        assert check_losses(ref, kill, resume, rank=r) == KILL_AT[stage] + ITERATIONS - resumed["step"]
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_save_and_load_checkpoint_roundtrip_through_asym_checkpoint_engine(world: tuple[int, Path],
                                                                           stage: int) -> None:
@@ -121,11 +156,27 @@ def test_save_and_load_checkpoint_roundtrip_through_asym_checkpoint_engine(world
         [loaded] = rt.events(r, "loaded")
         assert loaded["client"] == {"note": "hello", "at": 3} and loaded["global_steps"] == 3
         assert loaded["path"] in (model_file, model_file.replace("rank_0_", f"rank_{r}_"))
-        # DeepSpeed's checkpoint does not hold micro_steps; everything else must match
-        assert_same_state(rt.final(r, "continued"), rt.final(r, "reloaded"), ignore_meta=("deepspeed/engine",))
+        # DeepSpeed's checkpoint does not hold micro_steps, and below ZeRO-3 it holds rank 0's module
+        # buffers only (every rank loads rank 0's BatchNorm statistics); everything else must match
+        ignore = "buffers/" if stage < 3 and r > 0 else None
+        assert_same_state(rt.final(r, "continued"), rt.final(r, "reloaded"), ignore_meta=("deepspeed/engine",),
+                          ignore_tensors=ignore)
         logged = rt.losses(r)
         assert [it for it, _ in logged] == [0, 1, 2, 3, 4, 5, 3, 4, 5]
         assert logged[3:6] == logged[6:]
+
+
+def test_attach_and_install_refuse_a_real_engine_with_optimizer_offload(world: tuple[int, Path]) -> None:
+    n, out = world
+    if n != 1:
+        pytest.skip("run on one rank")
+    case = Case(out, "refuse", n)
+    assert case.rc(0) == 0, case.log(0)
+    refused = case.events(0, "refused")
+    assert [e["api"] for e in refused] == ["attach", "install"] and not case.events(0, "accepted")
+    assert all("zero_optimization.offload_optimizer.device=cpu" in e["message"] for e in refused)
+    assert not (Path(out).parent / "ckpt" / "refused").exists()  # refused before any store was made
+    assert len(case.losses(0)) == 2
 
 
 def test_a_rank_killed_mid_commit_leaves_the_previous_global_version(world: tuple[int, Path]) -> None:

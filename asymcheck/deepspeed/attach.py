@@ -10,6 +10,7 @@ from typing import Any
 from asymcheck.checkpointer import Checkpointer
 from asymcheck.deepspeed.hooks import DeepSpeedHooks, inner_optimizer
 from asymcheck.deepspeed.state import DeepSpeedState
+from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.state import Stateful
 from asymstore.multirank import RankStore
@@ -31,16 +32,25 @@ class DeepSpeedCheckpointer(Checkpointer):
     """
 
     def __init__(self, engine: Any, store: RankStore, *, stateful: Mapping[str, Stateful] | None = None,
-                 every: int = 1, **kwargs: Any) -> None:
+                 data: Mapping[str, Stateful] | None = None, every: int = 1, **kwargs: Any) -> None:
         """Hook ``engine``; see :func:`attach` for the arguments."""
+        check_engine(engine, "attach")
         register_deepspeed_types()
-        super().__init__(engine.module, inner_optimizer(engine), store, stateful=stateful, every=every, **kwargs)
+        super().__init__(engine.module, inner_optimizer(engine), store, stateful=stateful, data=data, every=every,
+                         **kwargs)
         self._hooks.remove()  # the plain adapter's optimizer hooks do not fit DeepSpeed's step
         self.engine = engine
-        self.state = DeepSpeedState(engine, store, self._loop.run, stateful)
+        self.state = DeepSpeedState(engine, store, self._loop.run, stateful, data)
         self._hooks = self._ds_hooks = DeepSpeedHooks(
             engine, on_forward=self._on_forward, on_grad=self._on_grad, on_step_pre=self._on_step_pre,
-            on_step_post=self._on_step_post)
+            on_step_post=self._on_step_post, on_step_done=self._on_step_done)
+
+    def _on_step_done(self) -> None:
+        if not self._closed and (self._step + 1) % self.every == 0:
+            self._moment = self.state.capture_moment()  # before the next batch is drawn
+
+    def _settle(self) -> None:
+        self._ds_hooks.settle()
 
     @property
     def rank_store(self) -> RankStore:
@@ -56,7 +66,8 @@ class DeepSpeedCheckpointer(Checkpointer):
 
 
 def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str | os.PathLike[str] | None = None,
-           stateful: Mapping[str, Stateful] | None = None, keep_last: int | None = 3, timeout_s: float = 300.0,
+           stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
+           keep_last: int | None = 3, timeout_s: float = 300.0,
            **kwargs: Any) -> DeepSpeedCheckpointer:
     """Snapshot ``engine`` every ``every`` optimizer steps, asymmetrically, into a multi-rank store.
 
@@ -77,14 +88,22 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
             rank's tiers (fastest first) with ``root=`` for the global manifests.
         every: snapshot every ``every``-th optimizer step.
         root: the multi-rank root when ``store_or_tiers`` is a list of tiers.
-        stateful: name -> object with ``state_dict``/``load_state_dict`` (data position, sampler),
-            saved per rank.
+        stateful: name -> object with ``state_dict``/``load_state_dict`` updated after the step
+            (counters advanced at the end of the loop body, your own schedulers), saved per rank.
+        data: name -> object with ``state_dict``/``load_state_dict`` that advances when a batch is drawn
+            (data loader, sampler): taken when the optimizer step returns, saved per rank.
         keep_last: global versions kept (when the store is built here).
         timeout_s: how long rank 0 waits for every rank's shard at each commit.
         **kwargs: passed to :class:`asymcheck.Checkpointer` (``warmup``, ``max_inflight``,
             ``host_slots``, ``min_partition_bytes``...). Keep ``when_busy="wait"``: a version
             one rank skips can never be completed globally.
+
+    Raises:
+        UnsupportedConfigError: the engine uses a setting whose state the capture would miss
+            (offload, MoE, pipeline or model parallelism, ZeRO++ hpZ; see
+            :mod:`asymcheck.deepspeed.support`) or an untested DeepSpeed version.
     """
+    check_engine(engine, "attach")
     if isinstance(store_or_tiers, RankStore):
         store = store_or_tiers
     elif isinstance(store_or_tiers, (str, os.PathLike)):
@@ -93,4 +112,4 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
         if root is None:
             raise ValueError("attach() with a list of tiers needs root= (the directory of the global manifests)")
         store = RankStore(root, tiers=list(store_or_tiers), keep_last=keep_last, timeout_s=timeout_s)
-    return DeepSpeedCheckpointer(engine, store, stateful=stateful, every=every, **kwargs)
+    return DeepSpeedCheckpointer(engine, store, stateful=stateful, data=data, every=every, **kwargs)

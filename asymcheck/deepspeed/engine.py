@@ -39,6 +39,7 @@ from asymcheck.deepspeed.files import (
     file_keys,
     write_stubs,
 )
+from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.storeloop import StoreLoop
 from asymstore.fileio import atomic_write
@@ -224,7 +225,13 @@ def install(engine: Any, **kwargs: Any) -> AsymCheckpointEngine:
     """Make ``engine.save_checkpoint`` / ``load_checkpoint`` go through asymstore; return the new engine.
 
     Call after ``deepspeed.initialize``. ``kwargs`` go to :class:`AsymCheckpointEngine`.
+
+    Raises:
+        UnsupportedConfigError: the engine uses a setting the tests do not exercise with this
+            checkpoint engine (offload, MoE, pipeline or model parallelism, ZeRO++ hpZ; see
+            :mod:`asymcheck.deepspeed.support`) or an untested DeepSpeed version.
     """
+    check_engine(engine, "install")
     ce = AsymCheckpointEngine(engine, **kwargs)
     engine.checkpoint_engine = ce
     return ce

@@ -9,6 +9,9 @@ inner step once per parameter sub-group. So:
 - *step pre* (drain and seal the previous version) is the inner optimizer's
   first step pre-hook of an engine step: nothing the version holds has
   changed yet;
+- *step done* (take the RNG states and ``data`` objects) is the inner
+  optimizer's step post-hook: nothing of the next iteration has drawn yet (a
+  batch drawn from the global RNG before the forward included);
 - *step post* (open the new version) is deferred to the first forward
   pre-hook after the step, prepended on the root module so it runs before
   ZeRO-3 gathers any parameter: ``engine.step()`` has finished by then, so
@@ -26,7 +29,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from asymcheck.errors import UnsupportedStateError
-from asymcheck.hooks import Callback, HookSet
+from asymcheck.hooks import Callback, ForwardCallback, HookSet
 
 logger = logging.getLogger(__name__)
 
@@ -50,17 +53,19 @@ class DeepSpeedHooks(HookSet):
 
     Args:
         engine: the DeepSpeed engine.
-        on_forward: called at each forward pre-hook.
+        on_forward: called at each forward pre-hook (with whether it is a training forward).
         on_grad: called after a gradient is accumulated into a parameter.
         on_step_pre: called once per engine step, before the optimizer changes anything.
         on_step_post: called once the engine step is complete (at the next forward, or ``settle``).
+        on_step_done: called after each inner optimizer step (ZeRO-3: once per sub-group).
     """
 
-    def __init__(self, engine: Any, *, on_forward: Callback, on_grad: Callback, on_step_pre: Callback,
-                 on_step_post: Callback) -> None:
+    def __init__(self, engine: Any, *, on_forward: ForwardCallback, on_grad: Callback, on_step_pre: Callback,
+                 on_step_post: Callback, on_step_done: Callback | None = None) -> None:
         """Register every hook."""
         self._pre_cb = on_step_pre
         self._post_cb = on_step_post
+        self._done_cb = on_step_done
         self.stepping = False  # inside an engine step (the inner pre-hook fired)
         self.stepped = False  # the inner step ran; the post callback is due
         super().__init__(engine.module, inner_optimizer(engine), on_forward=on_forward, on_grad=on_grad,
@@ -74,6 +79,8 @@ class DeepSpeedHooks(HookSet):
 
     def _inner_post(self) -> None:
         self.stepped = True
+        if self._done_cb is not None:
+            self._done_cb()
 
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
         self.settle()

@@ -16,7 +16,10 @@ buffers, loss scale) is copied at once.
 Uses two private engine methods, ``_save_checkpoint`` (builds and "saves" the
 model-states dict) and ``_get_zero_ckpt_name`` (the ZeRO file's name), and
 the attributes ``save_zero_checkpoint`` and ``micro_steps``; nothing is
-patched. Unlike ``save_checkpoint`` it runs no collective.
+patched. Unlike ``save_checkpoint`` it runs no collective. DeepSpeed writes the
+module states of rank 0 only, so each version also holds this rank's own module
+buffers (BatchNorm statistics differ between ranks), loaded after DeepSpeed's
+``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from asymcheck.deepspeed.hooks import inner_optimizer
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.encode import decode, encode
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
-from asymcheck.state import Capture, Stateful, TrainingState
+from asymcheck.state import Capture, Moment, Stateful, TrainingState
 from asymstore.multirank import RankStore
 from asymstore.restore import Checkpoint
 from asymstore.tensorbytes import host_copy
@@ -55,6 +58,7 @@ logger = logging.getLogger(__name__)
 FORMAT = 1
 KIND = "deepspeed-attach"
 TAG = "asymcheck"
+BUFFERS = "buffers/"  # this rank's module buffers (BatchNorm statistics differ per rank)
 _BASE = "/asymcheck-capture"  # saved paths are only ever made relative to this; nothing is written there
 
 T = TypeVar("T")
@@ -76,11 +80,11 @@ class DeepSpeedState(TrainingState):
     """
 
     def __init__(self, engine: Any, store: RankStore | None = None, run: Runner | None = None,
-                 stateful: Mapping[str, Stateful] | None = None) -> None:
+                 stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None) -> None:
         """Keep references to the live objects."""
         if getattr(engine, "has_moe_layers", False):
             raise UnsupportedStateError("attach() does not support MoE engines yet")
-        super().__init__(engine.module, inner_optimizer(engine), stateful)
+        super().__init__(engine.module, inner_optimizer(engine), stateful, data)
         register_deepspeed_types()
         self.engine = engine
         self.store = store
@@ -145,8 +149,8 @@ class DeepSpeedState(TrainingState):
                 if isinstance(value, torch.Tensor) and value.numel():
                     module[key] = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def capture_step(self, rng_from: Capture | None = None) -> Capture:
-        """Capture the whole version (called once ``engine.step()`` is complete)."""
+    def capture_step(self, moment: Moment | None = None) -> Capture:
+        """Capture the engine's files (called once ``engine.step()`` is complete) and ``moment`` (default: now)."""
         cap = Capture(signature=self.signature())
         tensors: dict[str, torch.Tensor] = {}
         trees = encode_files(self.capture_files(), tensors)
@@ -158,28 +162,31 @@ class DeepSpeedState(TrainingState):
                 cap.sources.append(t.detach())
             else:
                 eager[name] = t
-        stateful = {name: encode(obj.state_dict(), f"stateful/{name}", eager) for name, obj in self.stateful.items()}
         for name, t in eager.items():
             cap.eager[name] = host_copy(t)
-        rng_meta = rng.capture(cap.eager) if rng_from is None else rng_from.meta["rng"]
-        if rng_from is not None:
-            cap.eager.update({k: v for k, v in rng_from.eager.items() if k.startswith("rng/")})
+        for name, b in self.model.named_buffers():  # this rank's own: DeepSpeed saves rank 0's module only
+            cap.eager[f"{BUFFERS}{name}"] = host_copy(b)
         cap.meta = {
             "asymcheck": {"format": FORMAT, "kind": KIND},
             META_KEY: {"tag": TAG, "files": trees,
                        "engine": {"micro_steps": int(self.engine.micro_steps),
                                   "global_steps": int(self.engine.global_steps)}},
-            "stateful": stateful,
-            "rng": rng_meta,
         }
+        (moment or self.capture_moment()).apply(cap)
         return cap
 
     def capture_next(self, cap: Capture) -> None:
-        """Nothing: the version is complete at ``capture_step``."""
+        """Capture the ``stateful`` objects (after the loop's own bookkeeping of the step)."""
+        eager: dict[str, torch.Tensor] = {}
+        cap.meta["stateful"] = {name: encode(obj.state_dict(), f"stateful/{name}", eager)
+                                for name, obj in self.stateful.items()}
+        for name, t in eager.items():
+            cap.eager[name] = host_copy(t)
 
     def capture_all(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Capture everything now, synchronously."""
         cap = self.capture_step()
+        self.capture_next(cap)
         tensors = dict(cap.eager)
         for name, src in zip(cap.names, cap.sources, strict=True):
             tensors[name] = host_copy(src)
@@ -198,6 +205,9 @@ class DeepSpeedState(TrainingState):
         if set(stateful) != set(self.stateful):
             raise StateMismatchError(f"stateful objects differ: checkpoint has {sorted(stateful)}, "
                                      f"live {sorted(self.stateful)}")
+        data = meta.get("data", {})
+        if set(data) != set(self.data):
+            raise StateMismatchError(f"data objects differ: checkpoint has {sorted(data)}, live {sorted(self.data)}")
         fetch = self._fetcher(tensors, meta)
         base = tempfile.mkdtemp(prefix="asymcheck-ds-load-")
         engine = self.engine
@@ -213,8 +223,15 @@ class DeepSpeedState(TrainingState):
             engine.checkpoint_engine = saved_engine
             shutil.rmtree(base, ignore_errors=True)
         engine.micro_steps = int(meta[META_KEY]["engine"]["micro_steps"])
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                own = tensors.get(f"{BUFFERS}{name}")
+                if own is not None:
+                    b.copy_(own)
         for name, tree in stateful.items():
             self.stateful[name].load_state_dict(decode(tree, tensors))
+        for name, tree in data.items():
+            self.data[name].load_state_dict(decode(tree, tensors))
         rng.restore(meta["rng"], tensors)
 
     def _fetcher(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> _Fetcher:

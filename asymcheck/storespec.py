@@ -1,0 +1,52 @@
+"""Where the Checkpointer's versions go: building the store from what the user passed, and restore info."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asymstore import AsymStore, LocalTier, Tier
+
+StoreSpec = AsymStore | Sequence[Tier] | str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """Where ``resume()`` found its version.
+
+    Attributes:
+        step: the version restored (optimizer steps completed).
+        tier: the tier it was read from.
+        fallbacks: newer versions or faster copies that failed verification first.
+    """
+
+    step: int
+    tier: str
+    fallbacks: tuple[str, ...]
+
+
+def make_store(spec: StoreSpec, keep_last: int | None) -> AsymStore:
+    """An AsymStore for ``spec``: itself, over a list of tiers, or over a directory (a RankStore under DDP)."""
+    if isinstance(spec, AsymStore):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:  # DDP: one shard per rank, a global commit
+            from asymstore.multirank import RankStore
+
+            return RankStore(spec, keep_last=keep_last)
+        return AsymStore([LocalTier(spec)], keep_last=keep_last)
+    return AsymStore(list(spec), keep_last=keep_last)
+
+
+def on_cuda(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` lives on a CUDA device."""
+    return any(p.is_cuda for p in model.parameters())
+
+
+async def versions_of(store: AsymStore) -> dict[str, list[int]]:
+    """``store.versions()`` (run on the store's loop)."""
+    return store.versions()

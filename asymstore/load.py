@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from asymstore.errors import CorruptVersionError, DestinationMismatchError
-from asymstore.manifest import Manifest
+from asymstore.manifest import Chunk, Manifest
 from asymstore.tiers.base import ReadIntoTier, Tier
 from asymstore.verify import READ_AHEAD, decode_one, physical_memory_bytes, read_manifest, verify_segment
 
@@ -50,9 +50,12 @@ def _targets(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, 
     return views
 
 
-def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dict[str, list[tuple[int, memoryview]]]:
-    """Segments whose every chunk is raw and lands in a destination: segment -> (offset, destination slice)."""
-    ranges: dict[str, list[tuple[int, memoryview]]] = {s.name: [] for s in manifest.segments}
+_Direct = list[tuple[str, Chunk, memoryview]]
+
+
+def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dict[str, _Direct]:
+    """Segments whose every chunk is raw and lands in a destination: segment -> (tensor, chunk, destination slice)."""
+    ranges: dict[str, _Direct] = {s.name: [] for s in manifest.segments}
     mixed: set[str] = set()
     for name, entry in manifest.tensors.items():
         dest = targets.get(name)
@@ -61,7 +64,7 @@ def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dic
             if dest is None or c.codec != "raw":
                 mixed.add(c.segment)
             else:
-                ranges[c.segment].append((c.offset, dest[pos:pos + c.raw_length]))
+                ranges[c.segment].append((name, c, dest[pos:pos + c.raw_length]))
             pos += c.raw_length
     return {seg: r for seg, r in ranges.items() if seg not in mixed}
 
@@ -94,8 +97,10 @@ async def load_version(tier: Tier, step: int, into: Mapping[str, torch.Tensor] |
         async with sem:
             if name in direct:
                 assert isinstance(tier, ReadIntoTier)
-                await tier.read_segment_into(step, name, size, direct[name])
-                return name, None  # the bytes are in the destinations; checked chunk by chunk below
+                await tier.read_segment_into(step, name, size, [(c.offset, view) for _, c, view in direct[name]])
+                # verified right away, while this segment's bytes are still warm, and beside the next reads
+                await asyncio.to_thread(_verify_in_place, direct[name])
+                return name, None
             data = await tier.read_segment(step, name, size)
             verify_segment(manifest, name, data, deep=False)
             return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
@@ -104,10 +109,15 @@ async def load_version(tier: Tier, step: int, into: Mapping[str, torch.Tensor] |
     return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, into)
 
 
+def _verify_in_place(items: _Direct) -> None:
+    for name, chunk, view in items:
+        decode_one(name, chunk, view, None)  # raw: checks the length and the checksum of the destination bytes
+
+
 def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None],
                    targets: Mapping[str, memoryview] | None = None,
                    into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Verify and decode every tensor of ``manifest`` from its segments (None: already in its destination)."""
+    """Verify and decode every tensor of ``manifest`` from its segments (None: already verified in its destination)."""
     import torch
 
     from asymstore.codec import RAW
@@ -128,9 +138,7 @@ def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None]
         for chunk in entry.chunks:
             target = buf[pos:pos + chunk.raw_length]
             stored = segments[chunk.segment]
-            if stored is None:  # read straight into the destination: verify it there
-                decode_one(name, chunk, target, None)
-            else:
+            if stored is not None:  # None: read straight into the destination and verified there already
                 raw = decode_one(name, chunk, stored[chunk.offset:chunk.offset + chunk.length],
                                  None if single else target)
                 if single:

@@ -16,11 +16,12 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from asymstore.batcher import VersionPlan
 from asymstore.errors import CapacityError, StepCommittedError
+from asymstore.tiers.base import HoldingTier
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +179,72 @@ class Flusher:
         for plan in self.queue:
             self._finish(plan)
         self.queue.clear()
+
+
+class Background:
+    """The store's slower tiers: one :class:`Flusher` each, and the fast-tier copies held for them.
+
+    When the durable tier is not persistent (a memory tier), the copies on the
+    tiers up to it are the only ones until every slower tier has the version:
+    those tiers *hold* it (:class:`~asymstore.tiers.base.HoldingTier`) until
+    each flusher has finished with it.
+    """
+
+    def __init__(self) -> None:
+        """Start with no background tier."""
+        self.flushers: dict[str, Flusher] = {}
+        self._holds: dict[int, tuple[int, list[HoldingTier]]] = {}  # step -> (flushers left, held tiers)
+        self._side_tasks: set[asyncio.Future[None]] = set()
+
+    def add(self, name: str, write: Callable[[VersionPlan], Awaitable[object]], backlog: int) -> None:
+        """Start a flusher for the tier ``name``."""
+        self.flushers[name] = Flusher(name, write, backlog=backlog, on_finished=self._finished)
+
+    def submit(self, plan: VersionPlan, held: Sequence[object]) -> None:
+        """Hand ``plan`` to every flusher; ``held`` tiers keep their copy until all of them are done."""
+        if not self.flushers:
+            return
+        holders = [t for t in held if isinstance(t, HoldingTier)]
+        if holders:
+            self._holds[plan.step] = (len(self.flushers), holders)
+            for tier in holders:
+                tier.hold(plan.step)
+        for f in self.flushers.values():
+            f.submit(plan)
+
+    def _finished(self, step: int) -> None:
+        """A flusher is done with ``step``: release the held copies once every flusher is."""
+        entry = self._holds.get(step)
+        if entry is None:
+            return
+        left, holders = entry
+        if left > 1:
+            self._holds[step] = (left - 1, holders)
+            return
+        del self._holds[step]
+        for tier in holders:
+            task = asyncio.ensure_future(tier.release(step))
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
+
+    async def wait(self, step: int, name: str | None = None, timeout: float | None = None) -> None:
+        """Wait until every flusher (or the one of tier ``name``) has ``step`` or a newer version.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+        """
+        flushers = [f for f in self.flushers.values() if name is None or f.name == name]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in flushers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await f.wait(step, left)
+
+    async def stop(self) -> None:
+        """Stop every flusher, reporting the versions each is still behind by."""
+        for name, f in self.flushers.items():
+            if f.depth:
+                logger.error("closing: %s is %d version(s) behind (newest there: %s; last error: %s); "
+                             "dropping them", name, f.depth, f.newest, f.stats.last_error)
+        for f in self.flushers.values():
+            await f.stop()
+        self.flushers.clear()

@@ -20,7 +20,7 @@ from asymstore.batcher import (
     VersionPlan,
 )
 from asymstore.calibration import CalibrationCache, TierCalibration, assumed_calibration, calibrate
-from asymstore.cascade import Flusher
+from asymstore.cascade import Background
 from asymstore.codec import PlaneCodec
 from asymstore.errors import (
     AsymstoreError,
@@ -35,7 +35,7 @@ from asymstore.errors import (
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.restore import Checkpoint, restore_newest
 from asymstore.staging import PendingStep, stages_inline
-from asymstore.tiers.base import ExclusiveTier, HoldingTier, Tier
+from asymstore.tiers.base import ExclusiveTier, Tier
 from asymstore.tierwrite import TierState, write_version
 
 if TYPE_CHECKING:
@@ -152,9 +152,7 @@ class AsymStore:
         self._pending: dict[int, PendingStep] = {}
         self._commit_lock = asyncio.Lock()
         self._committed_steps: set[int] = set()  # committed through this store object
-        self._side_tasks: set[asyncio.Future[None]] = set()
-        self._flushers: dict[str, Flusher] = {}
-        self._holds: dict[int, int] = {}  # step -> background tiers still to write it (held fast tiers)
+        self._background = Background()
         self.close_timeout_s = close_timeout_s
         self.backlog = backlog
         self.read_only = read_only
@@ -210,9 +208,7 @@ class AsymStore:
             return self
         await self._calibrate(refresh=False)
         for state in self._tiers[self._durable + 1:]:
-            self._flushers[state.tier.name] = Flusher(
-                state.tier.name, functools.partial(self._write_locked, state), backlog=self.backlog,
-                on_finished=self._flushed_one)
+            self._background.add(state.tier.name, functools.partial(self._write_locked, state), self.backlog)
         self._open = True
         return self
 
@@ -251,14 +247,9 @@ class AsymStore:
         try:
             await self.flushed(timeout=self.close_timeout_s)
         except TimeoutError:
-            for name, f in self._flushers.items():
-                if f.depth:
-                    logger.error("closing: %s is %d version(s) behind (newest there: %s; last error: %s); "
-                                 "dropping them", name, f.depth, f.newest, f.stats.last_error)
+            pass  # stop() reports what is left behind
         finally:
-            for f in self._flushers.values():
-                await f.stop()
-            self._flushers.clear()
+            await self._background.stop()
             for step in list(self._pending):
                 logger.warning("closing with step %d put but never committed; dropping it", step)
             self._pending.clear()
@@ -304,7 +295,7 @@ class AsymStore:
         newest = self.newest_step
         out = {}
         for s in self._tiers:
-            f = self._flushers.get(s.tier.name)
+            f = self._background.flushers.get(s.tier.name)
             have = max(s.versions) if s.versions else None
             lag = 0 if newest is None else sum(1 for v in self._committed_steps if v > (have or -1))
             out[s.tier.name] = TierStatus(
@@ -448,14 +439,9 @@ class AsymStore:
             logger.warning("step %d was put but never committed before step %d; dropping it", older, step)
             del self._pending[older]
         self._committed_steps.add(step)
-        if self._flushers:
-            if not self._tiers[self._durable].tier.persistent:  # keep the only copies until a slower tier has them
-                self._holds[step] = len(self._flushers)
-                for state in self._tiers[: self._durable + 1]:
-                    if isinstance(state.tier, HoldingTier) and step in state.versions:
-                        state.tier.hold(step)
-            for f in self._flushers.values():
-                f.submit(plan)
+        only_copies = not self._tiers[self._durable].tier.persistent  # held until a slower tier has them
+        self._background.submit(plan, [s.tier for s in self._tiers[: self._durable + 1]
+                                       if only_copies and step in s.versions])
         assert manifest is not None, "the durable tier either committed or raised"
         return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 
@@ -473,21 +459,6 @@ class AsymStore:
         """A background tier's write (the flusher retries it and counts the tier done once)."""
         async with state.lock:
             await self._write_tier_locked(state, plan)
-
-    def _flushed_one(self, step: int) -> None:
-        """A flusher is done with ``step``: release held fast-tier copies once every flusher is."""
-        left = self._holds.get(step)
-        if left is None:
-            return
-        if left > 1:
-            self._holds[step] = left - 1
-            return
-        del self._holds[step]
-        for state in self._tiers[: self._durable + 1]:
-            if isinstance(state.tier, HoldingTier):
-                task = asyncio.ensure_future(state.tier.release(step))
-                self._side_tasks.add(task)
-                task.add_done_callback(self._side_tasks.discard)
 
     async def _write_tier(self, state: TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
         try:
@@ -515,16 +486,12 @@ class AsymStore:
             step = max(self._committed_steps, default=None)
             if step is None:
                 return
-        flushers = list(self._flushers.values())
+        name = None
         if tier is not None:
             name = tier if isinstance(tier, str) else tier.name
             if name not in {s.tier.name for s in self._tiers}:
                 raise ValueError(f"{name!r} is not one of the store's tiers")
-            flushers = [f for f in flushers if f.name == name]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for f in flushers:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            await f.wait(step, left)
+        await self._background.wait(step, name, timeout)
 
     # -- reading ---------------------------------------------------------
 

@@ -32,7 +32,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "resume", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck},
         {"name": "mc_kill", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": mc,
          "kill": {"rank": 1, "at": "commit:6"}, "timeout_s": 4.0, "fsck": True},
-        {"name": "mc_resume", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": mc},
+        {"name": "mc_resume", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": mc, "fsck": True},
     ]
     run_cases(cases, 2, root / "out")
     return root / "out"
@@ -69,6 +69,8 @@ def test_ddp_rank_killed_mid_commit_leaves_the_previous_global_version(out: Path
     status = {v["name"]: v["status"] for v in report["versions"]}
     assert status["global/v000000000007.json"] == "partial"
     assert any(n.startswith("rank-00001/.tmp-v000000000007") and s == "partial" for n, s in status.items())
+    after = resume.fsck()  # the resumed job's commits rolled back the dead commit's shards; its open swept the rest
+    assert after["ok"] and after["partial_steps"] == {} and after["stale_steps"] == {}, after["problems"]
     for r in range(2):
         assert resume.rc(r) == 0, resume.log(r)
         [resumed] = resume.events(r, "resumed")

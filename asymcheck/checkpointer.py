@@ -20,6 +20,7 @@ from asymcheck.failures import FailureBudget, OnError
 from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
 from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
+from asymcheck.preempt import PreemptionRecord, PreemptOn, SigtermNotice
 from asymcheck.snapshot import Snapshot
 from asymcheck.state import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
@@ -102,6 +103,10 @@ class Checkpointer(VersionCycle):
         max_seconds_without_durable: the same in seconds (None: no time limit).
         save_on_close: ``close()`` saves the final step even when it is not
             a multiple of ``every``.
+        preempt_on: ``"sigterm"`` (constructed on the main thread): on SIGTERM,
+            the next hook commits the newest completed step durably, then
+            hands the signal on to the program's own handler or the default
+            (see :mod:`asymcheck.preempt`); ``"none"`` leaves SIGTERM alone.
 
     Raises:
         UnsupportedModelError: a parameter, buffer or optimizer tensor is a
@@ -114,7 +119,8 @@ class Checkpointer(VersionCycle):
                  host_slots: int = 2, copy: CopyMode = "thread", warmup: int = 3, max_partitions: int = 16,
                  min_partition_bytes: int = 1 << 20, replan_tolerance: float = 0.25, clock: Clock | None = None,
                  on_error: OnError = "budget", max_steps_without_durable: int | None = None,
-                 max_seconds_without_durable: float | None = 1800.0, save_on_close: bool = True) -> None:
+                 max_seconds_without_durable: float | None = 1800.0, save_on_close: bool = True,
+                 preempt_on: PreemptOn = "sigterm") -> None:
         """Open the store on its own thread and register the hooks."""
         if every < 1:
             raise ValueError("every must be >= 1")
@@ -159,6 +165,8 @@ class Checkpointer(VersionCycle):
         self._copy_mark = 0.0
         self.restored: RestoreInfo | None = None
         self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
+        self.preempted: PreemptionRecord | None = None
+        self._notice = SigtermNotice(preempt_on)
         self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
                               on_step_pre=self._on_step_pre, on_step_post=self._on_step_post)
 
@@ -291,6 +299,36 @@ class Checkpointer(VersionCycle):
         """
         self._close(save=True)
 
+    def preempt(self) -> PreemptionRecord:
+        """Finish now: commit the newest completed step durably, wait for every commit, close (no exit).
+
+        For schedulers that announce preemption other than by SIGTERM; call it
+        from the training thread between iterations. SIGTERM does the same at
+        the next hook, then lets the process exit.
+        """
+        self._require_open()
+        return self._flush_for_preemption("explicit")
+
+    def _flush_for_preemption(self, reason: str) -> PreemptionRecord:
+        started = time.perf_counter()
+        durable = True
+        try:
+            self._close(save=True, remove_hooks=False)  # inside a hook the hooks stay registered (as no-ops)
+        except Exception as exc:  # recorded and logged: the process is about to exit
+            durable = False
+            logger.error("preemption: the final commit failed: %s", exc)
+        record = PreemptionRecord(reason, self._step, durable, time.perf_counter() - started,
+                                  self.final_versions or {})
+        self.preempted = record
+        logger.warning("preemption (%s): step %d %s in %.2f s; versions %s", reason, record.step,
+                       "durable" if durable else "NOT durable", record.seconds, record.versions)
+        return record
+
+    def _check_notice(self) -> None:
+        if self._notice.pending and not self._closed:
+            self._flush_for_preemption("SIGTERM")
+            self._notice.hand_on()
+
     def __enter__(self) -> Checkpointer:
         """Return self."""
         return self
@@ -319,6 +357,7 @@ class Checkpointer(VersionCycle):
         self._event(BACKWARD)
 
     def _event(self, phase: str) -> None:
+        self._check_notice()
         if self._closed:
             return
         started = time.perf_counter()
@@ -333,6 +372,7 @@ class Checkpointer(VersionCycle):
         self._hook_s += time.perf_counter() - started
 
     def _on_step_pre(self) -> None:
+        self._check_notice()
         if self._closed:
             return
         started = time.perf_counter()
@@ -370,13 +410,17 @@ class Checkpointer(VersionCycle):
             self._open(self._step)
         self._recorder.start()
         self._open_s = time.perf_counter() - started
+        # no notice check here: the loop's own scheduler.step() etc. of this step have not run yet
 
     def _require_open(self) -> None:
         if self._closed:
             raise CheckpointerStateError("the Checkpointer is closed")
 
-    def _close(self, *, save: bool) -> None:
+    def _close(self, *, save: bool, remove_hooks: bool = True) -> None:
         if self._closed:
+            if remove_hooks:
+                self._hooks.remove()  # left registered by a preemption flush inside a hook
+                self._notice.uninstall()
             return
         self._closed = True
         try:
@@ -392,7 +436,9 @@ class Checkpointer(VersionCycle):
             self._commits.drain()
             self.final_versions = self._loop.run(versions_of(self._loop.store))
         finally:
-            self._hooks.remove()
+            if remove_hooks:
+                self._hooks.remove()
+                self._notice.uninstall()
             self._engine.close()
             self._loop.close()
         error = self._commits.take_error()

@@ -189,7 +189,15 @@ def main() -> int:
     ap.add_argument("--kill", default="none")
     ap.add_argument("--no-ckpt", action="store_true")
     ap.add_argument("--iter-sleep", type=float, default=0.0, help="seconds to sleep per iteration")
+    ap.add_argument("--own-sigterm", action="store_true",
+                    help="install the program's own SIGTERM handler first (writes OUT/sigterm, exits 0)")
     args = ap.parse_args()
+    if args.own_sigterm:
+        def own(signum: int, frame: Any) -> None:
+            (Path(args.out) / "sigterm").write_text("handled\n")
+            raise SystemExit(0)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        signal.signal(signal.SIGTERM, own)
 
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)

@@ -205,3 +205,30 @@ def test_resume_after_a_random_kill_from_the_parent(tmp_path: Path, references: 
     resumed = finish(spawn(*child_args(config, tmp_path / "ckpt", tmp_path / "resumed")))
     step = check_resumed(config, tmp_path, references[config], resumed)
     print(f"killed after {len(losses(tmp_path / 'killed'))} iterations, resumed at step {step}")
+
+
+@pytest.mark.parametrize("handler", ["default", "own"])
+def test_sigterm_commits_the_newest_completed_step_then_exits(tmp_path: Path, references: dict[str, Path],
+                                                              handler: str) -> None:
+    """Preemption: SIGTERM mid-training; the next hook commits the newest completed step durably, then the
+    default action (killed by SIGTERM) or the program's own handler (exit 0) runs; the resume is bit-exact."""
+    extra = ["--iter-sleep", "0.04", *(["--own-sigterm"] if handler == "own" else [])]
+    proc = spawn(*child_args("val", tmp_path / "ckpt", tmp_path / "killed", *extra))
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["event"] == "resumed"
+    deadline = time.monotonic() + 60
+    while len(losses(tmp_path / "killed")) < 5 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, _, err = finish(proc)
+    logged = losses(tmp_path / "killed")
+    assert 5 <= len(logged) < ITERATIONS["val"], err  # preempted while training
+    if handler == "default":
+        assert rc == -signal.SIGTERM, err  # the default action, as without a Checkpointer
+    else:
+        assert rc == 0 and (tmp_path / "killed" / "sigterm").read_text() == "handled\n", err
+    assert "preemption (SIGTERM)" in err and "durable" in err
+    resumed = finish(spawn(*child_args("val", tmp_path / "ckpt", tmp_path / "resumed")))
+    step = check_resumed("val", tmp_path, references["val"], resumed)
+    last = logged[-1]["step"]
+    assert step in (last, last + 1), (step, last)  # nothing lost: the newest completed step (or the one in flight)

@@ -59,10 +59,10 @@ class DeepSpeedCheckpointer(Checkpointer):
         assert isinstance(store, RankStore)
         return store
 
-    def _close(self, *, save: bool) -> None:
+    def _close(self, *, save: bool, remove_hooks: bool = True) -> None:
         if not self._closed:
             self._ds_hooks.settle()  # the last step's version opens before close() seals it
-        super()._close(save=save)
+        super()._close(save=save, remove_hooks=remove_hooks)
 
 
 def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str | os.PathLike[str] | None = None,

@@ -32,6 +32,7 @@ from collections.abc import Collection
 
 from asymstore.errors import RootLockedError
 from asymstore.layout import LATEST, TMP_PREFIX, fsync_dir, parse_version_dirname
+from asymstore.manifest import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,7 @@ def is_leftover_name(name: str) -> bool:
     return name.startswith(TMP_PREFIX) or (name.startswith(f".{LATEST}.") and name.endswith(".tmp"))
 
 
-def sweep_directory(root: str, active: Collection[str] = (), *, fsync: bool = True,
-                    manifest_name: str = "MANIFEST.json") -> list[str]:
+def sweep_directory(root: str, active: Collection[str] = (), *, fsync: bool = True) -> list[str]:
     """Remove what dead writers left in ``root``; return the names removed.
 
     Call it only while holding the root's :class:`DirLock`: then every
@@ -152,7 +152,7 @@ def sweep_directory(root: str, active: Collection[str] = (), *, fsync: bool = Tr
             continue
         is_dir = entry.is_dir(follow_symlinks=False)
         orphan = (parse_version_dirname(name) is not None and is_dir
-                  and not os.path.lexists(os.path.join(entry.path, manifest_name)))
+                  and not os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)))
         if not (is_leftover_name(name) or orphan):
             continue
         try:

@@ -78,7 +78,7 @@ class CommitQueue:
             tensors: its tensors (views into a host slot, valid until ``release``).
             meta: its JSON metadata.
             ready: a CUDA event to synchronize before reading ``tensors``, or None.
-            release: gives the host slot back; called once the store has its own copy.
+            release: gives the host slot back; the store calls it once it no longer reads ``tensors``.
             force: wait even under ``when_busy="skip"`` (the final version).
 
         Returns:
@@ -107,13 +107,20 @@ class CommitQueue:
             try:
                 if ready is not None:
                     await asyncio.to_thread(ready.synchronize)
-                await store.put_many(step, tensors)
+            except BaseException:
+                release()
+                raise
+            # the store takes the slot's memory as it is (no second copy) and calls ``release`` once
+            # every tier written by the commit has it, or when the commit fails
+            try:
+                await store.adopt_many(step, tensors, release=release)
             except BaseException:
                 store.abandon(step)
                 raise
+            try:
+                result = await store.commit(step, meta)
             finally:
-                release()
-            result = await store.commit(step, meta)
+                store.abandon(step)  # a failed commit: hand the slot back (nothing left to do after success)
         except Exception as exc:
             self.stats.failed(f"step {step}: {type(exc).__name__}: {exc}")
             logger.error("commit of version %d failed (the next version is the next attempt): %s", step, exc)

@@ -57,7 +57,7 @@ from asymstore.codec import (
 from asymstore.gcpause import gc_paused
 from asymstore.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.staging import StagedTensor
-from asymstore.tensorbytes import dtype_name
+from asymstore.tensorbytes import as_bytes, dtype_name, host_copy
 from asymstore.tiers.base import Buffer
 
 logger = logging.getLogger(__name__)
@@ -229,6 +229,26 @@ class VersionPlan:
             self.widths.extend([kind[1]] * count)
             self.owners.extend([name] * count)
             self.tensors[name] = (kind[0], tuple(t.shape), nbytes, count)
+
+    def detach(self, staged: Mapping[str, StagedTensor]) -> int:
+        """Point the chunks of adopted tensors at private copies (the owner gets its memory back); return bytes copied.
+
+        ``staged`` is the mapping the plan was made from. Call it before any
+        background tier reads the plan.
+        """
+        pos = copied = 0
+        for name, st in staged.items():
+            count = self.tensors[name][3]
+            if st.adopted:
+                data = as_bytes(host_copy(st.tensor))
+                at = 0
+                for k in range(pos, pos + count):
+                    n = len(self.views[k])
+                    self.views[k] = data[at:at + n]
+                    at += n
+                copied += at
+            pos += count
+        return copied
 
     def chunk(self, index: int) -> ChunkRef:
         """Return chunk ``index`` (in version order)."""

@@ -6,14 +6,18 @@ Packing the chunks into segments is per tier (:mod:`asymstore.batcher`).
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from asymstore.checksum import checksum
-from asymstore.errors import DuplicateNameError, StepCommittedError
-from asymstore.manifest import validate_name
-from asymstore.tensorbytes import as_bytes, host_copy
+from asymstore.errors import DuplicateNameError, InvalidValueError, StepCommittedError
+from asymstore.manifest import DTYPE_SIZES, validate_name
+from asymstore.tensorbytes import as_bytes, dtype_name, host_copy
+
+logger = logging.getLogger(__name__)
 
 _INLINE_BYTES = 1 << 20  # below this a put copies on the event loop; above, in a thread
 
@@ -29,6 +33,7 @@ class StagedTensor:
 
     tensor: torch.Tensor
     chunks: list[tuple[memoryview, str]]  # (bytes, checksum) in byte order
+    adopted: bool = False  # the caller's memory (``AsymStore.adopt``), not a private copy
 
     @property
     def nbytes(self) -> int:
@@ -42,13 +47,38 @@ def stage(value: object, chunk_bytes: int) -> StagedTensor:
     Chunks are cut at element boundaries (``chunk_bytes`` rounded down to a
     multiple of the element size), so every chunk splits into whole byte planes.
     """
-    tensor = host_copy(value)
+    return _cut(host_copy(value), chunk_bytes, adopted=False)
+
+
+def check_adoptable(value: object) -> torch.Tensor:
+    """Return ``value`` if the store can take it over without a copy (a dense, contiguous CPU tensor).
+
+    Raises:
+        InvalidValueError: anything else (``put`` copies those).
+    """
+    if not isinstance(value, torch.Tensor):
+        raise InvalidValueError(f"expected a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided or value.is_quantized or dtype_name(value.dtype) not in DTYPE_SIZES:
+        raise InvalidValueError(f"a {value.layout} tensor of {value.dtype} cannot be stored")
+    if value.device.type != "cpu" or not value.is_contiguous() or value.is_conj() or value.is_neg():
+        raise InvalidValueError("adopt takes contiguous CPU tensors only (put copies any other tensor)")
+    if type(value) is not torch.Tensor:  # a subclass may not own the memory it reports
+        raise InvalidValueError(f"adopt takes plain tensors, got {type(value).__name__}")
+    return value
+
+
+def adopt(value: torch.Tensor, chunk_bytes: int) -> StagedTensor:
+    """Checksum ``value`` chunk by chunk in place: the staged chunks are views of the caller's memory."""
+    return _cut(value.detach(), chunk_bytes, adopted=True)
+
+
+def _cut(tensor: torch.Tensor, chunk_bytes: int, *, adopted: bool) -> StagedTensor:
     data = as_bytes(tensor)
     itemsize = tensor.element_size()
     chunk_bytes = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
     chunks = [(data[i:i + chunk_bytes], checksum(data[i:i + chunk_bytes]))
               for i in range(0, len(data), chunk_bytes)] or [(data, checksum(data))]
-    return StagedTensor(tensor, chunks)
+    return StagedTensor(tensor, chunks, adopted)
 
 
 @dataclass
@@ -60,9 +90,22 @@ class PendingStep:
     tensors: dict[str, StagedTensor | None] = field(default_factory=dict)
     inflight: set[asyncio.Task[None]] = field(default_factory=set)
     sealed: bool = False
+    releases: list[Callable[[], None]] = field(default_factory=list)  # owners of adopted tensors
 
-    async def put(self, name: str, value: object) -> None:
-        """Stage ``value`` under ``name``; the name is reserved before any await."""
+    def release_all(self) -> None:
+        """Hand every adopted tensor back to its owner (each callback once; errors are logged)."""
+        releases, self.releases = self.releases, []
+        for release in releases:
+            try:
+                release()
+            except Exception:
+                logger.exception("a release callback of step %d failed", self.step)
+
+    async def put(self, name: str, value: object, *, adopted: bool = False) -> None:
+        """Stage ``value`` under ``name`` (a copy, or the tensor itself when ``adopted``).
+
+        The name is reserved before any await.
+        """
         validate_name(name)
         if self.sealed:
             raise StepCommittedError(f"step {self.step} is being committed; put is closed")
@@ -70,10 +113,11 @@ class PendingStep:
             raise DuplicateNameError(f"{name!r} was already put for step {self.step}")
         self.tensors[name] = None  # reserve the name
         try:
+            fn = adopt if adopted else stage
             if stages_inline(value):
-                staged = stage(value, self.chunk_bytes)
+                staged = fn(value, self.chunk_bytes)  # type: ignore[arg-type]
             else:
-                staged = await asyncio.to_thread(stage, value, self.chunk_bytes)
+                staged = await asyncio.to_thread(fn, value, self.chunk_bytes)  # type: ignore[arg-type]
         except BaseException:
             del self.tensors[name]
             raise

@@ -26,20 +26,20 @@ from asymstore.errors import (
     AsymstoreError,
     CapacityError,
     EmptyStepError,
-    InvalidStepError,
-    ReadOnlyStoreError,
     StepCommittedError,
     StepOrderError,
     StoreClosedError,
 )
 from asymstore.manifest import Manifest, validate_meta
+from asymstore.puts import Puts, check_step
 from asymstore.restore import Checkpoint, restore_newest
-from asymstore.staging import PendingStep, stages_inline
+from asymstore.staging import PendingStep
 from asymstore.tiers.base import ExclusiveTier, Tier
 from asymstore.tierwrite import TierState, write_version
 
 if TYPE_CHECKING:
-    import torch
+
+    from asymstore.load import Into
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +65,7 @@ class CommitResult:
         return self.manifest.nbytes
 
 
-def _check_step(step: object) -> int:
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
-    return step
-
-
-class AsymStore:
+class AsymStore(Puts):
     """Checkpoint versions over tiers ordered fastest first.
 
     ``commit`` writes the version to every tier up to the *durable* one (by
@@ -250,8 +244,9 @@ class AsymStore:
             pass  # stop() reports what is left behind
         finally:
             await self._background.stop()
-            for step in list(self._pending):
+            for step, pending in list(self._pending.items()):
                 logger.warning("closing with step %d put but never committed; dropping it", step)
+                pending.release_all()
             self._pending.clear()
             self._open = False
             for state in self._tiers:
@@ -312,70 +307,6 @@ class AsymStore:
 
     # -- writing ---------------------------------------------------------
 
-    def _require_writer(self) -> None:
-        self._require_open()
-        if self.read_only:
-            raise ReadOnlyStoreError("the store was opened with read_only=True")
-
-    def _pending_for(self, step: int) -> PendingStep:
-        self._require_writer()
-        _check_step(step)
-        if self._committed_anywhere(step):
-            raise StepCommittedError(f"step {step} is already committed")
-        newest = self.newest_step
-        if newest is not None and step < newest:
-            raise StepOrderError(f"step {step} is older than the newest committed step {newest}")
-        pending = self._pending.get(step)
-        if pending is None:
-            pending = self._pending[step] = PendingStep(step, self.chunk_bytes)
-        return pending
-
-    async def put(self, step: int, name: str, tensor: object) -> None:
-        """Stage a private copy of ``tensor`` under ``name`` for ``step``.
-
-        Safe to call concurrently, in any order of names. The tensor may be
-        changed by the caller as soon as this returns.
-
-        Raises:
-            InvalidNameError, DuplicateNameError, InvalidValueError,
-            StepCommittedError, StepOrderError, InvalidStepError.
-        """
-        pending = self._pending_for(step)
-        task = asyncio.ensure_future(pending.put(name, tensor))
-        pending.inflight.add(task)
-        try:
-            await asyncio.shield(task)
-        finally:
-            if task.done():
-                pending.inflight.discard(task)
-
-    async def put_many(self, step: int, tensors: Mapping[str, object]) -> None:
-        """Stage every ``name -> tensor`` of ``tensors`` for ``step``.
-
-        Small tensors are staged one after another on the event loop (no task
-        each: 10,000 of them cost no more scheduling than a few), yielding
-        every 1024; large ones concurrently in threads. On an error the rest
-        of the small ones are not staged.
-        """
-        pending = self._pending_for(step)
-        for name in tensors:  # check the whole batch before staging any of it
-            if name in pending.tensors:
-                await pending.put(name, tensors[name])  # raises DuplicateNameError
-        large = []
-        for i, (name, value) in enumerate(tensors.items()):
-            if stages_inline(value):
-                await pending.put(name, value)  # never suspends for an inline value
-                if i % 1024 == 1023:
-                    await asyncio.sleep(0)
-                    pending = self._pending_for(step)  # the step may have been committed meanwhile
-            else:
-                large.append((name, value))
-        await asyncio.gather(*(self.put(step, name, value) for name, value in large))
-
-    def abandon(self, step: int) -> None:
-        """Drop everything put for an uncommitted ``step``."""
-        self._pending.pop(step, None)
-
     async def commit(self, step: int, meta: Mapping[str, Any] | None = None) -> CommitResult:
         """Seal ``step`` and commit it; return once it is durable.
 
@@ -388,7 +319,7 @@ class AsymStore:
             ReadOnlyStoreError: the store was opened ``read_only``.
         """
         self._require_writer()
-        _check_step(step)
+        check_step(step)
         clean_meta = validate_meta(meta)
         async with self._commit_lock:  # one commit at a time: step order is checked where it is decided
             self._check_commit_order(step)
@@ -437,11 +368,20 @@ class AsymStore:
         del self._pending[step]
         for older in [s for s in self._pending if s < step]:
             logger.warning("step %d was put but never committed before step %d; dropping it", older, step)
-            del self._pending[older]
+            self._pending.pop(older).release_all()
         self._committed_steps.add(step)
-        only_copies = not self._tiers[self._durable].tier.persistent  # held until a slower tier has them
-        self._background.submit(plan, [s.tier for s in self._tiers[: self._durable + 1]
-                                       if only_copies and step in s.versions])
+        background = bool(self._background.flushers)
+        if background and pending.releases:  # adopted memory goes back now: slower tiers get a private copy
+            try:
+                await asyncio.to_thread(plan.detach, pending.tensors)  # type: ignore[arg-type]
+            except BaseException:
+                background = False
+                logger.exception("step %d: no memory to copy it for the background tiers; they skip it", step)
+        pending.release_all()
+        if background:
+            only_copies = not self._tiers[self._durable].tier.persistent  # held until a slower tier has them
+            self._background.submit(plan, [s.tier for s in self._tiers[: self._durable + 1]
+                                           if only_copies and step in s.versions])
         assert manifest is not None, "the durable tier either committed or raised"
         return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 
@@ -495,7 +435,7 @@ class AsymStore:
 
     # -- reading ---------------------------------------------------------
 
-    async def restore(self, step: int | None = None, *, into: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
+    async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:
         """Return the newest version that verifies (or ``step``), from the fastest tier holding it.
 
         With ``into`` (name -> tensor of the stored dtype and shape), those
@@ -504,6 +444,9 @@ class AsymStore:
         tiers, host memory) and its checksum verified there; a copy that fails
         verification is followed by an older one into the same tensors. If
         none verifies, the ``into`` tensors hold no particular version.
+        ``into`` may be a function of each candidate's manifest returning the
+        destinations (it may also refuse a version by raising); the other raw
+        tensors are then read straight into fresh tensors as well.
 
         A copy that fails verification is skipped (logged, and listed in the
         result's ``fallbacks``): the next tier's copy is tried, then the
@@ -513,11 +456,11 @@ class AsymStore:
             NoCheckpointError: no tier holds any version.
             VersionNotFoundError: ``step`` is on no tier.
             CorruptVersionError: no copy of any candidate verifies.
-            DestinationMismatchError: a tensor of ``into`` is not stored or has another dtype or shape
-                (checked before anything is written into it).
+            DestinationMismatchError: a tensor of ``into`` is not stored or has another dtype or shape,
+                or ``into(manifest)`` raised (its cause); checked before anything is written into it.
         """
         self._require_open()
         if step is not None:
-            _check_step(step)
+            check_step(step)
         await self.refresh()
         return await restore_newest(self._tiers, step, into)

@@ -57,7 +57,8 @@ from asymstore.tiers.base import Tier
 from asymstore.tiers.local import LocalTier
 
 if TYPE_CHECKING:
-    import torch
+
+    from asymstore.load import Into
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +270,17 @@ class RankStore(AsymStore):
         await self._roll_back(step)
         await super().put_many(step, tensors)
 
+    async def adopt_many(self, step: int, tensors: Mapping[str, object], *,
+                         release: Callable[[], None] | None = None) -> None:
+        """Stage ``tensors`` for ``step`` without copying (see :meth:`asymstore.AsymStore.adopt_many`)."""
+        try:
+            await self._roll_back(step)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        await super().adopt_many(step, tensors, release=release)
+
     async def commit(self, step: int, meta: Mapping[str, Any] | None = None, *,
                      summary: Mapping[str, Any] | None = None,
                      global_meta: Mapping[str, Any] | None = None) -> CommitResult:
@@ -377,7 +389,7 @@ class RankStore(AsymStore):
 
     # -- reading ---------------------------------------------------------
 
-    async def restore(self, step: int | None = None, *, into: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
+    async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:
         """Restore this rank's shard of the newest global version every rank can load (collective).
 
         Args:
@@ -437,7 +449,7 @@ class RankStore(AsymStore):
         return out
 
     async def _restore_coordinator(self, key: str, haves: dict[int, set[int]], step: int | None,
-                                   into: Mapping[str, torch.Tensor] | None) -> Checkpoint:
+                                   into: Into | None) -> Checkpoint:
         kv = self.kv
         notes: list[str] = []
         try:
@@ -463,7 +475,7 @@ class RankStore(AsymStore):
                                 {"error": "CorruptVersionError", "message": msg})
         raise CorruptVersionError(msg)
 
-    async def _restore_follower(self, key: str, into: Mapping[str, torch.Tensor] | None) -> Checkpoint:
+    async def _restore_follower(self, key: str, into: Into | None) -> Checkpoint:
         kv = self.kv
         k = 0
         ckpt: Checkpoint | None = None
@@ -482,7 +494,7 @@ class RankStore(AsymStore):
             k += 1
 
     async def _try_shard(self, g: GlobalManifest,
-                         into: Mapping[str, torch.Tensor] | None) -> tuple[Checkpoint | None, str]:
+                         into: Into | None) -> tuple[Checkpoint | None, str]:
         shard = g.shard(self.rank)
         try:
             ckpt = await AsymStore.restore(self, step=shard.step, into=into)

@@ -21,12 +21,13 @@ from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
 from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
 from asymcheck.preempt import PreemptionRecord, PreemptOn, SigtermNotice
+from asymcheck.resume import restore_live
 from asymcheck.snapshot import Snapshot
 from asymcheck.state import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.storeloop import StoreLoop
 from asymcheck.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, versions_of
-from asymstore import AsymStore, NoCheckpointError
+from asymstore import AsymStore, CorruptVersionError, NoCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class Checkpointer(VersionCycle):
         self._last_pre: float | None = None
         self._copy_mark = 0.0
         self.restored: RestoreInfo | None = None
+        self._unusable: str | None = None  # why training must not go on (a failed in-place resume)
         self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
         self.preempted: PreemptionRecord | None = None
         self._notice = SigtermNotice(preempt_on)
@@ -211,6 +213,8 @@ class Checkpointer(VersionCycle):
 
         Call before the first optimizer step. A damaged newest version is
         skipped in favour of the one before (see ``restored.fallbacks``).
+        The model's tensors are read in place, straight from the tier (see
+        :mod:`asymcheck.resume`).
 
         Returns:
             The restored step (optimizer steps completed), or None when the
@@ -219,19 +223,29 @@ class Checkpointer(VersionCycle):
         Raises:
             StateMismatchError: the version does not fit the model, optimizer
                 or stateful objects; nothing was loaded.
-            CorruptVersionError: no version verifies.
+            CorruptVersionError: no version verifies. The live parameters may
+                hold parts of one: the next optimizer step raises
+                CheckpointerStateError instead of training on them.
             CheckpointerStateError: training already started, or closed.
         """
         self._require_open()
         if self._started:
             raise CheckpointerStateError("resume() must be called before the first optimizer step")
         try:
-            ckpt = self._loop.run(self._loop.store.restore())
+            ckpt, in_place = self._loop.run(restore_live(self._loop.store, self.state))
         except NoCheckpointError:
             logger.info("no checkpoint in the store: starting fresh")
             self._checked_store = True
             return None
-        self.state.load(ckpt.tensors, ckpt.meta)
+        except CorruptVersionError as exc:
+            self._unusable = f"resume() found no version that verifies and the live model may hold parts of one: {exc}"
+            raise
+        try:
+            self.state.load(ckpt.tensors, ckpt.meta)
+        except BaseException as exc:
+            if in_place:
+                self._unusable = f"resume() failed after reading into the live model: {exc!r}"
+            raise
         self._step = self._saved_step = ckpt.step
         self._budget.restart(ckpt.step)
         self._checked_store = True
@@ -372,6 +386,8 @@ class Checkpointer(VersionCycle):
         self._hook_s += time.perf_counter() - started
 
     def _on_step_pre(self) -> None:
+        if self._unusable is not None:
+            raise CheckpointerStateError(self._unusable + "; rebuild the model and optimizer (or start fresh)")
         self._check_notice()
         if self._closed:
             return

@@ -261,6 +261,25 @@ class TrainingState:
 
     # -- load ------------------------------------------------------------
 
+    def check_fit(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+        """Check that a version fits the live objects, loading nothing (``tensors`` may be on the meta device).
+
+        Raises:
+            StateMismatchError: it does not fit.
+        """
+        self._prepare(tensors, meta)
+
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's stored tensors as the checkpoint names them (``model/<key>``, aliases left out), detached."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                if type(value) in (torch.Tensor, torch.nn.Parameter):  # no subclass: its memory may not be its own
+                    out[f"model/{key}"] = value.detach()
+        return out
+
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         """Check that the checkpoint fits, then load it into the live objects.
 

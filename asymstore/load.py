@@ -20,7 +20,7 @@ tensors, and if none verifies the destinations hold no version at all.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from asymstore.errors import CorruptVersionError, DestinationMismatchError
@@ -29,7 +29,12 @@ from asymstore.tiers.base import ReadIntoTier, Tier
 from asymstore.verify import READ_AHEAD, decode_one, physical_memory_bytes, read_manifest, verify_segment
 
 if TYPE_CHECKING:
+    from typing import TypeAlias
+
     import torch
+
+    Into: TypeAlias = Mapping[str, torch.Tensor] | Callable[[Manifest], Mapping[str, torch.Tensor]]
+    """Destinations: name -> tensor, or a function of the candidate version's manifest that returns them."""
 
 
 def _targets(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
@@ -52,6 +57,33 @@ def _targets(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, 
 
 _Direct = list[tuple[str, Chunk, memoryview]]
 
+def resolve_into(manifest: Manifest, into: Into | None) -> dict[str, torch.Tensor]:
+    """The destinations for ``manifest``: ``into`` itself, or what ``into(manifest)`` returns.
+
+    Raises:
+        DestinationMismatchError: ``into(manifest)`` raised (the error is its cause); nothing was written.
+    """
+    if into is None:
+        return {}
+    if callable(into):
+        try:
+            return dict(into(manifest))
+        except Exception as exc:
+            raise DestinationMismatchError(f"step {manifest.step}: the destinations were refused: {exc}") from exc
+    return dict(into)
+
+
+def _fresh_destinations(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fresh tensors for the raw tensors ``into`` leaves out, so every segment can be read straight into place."""
+    import torch
+
+    from asymstore.codec import RAW
+    from asymstore.tensorbytes import dtype_from_name
+
+    return {name: torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+            for name, entry in manifest.tensors.items()
+            if name not in into and entry.chunks and all(c.codec == RAW for c in entry.chunks)}
+
 
 def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dict[str, _Direct]:
     """Segments whose every chunk is raw and lands in a destination: segment -> (tensor, chunk, destination slice)."""
@@ -69,9 +101,13 @@ def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dic
     return {seg: r for seg, r in ranges.items() if seg not in mixed}
 
 
-async def load_version(tier: Tier, step: int, into: Mapping[str, torch.Tensor] | None = None,
-                       ) -> tuple[Manifest, dict[str, torch.Tensor]]:
+async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
     """Read, verify and decode every tensor of ``step`` from ``tier`` (named ones into ``into``).
+
+    ``into`` may also be a function of the manifest (checked before any byte
+    is read) that returns the destinations. With destinations given and a
+    tier that reads into caller buffers, the other raw tensors are read
+    straight into fresh tensors too, so no segment is staged whole and copied.
 
     Returns:
         The manifest, and name -> tensor: the destination tensor itself for names in ``into``.
@@ -84,12 +120,15 @@ async def load_version(tier: Tier, step: int, into: Mapping[str, torch.Tensor] |
         TierError: the tier failed to read.
     """
     manifest = await read_manifest(tier, step)
-    into = into or {}
-    fresh = manifest.nbytes - sum(manifest.tensors[n].nbytes for n in into if n in manifest.tensors)
+    dests = resolve_into(manifest, into)
+    fresh = manifest.nbytes - sum(manifest.tensors[n].nbytes for n in dests if n in manifest.tensors)
     if fresh > physical_memory_bytes():
         raise CorruptVersionError(f"step {step} on {tier.name} declares {manifest.nbytes} bytes of tensors, "
                                   "more than this machine's memory")
-    targets = _targets(manifest, into)
+    targets = _targets(manifest, dests)  # every destination checked before any is allocated or written
+    if dests and isinstance(tier, ReadIntoTier):
+        dests.update(_fresh_destinations(manifest, dests))
+        targets = _targets(manifest, dests)
     direct = _direct_ranges(manifest, targets) if isinstance(tier, ReadIntoTier) else {}
     sem = asyncio.Semaphore(READ_AHEAD)
 
@@ -106,7 +145,7 @@ async def load_version(tier: Tier, step: int, into: Mapping[str, torch.Tensor] |
             return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
 
     segments = dict(await asyncio.gather(*(fetch(s.name, s.size) for s in manifest.segments)))
-    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, into)
+    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, dests)
 
 
 def _verify_in_place(items: _Direct) -> None:

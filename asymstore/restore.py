@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from asymstore.manifest import Manifest
 from asymstore.verify import read_manifest
 
 if TYPE_CHECKING:
+    from asymstore.load import Into
     from asymstore.tierwrite import TierState
 
 __all__ = ["Checkpoint", "describe", "load_version", "read_manifest", "restore_newest"]
@@ -65,7 +66,7 @@ def describe(exc: BaseException) -> str:
 
 
 async def restore_newest(states: Sequence[TierState], step: int | None,
-                         into: Mapping[str, torch.Tensor] | None = None) -> Checkpoint:
+                         into: Into | None = None) -> Checkpoint:
     """Return the newest version that verifies (or ``step``) from the fastest tier holding it.
 
     ``states`` are the store's tiers fastest first, with their versions

@@ -17,10 +17,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 ALIGN = 64
+PAGE = 4096
+PAGE_ALIGNED_BYTES = 64 << 10  # regions at least this large start on a page (the store writes them with O_DIRECT)
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _aligned(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 class HostSlot:
@@ -31,8 +33,14 @@ class HostSlot:
         self.index = index
         self.pin = pin
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._raw = self.buffer  # the allocation; ``buffer`` is its page-aligned part
         self.offsets: list[int] = []
         self.sizes: list[int] = []
+
+    @property
+    def allocated(self) -> int:
+        """Bytes allocated (the capacity plus up to a page to align it)."""
+        return self._raw.numel()
 
     @property
     def capacity(self) -> int:
@@ -40,16 +48,26 @@ class HostSlot:
         return self.buffer.numel()
 
     def arrange(self, sources: Sequence[torch.Tensor]) -> None:
-        """Lay out one region per tensor (64-byte aligned), growing the buffer if needed."""
+        """Lay out one region per tensor, growing the buffer if needed.
+
+        Regions of 64 KiB and more start on a 4 KiB page, smaller ones on 64
+        bytes; the buffer itself starts on a page. The store adopts the
+        regions as they are and writes the large ones with O_DIRECT straight
+        from here (segments place such chunks at page offsets too).
+        """
         offsets, pos = [], 0
         sizes = [t.numel() * t.element_size() for t in sources]
         for size in sizes:
+            if size >= PAGE_ALIGNED_BYTES:
+                pos = _aligned(pos, PAGE)
             offsets.append(pos)
             pos = _aligned(pos + size)
         if pos > self.capacity:
             logger.debug("slot %d: growing from %d to %d bytes", self.index, self.capacity, pos)
-            self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self.buffer = torch.empty(pos, dtype=torch.uint8, pin_memory=self.pin)
+            self._raw = self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._raw = torch.empty(pos + PAGE, dtype=torch.uint8, pin_memory=self.pin)
+            skip = -self._raw.data_ptr() % PAGE
+            self.buffer = self._raw[skip:skip + pos]
         self.offsets, self.sizes = offsets, sizes
 
     def region(self, i: int) -> torch.Tensor:
@@ -82,7 +100,7 @@ class HostPool:
     @property
     def allocated_bytes(self) -> int:
         """Bytes held by all slots."""
-        return sum(s.capacity for s in self._slots)
+        return sum(s.allocated for s in self._slots)
 
     @property
     def free_slots(self) -> int:

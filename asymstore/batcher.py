@@ -66,6 +66,12 @@ SMALL_CHUNK_BYTES = 64 << 10
 """Raw chunks smaller than this are copied together into one buffer per run (bounded by the segment size),
 so 10,000 small tensors are a few large writes, not 10,000 tiny buffers to gather and checksum."""
 
+SEGMENT_ALIGN = 4096
+"""Larger raw chunks start at a multiple of this in their segment (zero padding before them), so a chunk
+that sits in page-aligned memory can be written with O_DIRECT straight from that memory, and read back
+straight into an aligned destination."""
+_ZEROS = memoryview(bytes(SEGMENT_ALIGN))
+
 Compression = Literal["auto", "never", "always"]
 COMPRESSION_POLICIES: tuple[str, ...] = ("auto", "never", "always")
 
@@ -411,6 +417,13 @@ class SegmentBuilder:
                 digest.update(blob)
                 small.clear()
 
+        def pad_to_alignment(at: int) -> int:
+            pad = -at % SEGMENT_ALIGN
+            if pad:
+                parts.append(_ZEROS[:pad])
+                digest.update(_ZEROS[:pad])
+            return at + pad
+
         out = self._chunks
         while self._carry is not None or self._pos < total:
             st = self._carry
@@ -427,13 +440,14 @@ class SegmentBuilder:
                         self.stats.chunks_raw += 1
                         break
                     self._pos += 1
-                    out.append(Chunk(name, size, n, n, digests[index], RAW, digests[index]))
                     if n < SMALL_CHUNK_BYTES:
                         small.append(view)
                     else:
                         flush_small()
+                        size = pad_to_alignment(size)
                         parts.append(view)
                         digest.update(view)
+                    out.append(Chunk(name, size, n, n, digests[index], RAW, digests[index]))
                     size += n
                     count += 1
                     raw_count += 1
@@ -445,11 +459,14 @@ class SegmentBuilder:
             self._carry = None
             index = self._pos
             self._pos += 1
-            out.append(Chunk(name, size, st.nbytes, len(views[index]), st.checksum, st.codec, digests[index]))
             if st.codec == RAW and st.nbytes < SMALL_CHUNK_BYTES:
                 small.append(views[index])
             else:
                 flush_small()
+                if st.codec == RAW:
+                    size = pad_to_alignment(size)
+            out.append(Chunk(name, size, st.nbytes, len(views[index]), st.checksum, st.codec, digests[index]))
+            if st.codec != RAW or st.nbytes >= SMALL_CHUNK_BYTES:
                 for part in st.parts:
                     if len(part):
                         parts.append(part)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -18,6 +19,7 @@ _IOV_MAX = 1024
 _DIRECT_MIN_BYTES = 8 << 20  # durable files at least this large bypass the page cache
 _DIRECT_CHUNK = 16 << 20  # bytes per O_DIRECT write: one aligned bounce buffer per thread
 _DIRECT_ALIGN = 4096  # file offset, length and memory alignment used for O_DIRECT
+_DIRECT_MAX_WRITE = 256 << 20  # most bytes per write() straight from the caller's memory
 _bounce = threading.local()
 
 
@@ -78,12 +80,21 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
+def address_of(view: memoryview) -> int | None:
+    """The memory address of a writable contiguous buffer; None for a read-only one (bytes)."""
+    if view.readonly or not view.c_contiguous:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
     """Write the aligned prefix of ``pending`` with O_DIRECT; return what is left to write.
 
-    The bytes are gathered into this thread's bounce buffer and written in
-    whole aligned blocks. What remains (the unaligned tail, or everything
-    from the first short or refused write on) is returned for ``writev``.
+    A buffer that starts on a page boundary, at an aligned file position, is
+    written from its own memory (its whole pages; the tail goes on); other
+    bytes are gathered into this thread's bounce buffer and written in whole
+    aligned blocks. What remains (the unaligned tail, or everything from the
+    first short or refused write on) is returned for ``writev``.
     """
     buf: mmap.mmap | None = getattr(_bounce, "buf", None)
     if buf is None:
@@ -92,8 +103,36 @@ def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
     bounce = memoryview(buf)
     filled = 0
     i = 0
+
+    def write(view: memoryview) -> int:
+        try:
+            return os.write(fd, view)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return 0  # the filesystem took the flag but not this alignment
+
     while i < len(pending):
         part = pending[i]
+        if filled % _DIRECT_ALIGN == 0 and len(part) >= _DIRECT_ALIGN:
+            address = address_of(part)
+            if address is not None and address % _DIRECT_ALIGN == 0:
+                if filled:  # the gathered bytes end on a block boundary: out first, then the part in place
+                    if write(bounce[:filled]) < filled:
+                        return [memoryview(bytes(bounce[:filled])), *pending[i:]]
+                    filled = 0
+                whole = len(part) - len(part) % _DIRECT_ALIGN
+                done = 0
+                while done < whole:
+                    n = write(part[done:min(whole, done + _DIRECT_MAX_WRITE)])
+                    if n <= 0 or n % _DIRECT_ALIGN:
+                        return [part[done:], *pending[i + 1:]] if n <= 0 else [part[done + n:], *pending[i + 1:]]
+                    done += n
+                if whole == len(part):
+                    i += 1
+                else:
+                    pending[i] = part[whole:]
+                continue
         n = min(len(part), _DIRECT_CHUNK - filled)
         bounce[filled:filled + n] = part[:n]
         filled += n
@@ -103,12 +142,7 @@ def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
             pending[i] = part[n:]
         if filled == _DIRECT_CHUNK or i == len(pending):
             size = filled if filled == _DIRECT_CHUNK else filled // _DIRECT_ALIGN * _DIRECT_ALIGN
-            try:
-                written = os.write(fd, bounce[:size]) if size else 0
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                written = 0  # the filesystem took the flag but not this alignment
+            written = write(bounce[:size]) if size else 0
             if written < filled:
                 # copy out of the bounce buffer: a later call on this thread reuses it
                 return [memoryview(bytes(bounce[written:filled])), *pending[i:]]

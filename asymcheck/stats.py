@@ -9,6 +9,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from asymcheck.pacing import PaceReport
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -74,6 +76,7 @@ class CheckpointStats:
     versions_dropped: int = 0
     eager_tensors: tuple[str, ...] = ()
     failures_since_durable: int = 0
+    pacing: PaceReport | None = None
 
     def summary(self) -> dict[str, Any]:
         """Medians and 90th percentiles of stall and iteration time over sealed steps."""

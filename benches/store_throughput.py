@@ -338,9 +338,9 @@ class TimedTier:
         self.timings.manifest_read = (start, time.perf_counter())
         return data
 
-    async def read_segment(self, step: int, name: str) -> Buffer:
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
         start = time.perf_counter()
-        data = await self.inner.read_segment(step, name)
+        data = await self.inner.read_segment(step, name, size)
         self.timings.segments.append((start, time.perf_counter(), len(data)))
         return data
 

@@ -45,18 +45,16 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benches"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from store_throughput import evict, files_under, git_state, odirect_read  # noqa: E402
-from train_overhead import build  # noqa: E402
+from common import REPO, build_gpt2, evict, files_under, git_state, odirect_read, same_bytes, write_json
 
 METHODS = ["local", "shm", "torch.load", "dcp.load"]
 
 
 def live(config: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model and optimizer with state after one step (deterministic)."""
-    model, opt, _ = build(config, 64)
+    model, opt, _ = build_gpt2(config, 64)
     model.train()
     x = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     model(x, labels=x).loss.backward()
@@ -171,8 +169,7 @@ def child(config: str, method: str, work: Path, shm: Path) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     expected = torch.load(work / "expected.pt", weights_only=True)
     got = flat_state(model, opt)
-    exact = got.keys() == expected.keys() and all(
-        torch.equal(got[k].view(-1).view(torch.uint8), expected[k].view(-1).view(torch.uint8)) for k in expected)
+    exact = got.keys() == expected.keys() and all(same_bytes(got[k], expected[k]) for k in expected)
     return {"method": method, "seconds": seconds, "exact": exact}
 
 
@@ -217,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(shm.parent, ignore_errors=True)
     doc = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load": os.getloadavg()},
            "git": git_state(), "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2))
+    write_json(args.out, doc)
     for r in results:
         print(f"{r['config']}: {r['nbytes'] / 2**30:.2f} GiB in {r['tensors']} tensors; "
               f"memcpy {r['memcpy_s']:.2f} s, O_DIRECT read {r['odirect_read_s']:.2f} s")

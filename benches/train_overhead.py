@@ -31,11 +31,9 @@ PNG of stall per step.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
-import resource
 import shutil
 import statistics
 import time
@@ -44,27 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import GPT2_CONFIGS, build_gpt2, cpu_seconds, pyplot, save_figure, write_json
 
 from asymcheck import Checkpointer
 from asymstore import LocalTier
 
-CONFIGS: dict[str, dict[str, int]] = {
-    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 2048},
-    "8m": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 16384},
-    "30m": {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 50257},
-    "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257},
-}
 METHODS = ["none", "asymcheck", "asymcheck-skip", "torch.save", "dcp.async_save"]
-
-
-def build(name: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_positions=max(seq, 128), bos_token_id=0, eos_token_id=0, **CONFIGS[name])
-    model = GPT2LMHeadModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return model, opt, sum(p.numel() for p in model.parameters())
 
 
 def tokens(vocab: int, batch: int, seq: int, step: int) -> torch.Tensor:
@@ -149,11 +132,6 @@ class Asym(Method):
         return [r.overhead_s for r in stats.steps]
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int, args: argparse.Namespace,
         root: Path, first_step: int) -> dict[str, Any]:
     makers: dict[str, Callable[[], Method]] = {
@@ -171,7 +149,7 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
     cpu0 = 0.0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            cpu0 = _cpu_seconds()
+            cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         x = tokens(vocab, args.batch, args.seq, first_step + i)
         loss = model(input_ids=x, labels=x).loss
@@ -182,7 +160,7 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
         iters.append(time.perf_counter() - t0)
         stalls.append(stall)
     own = m.close()
-    cpu_per_step = (_cpu_seconds() - cpu0) / args.steps  # includes the method's background threads
+    cpu_per_step = (cpu_seconds() - cpu0) / args.steps  # includes the method's background threads
     if own is not None:  # asymcheck measures itself: all time in its hooks, drain included
         stalls = own[:len(iters)] + [0.0] * (len(iters) - len(own))
     shutil.rmtree(root, ignore_errors=True)
@@ -195,7 +173,7 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small configs, fewer steps")
-    ap.add_argument("--configs", default=None, help=f"comma-separated, from {sorted(CONFIGS)}")
+    ap.add_argument("--configs", default=None, help=f"comma-separated, from {sorted(GPT2_CONFIGS)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=None, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps per run (asymcheck plans after 3)")
@@ -217,8 +195,8 @@ def main() -> int:
                                "threads": torch.get_num_threads(), "batch": args.batch, "seq": args.seq,
                                "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "configs": {}}
     for name in configs:
-        model, opt, nparams = build(name, args.seq)
-        vocab = CONFIGS[name]["vocab_size"]
+        model, opt, nparams = build_gpt2(name, args.seq)
+        vocab = GPT2_CONFIGS[name]["vocab_size"]
         state_bytes = 3 * 4 * nparams
         per: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "stall_s": [], "cpu_s": []} for m in methods}
         counts: dict[str, list[int]] = {}
@@ -258,8 +236,7 @@ def main() -> int:
                   f"median stall {s['median_stall_s']:.3f} s, {s['cpu_s_per_step']:.2f} CPU s/step{extra}")
         del model, opt
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    write_json(out.with_suffix(".json"), results, indent=1)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -267,11 +244,7 @@ def main() -> int:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     configs = results["configs"]
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False)
     for ax, (name, cfg) in zip(axes[0], configs.items(), strict=True):
@@ -283,8 +256,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("stall per step (s)")
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Helpers the benches share: units, CPU time, the disk's O_DIRECT limits, page cache, contention, GPT-2.
+"""Helpers the benches share: units, CPU time, the disk's O_DIRECT limits, page cache, contention, RSS, GPT-2.
 
 Imported by the benches as a sibling module (``from common import ...``): a
 bench run as ``python benches/NAME.py`` has ``benches/`` first on ``sys.path``.
@@ -7,12 +7,15 @@ Nothing here is a bench itself.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
 import json
 import mmap
 import os
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -214,6 +217,124 @@ def odirect_read(path: str, buf: mmap.mmap) -> tuple[float, int]:
     finally:
         os.close(fd)
     return time.perf_counter() - start, total
+
+
+# -- resident memory ------------------------------------------------------------
+
+
+def _status_bytes(status: bytes, key: bytes) -> int | None:
+    """The value of ``key`` (``b"VmRSS:"``, in kB there) in a /proc/PID/status text, in bytes."""
+    for line in status.splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (VmRSS of /proc/self/status), bytes."""
+    with open("/proc/self/status", "rb") as f:
+        return _status_bytes(f.read(), b"VmRSS:") or 0
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the kernel (glibc ``malloc_trim``).
+
+    Called before a baseline is taken, so what a previous run freed but the
+    allocator kept does not hide (or inflate) the next run's growth.
+    """
+    gc.collect()
+    with contextlib.suppress(AttributeError):
+        _libc.malloc_trim(0)
+
+
+class RssSampler:
+    """This process's resident set size, sampled on a daemon thread: the baseline at start, the peak, the growth.
+
+    ``start()`` reads the baseline (VmRSS of /proc/self/status), then a daemon
+    thread reads VmRSS every ``interval`` seconds (10 ms) until ``stop()``;
+    or use it as a ``with`` block. Where /proc/self/clear_refs accepts it, the
+    kernel's own high-water mark (VmHWM) is reset at start and read at stop,
+    so a spike shorter than the interval still counts: ``peak_bytes`` is the
+    larger of the two (``sampled_peak_bytes`` and ``kernel_peak_bytes`` apart).
+    """
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.baseline_bytes = 0
+        self.sampled_peak_bytes = 0
+        self.kernel_peak_bytes: int | None = None
+        self.samples = 0
+        self._fd = -1
+        self._hwm_reset = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self) -> bytes:
+        return os.pread(self._fd, 8192, 0)  # procfs regenerates the text on a read at offset 0
+
+    def _sample(self) -> None:
+        rss = _status_bytes(self._read(), b"VmRSS:") or 0
+        self.samples += 1
+        self.sampled_peak_bytes = max(self.sampled_peak_bytes, rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def start(self) -> RssSampler:
+        """Take the baseline and start sampling."""
+        if self._thread is not None:
+            raise RuntimeError("RssSampler already started")
+        self._fd = os.open("/proc/self/status", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5\n")  # 5: reset the peak RSS (VmHWM) to the current RSS; touches nothing else
+            self._hwm_reset = True
+        except OSError:
+            self._hwm_reset = False
+        self.baseline_bytes = _status_bytes(self._read(), b"VmRSS:") or 0
+        self.sampled_peak_bytes = self.baseline_bytes
+        self.samples = 1
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> RssSampler:
+        """Stop sampling (one last sample, and the kernel's peak where it was reset)."""
+        if self._thread is None:
+            return self
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._sample()
+        if self._hwm_reset:
+            self.kernel_peak_bytes = _status_bytes(self._read(), b"VmHWM:")
+        os.close(self._fd)
+        self._fd = -1
+        return self
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest RSS seen: sampled, or the kernel's high-water mark where it was reset at start."""
+        return max(self.sampled_peak_bytes, self.kernel_peak_bytes or 0)
+
+    @property
+    def peak_growth_bytes(self) -> int:
+        """Peak RSS over the baseline, bytes."""
+        return self.peak_bytes - self.baseline_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """The measurements, for JSON."""
+        return {"baseline_bytes": self.baseline_bytes, "peak_bytes": self.peak_bytes,
+                "peak_growth_bytes": self.peak_growth_bytes, "sampled_peak_bytes": self.sampled_peak_bytes,
+                "kernel_peak_bytes": self.kernel_peak_bytes, "samples": self.samples, "interval_s": self.interval}
+
+    def __enter__(self) -> RssSampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 # -- GPT-2 (built from a config: nothing downloaded) -------------------------------

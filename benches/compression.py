@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shutil
@@ -51,6 +50,7 @@ from typing import Any
 
 import torch
 import zstandard
+from common import REPO, pyplot, save_figure, write_json
 
 from asymstore import AsymStore, LocalTier, PlaneCodec, TierCalibration
 from asymstore.batcher import VersionPlan
@@ -59,7 +59,6 @@ from asymstore.codec import decode, encode, plane_width, sample
 from asymstore.staging import stage
 from asymstore.tensorbytes import as_bytes
 
-REPO = Path(__file__).resolve().parent.parent
 CHUNK = 16 << 20
 MB = 1e6
 REMOTE = {"bytes_per_second": 100e6, "latency_s": 20e-3}
@@ -206,11 +205,7 @@ async def decisions(states: dict[str, dict[str, torch.Tensor]], root: Path) -> d
 
 def plot(doc: dict[str, Any], path: str) -> None:
     """Left: stored/raw per state (plain vs byte planes, level 1). Right: ratio vs MB/s for every config."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5), dpi=120)
     names = list(doc["codecs"])
     lvl = min(r["level"] for r in doc["codecs"][names[0]])
@@ -245,9 +240,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax2.grid(True, alpha=0.3)
     ax2.legend(fontsize=7)
     fig.suptitle(doc["title"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -302,9 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "params": sum(t.numel() for t in states["fp32 weights"].values())},
         "codecs": codecs, "cost_model": model, "targets": targets, "remote_assumed": REMOTE,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
+    write_json(args.out, doc)
     png = os.path.splitext(args.out)[0] + ".png"
     plot(doc, png)
     print(f"wrote {args.out} and {png}")

@@ -37,24 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-CONFIGS: dict[str, dict[str, int]] = {
-    "8m": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 16384},
-    "30m": {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 50257},
-    "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257},
-}
+from common import GPT2_CONFIGS, build_gpt2, pyplot, save_figure, write_json
+
 METHODS = ["none", "attach", "save_checkpoint"]
 
 
 def engine_for(args: argparse.Namespace, stage: int) -> tuple[Any, int]:
     import deepspeed
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_positions=max(args.seq, 128), bos_token_id=0, eos_token_id=0, **CONFIGS[args.config])
-    model = GPT2LMHeadModel(cfg)
-    nparams = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt, nparams = build_gpt2(args.config, args.seq)
     ds = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
@@ -76,7 +67,7 @@ def run_one(args: argparse.Namespace, stage: int, method: str, rank: int, work: 
         from asymcheck.deepspeed import attach
 
         ckpt = attach(engine, root, keep_last=2, warmup=min(3, args.warmup))
-    vocab = CONFIGS[args.config]["vocab_size"]
+    vocab = GPT2_CONFIGS[args.config]["vocab_size"]
     times: list[float] = []
     for it in range(args.warmup + args.steps):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(it * 7 + rank))
@@ -130,7 +121,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) ->
 
     out: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
                            "deepspeed": deepspeed.__version__, "world": args.world, "config": args.config,
-                           "gpt2": CONFIGS[args.config], "seq": args.seq, "batch": args.batch, "steps": args.steps,
+                           "gpt2": GPT2_CONFIGS[args.config], "seq": args.seq, "batch": args.batch, "steps": args.steps,
                            "warmup": args.warmup, "reps": args.reps, "params": per_rank[0][0]["params"], "stages": {}}
     for stage in args.stages:
         methods: dict[str, Any] = {}
@@ -153,11 +144,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) ->
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     stages = list(results["stages"])
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(METHODS)
@@ -174,8 +161,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_title(f"GPT-2 {results['config']} ({results['params'] / 1e6:.0f}M params), {results['world']} ranks, "
                  f"checkpoint every iteration", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def launch(args: argparse.Namespace) -> None:
@@ -196,7 +182,7 @@ def launch(args: argparse.Namespace) -> None:
         raise SystemExit(f"workers failed: {codes}")
     per_rank = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(args.world)]
     results = summarize(per_rank, args)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    write_json(out.with_suffix(".json"), results, indent=1)
     plot(results, out.with_suffix(".png"))
     shutil.rmtree(args.dir, ignore_errors=True)
     for stage, methods in results["stages"].items():
@@ -209,7 +195,7 @@ def launch(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8M-parameter GPT-2, few steps")
-    ap.add_argument("--config", choices=sorted(CONFIGS), default=None)
+    ap.add_argument("--config", choices=sorted(GPT2_CONFIGS), default=None)
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="measured iterations per run")

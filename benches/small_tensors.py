@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import shutil
@@ -40,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import REPO, cpu_seconds, pyplot, same_bytes, save_figure, write_json
 
 from asymstore import AsymStore, LocalTier
 
-REPO = Path(__file__).resolve().parent.parent
 ELEMS = 1024  # fp32: 4 KiB per small tensor
 
 
@@ -61,10 +60,10 @@ async def run_once(root: Path, state: dict[str, torch.Tensor], step: int) -> dic
         t0 = time.perf_counter()
         await store.put_many(step, state)
         t1 = time.perf_counter()
-        c1 = time.process_time()
+        c1 = cpu_seconds()
         result = await store.commit(step)
         t2 = time.perf_counter()
-        c2 = time.process_time()
+        c2 = cpu_seconds()
     stats = result.flush[store.tiers[0].name]
     async with AsymStore([LocalTier(root)]) as store:
         t3 = time.perf_counter()
@@ -84,16 +83,12 @@ def verify(root: Path, state: dict[str, torch.Tensor], step: int) -> bool:
     async def go() -> bool:
         async with AsymStore([LocalTier(root)]) as store:
             ckpt = await store.restore(step)
-        return all(torch.equal(ckpt.tensors[k].view(torch.int32), v.view(torch.int32)) for k, v in state.items())
+        return all(same_bytes(ckpt.tensors[k], v) for k, v in state.items())
     return asyncio.run(go())
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(doc["median"])
     keys = [("put_s", "put_many"), ("commit_s", "commit (durable)"), ("restore_s", "restore (warm)")]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
@@ -111,9 +106,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_title(doc["title"], fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,9 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k, v in ratio.items():
         print(f"small / one, {k}: {v:.2f}x")
     print(f"commit target (<= 2x): {'met' if doc['met'] else 'MISSED'}; bit exact: {doc['bit_exact']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
+    write_json(args.out, doc)
     png = os.path.splitext(args.out)[0] + ".png"
     plot(doc, png)
     print(f"wrote {args.out} and {png}")

@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import dataclasses
 import gc
-import json
 import math
 import mmap
 import os
@@ -53,29 +51,42 @@ import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import (
+    DD_BLOCK,
+    GIB,
+    KIB,
+    MIB,
+    REPO,
+    Pressure,
+    aligned_random_buffer,
+    cpu_seconds,
+    evict,
+    files_under,
+    gbps,
+    git_state,
+    median,
+    odirect_read,
+    odirect_write,
+    pyplot,
+    same_bytes,
+    save_figure,
+    write_json,
+)
 
 import asymstore.tiers.local
 from asymstore import AsymStore, LocalTier
 from asymstore.tiers.base import Buffer, VersionWriter
 
-REPO = Path(__file__).resolve().parent.parent
-GIB = 1 << 30
-MIB = 1 << 20
-KIB = 1 << 10
-DD_BLOCK = 64 * MIB
 MIN_TENSOR = 1 * KIB
 MAX_TENSOR = 256 * MIB
-GB = 1e9
 
 
 # -- the checkpoint ---------------------------------------------------------
@@ -135,136 +146,6 @@ def describe_state(state: dict[str, torch.Tensor]) -> dict[str, Any]:
         "count_le_1MiB": sum(s <= MIB for s in sizes),
         "count_ge_64MiB": sum(s >= 64 * MIB for s in sizes),
     }
-
-
-# -- page cache -------------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-_libc.mincore.restype = ctypes.c_int
-
-
-def resident_pages(path: str) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of ``path``), by mincore."""
-    size = os.path.getsize(path)
-    page = mmap.PAGESIZE
-    npages = (size + page - 1) // page
-    if size == 0:
-        return 0, 0
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)  # private: never dirties the file
-    try:
-        anchor = ctypes.c_char.from_buffer(mm)
-        vec = (ctypes.c_ubyte * npages)()
-        if _libc.mincore(ctypes.addressof(anchor), size, vec) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        del anchor
-        return sum(v & 1 for v in vec), npages
-    finally:
-        mm.close()
-
-
-def evict(paths: Sequence[str], method: str) -> float:
-    """Drop ``paths`` from the page cache; return the fraction of their pages still resident."""
-    if method == "drop_caches":
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    else:
-        for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)  # already durable; makes every page clean so DONTNEED can drop it
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    resident = total = 0
-    for path in paths:
-        r, n = resident_pages(path)
-        resident += r
-        total += n
-    return resident / total if total else 0.0
-
-
-def files_under(root: str) -> list[str]:
-    """Every regular file under ``root``."""
-    return [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
-
-
-# -- contention (other processes on the machine) ---------------------------
-
-
-def pressure_totals() -> dict[str, int]:
-    """Cumulative PSI stall microseconds ("some") for cpu and io; empty where PSI is unavailable."""
-    out: dict[str, int] = {}
-    for res in ("cpu", "io"):
-        try:
-            with open(f"/proc/pressure/{res}") as f:
-                for line in f:
-                    if line.startswith("some"):
-                        out[res] = int(line.rsplit("total=", 1)[1])
-        except (OSError, ValueError, IndexError):
-            pass
-    return out
-
-
-class Pressure:
-    """Share of wall time some task on the machine stalled on cpu / io over a ``with`` block."""
-
-    def __enter__(self) -> Pressure:
-        self.start = pressure_totals()
-        self.t0 = time.perf_counter()
-        self.share: dict[str, float] = {}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall_us = (time.perf_counter() - self.t0) * 1e6
-        end = pressure_totals()
-        self.share = {k: (end[k] - v) / wall_us for k, v in self.start.items() if k in end and wall_us > 0}
-
-
-# -- the disk's sequential limits (dd equivalent) ---------------------------
-
-
-def aligned_random_buffer(nbytes: int, seed: int) -> mmap.mmap:
-    """A page-aligned anonymous buffer of random bytes, for O_DIRECT."""
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    gen = torch.Generator().manual_seed(seed)
-    torch.frombuffer(buf, dtype=torch.uint8).copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
-    return buf
-
-
-def odirect_write(path: str, nbytes: int, buf: mmap.mmap) -> float:
-    """Seconds to write ``nbytes`` with O_DIRECT in ``len(buf)`` blocks and fsync (dd oflag=direct conv=fsync)."""
-    assert nbytes % len(buf) == 0
-    start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
-    try:
-        done = 0
-        view = memoryview(buf)
-        while done < nbytes:
-            n = os.write(fd, view)
-            if n != len(view):
-                raise OSError(f"short O_DIRECT write: {n} of {len(view)}")
-            done += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - start
-
-
-def odirect_read(path: str, buf: mmap.mmap) -> tuple[float, int]:
-    """(seconds, bytes) to read ``path`` with O_DIRECT in ``len(buf)`` blocks (dd iflag=direct)."""
-    start = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-    total = 0
-    try:
-        while n := os.readv(fd, [buf]):
-            total += n
-    finally:
-        os.close(fd)
-    return time.perf_counter() - start, total
 
 
 # -- a tier wrapper that records where the time goes ------------------------
@@ -338,9 +219,9 @@ class TimedTier:
         self.timings.manifest_read = (start, time.perf_counter())
         return data
 
-    async def read_segment(self, step: int, name: str) -> Buffer:
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
         start = time.perf_counter()
-        data = await self.inner.read_segment(step, name)
+        data = await self.inner.read_segment(step, name, size)
         self.timings.segments.append((start, time.perf_counter(), len(data)))
         return data
 
@@ -409,12 +290,6 @@ def install_io_profiler(timings: Timings) -> Callable[[], None]:
 def span(intervals: Sequence[tuple[float, float, int]]) -> float:
     """Wall time from the first start to the last end."""
     return max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals) if intervals else 0.0
-
-
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process, all threads."""
-    t = os.times()
-    return t.user + t.system
 
 
 def make_tier(root: str, options: dict[str, Any]) -> LocalTier:
@@ -515,22 +390,6 @@ async def restore_once(root: str, step: int, timings: Timings,
         "after_reads_s": t1 - max((e for _, e, _ in reads), default=t1),  # decode + chunk checksums
     }
     return out, ckpt.tensors
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality of dtype, shape and bytes."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """10**9 bytes per second."""
-    return nbytes / seconds / GB if seconds > 0 else float("nan")
-
-
-def median(values: Sequence[float]) -> float:
-    """Median, NaN when empty."""
-    return statistics.median(values) if values else float("nan")
 
 
 def run_size(size_gib: float, args: argparse.Namespace, dd_buf: mmap.mmap, timings: Timings) -> dict[str, Any]:
@@ -639,11 +498,7 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
 
 def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
     """Left: GB/s vs checkpoint size for commit, restore, put and the O_DIRECT limits. Right: the ratios."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes = [r["size_gib"] for r in results]
     fig, (ax, rx) = plt.subplots(1, 2, figsize=(13, 5), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
     series = [
@@ -675,19 +530,7 @@ def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
     ax.legend(fontsize=8, loc="best")
     rx.legend(fontsize=8, loc="best")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def git_state() -> dict[str, Any]:
-    """HEAD and whether asymstore/ differs from it (the benchmark measures the working tree)."""
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"head": git("rev-parse", "HEAD"), "asymstore_changes": git("status", "--porcelain", "asymstore")}
+    save_figure(fig, path)
 
 
 def parse_sizes(text: str) -> list[float]:
@@ -772,8 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "elapsed_s": elapsed,
         "results": results,
     }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
+    write_json(args.out, doc)
     print_table(results)
     print(f"\ncold cache: {evict_note}")
     print(f"wrote {args.out} and {plot_path} in {elapsed:.0f} s")

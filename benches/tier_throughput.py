@@ -28,7 +28,7 @@ limit:
   (LocalTier): O_DIRECT sequential write of the same number of bytes in
   64 MiB blocks then ``fsync`` and O_DIRECT sequential read of it (the
   Python equivalent of ``dd oflag=direct conv=fsync`` / ``dd iflag=direct``,
-  from ``benches/store_throughput.py``), in ``--dir``. kvikio needs
+  from ``benches/common.py``), in ``--dir``. kvikio needs
   ``libcuda.so.1``: where no real one loads, the test stub
   (``tests/stub_libcuda.c``) is built with gcc into a temporary directory
   and loaded under that soname, so kvikio runs its compat (POSIX) mode;
@@ -72,7 +72,6 @@ import asyncio
 import contextlib
 import ctypes
 import gc
-import json
 import math
 import mmap
 import os
@@ -88,13 +87,13 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from store_throughput import (
+from common import (
     DD_BLOCK,
     MIB,
+    REPO,
     Pressure,
     aligned_random_buffer,
     cpu_seconds,
@@ -105,6 +104,9 @@ from store_throughput import (
     median,
     odirect_read,
     odirect_write,
+    pyplot,
+    save_figure,
+    write_json,
 )
 
 from asymstore import AsymStore
@@ -113,7 +115,6 @@ from asymstore.tensorbytes import as_bytes
 from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier
 from asymstore.tiers.base import Buffer
 
-REPO = Path(__file__).resolve().parent.parent
 ALL_TIERS = ("host", "gpu", "nvme-posix", "nvme-kvikio", "local", "remote-file", "remote-s3")
 STORE_TENSOR = 16 * MIB
 TARGETS = {  # (case key prefix, direction) -> least ratio to the limit
@@ -788,10 +789,7 @@ def print_table(results: Sequence[dict[str, Any]]) -> None:
 
 def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
     """Three panels: write GB/s vs limit, read GB/s vs limit (log scale), and the ratios with the targets."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib import ticker
 
     labels = [r["key"] for r in results]
@@ -837,9 +835,7 @@ def plot(results: Sequence[dict[str, Any]], path: str, title: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def read_text(path: str) -> str:
@@ -934,8 +930,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "elapsed_s": elapsed,
         "results": results,
     }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
+    write_json(args.out, doc)
     print_table(results)
     if env["skipped"]:
         print(f"skipped: {env['skipped']}")

@@ -20,9 +20,16 @@ method checkpoints after every optimizer step into its own directory:
 Reported per config and method: median iteration time, its ratio to
 ``none``, and the stall per step (time the training thread spent inside the
 checkpointing code), and the process CPU seconds per step (training plus
-every background thread of the method). Between runs the page cache is
-synced, so one method's write-back does not slow the next. Writes JSON and a
-PNG of stall per step.
+every background thread of the method) with, beside it, the CPU seconds per
+checkpoint (that figure less ``none``'s), and the peak RSS growth of each run
+over the RSS at its start (sampled every 10 ms, and the kernel's VmHWM;
+median and max over the repetitions, in GiB and as a multiple of the state:
+fp32 parameters + two AdamW moments). Per config, for each asymcheck method,
+the targets as ratios: step time <= 1.10x none; its overhead over none <= 0.5
+of dcp.async_save's; peak RSS growth <= host_slots (2, the Checkpointer's
+default) x state + 256 MiB. Between runs the page cache is synced (and the
+C heap trimmed), so one method's write-back or freed memory does not affect
+the next. Writes JSON and a PNG of stall per step.
 
     python benches/train_overhead.py                 # ~30M and 124M GPT-2 (slow on CPU)
     python benches/train_overhead.py --quick         # small configs, a few minutes
@@ -31,11 +38,10 @@ PNG of stall per step.
 from __future__ import annotations
 
 import argparse
-import json
+import inspect
 import logging
 import os
 import platform
-import resource
 import shutil
 import statistics
 import time
@@ -44,27 +50,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import (
+    GIB,
+    GPT2_CONFIGS,
+    MIB,
+    RssSampler,
+    build_gpt2,
+    cpu_seconds,
+    pyplot,
+    release_free_memory,
+    save_figure,
+    write_json,
+)
 
 from asymcheck import Checkpointer
 from asymstore import LocalTier
 
-CONFIGS: dict[str, dict[str, int]] = {
-    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 2048},
-    "8m": {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 16384},
-    "30m": {"n_layer": 6, "n_embd": 384, "n_head": 6, "vocab_size": 50257},
-    "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257},
-}
 METHODS = ["none", "asymcheck", "asymcheck-skip", "torch.save", "dcp.async_save"]
-
-
-def build(name: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_positions=max(seq, 128), bos_token_id=0, eos_token_id=0, **CONFIGS[name])
-    model = GPT2LMHeadModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return model, opt, sum(p.numel() for p in model.parameters())
+HOST_SLOTS: int = inspect.signature(Checkpointer).parameters["host_slots"].default  # what Asym runs with
+RSS_SLACK = 256 * MIB  # the RSS target: peak growth <= HOST_SLOTS x state + this
+TARGET_STEP_RATIO = 1.10  # asymcheck step time / none
+TARGET_OVERHEAD_VS_DCP = 0.5  # asymcheck's step-time overhead / dcp.async_save's
 
 
 def tokens(vocab: int, batch: int, seq: int, step: int) -> torch.Tensor:
@@ -149,11 +155,6 @@ class Asym(Method):
         return [r.overhead_s for r in stats.steps]
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: int, args: argparse.Namespace,
         root: Path, first_step: int) -> dict[str, Any]:
     makers: dict[str, Callable[[], Method]] = {
@@ -166,12 +167,14 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
     }
     os.sync()  # the previous run's dirty pages must not be written back during this one
     time.sleep(1.0)
+    release_free_memory()  # what earlier runs freed but the allocator kept must not hide this run's growth
+    rss = RssSampler().start()  # the baseline: before the method allocates anything
     m = makers[method]()
     iters, stalls = [], []
     cpu0 = 0.0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            cpu0 = _cpu_seconds()
+            cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         x = tokens(vocab, args.batch, args.seq, first_step + i)
         loss = model(input_ids=x, labels=x).loss
@@ -182,20 +185,97 @@ def run(method: str, model: torch.nn.Module, opt: torch.optim.Optimizer, vocab: 
         iters.append(time.perf_counter() - t0)
         stalls.append(stall)
     own = m.close()
-    cpu_per_step = (_cpu_seconds() - cpu0) / args.steps  # includes the method's background threads
+    cpu_per_step = (cpu_seconds() - cpu0) / args.steps  # includes the method's background threads
+    rss.stop()
     if own is not None:  # asymcheck measures itself: all time in its hooks, drain included
         stalls = own[:len(iters)] + [0.0] * (len(iters) - len(own))
     shutil.rmtree(root, ignore_errors=True)
-    out: dict[str, Any] = {"iter_s": iters[args.warmup:], "stall_s": stalls[args.warmup:], "cpu_s": cpu_per_step}
+    out: dict[str, Any] = {"iter_s": iters[args.warmup:], "stall_s": stalls[args.warmup:], "cpu_s": cpu_per_step,
+                           "rss": rss.as_dict()}
     if isinstance(m, Asym):
         out["committed"], out["skipped"] = m.committed, m.skipped
     return out
 
 
+def summarize(per: dict[str, dict[str, list[float]]], counts: dict[str, list[int]],
+              state_bytes: int) -> dict[str, dict[str, Any]]:
+    """Per method: medians of step, stall and CPU time; CPU s per checkpoint; peak RSS growth over the reps."""
+    base = statistics.median(per["none"]["iter_s"]) if "none" in per else None
+    base_cpu = statistics.median(per["none"]["cpu_s"]) if "none" in per else None
+    summary: dict[str, dict[str, Any]] = {}
+    for method, data in per.items():
+        med = statistics.median(data["iter_s"])
+        cpu = statistics.median(data["cpu_s"])
+        growth = [int(g) for g in data["rss_growth"]]
+        summary[method] = {
+            "median_step_s": med, "ratio_vs_none": med / base if base else None,
+            "median_stall_s": statistics.median(data["stall_s"]),
+            "cpu_s_per_step": cpu,
+            "iter_s": data["iter_s"], "stall_s": data["stall_s"],
+            # every step checkpoints: the method's CPU s per step over none's is its CPU cost per checkpoint
+            "overhead_s": med - base if base is not None else None,
+            "cpu_s_per_step_reps": data["cpu_s"],
+            "cpu_s_per_checkpoint": cpu - base_cpu if base_cpu is not None else None,
+            # peak RSS over the RSS at the start of each run (before the method allocated anything)
+            "rss_growth_bytes": growth, "rss_baseline_bytes": [int(b) for b in data["rss_baseline"]],
+            "median_rss_growth_bytes": statistics.median(growth), "max_rss_growth_bytes": max(growth),
+            "median_rss_growth_x_state": statistics.median(growth) / state_bytes,
+            "max_rss_growth_x_state": max(growth) / state_bytes,
+        }
+        if method in counts:
+            summary[method]["versions_committed"], summary[method]["versions_skipped"] = counts[method]
+    return summary
+
+
+def _goal(value: float | None, target: float, **extra: Any) -> dict[str, Any]:
+    return {"value": value, "target": target, "met": value is not None and value <= target, **extra}
+
+
+def targets(summary: dict[str, dict[str, Any]], state_bytes: int) -> dict[str, dict[str, Any]]:
+    """For each asymcheck method run: the targets as ratios (value <= target).
+
+    ``step_ratio``: median step / none's (<= 1.10); ``overhead_vs_dcp``: its
+    step-time overhead over none / dcp.async_save's (<= 0.5); ``rss_growth``:
+    the largest peak RSS growth of its reps / (host_slots x state + 256 MiB) (<= 1).
+    """
+    dcp = summary.get("dcp.async_save", {}).get("overhead_s")
+    rss_limit = HOST_SLOTS * state_bytes + RSS_SLACK
+    out: dict[str, dict[str, Any]] = {}
+    for method, s in summary.items():
+        if not method.startswith("asymcheck"):
+            continue
+        overhead = s["overhead_s"]
+        out[method] = {
+            "step_ratio": _goal(s["ratio_vs_none"], TARGET_STEP_RATIO),
+            "overhead_vs_dcp": _goal(overhead / dcp if overhead is not None and dcp else None,
+                                     TARGET_OVERHEAD_VS_DCP, overhead_s=overhead, dcp_overhead_s=dcp),
+            "rss_growth": _goal(s["max_rss_growth_bytes"] / rss_limit, 1.0, growth_bytes=s["max_rss_growth_bytes"],
+                                limit_bytes=rss_limit, host_slots=HOST_SLOTS, slack_bytes=RSS_SLACK),
+        }
+    return out
+
+
+def print_targets(goals: dict[str, dict[str, Any]]) -> None:
+    """One line per asymcheck method: each target as a ratio, met or not."""
+    def verdict(g: dict[str, Any], fmt: str) -> str:
+        if g["value"] is None:
+            return "n/a"
+        return f"{g['value']:{fmt}} (<= {g['target']:g}: {'met' if g['met'] else 'NOT met'})"
+
+    for method, g in goals.items():
+        o, r = g["overhead_vs_dcp"], g["rss_growth"]
+        overhead = (f"overhead {o['overhead_s']:.3f} s / dcp.async_save's {o['dcp_overhead_s']:.3f} s = "
+                    if o["value"] is not None else "overhead vs dcp.async_save's: ")
+        print(f"  targets {method}: step / none = {verdict(g['step_ratio'], '.3f')}; {overhead}"
+              f"{verdict(o, '.2f')}; peak RSS growth (max of reps) {r['growth_bytes'] / GIB:.2f} GiB / "
+              f"({r['host_slots']} x state + {r['slack_bytes'] // MIB} MiB = {r['limit_bytes'] / GIB:.2f} GiB) = "
+              f"{verdict(r, '.2f')}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small configs, fewer steps")
-    ap.add_argument("--configs", default=None, help=f"comma-separated, from {sorted(CONFIGS)}")
+    ap.add_argument("--configs", default=None, help=f"comma-separated, from {sorted(GPT2_CONFIGS)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=None, help="measured steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps per run (asymcheck plans after 3)")
@@ -217,10 +297,11 @@ def main() -> int:
                                "threads": torch.get_num_threads(), "batch": args.batch, "seq": args.seq,
                                "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "configs": {}}
     for name in configs:
-        model, opt, nparams = build(name, args.seq)
-        vocab = CONFIGS[name]["vocab_size"]
+        model, opt, nparams = build_gpt2(name, args.seq)
+        vocab = GPT2_CONFIGS[name]["vocab_size"]
         state_bytes = 3 * 4 * nparams
-        per: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "stall_s": [], "cpu_s": []} for m in methods}
+        per: dict[str, dict[str, list[float]]] = {
+            m: {"iter_s": [], "stall_s": [], "cpu_s": [], "rss_growth": [], "rss_baseline": []} for m in methods}
         counts: dict[str, list[int]] = {}
         step = 0
         print(f"{name}: {nparams / 1e6:.1f}M parameters, {state_bytes / 2**30:.2f} GiB of state per checkpoint")
@@ -232,34 +313,35 @@ def main() -> int:
                 per[method]["iter_s"] += r["iter_s"]
                 per[method]["stall_s"] += r["stall_s"]
                 per[method]["cpu_s"].append(r["cpu_s"])
+                per[method]["rss_growth"].append(r["rss"]["peak_growth_bytes"])
+                per[method]["rss_baseline"].append(r["rss"]["baseline_bytes"])
                 if "committed" in r:
                     c = counts.setdefault(method, [0, 0])
                     c[0] += r["committed"]
                     c[1] += r["skipped"]
                 print(f"  rep {rep} {method:>15}: median step {statistics.median(r['iter_s']):.3f} s, "
                       f"median stall {statistics.median(r['stall_s']):.3f} s, "
-                      f"{r['cpu_s']:.2f} CPU s/step", flush=True)
-        base = statistics.median(per["none"]["iter_s"]) if "none" in per else None
-        summary = {}
-        for method, data in per.items():
-            med = statistics.median(data["iter_s"])
-            summary[method] = {"median_step_s": med, "ratio_vs_none": med / base if base else None,
-                               "median_stall_s": statistics.median(data["stall_s"]),
-                               "cpu_s_per_step": statistics.median(data["cpu_s"]),
-                               "iter_s": data["iter_s"], "stall_s": data["stall_s"]}
-            if method in counts:
-                summary[method]["versions_committed"], summary[method]["versions_skipped"] = counts[method]
-        results["configs"][name] = {"params": nparams, "state_bytes": state_bytes, "methods": summary}
+                      f"{r['cpu_s']:.2f} CPU s/step, peak RSS +{r['rss']['peak_growth_bytes'] / GIB:.2f} GiB "
+                      f"({r['rss']['peak_growth_bytes'] / state_bytes:.2f}x state)", flush=True)
+        summary = summarize(per, counts, state_bytes)
+        goals = targets(summary, state_bytes)
+        results["configs"][name] = {"params": nparams, "state_bytes": state_bytes, "methods": summary,
+                                    "host_slots": HOST_SLOTS, "targets": goals}
         for method, s in summary.items():
             ratio = f"{s['ratio_vs_none']:.3f}x" if s["ratio_vs_none"] else "-"
             extra = (f", {s['versions_committed']} versions committed, {s['versions_skipped']} skipped"
                      if "versions_committed" in s else "")
+            per_ckpt = (f" ({s['cpu_s_per_checkpoint']:+.2f} CPU s per checkpoint)"
+                        if s["cpu_s_per_checkpoint"] is not None else "")
             print(f"  {method:>15}: median step {s['median_step_s']:.3f} s ({ratio}), "
-                  f"median stall {s['median_stall_s']:.3f} s, {s['cpu_s_per_step']:.2f} CPU s/step{extra}")
+                  f"median stall {s['median_stall_s']:.3f} s, {s['cpu_s_per_step']:.2f} CPU s/step{per_ckpt}, "
+                  f"peak RSS growth median {s['median_rss_growth_bytes'] / GIB:.2f} GiB "
+                  f"({s['median_rss_growth_x_state']:.2f}x state), max {s['max_rss_growth_bytes'] / GIB:.2f} GiB "
+                  f"({s['max_rss_growth_x_state']:.2f}x state){extra}")
+        print_targets(goals)
         del model, opt
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    write_json(out.with_suffix(".json"), results, indent=1)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -267,11 +349,7 @@ def main() -> int:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     configs = results["configs"]
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False)
     for ax, (name, cfg) in zip(axes[0], configs.items(), strict=True):
@@ -283,8 +361,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("stall per step (s)")
         ax.set_yscale("symlog", linthresh=1e-3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

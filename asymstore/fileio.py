@@ -12,6 +12,8 @@ import threading
 import uuid
 from collections.abc import Sequence
 
+import xxhash
+
 from asymstore.errors import CorruptVersionError
 from asymstore.layout import fsync_dir
 
@@ -251,7 +253,11 @@ def read_large(path: str) -> memoryview | bytearray:
         os.close(fd)
 
 
-def read_ranges(path: str, size: int, ranges: Sequence[tuple[int, memoryview]]) -> None:
+_HASH_PIECE = 1 << 20  # bytes filled then hashed at once, while they are still in the cache
+
+
+def read_ranges(path: str, size: int, ranges: Sequence[tuple[int, memoryview]], *,
+                hashes: bool = False) -> list[str] | None:
     """Fill each ``(offset, view)`` of ``ranges`` with bytes ``[offset, offset + len(view))`` of ``path``.
 
     ``path`` must be a regular file of ``size`` bytes (checked on the open
@@ -261,13 +267,18 @@ def read_ranges(path: str, size: int, ranges: Sequence[tuple[int, memoryview]]) 
     fill and no fresh memory per read. Otherwise (or where O_DIRECT is
     refused) each range is read with ``preadv`` straight into its view.
 
+    With ``hashes``, each range's xxh3-64 digest is computed as it is filled,
+    1 MiB at a time while those bytes are still in the cache, and the digests
+    are returned in the order of ``ranges`` (no second pass over cold memory).
+
     Raises:
         CorruptVersionError: not a regular file, another size, or a range past the end.
         OSError: the read failed.
     """
-    order = sorted(((off, view.cast("B") if view.format != "B" else view) for off, view in ranges if len(view)),
-                   key=lambda r: r[0])
-    if any(off + len(view) > size for off, view in order):
+    states = [xxhash.xxh3_64() for _ in ranges] if hashes else None
+    order = sorted(((off, view.cast("B") if view.format != "B" else view, i) for i, (off, view) in enumerate(ranges)
+                    if len(view)), key=lambda r: r[0])
+    if any(off + len(view) > size for off, view, _ in order):
         raise CorruptVersionError(f"{path}: a range runs past the end of its {size} bytes")
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
@@ -275,24 +286,30 @@ def read_ranges(path: str, size: int, ranges: Sequence[tuple[int, memoryview]]) 
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             raise CorruptVersionError(f"{path} is not a regular file of {size} bytes")
         if size >= _DIRECT_MIN_BYTES and order and _set_direct(fd, True):
-            order = _read_ranges_direct(fd, size, order)
+            order = _read_ranges_direct(fd, size, order, states)
             _set_direct(fd, False)
-        for off, view in order:
-            _pread_all(fd, view, off, path)
+        for off, view, i in order:
+            _pread_all(fd, view, off, path, None if states is None else states[i])
     finally:
         os.close(fd)
+    return None if states is None else [s.hexdigest() for s in states]
 
 
-def _pread_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+def _pread_all(fd: int, view: memoryview, offset: int, path: str, state: xxhash.xxh3_64 | None) -> None:
     done = 0
+    step = _HASH_PIECE if state is not None else len(view)
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+        piece = view[done:done + step]
+        n = os.preadv(fd, [piece], offset + done)
         if n == 0:
             raise CorruptVersionError(f"{path}: short read at {offset + done}")
+        if state is not None:
+            state.update(piece[:n])
         done += n
 
 
-def _read_ranges_direct(fd: int, size: int, order: list[tuple[int, memoryview]]) -> list[tuple[int, memoryview]]:
+def _read_ranges_direct(fd: int, size: int, order: list[tuple[int, memoryview, int]],
+                        states: list[xxhash.xxh3_64] | None) -> list[tuple[int, memoryview, int]]:
     """Read the ranges (sorted) through aligned O_DIRECT windows; return what is left for buffered reads."""
     buf: mmap.mmap | None = getattr(_bounce, "buf", None)
     if buf is None:
@@ -313,11 +330,16 @@ def _read_ranges_direct(fd: int, size: int, order: list[tuple[int, memoryview]])
         if got == 0:
             return pending[i:]
         while i < len(pending) and pending[i][0] < end:
-            off, view = pending[i]
+            off, view, index = pending[i]
             n = min(len(view), end - off)
-            view[:n] = bounce[off - start:off - start + n]
+            state = None if states is None else states[index]
+            for at in range(0, n, _HASH_PIECE if state is not None else max(n, 1)):
+                stop = min(n, at + (_HASH_PIECE if state is not None else n))
+                view[at:stop] = bounce[off - start + at:off - start + stop]
+                if state is not None:
+                    state.update(view[at:stop])
             if n < len(view):
-                pending[i] = (off + n, view[n:])
+                pending[i] = (off + n, view[n:], index)
                 break
             i += 1
     return []

@@ -136,9 +136,12 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
         async with sem:
             if name in direct:
                 assert isinstance(tier, ReadIntoTier)
-                await tier.read_segment_into(step, name, size, [(c.offset, view) for _, c, view in direct[name]])
-                # verified right away, while this segment's bytes are still warm, and beside the next reads
-                await asyncio.to_thread(_verify_in_place, direct[name])
+                digests = await tier.read_segment_into(step, name, size,
+                                                       [(c.offset, view) for _, c, view in direct[name]])
+                if digests is not None:  # hashed by the tier as the bytes landed
+                    _check_digests(direct[name], digests)
+                else:  # verified right away, while this segment's bytes are still warm, and beside the next reads
+                    await asyncio.to_thread(_verify_in_place, direct[name])
                 return name, None
             data = await tier.read_segment(step, name, size)
             verify_segment(manifest, name, data, deep=False)
@@ -146,6 +149,14 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
 
     segments = dict(await asyncio.gather(*(fetch(s.name, s.size) for s in manifest.segments)))
     return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, dests)
+
+
+def _check_digests(items: _Direct, digests: list[str]) -> None:
+    if len(digests) != len(items):
+        raise CorruptVersionError(f"the tier returned {len(digests)} digests for {len(items)} chunks")
+    for (name, chunk, _), digest in zip(items, digests, strict=True):
+        if digest != chunk.checksum:  # raw chunks only here: the stored bytes are the raw bytes
+            raise CorruptVersionError(f"{name}: chunk in {chunk.segment} at {chunk.offset}: stored checksum mismatch")
 
 
 def _verify_in_place(items: _Direct) -> None:

@@ -270,3 +270,22 @@ async def test_restore_into_verifies_on_the_destination_and_falls_back(tmp_path:
         ckpt = await store.restore(into=dest)
     assert ckpt.step == 1 and ckpt.fell_back and "checksum mismatch" in ckpt.fallbacks[0]
     assert torch.equal(dest["w"], big[1]["w"]) and torch.equal(dest["b"], big[1]["b"])  # all of step 1, nothing of 2
+
+
+async def test_restore_into_from_shared_memory_hashes_as_it_reads_and_falls_back(shm_dir: str) -> None:
+    big = {step: {"w": torch.randn(1_000_003, generator=torch.Generator().manual_seed(step))} for step in (1, 2)}
+    async with AsymStore([HostTier(1 << 30, path=shm_dir)], keep_last=None, compression="never") as store:
+        for step in (1, 2):
+            await store.put_many(step, big[step])
+            await store.commit(step)
+    seg = os.path.join(shm_dir, "v000000000002", "seg-000000.bin")
+    with open(seg, "r+b") as f:  # one bit, deep inside the second MiB piece hashed while reading
+        f.seek(1_500_000)
+        byte = f.read(1)
+        f.seek(1_500_000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    dest = {"w": torch.empty(1_000_003)}
+    async with AsymStore([HostTier(1 << 30, path=shm_dir)], read_only=True) as store:
+        ckpt = await store.restore(into=dest)
+    assert ckpt.step == 1 and "checksum mismatch" in ckpt.fallbacks[0]
+    assert torch.equal(dest["w"], big[1]["w"])

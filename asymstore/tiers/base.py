@@ -183,11 +183,13 @@ class ReadIntoTier(Protocol):
     """A tier that reads parts of a segment straight into caller buffers (optional; restore ``into=`` uses it)."""
 
     async def read_segment_into(self, step: int, name: str, size: int,
-                                ranges: Sequence[tuple[int, memoryview]]) -> None:
+                                ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
         """Fill each ``(offset, view)`` with the segment's bytes ``[offset, offset + len(view))``.
 
         The segment must be ``size`` bytes (CorruptVersionError otherwise,
         before anything is read). The bytes are not verified here: the caller
-        checks the chunk checksums on the filled buffers.
+        checks the chunk checksums on the filled buffers, or compares the
+        xxh3-64 digests of the ranges when the tier returns them (computed
+        while filling, in the order of ``ranges``; None: not computed).
         """
         ...

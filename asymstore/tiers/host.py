@@ -236,8 +236,11 @@ class HostTier:
         return await asyncio.to_thread(_to_host, version.segments[name])
 
     async def read_segment_into(self, step: int, name: str, size: int,
-                                ranges: Sequence[tuple[int, memoryview]]) -> None:
-        """Copy ranges of one segment straight into caller buffers (one copy out of the pool or the shm file)."""
+                                ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
+        """Copy ranges of one segment straight into caller buffers (one copy out of the pool or the shm file).
+
+        Shared-memory files return the ranges' digests, hashed as they land; memory returns None.
+        """
         if self._files:
             return await self._files.read_segment_into(step, name, size, ranges)
         validate_segment_name(name)
@@ -249,6 +252,7 @@ class HostTier:
             raise CorruptVersionError(f"segment {name} of step {step} on {self.name} has {buf.numel()} bytes, "
                                       f"the manifest says {size}")
         await asyncio.to_thread(_copy_out, buf, ranges)
+        return None
 
     async def delete_version(self, step: int) -> None:
         """Drop a version and give its memory back."""

@@ -154,15 +154,18 @@ class LocalTier:
             raise TierError(f"reading {path}: {exc}") from exc
 
     async def read_segment_into(self, step: int, name: str, size: int,
-                                ranges: Sequence[tuple[int, memoryview]]) -> None:
-        """Read ranges of one segment straight into caller buffers (see :func:`asymstore.fileio.read_ranges`)."""
+                                ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
+        """Read ranges of one segment straight into caller buffers, hashing them as they land.
+
+        See :func:`asymstore.fileio.read_ranges`; returns the ranges' digests.
+        """
         path = os.path.join(self._vdir(step), validate_segment_name(name))
 
-        def read() -> None:
+        def read() -> list[str] | None:
             check_directory(self._vdir(step))
-            read_ranges(path, size, ranges)
+            return read_ranges(path, size, ranges, hashes=True)
         try:
-            await asyncio.to_thread(read)
+            return await asyncio.to_thread(read)
         except FileNotFoundError as exc:
             raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
         except OSError as exc:

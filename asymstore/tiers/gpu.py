@@ -1,7 +1,7 @@
 """GPUTier: snapshot buffers in device memory, for when a device-to-device copy beats going to host.
 
-It behaves like an in-memory :class:`HostTier` (bounded, evicting, with the
-same back-pressure policies) whose pool lives on the CUDA device. On a
+It is the in-memory :class:`HostTier` (:class:`MemoryTier`: bounded, evicting,
+with the same back-pressure policies) with its pool on the CUDA device. On a
 machine without CUDA it runs on the CPU device, so the same tests cover it.
 Device memory does not survive the process: the tier is not persistent.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from asymstore.tiers.host import HostTier
+from asymstore.tiers.memory import MemoryTier
 
 
-class GPUTier(HostTier):
+class GPUTier(MemoryTier):
     """Bounded device-memory tier.
 
     Args:

@@ -11,15 +11,16 @@ import time
 import uuid
 from collections.abc import Sequence
 
+import aiofiles.os
+
 from asymstore.calibration import filesystem_key, probe_directory
-from asymstore.errors import StepCommittedError, TierError, VersionNotFoundError
+from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.fileio import (
     atomic_write,
     check_directory,
     check_regular,
     read_large,
     read_ranges,
-    read_whole,
     write_parts,
 )
 from asymstore.layout import (
@@ -32,9 +33,12 @@ from asymstore.layout import (
 )
 from asymstore.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
 from asymstore.rootlock import DirLock, sweep_directory
+from asymstore.smallfiles import read_small
 from asymstore.tiers.base import Buffer
 
 logger = logging.getLogger(__name__)
+
+_LATEST_MAX_BYTES = 64  # a step number and a newline; anything longer is not a LATEST this tier wrote
 
 
 class LocalTier:
@@ -73,7 +77,7 @@ class LocalTier:
 
     async def open(self) -> None:
         """Create the root directory if needed."""
-        await asyncio.to_thread(os.makedirs, self.root, exist_ok=True)
+        await aiofiles.os.makedirs(self.root, exist_ok=True)
 
     async def close(self) -> None:
         """Nothing to release (the root lock is the store's to give up: :meth:`unlock_root`)."""
@@ -112,12 +116,12 @@ class LocalTier:
 
     async def begin(self, step: int, nbytes: int) -> _DirWriter:
         """Create the temporary directory of version ``step``."""
-        if os.path.exists(os.path.join(self._vdir(step), MANIFEST_NAME)):
+        if await aiofiles.os.path.exists(os.path.join(self._vdir(step), MANIFEST_NAME)):
             raise StepCommittedError(f"step {step} is already committed on {self.name}")
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{version_dirname(step)}-{uuid.uuid4().hex[:8]}")
         self._active.add(os.path.basename(tmp))
         try:
-            await asyncio.to_thread(os.makedirs, tmp)
+            await aiofiles.os.makedirs(tmp)
         except BaseException:
             self._active.discard(os.path.basename(tmp))
             raise
@@ -126,13 +130,8 @@ class LocalTier:
     async def read_manifest(self, step: int) -> bytes:
         """Return the manifest of ``step`` (a regular file of at most MAX_MANIFEST_BYTES, never followed)."""
         path = os.path.join(self._vdir(step), MANIFEST_NAME)
-
-        def read() -> bytes:
-            check_directory(self._vdir(step))
-            check_regular(path, max_size=MAX_MANIFEST_BYTES)
-            return bytes(read_whole(path))
         try:
-            return await asyncio.to_thread(read)
+            return await read_small(path, MAX_MANIFEST_BYTES, directory=self._vdir(step))
         except FileNotFoundError as exc:
             raise VersionNotFoundError(f"step {step} not on {self.name}") from exc
         except OSError as exc:
@@ -236,14 +235,16 @@ class LocalTier:
     async def write_latest(self, step: int) -> None:
         """Atomically replace the LATEST hint."""
         data = f"{step}\n".encode()
+        # Not through aiofiles: it has no fsync, and tmp file, fsync, rename and fsync of the root must run
+        # in that order (removing the tmp file on failure); one thread runs the whole sequence.
         await asyncio.to_thread(atomic_write, os.path.join(self.root, LATEST), data, fsync=self.fsync)
 
     async def read_latest(self) -> int | None:
-        """Return the LATEST hint, or None."""
+        """Return the LATEST hint, or None (missing, unreadable, not a regular file or too long)."""
         try:
-            text = (await asyncio.to_thread(read_whole, os.path.join(self.root, LATEST))).decode()
+            text = (await read_small(os.path.join(self.root, LATEST), _LATEST_MAX_BYTES)).decode()
             return int(text.strip())
-        except (OSError, ValueError, UnicodeDecodeError):
+        except (OSError, ValueError, UnicodeDecodeError, CorruptVersionError):
             return None
 
 

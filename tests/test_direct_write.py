@@ -73,3 +73,29 @@ def test_aligned_tensor_memory_is_written_without_the_bounce_buffer(tmp_path: Pa
     assert base is not None
     assert gathered and all(a is not None and base <= a < base + len(view) for a in gathered), \
         "every write came straight from the tensor's own pages"
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_the_nvme_posix_engine_writes_any_mix_byte_exact(tmp_path: Path, case: int) -> None:
+    from asymstore.tiers.engines import PosixEngine
+
+    rng = random.Random(100 + case)
+    parts: list[memoryview] = []
+    for k in range(rng.randint(2, 8)):
+        kind = rng.choice(["aligned", "aligned-tail", "offset", "bytes", "pad"])
+        if kind == "aligned":
+            parts.append(aligned(4096 * rng.randint(1, 700), case * 100 + k))
+        elif kind == "aligned-tail":
+            parts.append(aligned(4096 * rng.randint(1, 700) + rng.randint(1, 4095), case * 100 + k))
+        elif kind == "offset":
+            parts.append(aligned(4096 * rng.randint(2, 300), case * 100 + k)[rng.randint(1, 4095):])
+        elif kind == "bytes":
+            parts.append(memoryview(random.Random(k).randbytes(rng.randint(1, 1 << 20))))
+        else:
+            parts.append(memoryview(bytes(rng.randint(1, 4095))))
+    expect = b"".join(bytes(p) for p in parts)
+    engine = PosixEngine(num_threads=3, task_size=rng.choice([64 << 10, 1 << 20, 4 << 20]))
+    path = tmp_path / "seg.bin"
+    assert engine.write(str(path), parts, fsync=True) == len(expect)
+    assert path.read_bytes() == expect
+    assert bytes(engine.read(str(path))) == expect

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+from asymstore.fileio import address_of
 from asymstore.tiers.base import Buffer
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,26 @@ def _gather(parts: Sequence[memoryview], starts: list[int], off: int, dest: memo
         n = min(len(part) - lo, len(dest) - pos)
         dest[pos:pos + n] = part[lo:lo + n]
         pos += n
+
+
+def _pieces(parts: Sequence[memoryview], starts: list[int], off: int, n: int) -> list[tuple[memoryview, int]]:
+    """The slices of the concatenated ``parts`` covering bytes ``[off, off+n)``, with their file offsets."""
+    out = []
+    for part, start in zip(parts, starts, strict=True):
+        end = start + len(part)
+        if end <= off:
+            continue
+        if start >= off + n:
+            break
+        lo, hi = max(off, start) - start, min(off + n, end) - start
+        out.append((part[lo:hi], start + lo))
+    return out
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
 
 
 def _fsync_path(path: str) -> None:
@@ -129,19 +150,34 @@ class PosixEngine:
 
     @staticmethod
     def _write_block(fd: int, views: list[memoryview], starts: list[int], off: int, n: int) -> None:
-        padded = -(-n // ALIGN) * ALIGN
+        """Write bytes ``[off, off+n)`` with O_DIRECT: page-aligned parts from their own memory, the rest gathered."""
         # one page-aligned private bounce buffer per pool thread, reused: a fresh mapping per block
         # page-faults (and zeroes) every page again, which costs more CPU than the write itself
+        padded = -(-n // ALIGN) * ALIGN
         buf: mmap.mmap | None = getattr(_bounce, "buf", None)
         if buf is None or len(buf) < padded:
             buf = _bounce.buf = mmap.mmap(-1, padded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         dest = memoryview(buf)
         try:
-            _gather(views, starts, off, dest[:n])
-            dest[n:padded] = bytes(padded - n)  # the padding past the end is zeros (truncated away after)
-            done = 0
-            while done < padded:
-                done += os.pwrite(fd, dest[done:padded], off + done)
+            filled = 0  # bytes gathered, to land at file offset ``at``
+            at = off
+            for piece, pos in _pieces(views, starts, off, n):
+                if filled % ALIGN == 0 and pos % ALIGN == 0 and len(piece) >= ALIGN:
+                    address = address_of(piece)
+                    if address is not None and address % ALIGN == 0:
+                        _pwrite_all(fd, dest[:filled], at)
+                        whole = len(piece) - len(piece) % ALIGN
+                        _pwrite_all(fd, piece[:whole], pos)  # straight from the caller's pages
+                        piece, pos, filled = piece[whole:], pos + whole, 0
+                        if not piece:
+                            continue
+                if not filled:
+                    at = pos
+                dest[filled:filled + len(piece)] = piece
+                filled += len(piece)
+            end = -(-filled // ALIGN) * ALIGN
+            dest[filled:end] = bytes(end - filled)  # the padding past the end is zeros (truncated away after)
+            _pwrite_all(fd, dest[:end], at)
         finally:
             dest.release()
 

@@ -200,3 +200,32 @@ def test_a_rank_killed_mid_commit_leaves_the_previous_global_version(world: tupl
         assert resumed["step"] == 6
         assert_same_state(ref.final(r), resume.final(r))
         check_losses(ref, kill, resume, rank=r)
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_export_writes_a_deepspeed_checkpoint_that_deepspeeds_own_tools_consolidate(
+        world: tuple[int, Path], stage: int, tmp_path: Path) -> None:
+    """The conversion path to another world size: export, then DeepSpeed's zero_to_fp32 over every rank's partition."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from asymcheck.deepspeed.export import main
+
+    n, out = world
+    ckpt_root = out.parent / "ckpt" / f"ck{stage}"  # attach() versions, the newest from the resumed run (step 7)
+    dest = tmp_path / "ds"
+    assert main([str(ckpt_root), str(dest)]) == 0
+    assert (dest / "latest").read_text() == "asymcheck"
+    partitions = sorted(p.name for p in (dest / "asymcheck").glob("*optim_states.pt"))
+    assert len(partitions) == n  # one ZeRO partition file per rank of the saving job
+    full = get_fp32_state_dict_from_zero_checkpoint(str(dest), tag="asymcheck")
+    ref = Case(out, f"ref{stage}", n).final(0)
+    params = {k.split("/module/", 1)[1]: v for k, v in ref.tensors.items()
+              if "/module/" in k and "model_states" in k and k.split("/module/", 1)[1] in full}
+    names = {k.split("/module/", 1)[1] for k in ref.tensors if "/module/" in k and "model_states" in k}
+    assert full and set(full) <= names
+    assert all(torch.isfinite(v).all() for v in full.values())
+    if stage < 3:  # ZeRO-3 module states hold partitions only: there the optimizer files are the only copy
+        assert set(params) == set(full)
+        for name, tensor in params.items():  # the run's final weights, consolidated from every rank's partition
+            assert torch.equal(full[name], tensor.float()), name

@@ -1,0 +1,156 @@
+"""Write a DeepSpeed version out as the checkpoint directory DeepSpeed's own ``save_checkpoint`` would have made.
+
+Versions of ``attach()`` and of ``AsymCheckpointEngine`` hold, per rank, the
+state dicts DeepSpeed builds for its checkpoint files. This writes them as
+those files (``torch.save``, DeepSpeed's format; the store itself never
+pickles) plus ``latest``, so every DeepSpeed tool takes it from there:
+
+- ``engine.load_checkpoint(OUT, tag)`` in a plain DeepSpeed job of the same size;
+- ``python -m deepspeed.utils.zero_to_fp32 OUT WEIGHTS_DIR`` (or
+  ``get_fp32_state_dict_from_zero_checkpoint``): the full fp32 weights from the
+  ZeRO partitions of every rank, loadable on any number of ranks;
+- ``python -m deepspeed.checkpoint.ds_to_universal --input_folder OUT/TAG
+  --output_folder UNIVERSAL``: a universal checkpoint that a job with another
+  data-parallel degree loads with ``"checkpoint": {"load_universal": true}``.
+
+Usage::
+
+    python -m asymcheck.deepspeed.export ROOT OUT [--step N]
+
+``ROOT`` is the directory given to ``attach()`` or the checkpoint directory of
+``install()`` (its ``asymstore/`` is found). Every rank's shard of the global
+version (the newest whose shards all verify, or ``--step``) is verified
+before anything is written; file names come from the manifests and must stay
+inside ``OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from asymcheck.deepspeed.files import META_KEY, decode_file, file_keys
+from asymcheck.deepspeed.types import register_deepspeed_types
+from asymcheck.errors import AsymcheckError
+from asymstore import AsymStore, AsymstoreError, LocalTier
+from asymstore.multirank import layout
+from asymstore.restore import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+STORE_DIR = "asymstore"  # where install()'s AsymCheckpointEngine keeps its store under the checkpoint directory
+
+
+class DeepSpeedExportError(AsymcheckError):
+    """The location holds no exportable DeepSpeed version, or a file name would leave the output directory."""
+
+
+def find_root(location: str) -> str:
+    """The multi-rank root under ``location`` (itself, or its ``asymstore/``)."""
+    for root in (location, os.path.join(location, STORE_DIR)):
+        if layout.is_multirank(root):
+            return root
+    raise DeepSpeedExportError(f"{location} holds no multi-rank asymstore root (attach() or install() writes one)")
+
+
+async def _shard(root: str, rank: int, step: int) -> Checkpoint:
+    tier = LocalTier(os.path.join(root, layout.rank_dirname(rank)), fsync=False)
+    async with AsymStore([tier], read_only=True) as store:
+        return await store.restore(step=step)
+
+
+async def read_version(root: str, step: int | None = None) -> tuple[int, str, list[Checkpoint]]:
+    """Every rank's verified shard of the global version ``step`` (default: the newest that verifies).
+
+    Returns:
+        (global step, DeepSpeed tag, shards in rank order).
+
+    Raises:
+        DeepSpeedExportError: no global version, or none whose every shard verifies and holds DeepSpeed files.
+    """
+    gdir = os.path.join(root, layout.GLOBAL_DIR)
+    steps = layout.list_global_steps(gdir)
+    if step is not None:
+        if step not in steps:
+            raise DeepSpeedExportError(f"global step {step} is not published under {gdir} (have {steps[-5:]})")
+        steps = [step]
+    reasons = []
+    for s in reversed(steps):
+        g = layout.read_global(gdir, s)
+        try:
+            shards = [await _shard(root, shard.rank, shard.step) for shard in sorted(g.shards, key=lambda x: x.rank)]
+        except AsymstoreError as exc:
+            reasons.append(f"global step {s}: {type(exc).__name__}: {exc}")
+            logger.warning("global step %d does not verify on every rank: %s", s, exc)
+            continue
+        if not all(file_keys(c.meta) for c in shards):
+            reasons.append(f"global step {s}: a shard holds no DeepSpeed files")
+            continue
+        tag = str(shards[0].meta[META_KEY].get("tag", f"global_step{s}"))
+        return s, tag, shards
+    raise DeepSpeedExportError("no exportable global version: " + ("; ".join(reasons) or f"none under {gdir}"))
+
+
+def _inside(out: str, key: str) -> str:
+    path = os.path.normpath(os.path.join(out, key))
+    if os.path.isabs(key) or os.path.commonpath([out, path]) != out or path == out:
+        raise DeepSpeedExportError(f"file name {key!r} would leave {out}")
+    return path
+
+
+def write_files(shards: Sequence[Checkpoint], tag: str, out: str) -> list[str]:
+    """Write every DeepSpeed file of ``shards`` under ``out`` with ``torch.save``, then ``latest``; return the keys."""
+    register_deepspeed_types()  # DeepSpeed's own objects in the files (loss scaler, ...) decode as themselves
+    out = os.path.abspath(out)
+    written: dict[str, int] = {}
+    for rank, ckpt in enumerate(shards):
+        for key in file_keys(ckpt.meta):
+            if key in written:
+                if key.endswith("model_states.pt") and "zero_pp_rank" not in key:
+                    continue  # below ZeRO-3 every rank records rank 0's model states: DeepSpeed writes one file
+                raise DeepSpeedExportError(f"{key} is held by ranks {written[key]} and {rank}")
+            path = _inside(out, key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            state: Any = decode_file(ckpt.meta, ckpt.tensors, key)
+            torch.save(state, path)
+            written[key] = rank
+    with open(os.path.join(out, "latest"), "w") as f:
+        f.write(tag)
+    return sorted(written)
+
+
+async def export(location: str, out: str, *, step: int | None = None) -> tuple[int, str, list[str]]:
+    """Export a DeepSpeed version of ``location`` to ``out``; return (global step, tag, files written)."""
+    root = find_root(location)
+    s, tag, shards = await read_version(root, step)
+    keys = await asyncio.to_thread(write_files, shards, tag, out)
+    return s, tag, keys
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m asymcheck.deepspeed.export ROOT OUT [--step N]``."""
+    parser = argparse.ArgumentParser(prog="python -m asymcheck.deepspeed.export",
+                                     description="Write a DeepSpeed version as DeepSpeed's own checkpoint files.")
+    parser.add_argument("location", help="the directory given to attach(), or install()'s checkpoint directory")
+    parser.add_argument("out", help="the DeepSpeed checkpoint directory to write")
+    parser.add_argument("--step", type=int, default=None, help="the global step (default: newest that verifies)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        s, tag, keys = asyncio.run(export(args.location, args.out, step=args.step))
+    except (AsymstoreError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"global step {s} (tag {tag}): {len(keys)} file(s) under {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

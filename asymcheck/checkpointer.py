@@ -216,7 +216,7 @@ class Checkpointer(VersionCycle):
         """Stall, copy time and bytes per step, commit counters, dropped versions, so far."""
         snap = self._stats.snapshot(self._engine.busy_seconds, self._engine.bytes_copied, self._planner.replans,
                                     self._edits.dropped, tuple(sorted(self._edits.eager)))
-        return dataclasses.replace(snap, pacing=self._pacer.report())
+        return dataclasses.replace(snap, pacing=self._pacer.report(), host_bytes=self._pool.allocated_bytes)
 
     def resume(self) -> int | None:
         """Load the newest version that verifies into the live objects.

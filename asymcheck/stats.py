@@ -58,6 +58,9 @@ class CheckpointStats:
     ``eager_tensors`` the tensors copied eagerly since. ``commits_failed`` and
     ``failures_since_durable`` count failed background commits (all of them,
     and those since the newest durable version); ``last_error`` is the newest.
+    ``pacing`` is what the step-time budget measured and decided
+    (:mod:`asymcheck.pacing`); ``host_bytes`` the host memory held by the
+    staging slots (allocated once: ``host_slots`` times the flat state).
     """
 
     steps: tuple[StepRecord, ...]
@@ -77,6 +80,7 @@ class CheckpointStats:
     eager_tensors: tuple[str, ...] = ()
     failures_since_durable: int = 0
     pacing: PaceReport | None = None
+    host_bytes: int = 0
 
     def summary(self) -> dict[str, Any]:
         """Medians and 90th percentiles of stall and iteration time over sealed steps."""

@@ -74,6 +74,8 @@ def test_a_paced_checkpointer_still_resumes_bit_exact_from_its_newest_version(tm
         pacing = ckpt.stats().pacing
     assert pacing is not None and pacing.budget == 0.05 and pacing.probe_steps >= 3
     assert pacing.baseline_s is not None and pacing.overhead is not None
+    state_bytes = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+    assert ckpt.stats().host_bytes >= 2 * state_bytes  # two slots, each at least the flat state, reported
     final = tensors_of(model.state_dict())
     assert ckpt.final_versions is not None and max(next(iter(ckpt.final_versions.values()))) == 70  # close saved it
     model2 = make_model(seed=3)

@@ -1,0 +1,253 @@
+"""FSDP2: a checkpoint every iteration with asymcheck vs DCP ``async_save``, and resuming on another number of ranks.
+
+Run by hand (never a timed test)::
+
+    .venv/bin/python benches/fsdp2_overhead.py                 # GPT-2 30m, 2 ranks (gloo, CPU)
+    .venv/bin/python benches/fsdp2_overhead.py --quick         # tiny GPT-2, a minute
+
+Phase 1 (``--world`` ranks, default 2): GPT-2 from ``GPT2Config`` with every block and the root
+sharded by ``fully_shard``, AdamW; per method, ``warmup + steps`` iterations, method order rotated
+per repetition:
+
+- ``none``: no checkpoint;
+- ``asymcheck``: ``asymcheck.Checkpointer(model, opt, DIR)`` (a RankStore per rank) every iteration;
+- ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` of ``get_state_dict(model, opt)``
+  every iteration, the previous save awaited before the next (as its docs advise).
+
+Reported: per iteration the slowest rank's time, median per method, ratio to ``none``.
+
+Phase 2: the state after phase 1 is saved both ways on ``--world`` ranks, then resumed on each
+of ``--resume-worlds`` (default 1 and 2) ranks in fresh processes: ``Checkpointer.resume()``
+(each rank reads the byte ranges its new pieces overlap) against ``dcp.load`` into
+``get_state_dict`` then ``set_state_dict`` (DCP reshards through DTensor). Each resumed rank
+checks its local pieces against the saved global tensors. Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import GPT2_CONFIGS, build_gpt2, write_json
+
+METHODS = ["none", "asymcheck", "dcp.async_save"]
+
+
+def sharded(args: argparse.Namespace) -> tuple[Any, Any, int]:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    model, _, nparams = build_gpt2(args.config, args.seq)
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt, nparams
+
+
+def train_step(model: Any, opt: Any, args: argparse.Namespace, it: int, rank: int) -> None:
+    import torch
+
+    vocab = GPT2_CONFIGS[args.config]["vocab_size"]
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(it * 7 + rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run_method(args: argparse.Namespace, method: str, rank: int, work: Path) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt, nparams = sharded(args)
+    root = work / method.replace(".", "_")
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    dist.barrier()
+    ckpt = None
+    if method == "asymcheck":
+        from asymcheck import Checkpointer
+
+        ckpt = Checkpointer(model, opt, str(root), keep_last=2, max_overhead=None)
+    pending = None
+    times: list[float] = []
+    for it in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        train_step(model, opt, args, it, rank)
+        if method == "dcp.async_save":
+            if pending is not None:
+                pending.result()
+            msd, osd = get_state_dict(model, opt)
+            pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(root / f"step{it}"))
+        if it >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    if pending is not None:
+        pending.result()
+    if ckpt is not None:
+        ckpt.close()
+    dist.barrier()
+    return {"method": method, "times": times, "params": nparams}
+
+
+def save_both(args: argparse.Namespace, rank: int, work: Path) -> None:
+    """Train ``warmup`` steps, then save the same state with a Checkpointer (on close) and dcp.save."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from asymcheck import Checkpointer
+
+    model, opt, _ = sharded(args)
+    if rank == 0:
+        for d in ("resume-asym", "resume-dcp"):
+            shutil.rmtree(work / d, ignore_errors=True)
+    dist.barrier()
+    with Checkpointer(model, opt, str(work / "resume-asym"), max_overhead=None):
+        for it in range(args.warmup):
+            train_step(model, opt, args, it, rank)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(work / "resume-dcp"))
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in msd.items()}
+    if rank == 0:
+        torch.save(full, work / "expected-model.pt")
+    dist.barrier()
+
+
+def resume(args: argparse.Namespace, rank: int, work: Path, method: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, _ = sharded(args)
+    train_step(model, opt, args, 0, rank)  # the optimizer state exists, as in a job that resumes mid-run
+    dist.barrier()
+    t0 = time.perf_counter()
+    if method == "asymcheck":
+        from asymcheck import Checkpointer
+
+        ckpt = Checkpointer(model, opt, str(work / "resume-asym"), max_overhead=None, save_on_close=False)
+        step = ckpt.resume()
+        seconds = time.perf_counter() - t0
+        ckpt.close()
+        assert step == args.warmup, step
+    else:
+        msd, osd = get_state_dict(model, opt)
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=str(work / "resume-dcp"))
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        seconds = time.perf_counter() - t0
+    expected = torch.load(work / "expected-model.pt", weights_only=True)
+    msd, _ = get_state_dict(model, opt)
+    exact = all(torch.equal(v.full_tensor() if hasattr(v, "full_tensor") else v, expected[k]) for k, v in msd.items())
+    dist.barrier()
+    return {"method": method, "seconds": seconds, "exact": exact}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    work = Path(args.dir)
+    results: list[dict[str, Any]] = []
+    if args.phase == "train":
+        for rep in range(args.reps):
+            for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
+                results.append(run_method(args, method, rank, work) | {"rep": rep})
+                if rank == 0:
+                    print(f"  {method:<16} median {statistics.median(results[-1]['times']):.3f} s", flush=True)
+        save_both(args, rank, work)
+    else:
+        for method in ("asymcheck", "dcp.load"):
+            results.append(resume(args, rank, work, method) | {"world": world})
+    Path(args.out).with_suffix(f".{args.phase}{world}.rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def launch(args: argparse.Namespace, phase: str, world: int) -> list[list[dict[str, Any]]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, __file__, "--worker", "--phase", phase, *sys.argv[1:]]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(args.threads))
+        procs.append(subprocess.Popen(argv, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"{phase} workers on {world} rank(s) failed: {codes}")
+    out = Path(args.out)
+    return [json.loads(out.with_suffix(f".{phase}{world}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny GPT-2, few steps")
+    ap.add_argument("--config", choices=sorted(GPT2_CONFIGS), default=None)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--resume-worlds", default="1,2")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--dir", default="bench-out/fsdp2_overhead-work")
+    ap.add_argument("--out", default="bench-out/fsdp2_overhead")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--phase", default="train", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.config = args.config or ("tiny" if args.quick else "30m")
+    args.steps = args.steps or (4 if args.quick else 8)
+    args.seq = args.seq or (64 if args.quick else 256)
+    args.reps = args.reps or (1 if args.quick else 2)
+    if args.worker:
+        worker(args)
+        return
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    per_rank = launch(args, "train", args.world)
+    methods: dict[str, Any] = {}
+    for method in METHODS:
+        runs = [[r for r in rank if r["method"] == method] for rank in per_rank]
+        times = [max(ts) for reps in zip(*runs, strict=True) for ts in zip(*(r["times"] for r in reps), strict=True)]
+        methods[method] = {"median_s": statistics.median(times), "n": len(times)}
+    for entry in methods.values():
+        entry["ratio_to_none"] = entry["median_s"] / methods["none"]["median_s"]
+    resumes: dict[str, Any] = {}
+    for world in (int(w) for w in args.resume_worlds.split(",")):
+        ranks = launch(args, "resume", world)
+        for method in ("asymcheck", "dcp.load"):
+            rows = [next(r for r in rank if r["method"] == method) for rank in ranks]
+            resumes[f"{args.world}->{world} {method}"] = {"seconds": max(r["seconds"] for r in rows),
+                                                          "exact": all(r["exact"] for r in rows)}
+    results = {"config": args.config, "gpt2": GPT2_CONFIGS[args.config], "params": per_rank[0][0]["params"],
+               "world": args.world, "seq": args.seq, "batch": args.batch, "steps": args.steps, "reps": args.reps,
+               "threads": args.threads, "cpus": os.cpu_count(), "methods": methods, "resume": resumes,
+               "load_avg": os.getloadavg()}
+    write_json(Path(args.out).with_suffix(".json"), results, indent=1)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    for method, e in methods.items():
+        print(f"{method:<16} median {e['median_s']:.3f} s  x{e['ratio_to_none']:.2f}")
+    for key, e in resumes.items():
+        print(f"resume {key:<24} {e['seconds']:.3f} s  {'bit-exact' if e['exact'] else 'NOT EXACT'}")
+    print(f"wrote {Path(args.out).with_suffix('.json')}")
+
+
+if __name__ == "__main__":
+    main()

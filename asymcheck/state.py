@@ -24,17 +24,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from asymcheck import rng
+from asymcheck.capture import Capture, Moment
 from asymcheck.encode import decode, encode
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
 from asymstore.tensorbytes import host_copy
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["FORMAT", "Capture", "Moment", "Stateful", "TrainingState"]
 
 FORMAT = 1
 
@@ -50,69 +52,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any:
         """Restore the object's state."""
         ...
-
-
-@dataclass
-class Capture:
-    """One version's state as captured so far.
-
-    Attributes:
-        names: the flat state's tensor names, in order.
-        sources: the live tensors behind ``names`` (read later, in partitions).
-        eager: private copies of small tensors, taken already.
-        meta: the JSON part.
-        owners: per source, the parameter it was detached from (checked for
-            a replaced ``.data`` before the version is committed), or None.
-    """
-
-    names: list[str] = field(default_factory=list)
-    sources: list[torch.Tensor] = field(default_factory=list)
-    eager: dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-    signature: tuple[int, ...] = ()
-    owners: list[torch.Tensor | None] = field(default_factory=list)
-
-    def make_eager(self, names: set[str]) -> int:
-        """Copy the sources named in ``names`` now instead of lazily; return how many moved."""
-        keep: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
-        moved = 0
-        for name, src, owner in zip(self.names, self.sources, self.owners, strict=True):
-            if name in names:
-                self.eager[name] = host_copy(src)
-                moved += 1
-            else:
-                keep.append((name, src, owner))
-        if moved:
-            self.names = [k[0] for k in keep]
-            self.sources = [k[1] for k in keep]
-            self.owners = [k[2] for k in keep]
-        return moved
-
-
-@dataclass(frozen=True)
-class Moment:
-    """What must be taken right when a step returns: RNG states and the ``data`` objects.
-
-    Attributes:
-        meta: ``{"rng": ..., "data": {name: tree}}`` (JSON).
-        tensors: the tensor parts (torch RNG states, tensors of data states), private copies.
-    """
-
-    meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(cls, cap: Capture) -> Moment:
-        """The moment already in ``cap``."""
-        return cls({"rng": cap.meta["rng"], "data": cap.meta.get("data", {})},
-                   {k: v for k, v in cap.eager.items() if k.startswith(("rng/", "data/"))})
-
-    def apply(self, cap: Capture) -> None:
-        """Put this moment into ``cap`` (replacing an earlier one)."""
-        for name in [n for n in cap.eager if n.startswith(("rng/", "data/"))]:
-            del cap.eager[name]
-        cap.eager.update(self.tensors)
-        cap.meta.update(self.meta)
 
 
 def _copy_all(tensors: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:

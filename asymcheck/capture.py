@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from asymstore.tensorbytes import host_copy
+from asymstore.tensorlayout import TensorLayout
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,9 @@ class Capture:
         meta: the JSON part.
         owners: per source, the parameter it was detached from (checked for
             a replaced ``.data`` before the version is committed), or None.
+        counters: per source, the tensor whose version counter in-place
+            edits move (a DTensor for its local tensor; empty: the sources).
+        layouts: where the sharded sources sit in their global tensors (DTensors).
     """
 
     names: list[str] = field(default_factory=list)
@@ -38,21 +42,29 @@ class Capture:
     meta: dict[str, Any] = field(default_factory=dict)
     signature: tuple[int, ...] = ()
     owners: list[torch.Tensor | None] = field(default_factory=list)
+    counters: list[torch.Tensor] = field(default_factory=list)
+    layouts: dict[str, TensorLayout] = field(default_factory=dict)
+
+    @property
+    def versioned(self) -> list[torch.Tensor]:
+        """The tensors whose ``_version`` tells whether a source was edited in place."""
+        return self.counters or self.sources
 
     def make_eager(self, names: set[str]) -> int:
         """Copy the sources named in ``names`` now instead of lazily; return how many moved."""
-        keep: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
+        keep: list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         moved = 0
-        for name, src, owner in zip(self.names, self.sources, self.owners, strict=True):
+        for name, src, owner, counter in zip(self.names, self.sources, self.owners, self.versioned, strict=True):
             if name in names:
                 self.eager[name] = host_copy(src)
                 moved += 1
             else:
-                keep.append((name, src, owner))
+                keep.append((name, src, owner, counter))
         if moved:
             self.names = [k[0] for k in keep]
             self.sources = [k[1] for k in keep]
             self.owners = [k[2] for k in keep]
+            self.counters = [k[3] for k in keep]
         return moved
 
 

@@ -14,7 +14,8 @@ import torch
 from asymcheck.commits import CommitQueue
 from asymcheck.copyengine import CopyEngine
 from asymcheck.cycle import VersionCycle
-from asymcheck.edits import EditTracker, check_plain_tensors
+from asymcheck.dtensors import check_tensors
+from asymcheck.edits import EditTracker
 from asymcheck.errors import CheckpointerStateError
 from asymcheck.failures import FailureBudget, OnError
 from asymcheck.hooks import HookSet
@@ -111,7 +112,8 @@ class Checkpointer(VersionCycle):
 
     Raises:
         UnsupportedModelError: a parameter, buffer or optimizer tensor is a
-            tensor subclass (FSDP2's DTensor): nothing was hooked.
+            tensor subclass other than DTensor, or a DTensor placed other
+            than by ``Shard(d)`` / ``Replicate()``: nothing was hooked.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
@@ -125,7 +127,7 @@ class Checkpointer(VersionCycle):
         """Open the store on its own thread and register the hooks."""
         if every < 1:
             raise ValueError("every must be >= 1")
-        check_plain_tensors(model, optimizer)
+        check_tensors(model, optimizer)
         self.state = TrainingState(model, optimizer, stateful, data)
         self.every = every
         self.on_error = on_error

@@ -5,7 +5,9 @@ every Linear and the root sharded with ``fully_shard`` on gloo; the root owns th
 are unsharded at the first forward hook. Case fields beyond those of tests/_mr_cases.py:
 
 - ``mp``: a ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
-- ``raf``: ``reshard_after_forward`` (default True).
+- ``raf``: ``reshard_after_forward`` (default True);
+- ``edit``: after the step of this iteration, ``weight.mul_(1.0)`` on a DTensor parameter outside
+  ``ckpt.editing()`` (its version must be dropped), and the same inside ``editing()`` one iteration later.
 
 Modes: ``"ref"`` trains ``iterations`` without checkpoints; ``"attach"`` checkpoints every iteration into
 ``dir`` through a Checkpointer (a RankStore per rank, made from the directory) and resumes from what it holds.
@@ -47,6 +49,19 @@ def batch(it: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1] * 0.5
 
 
+def edit(case: dict[str, Any], it: int, model: nn.Module, ckpt: Any) -> None:
+    """An in-place edit between steps that changes no value but moves the DTensor's version counter."""
+    at = case.get("edit")
+    if at is None or ckpt is None:
+        return
+    if it == at:
+        with torch.no_grad():
+            model[0].weight.mul_(1.0)
+    elif it == at + 1:
+        with ckpt.editing(), torch.no_grad():
+            model[0].weight.mul_(1.0)
+
+
 def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
     import torch.distributed as dist
 
@@ -82,11 +97,13 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
         opt.zero_grad(set_to_none=True)
         log.loss(it, loss.item())
         pos.iteration += 1
+        edit(case, it, model, ckpt)
     if ckpt is not None:
         ckpt.close()
         stats = ckpt.stats()
         log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed,
-                  dropped=stats.versions_dropped, plan=len(ckpt.plan.partitions) if ckpt.plan else 0)
+                  dropped=stats.versions_dropped, eager=list(stats.eager_tensors),
+                  plan=len(ckpt.plan.partitions) if ckpt.plan else 0)
     tensors, meta = TrainingState(model, opt, stateful).capture_all()
     save_final(log.cdir / f"final-rank{rank}", pos.iteration, tensors, meta)
     dist.destroy_process_group()

@@ -45,6 +45,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
              "kill": {"rank": None, "at": f"forward:{KILL_AT}"}, "fsck": True},
             {**base, "name": f"{cfg}-resume", "mode": "attach", "dir": ck},
         ]
+    cases.append({"kind": "fsdp2", "iterations": ITERATIONS, "name": "edit", "mode": "attach",
+                  "dir": str(root / "edit"), "edit": 3})
     mc = str(root / "mc")
     cases += [
         {"kind": "fsdp2", "iterations": ITERATIONS, "name": "mc_kill", "mode": "attach", "dir": mc,
@@ -113,6 +115,17 @@ def test_fsdp2_rank_killed_mid_commit_leaves_the_previous_global_version(out: Pa
         assert resumed["step"] == 6
         assert_same_state(ref.final(r), resume.final(r))
         same_losses(ref, kill, resume, rank=r)
+
+
+def test_fsdp2_edit_between_steps_drops_the_version_and_editing_keeps_it(out: Path) -> None:
+    ref, run = Case(out, "fp32-ref", 2), Case(out, "edit", 2)
+    for r in range(2):
+        assert run.rc(r) == 0, run.log(r)
+        [stats] = run.events(r, "stats")
+        assert stats["dropped"] == 1 and stats["eager"] == ["model/0.weight"] and stats["failed"] == 0
+        assert stats["committed"] == ITERATIONS - 1  # version 4 dropped; the edit inside editing() cost nothing
+        assert_same_state(ref.final(r), run.final(r))
+        same_losses(ref, run, rank=r)
 
 
 class Tagged(torch.Tensor):

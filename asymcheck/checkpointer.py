@@ -22,6 +22,7 @@ from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
 from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
 from asymcheck.preempt import PreemptionRecord, PreemptOn, SigtermNotice
+from asymcheck.reshard import enable_resharding
 from asymcheck.resume import restore_live
 from asymcheck.snapshot import Snapshot
 from asymcheck.state import Moment, Stateful, TrainingState
@@ -147,6 +148,7 @@ class Checkpointer(VersionCycle):
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
         self._loop = StoreLoop(make_store(store_or_tiers, keep_last))
+        enable_resharding(self._loop.store, self.state)  # a RankStore resumes versions of another world size
         try:
             self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
             self._engine = CopyEngine(copy)

@@ -154,6 +154,11 @@ def version_layouts(tensors: Mapping[str, torch.Tensor], sharded: Mapping[str, T
                         for name, t in tensors.items()})
 
 
+def live_meshes(tensors: Iterable[object]) -> list[MeshInfo]:
+    """The distinct device meshes of the DTensors among ``tensors``, as seen from this rank."""
+    return [_mesh_info(mesh) for mesh in _live_meshes(tensors).values()]
+
+
 def _live_meshes(tensors: Iterable[object]) -> dict[tuple[tuple[int, ...], tuple[int, ...]], Any]:
     out: dict[tuple[tuple[int, ...], tuple[int, ...]], Any] = {}
     for t in tensors:

@@ -262,7 +262,7 @@ class TrainingState:
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise StateMismatchError(f"not an asymcheck checkpoint of format {FORMAT}: {info!r}")
         try:
-            tensors = dtensors.as_global(tensors, meta, self._live_tensors())
+            tensors = dtensors.as_global(tensors, meta, self.live_tensors())
             model_sd = self._check_model(tensors, meta["model"])
             opt_sd, outside = self._check_optimizer(tensors, meta["optimizer"])
             states = self._check_stateful(tensors, meta.get("stateful", {}))
@@ -337,7 +337,7 @@ class TrainingState:
             outside.append((params[int(idx)], value))
         return {"state": decode(meta["state"], tensors), "param_groups": groups}, outside
 
-    def _live_tensors(self) -> list[object]:
+    def live_tensors(self) -> list[object]:
         """The model's and optimizer's tensors (their device meshes place sharded tensors on load)."""
         return [*self.model.state_dict(keep_vars=True).values(), *_param_indices(self.optimizer)]
 

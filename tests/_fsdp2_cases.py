@@ -6,6 +6,7 @@ are unsharded at the first forward hook. Case fields beyond those of tests/_mr_c
 
 - ``mp``: a ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
 - ``raf``: ``reshard_after_forward`` (default True);
+- ``dump_resumed``: save the state as ``resume()`` left it to ``resumed-rankR`` (resharding tests);
 - ``edit``: after the step of this iteration, ``weight.mul_(1.0)`` on a DTensor parameter outside
   ``ckpt.editing()`` (its version must be dropped), and the same inside ``editing()`` one iteration later.
 
@@ -84,7 +85,11 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
         ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512)
         assert isinstance(ckpt.store, RankStore)
         resumed = ckpt.resume()
-        log.event(event="resumed", step=resumed, iteration=pos.iteration)
+        log.event(event="resumed", step=resumed, iteration=pos.iteration,
+                  tier=ckpt.restored.tier if ckpt.restored else None)
+        if case.get("dump_resumed"):  # the state as resume() left it, before any training
+            tensors, meta = TrainingState(model, opt, stateful).capture_all()
+            save_final(log.cdir / f"resumed-rank{rank}", pos.iteration, tensors, meta)
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             model[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)

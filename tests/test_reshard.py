@@ -96,14 +96,18 @@ def test_read_range_reads_and_verifies_only_the_chunks_it_touches(tmp_path: Path
     assert ranges == [(chunks[1].offset, chunks[1].length)]
 
 
-def commit_pieces(root: Path, world: int, step: int, layouts: Mapping[int, TensorLayout]) -> None:
+def commit_pieces(root: Path, world: int, step: int, layouts: Mapping[int, TensorLayout], *,
+                  record: bool = True) -> None:
     kv = dist.HashStore()
 
     async def rank_fn(rank: int) -> None:
         lay = layouts[rank]
         async with store(root, rank, world, kv) as s:
             await s.put_many(step, {"w": box(GLOBAL, lay).clone(), "rng": torch.tensor([rank, step])})
-            await s.commit(step, {"rank": rank, LAYOUT_KEY: layout_meta({"w": lay})})
+            meta: dict[str, Any] = {"rank": rank}
+            if record:
+                meta[LAYOUT_KEY] = layout_meta({"w": lay, "rng": TensorLayout.whole((2,), "int64")})
+            await s.commit(step, meta)
 
     assert run_ranks(world, rank_fn) == dict.fromkeys(range(world))
 
@@ -146,6 +150,17 @@ def test_a_damaged_old_shard_fails_the_resharded_restore_on_every_rank(tmp_path:
     seg.write_bytes(bytes(data))
     got = restore_on(tmp_path, 3)
     assert all(type(got[r]).__name__ == "CorruptVersionError" for r in range(3)), got
+
+
+def test_replicated_tensors_come_from_old_rank_modulo_and_shards_without_layouts_are_refused(tmp_path: Path) -> None:
+    commit_pieces(tmp_path / "ddp", 2, 3, {r: TensorLayout.whole((7, 3), "float32") for r in range(2)})
+    got = restore_on(tmp_path / "ddp", 3)  # DDP-like: everything whole, nothing re-cut
+    for rank in range(3):
+        assert torch.equal(got[rank].tensors["w"], GLOBAL) and got[rank].meta["rank"] == rank % 2
+    commit_pieces(tmp_path / "bare", 2, 3, {r: piece(2, r) for r in range(2)}, record=False)
+    got = restore_on(tmp_path / "bare", 3)  # DeepSpeed-like: where the pieces belong is unknown
+    assert all(type(got[r]).__name__ == "CorruptVersionError" and "no tensor layout" in str(got[r])
+               for r in range(3)), got
 
 
 def test_read_layouts_of_a_shard_written_before_layouts_is_whole(tmp_path: Path) -> None:

@@ -16,6 +16,9 @@ global version written by N ranks on a job of M ranks (see
 4. takes every tensor held whole (RNG states, step counters, buffers) and the
    JSON meta from old rank ``rank % N``, with ``meta["layout"]`` rewritten to
    describe the new pieces.
+
+A shard without layout metadata (DeepSpeed's, or one written before layouts
+were recorded) is refused: where its pieces belong is unknown.
 """
 
 from __future__ import annotations
@@ -153,6 +156,10 @@ async def restore_resharded(store: RankStore, g: GlobalManifest, targets: Target
     try:
         await shards.open()
         source = store.rank % g.world_size
+        unplaced = [r for r, m in shards.manifests.items() if LAYOUT_KEY not in m.meta]
+        if unplaced:  # e.g. DeepSpeed's flat ZeRO partitions: taking them whole would be wrong
+            raise LayoutError(f"the shards of rank(s) {unplaced[:8]} of global step {g.step} record no tensor "
+                              f"layout (meta[{LAYOUT_KEY!r}]): they cannot be resharded")
         layouts = shards.layouts[source]
         sharded = {name: lay for name, lay in layouts.items() if not lay.is_whole or lay.mesh is not None}
         try:

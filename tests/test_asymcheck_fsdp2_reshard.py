@@ -5,7 +5,8 @@
 ``two`` resumes the 1-rank version on 2 ranks again and trains to 8. Right after each resume, every
 sharded tensor (parameters, AdamW moments) equals the matching rows of the global tensor the previous job
 saved, bit for bit, and the tensors held whole (step counters, RNG states) come from old rank ``rank % N``.
-fsck finds the root clean at the end.
+fsck finds the root clean at the end. And FSDP2 on a single rank (an ordinary store, resume reading
+straight into the local shards) stops after 3 iterations and resumes bit-exact.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _mr_harness import Case, run_cases
+from _mr_harness import Case, assert_same_state, run_cases
 
 from asymstore.restore import Checkpoint
 from asymstore.tensorlayout import TensorLayout, read_layouts
@@ -29,7 +30,10 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ck = str(root / "ck")
     base = {"kind": "fsdp2", "mode": "attach", "dir": ck, "dump_resumed": True}
     run_cases([{**base, "name": "save2", "iterations": 4}], 2, root / "out")
-    run_cases([{**base, "name": "one", "iterations": 6}], 1, root / "out")
+    solo = {"kind": "fsdp2", "mode": "attach", "dir": str(root / "solo")}
+    run_cases([{**base, "name": "one", "iterations": 6}, {"kind": "fsdp2", "mode": "ref", "name": "solo_ref",
+               "iterations": 5}, {**solo, "name": "solo_a", "iterations": 3}, {**solo, "name": "solo_b",
+               "iterations": 5}], 1, root / "out")
     run_cases([{**base, "name": "two", "iterations": 8, "fsck": True}], 2, root / "out")
     return root / "out"
 
@@ -83,3 +87,13 @@ def test_fsdp2_version_of_one_rank_resumes_on_two(out: Path) -> None:
         assert resumed["step"] == 6 and resumed["tier"] == "resharded from 1 rank(s)"
         assert_pieces_of([one.final(0)], two.final(r, "resumed"), 1, r)
         assert two.final(r).step == 8
+
+
+def test_fsdp2_on_one_rank_resumes_in_place_bit_exact(out: Path) -> None:
+    ref, a, b = Case(out, "solo_ref", 1), Case(out, "solo_a", 1), Case(out, "solo_b", 1)
+    assert ref.rc(0) == a.rc(0) == b.rc(0) == 0, b.log(0)
+    [resumed] = b.events(0, "resumed")
+    assert resumed["step"] == 3 and resumed["tier"].startswith("local:")  # a plain store, not a RankStore
+    assert_same_state(ref.final(0), b.final(0))
+    want = dict(ref.losses(0))
+    assert [loss for _, loss in a.losses(0) + b.losses(0)] == [want[i] for i in range(5)]

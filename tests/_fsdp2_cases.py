@@ -6,6 +6,7 @@ are unsharded at the first forward hook. Case fields beyond those of tests/_mr_c
 
 - ``mp``: a ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
 - ``raf``: ``reshard_after_forward`` (default True);
+- ``accum``: micro-batches per step (gradients synced and resharded after the last one only);
 - ``dump_resumed``: save the state as ``resume()`` left it to ``resumed-rankR`` (resharding tests);
 - ``edit``: after the step of this iteration, ``weight.mul_(1.0)`` on a DTensor parameter outside
   ``ckpt.editing()`` (its version must be dropped), and the same inside ``editing()`` one iteration later.
@@ -93,14 +94,21 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             model[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
+    accum = case.get("accum", 1)
     for it in range(pos.iteration, n):
-        x, y = batch(it, rank)
-        loss = nn.functional.mse_loss(model(x).float(), y)
-        loss.backward()
+        value = 0.0
+        for micro in range(accum):  # gradient accumulation: no reduce-scatter, no reshard before the last
+            if accum > 1:
+                model.set_requires_gradient_sync(micro == accum - 1)  # type: ignore[operator]
+                model.set_reshard_after_backward(micro == accum - 1)  # type: ignore[operator]
+            x, y = batch(it * 10 + micro if accum > 1 else it, rank)
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            loss.backward()
+            value += loss.item()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        log.loss(it, loss.item())
+        log.loss(it, value)
         pos.iteration += 1
         edit(case, it, model, ckpt)
     if ckpt is not None:

@@ -2,7 +2,8 @@
 local shards, SIGKILL, bit-exact resume, and the two-phase global commit.
 
 Cases (tests/_fsdp2_cases.py, one forked child per rank and case), for two configurations: fp32 with
-``reshard_after_forward=True``, and a bf16/fp32 ``MixedPrecisionPolicy`` with ``reshard_after_forward=False``.
+``reshard_after_forward=True``, and a bf16/fp32 ``MixedPrecisionPolicy`` with ``reshard_after_forward=False``
+and gradient accumulation over two micro-batches (no gradient sync or reshard after the first).
 ``ref`` trains 7 iterations without checkpoints; ``kill`` checkpoints every iteration and every rank SIGKILLs
 itself inside the forward pass of iteration 4; ``resume`` restores the newest global version and trains to the
 end: each rank's local shards, AdamW moments and step, scheduler, data position and RNG states equal ``ref``'s
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 ITERATIONS = 7
 KILL_AT = 4
-CONFIGS = {"fp32": {}, "mp": {"mp": True, "raf": False}}
+CONFIGS = {"fp32": {}, "mp": {"mp": True, "raf": False, "accum": 2}}
 
 
 @pytest.fixture(scope="module")

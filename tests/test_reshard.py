@@ -170,3 +170,33 @@ def test_read_layouts_of_a_shard_written_before_layouts_is_whole(tmp_path: Path)
             return (await s.commit(1)).manifest
 
     assert read_layouts(asyncio.run(go()))["w"] == TensorLayout.whole((7, 3), "float32")
+
+
+def test_a_job_that_shrank_retires_the_departed_ranks_shards_and_fsck_stays_clean(tmp_path: Path) -> None:
+    from asymstore.fsck import check
+
+    for step in (1, 2, 3):
+        commit_pieces(tmp_path, 2, step, {r: piece(2, r) for r in range(2)})
+    kv = dist.HashStore()
+    whole = {"w": TensorLayout.whole((7, 3), "float32"), "rng": TensorLayout.whole((2,), "int64")}
+
+    async def one(rank: int) -> list[tuple[int, bool, list[str]]]:
+        seen = []
+        async with store(tmp_path, rank, 1, kv, keep_last=3) as s:
+            s.reshard = lambda old: {n: TensorLayout.whole(lay.global_shape, lay.dtype) for n, lay in old.items()}
+            ckpt = await s.restore()
+            assert torch.equal(ckpt.tensors["w"], GLOBAL)
+            for step in range(4, 8):
+                await s.put_many(step, {"w": GLOBAL.clone(), "rng": torch.tensor([0, step])})
+                await s.commit(step, {"rank": 0, LAYOUT_KEY: layout_meta(whole)})
+                report = check(str(tmp_path))
+                left = sorted(p.name for p in (tmp_path / "rank-00001").glob("v*"))
+                seen.append((step, report.ok, left))
+        return seen
+
+    seen = run_ranks(1, one)[0]
+    assert not isinstance(seen, BaseException), seen
+    # kept global versions: 2, 3, 4 after step 4 ... 5, 6, 7 after step 7; rank 1's old shards go with them
+    assert [(step, ok) for step, ok, _ in seen] == [(s, True) for s in range(4, 8)]
+    assert [left for _, _, left in seen] == [["v000000000002", "v000000000003"], ["v000000000003"], [], []]
+    assert not (tmp_path / "rank-00001" / "LATEST").exists()

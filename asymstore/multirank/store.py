@@ -41,6 +41,7 @@ from asymstore.errors import (
 )
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.multirank import layout
+from asymstore.multirank.departed import retire_departed
 from asymstore.multirank.errors import (
     CoordinationTimeoutError,
     GlobalCommitError,
@@ -323,6 +324,7 @@ class RankStore(AsymStore):
         self._last_commit_key = key
         if self.is_coordinator:
             self.last_global = await asyncio.to_thread(self._publish, key, step, clean_global)
+            await self._retire_departed()
         elif self.wait_global:
             await asyncio.to_thread(self._await_global, key, step)
         await self._retain_shards()
@@ -383,6 +385,18 @@ class RankStore(AsymStore):
             steps_r = [g.shard(r).step for g in kept if r < g.world_size]
             if steps_r:
                 self.kv.raise_int(f"retain/{r}", min(steps_r) + 1)
+
+    async def _retire_departed(self) -> None:
+        """Coordinator: drop shards of ranks no longer in the job (it shrank) that no kept version needs."""
+        if self.global_keep_last is None or not any(r >= self.world_size for r in layout.rank_dirs(self.root)):
+            return
+        kept = []
+        for s in self.global_steps()[-self.global_keep_last:]:
+            try:
+                kept.append(self.read_global(s))
+            except (GlobalManifestError, OSError):
+                return  # an unreadable kept version: delete nothing it might need
+        await retire_departed(self.root, self.world_size, kept, self._peer_tiers)
 
     async def _retain_shards(self) -> None:
         """Delete own shards older than the oldest one a kept global version needs."""

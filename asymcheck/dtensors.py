@@ -6,7 +6,11 @@ shard: FSDP2 keeps that memory in place between steps (the unsharded
 parameters it all-gathers for forward and backward live elsewhere, and their
 storage is the one resized), so the lazy copy reads it like any parameter.
 In-place updates go through the DTensor, whose version counter moves (the
-local tensor's does not), so edits are checked on the DTensor itself.
+local tensor's does not), so edits are checked on the DTensor itself. Inside
+a forward, FSDP2 registers unsharded plain parameters in its modules, and a
+``model.state_dict()`` there would put the sharded ones back under the running
+forward (it fails); so nothing is captured inside a forward, and the model's
+signature counts parameters instead of naming them (:mod:`asymcheck.state`).
 
 Each captured DTensor's :class:`~asymstore.tensorlayout.TensorLayout` (global
 shape, dtype, mesh, placements, this rank's unpadded piece) goes into the

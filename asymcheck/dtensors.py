@@ -36,7 +36,7 @@ import torch
 from asymcheck.errors import StateMismatchError, UnsupportedModelError
 from asymstore.errors import LayoutError
 from asymstore.tensorbytes import dtype_name
-from asymstore.tensorlayout import LAYOUT_KEY, MeshInfo, TensorLayout, layout_meta
+from asymstore.tensorlayout import LAYOUT_KEY, MeshInfo, TensorLayout, layout_meta, parse_layout_meta
 
 logger = logging.getLogger(__name__)
 
@@ -190,24 +190,23 @@ def as_global(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
     if not isinstance(doc, dict) or not any(isinstance(e, dict) and e.get("mesh") is not None
                                             for e in (doc.get("tensors") or {}).values()):
         return tensors
+    try:
+        layouts = parse_layout_meta(doc)
+    except LayoutError as exc:
+        raise StateMismatchError(f"malformed layout in the checkpoint: {exc}") from None
     types = _dtensor_types()
     assert types is not None
     dtensor, shard, replicate = types
     meshes = _live_meshes(live)
     out = dict(tensors)
-    for name, entry in doc["tensors"].items():
-        if not isinstance(entry, dict) or entry.get("mesh") is None or name not in tensors:
+    for name, saved in layouts.items():
+        if saved.mesh is None or name not in tensors:
             continue
-        try:
-            saved = TensorLayout.from_json(entry)
-        except LayoutError as exc:
-            raise StateMismatchError(f"{name}: malformed layout in the checkpoint: {exc}") from None
-        assert saved.mesh is not None
         mesh = meshes.get((saved.mesh.shape, saved.mesh.ranks))
         if mesh is None:
             raise StateMismatchError(f"{name} was saved sharded on a mesh of shape {list(saved.mesh.shape)} over "
                                      f"ranks {list(saved.mesh.ranks)[:8]}; the live model has no such mesh "
-                                     "(resuming on another world size or layout is not supported yet)")
+                                     "(versions of another world size are resharded from a multi-rank root only)")
         now = _mesh_info(mesh).coordinate
         local = tensors[name]
         if now != saved.mesh.coordinate or tuple(local.shape) != saved.shape:

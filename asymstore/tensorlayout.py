@@ -4,7 +4,8 @@ A rank's version holds local pieces of global tensors. ``meta["layout"]``
 says, for every stored tensor, the global shape and dtype, the offsets of the
 local piece along every dimension, and how the global tensor was cut: the
 device mesh (its shape, the global ranks on it in row-major order, this
-rank's coordinate) and one placement per mesh dimension, ``"S(d)"`` (sharded
+rank's coordinate; listed once in ``meshes`` and named by index, so a large
+mesh is not repeated per tensor) and one placement per mesh dimension, ``"S(d)"`` (sharded
 along tensor dimension ``d`` in ``torch.chunk`` pieces: FSDP2's ``Shard(0)``,
 uneven last pieces and empty pieces included, never padding) or ``"R"``
 (replicated). A tensor this rank holds whole (DDP, a single process, per-rank
@@ -13,9 +14,9 @@ global shape equal to its own. With the local shape from the manifest's
 tensor entry, a reader knows which bytes of which global tensor each rank's
 shard holds::
 
-    "layout": {"format": 1, "tensors": {
+    "layout": {"format": 1, "meshes": [{"shape": [2], "ranks": [0, 1], "coordinate": [1]}], "tensors": {
       "model/0.weight": {"global_shape": [7, 5], "dtype": "float32", "offsets": [4, 0], "shape": [3, 5],
-                         "mesh": {"shape": [2], "ranks": [0, 1], "coordinate": [1]}, "placements": ["S(0)"]},
+                         "mesh": 0, "placements": ["S(0)"]},
       "rng/torch": {"global_shape": [5056], "dtype": "uint8", "offsets": [0], "shape": [5056],
                     "mesh": null, "placements": []}}}
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 LAYOUT_KEY = "layout"
 FORMAT = 1
 MAX_MESH_RANKS = 1 << 22
+MAX_MESHES = 1024
 _SHARD = re.compile(r"^S\((\d{1,2})\)$")
 
 
@@ -154,15 +156,15 @@ class TensorLayout:
         """Whether this rank holds the whole global tensor."""
         return self.shape == self.global_shape
 
-    def to_json(self) -> dict[str, Any]:
-        """Return the JSON object."""
+    def to_json(self, mesh_index: int | None = None) -> dict[str, Any]:
+        """Return the JSON object; its mesh inline, or as ``mesh_index`` into a version's ``meshes``."""
+        mesh: Any = None if self.mesh is None else self.mesh.to_json() if mesh_index is None else mesh_index
         return {"global_shape": list(self.global_shape), "dtype": self.dtype, "offsets": list(self.offsets),
-                "shape": list(self.shape), "mesh": None if self.mesh is None else self.mesh.to_json(),
-                "placements": list(self.placements)}
+                "shape": list(self.shape), "mesh": mesh, "placements": list(self.placements)}
 
     @classmethod
-    def from_json(cls, doc: object) -> TensorLayout:
-        """Parse and check one tensor's layout.
+    def from_json(cls, doc: object, meshes: Sequence[MeshInfo] = ()) -> TensorLayout:
+        """Parse and check one tensor's layout (its mesh inline, or an index into ``meshes``).
 
         Raises:
             LayoutError: it is malformed, or its piece is not the one its placements give.
@@ -187,7 +189,14 @@ class TensorLayout:
             if not layout.is_whole or any(offsets):
                 raise LayoutError("a tensor without a mesh must be held whole (offsets 0, shape = global_shape)")
             return layout
-        expected = cls.sharded(global_shape, dtype, MeshInfo.from_json(doc["mesh"]), placements)
+        ref = doc["mesh"]
+        if type(ref) is int:
+            if not 0 <= ref < len(meshes):
+                raise LayoutError(f"mesh index {ref} is not one of the {len(meshes)} mesh(es) listed")
+            mesh = meshes[ref]
+        else:
+            mesh = MeshInfo.from_json(ref)
+        expected = cls.sharded(global_shape, dtype, mesh, placements)
         if expected.offsets != offsets or expected.shape != shape:
             raise LayoutError(f"piece at {list(offsets)} of shape {list(shape)} is not the one its placements give "
                               f"(at {list(expected.offsets)}, shape {list(expected.shape)})")
@@ -209,8 +218,34 @@ def shard_dim(placement: str, ndim: int) -> int | None:
 
 
 def layout_meta(layouts: Mapping[str, TensorLayout]) -> dict[str, Any]:
-    """The ``meta["layout"]`` value for ``layouts``."""
-    return {"format": FORMAT, "tensors": {name: layout.to_json() for name, layout in layouts.items()}}
+    """The ``meta["layout"]`` value for ``layouts`` (each distinct mesh listed once)."""
+    index: dict[MeshInfo, int] = {}
+    tensors = {}
+    for name, layout in layouts.items():
+        at = None if layout.mesh is None else index.setdefault(layout.mesh, len(index))
+        tensors[name] = layout.to_json(at)
+    return {"format": FORMAT, "meshes": [m.to_json() for m in index], "tensors": tensors}
+
+
+def parse_layout_meta(doc: object) -> dict[str, TensorLayout]:
+    """Parse a ``meta["layout"]`` value (untrusted); the tensors it lists, by name.
+
+    Raises:
+        LayoutError: it is malformed.
+    """
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tensors"), dict):
+        raise LayoutError(f"meta[{LAYOUT_KEY!r}] is not a layout of format {FORMAT}")
+    listed = doc.get("meshes", [])
+    if not isinstance(listed, list) or len(listed) > MAX_MESHES:
+        raise LayoutError(f"meshes must be a list of at most {MAX_MESHES}")
+    meshes = [MeshInfo.from_json(m) for m in listed]
+    out: dict[str, TensorLayout] = {}
+    for name, entry in doc["tensors"].items():
+        try:
+            out[name] = TensorLayout.from_json(entry, meshes)
+        except LayoutError as exc:
+            raise LayoutError(f"{name!r}: {exc}") from None
+    return out
 
 
 def read_layouts(manifest: Manifest) -> dict[str, TensorLayout]:
@@ -224,15 +259,7 @@ def read_layouts(manifest: Manifest) -> dict[str, TensorLayout]:
             lacks, or disagrees with a tensor's dtype or shape.
     """
     doc = manifest.meta.get(LAYOUT_KEY)
-    given: dict[str, TensorLayout] = {}
-    if doc is not None:
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tensors"), dict):
-            raise LayoutError(f"meta[{LAYOUT_KEY!r}] is not a layout of format {FORMAT}")
-        for name, entry in doc["tensors"].items():
-            try:
-                given[name] = TensorLayout.from_json(entry)
-            except LayoutError as exc:
-                raise LayoutError(f"{name!r}: {exc}") from None
+    given = {} if doc is None else parse_layout_meta(doc)
     out: dict[str, TensorLayout] = {}
     for name, tensor in manifest.tensors.items():
         layout = given.pop(name, None) or TensorLayout.whole(tensor.shape, tensor.dtype)

@@ -15,6 +15,7 @@ from asymstore.tensorlayout import (
     TensorLayout,
     chunk_piece,
     layout_meta,
+    parse_layout_meta,
     read_layouts,
 )
 
@@ -55,8 +56,25 @@ def test_json_round_trip_is_strict_and_whole_tensors_are_replicated_layout() -> 
     doc = json.loads(json.dumps(layout_meta(layouts), allow_nan=False))
     assert doc["tensors"]["rng/torch"] == {"global_shape": [16], "dtype": "uint8", "offsets": [0], "shape": [16],
                                            "mesh": None, "placements": []}
-    for name, layout in layouts.items():
-        assert TensorLayout.from_json(doc["tensors"][name]) == layout
+    assert parse_layout_meta(doc) == layouts
+    for layout in layouts.values():
+        assert TensorLayout.from_json(layout.to_json()) == layout  # the self-contained form: mesh inline
+
+
+def test_each_mesh_is_listed_once() -> None:
+    layouts = {f"w{i}": TensorLayout.sharded((9, 2), "float32", mesh(4, 3), ["S(0)"]) for i in range(50)}
+    doc = layout_meta(layouts)
+    assert len(doc["meshes"]) == 1 and {e["mesh"] for e in doc["tensors"].values()} == {0}
+    assert parse_layout_meta(doc) == layouts
+    for bad in (5, -1, True, "0"):
+        broken = json.loads(json.dumps(doc))
+        broken["tensors"]["w3"]["mesh"] = bad
+        with pytest.raises(LayoutError, match="w3"):
+            parse_layout_meta(broken)
+    with pytest.raises(LayoutError):
+        parse_layout_meta({**doc, "meshes": [doc["meshes"][0]] * 2000})
+    with pytest.raises(LayoutError):
+        parse_layout_meta({**doc, "meshes": {"0": doc["meshes"][0]}})
 
 
 def good() -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -109,8 +110,14 @@ def _mesh_info(mesh: Any) -> MeshInfo:
     return info
 
 
+_LAYOUTS: dict[int, tuple[weakref.ref[torch.Tensor], TensorLayout]] = {}  # id -> (the DTensor, its piece)
+
+
 def layout_of(t: torch.Tensor, name: str = "tensor") -> TensorLayout:
     """Where this rank's piece of ``t`` sits in the global tensor (a plain tensor: held whole).
+
+    A DTensor's piece is remembered while it lives (it is asked every step)
+    and worked out again if its local tensor changed shape.
 
     Raises:
         UnsupportedModelError: unsupported placements, or a local tensor that
@@ -119,6 +126,16 @@ def layout_of(t: torch.Tensor, name: str = "tensor") -> TensorLayout:
     if not is_dtensor(t):
         return TensorLayout.whole(t.shape, dtype_name(t.dtype))
     dt: Any = t
+    known = _LAYOUTS.get(id(t))
+    if known is not None and known[0]() is t and tuple(dt._local_tensor.shape) == known[1].shape:
+        return known[1]
+    layout = _layout_of(dt, name)
+    key = id(t)
+    _LAYOUTS[key] = (weakref.ref(t, lambda _, key=key: _LAYOUTS.pop(key, None)), layout)  # type: ignore[misc]
+    return layout
+
+
+def _layout_of(dt: Any, name: str) -> TensorLayout:
     try:
         layout = TensorLayout.sharded(dt.shape, dtype_name(dt.dtype), _mesh_info(dt.device_mesh), _placements(dt))
     except (LayoutError, UnsupportedModelError) as exc:
@@ -152,10 +169,25 @@ def check_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> N
                 "asymcheck.deepspeed.attach, or torch.distributed.checkpoint")
 
 
-def version_layouts(tensors: Mapping[str, torch.Tensor], sharded: Mapping[str, TensorLayout]) -> dict[str, Any]:
-    """``meta["layout"]`` for a version's ``tensors``: ``sharded`` ones as given, every other one held whole."""
-    return layout_meta({name: sharded.get(name) or TensorLayout.whole(t.shape, dtype_name(t.dtype))
-                        for name, t in tensors.items()})
+class LayoutRecorder:
+    """``meta["layout"]`` of each version (see :mod:`asymstore.tensorlayout`), rebuilt only when the pieces change.
+
+    The pieces of a model's DTensors are the same from step to step, so the
+    JSON of the previous version is handed on (it is only read afterwards);
+    the step pays a dictionary comparison, not a rebuild.
+    """
+
+    def __init__(self) -> None:
+        """Nothing recorded yet."""
+        self._pieces: dict[str, TensorLayout] | None = None
+        self._doc: dict[str, Any] = {}
+
+    def meta(self, pieces: Mapping[str, TensorLayout]) -> dict[str, Any]:
+        """The layout of a version whose sharded tensors are ``pieces`` (every other one held whole)."""
+        if self._pieces != pieces:
+            self._pieces = dict(pieces)
+            self._doc = layout_meta(pieces)
+        return self._doc
 
 
 def live_meshes(tensors: Iterable[object]) -> list[MeshInfo]:

@@ -95,6 +95,7 @@ class TrainingState:
         if both:
             raise ValueError(f"names in both stateful= and data=: {sorted(both)}")
         self._fsdp2 = dtensors.is_fsdp2(model)
+        self._layouts = dtensors.LayoutRecorder()
 
     # -- capture ---------------------------------------------------------
 
@@ -222,7 +223,7 @@ class TrainingState:
 
     def layout_meta(self, tensors: Mapping[str, torch.Tensor], cap: Capture) -> dict[str, Any] | None:
         """``meta["layout"]`` of a version holding ``tensors`` (see :mod:`asymstore.tensorlayout`), or None."""
-        return dtensors.version_layouts(tensors, cap.layouts)
+        return self._layouts.meta(cap.layouts)
 
     # -- load ------------------------------------------------------------
 

@@ -8,17 +8,21 @@ rank's coordinate; listed once in ``meshes`` and named by index, so a large
 mesh is not repeated per tensor) and one placement per mesh dimension, ``"S(d)"`` (sharded
 along tensor dimension ``d`` in ``torch.chunk`` pieces: FSDP2's ``Shard(0)``,
 uneven last pieces and empty pieces included, never padding) or ``"R"``
-(replicated). A tensor this rank holds whole (DDP, a single process, per-rank
-state such as RNG states) has no mesh and no placements, offsets 0 and a
-global shape equal to its own. With the local shape from the manifest's
-tensor entry, a reader knows which bytes of which global tensor each rank's
-shard holds::
+(replicated). Every tensor the layout does not list is held whole by this
+rank (``"default": "whole"``: DDP, a single process, per-rank state such as
+RNG states): global shape and dtype those of its manifest entry, offsets 0,
+no mesh. Saying so once instead of per tensor keeps a 10,000-tensor version's
+manifest and the step's stall as they were. With the local shape from the
+manifest's tensor entry, a reader knows which bytes of which global tensor
+each rank's shard holds::
 
-    "layout": {"format": 1, "meshes": [{"shape": [2], "ranks": [0, 1], "coordinate": [1]}], "tensors": {
-      "model/0.weight": {"global_shape": [7, 5], "dtype": "float32", "offsets": [4, 0], "shape": [3, 5],
-                         "mesh": 0, "placements": ["S(0)"]},
-      "rng/torch": {"global_shape": [5056], "dtype": "uint8", "offsets": [0], "shape": [5056],
-                    "mesh": null, "placements": []}}}
+    "layout": {"format": 1, "default": "whole",
+               "meshes": [{"shape": [2], "ranks": [0, 1], "coordinate": [1]}],
+               "tensors": {"model/0.weight": {"global_shape": [7, 5], "dtype": "float32", "offsets": [4, 0],
+                                              "shape": [3, 5], "mesh": 0, "placements": ["S(0)"]}}}
+
+A version whose meta has no ``"layout"`` (written before layouts were
+recorded, or by the DeepSpeed adapter) says nothing about its tensors.
 
 :func:`read_layouts` parses it as untrusted input: every number is checked,
 the piece must be exactly the one the placements give this coordinate, and
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUT_KEY = "layout"
 FORMAT = 1
+DEFAULT = "whole"  # what a tensor the layout does not list is
 MAX_MESH_RANKS = 1 << 22
 MAX_MESHES = 1024
 _SHARD = re.compile(r"^S\((\d{1,2})\)$")
@@ -218,13 +223,14 @@ def shard_dim(placement: str, ndim: int) -> int | None:
 
 
 def layout_meta(layouts: Mapping[str, TensorLayout]) -> dict[str, Any]:
-    """The ``meta["layout"]`` value for ``layouts`` (each distinct mesh listed once)."""
+    """The ``meta["layout"]`` value for ``layouts``: each distinct mesh listed once, tensors held whole left out."""
     index: dict[MeshInfo, int] = {}
     tensors = {}
     for name, layout in layouts.items():
-        at = None if layout.mesh is None else index.setdefault(layout.mesh, len(index))
-        tensors[name] = layout.to_json(at)
-    return {"format": FORMAT, "meshes": [m.to_json() for m in index], "tensors": tensors}
+        if layout.mesh is None:
+            continue  # held whole: the default
+        tensors[name] = layout.to_json(index.setdefault(layout.mesh, len(index)))
+    return {"format": FORMAT, "default": DEFAULT, "meshes": [m.to_json() for m in index], "tensors": tensors}
 
 
 def parse_layout_meta(doc: object) -> dict[str, TensorLayout]:
@@ -233,8 +239,9 @@ def parse_layout_meta(doc: object) -> dict[str, TensorLayout]:
     Raises:
         LayoutError: it is malformed.
     """
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tensors"), dict):
-        raise LayoutError(f"meta[{LAYOUT_KEY!r}] is not a layout of format {FORMAT}")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("tensors"), dict) \
+            or doc.get("default") != DEFAULT:
+        raise LayoutError(f"meta[{LAYOUT_KEY!r}] is not a layout of format {FORMAT} (default {DEFAULT!r})")
     listed = doc.get("meshes", [])
     if not isinstance(listed, list) or len(listed) > MAX_MESHES:
         raise LayoutError(f"meshes must be a list of at most {MAX_MESHES}")
@@ -251,8 +258,8 @@ def parse_layout_meta(doc: object) -> dict[str, TensorLayout]:
 def read_layouts(manifest: Manifest) -> dict[str, TensorLayout]:
     """Every stored tensor's layout, checked against the manifest's tensor entries.
 
-    A tensor ``meta["layout"]`` does not list (or a version written before
-    layouts were recorded) is held whole.
+    A tensor ``meta["layout"]`` does not list is held whole (so is every
+    tensor of a version written before layouts were recorded).
 
     Raises:
         LayoutError: the layout part is malformed, names a tensor the version

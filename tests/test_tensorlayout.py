@@ -54,9 +54,10 @@ def test_json_round_trip_is_strict_and_whole_tensors_are_replicated_layout() -> 
     layouts = {"model/w": TensorLayout.sharded((7, 5), "float32", mesh(2, 1), ["S(0)"]),
                "rng/torch": TensorLayout.whole((16,), "uint8")}
     doc = json.loads(json.dumps(layout_meta(layouts), allow_nan=False))
-    assert doc["tensors"]["rng/torch"] == {"global_shape": [16], "dtype": "uint8", "offsets": [0], "shape": [16],
-                                           "mesh": None, "placements": []}
-    assert parse_layout_meta(doc) == layouts
+    assert doc["default"] == "whole" and list(doc["tensors"]) == ["model/w"]  # whole tensors: the default
+    assert parse_layout_meta(doc) == {"model/w": layouts["model/w"]}
+    got = read_layouts(manifest({"layout": doc}, **{"model/w": ("float32", (3, 5)), "rng/torch": ("uint8", (16,))}))
+    assert got == layouts
     for layout in layouts.values():
         assert TensorLayout.from_json(layout.to_json()) == layout  # the self-contained form: mesh inline
 
@@ -120,6 +121,7 @@ def test_read_layouts_checks_the_manifest_and_defaults_to_whole() -> None:
     assert read_layouts(manifest({}, b=("int64", (2,))))["b"].is_whole  # a version from before layouts
     for bad in (manifest(meta, w=("float32", (4, 5))), manifest(meta, w=("bfloat16", (3, 5))),
                 manifest(meta, v=("float32", (3, 5))), manifest({"layout": {"format": 2, "tensors": {}}}),
+                manifest({"layout": {**meta["layout"], "default": "sharded"}}, w=("float32", (3, 5))),
                 manifest({"layout": {"format": 1, "tensors": {"w": "x"}}}, w=("float32", (3, 5)))):
         with pytest.raises(LayoutError):
             read_layouts(bad)

@@ -15,7 +15,8 @@ import torch
 from asymcheck.commits import CommitQueue
 from asymcheck.copyengine import CopyEngine
 from asymcheck.cycle import VersionCycle
-from asymcheck.edits import EditTracker, check_plain_tensors
+from asymcheck.dtensors import check_tensors
+from asymcheck.edits import EditTracker
 from asymcheck.errors import CheckpointerStateError
 from asymcheck.failures import FailureBudget, OnError
 from asymcheck.hooks import HookSet
@@ -23,6 +24,7 @@ from asymcheck.hostpool import HostPool
 from asymcheck.pacing import Pacer
 from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
 from asymcheck.preempt import PreemptionRecord, PreemptOn, SigtermNotice
+from asymcheck.reshard import enable_resharding
 from asymcheck.resume import restore_live
 from asymcheck.snapshot import Snapshot
 from asymcheck.state import Moment, Stateful, TrainingState
@@ -119,7 +121,8 @@ class Checkpointer(VersionCycle):
 
     Raises:
         UnsupportedModelError: a parameter, buffer or optimizer tensor is a
-            tensor subclass (FSDP2's DTensor): nothing was hooked.
+            tensor subclass other than DTensor, or a DTensor placed other
+            than by ``Shard(d)`` / ``Replicate()``: nothing was hooked.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
@@ -133,7 +136,7 @@ class Checkpointer(VersionCycle):
         """Open the store on its own thread and register the hooks."""
         if every < 1:
             raise ValueError("every must be >= 1")
-        check_plain_tensors(model, optimizer)
+        check_tensors(model, optimizer)
         self.state = TrainingState(model, optimizer, stateful, data)
         self.every = every
         self._pacer = Pacer(max_overhead)
@@ -154,6 +157,7 @@ class Checkpointer(VersionCycle):
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
         self._loop = StoreLoop(make_store(store_or_tiers, keep_last))
+        enable_resharding(self._loop.store, self.state)  # a RankStore resumes versions of another world size
         try:
             self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
             self._engine = CopyEngine(copy)

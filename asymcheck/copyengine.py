@@ -43,6 +43,12 @@ class CopyJob:
     ptr: int = 0  # src.data_ptr() then
     need: int = 0  # bytes of its storage the tensor needs (offset + size)
     index: int = -1  # the tensor's index in its version (reported when a check fails)
+    counter: torch.Tensor | None = None  # whose ``_version`` in-place edits move (a DTensor's), default src
+
+    @property
+    def edits(self) -> int:
+        """The current version counter of what ``src`` belongs to."""
+        return (self.src if self.counter is None else self.counter)._version
 
 
 def intact(job: CopyJob) -> bool:
@@ -50,7 +56,7 @@ def intact(job: CopyJob) -> bool:
     src = job.src
     if type(src) is not torch.Tensor:  # a subclass (DTensor): no raw memory of its own to read
         return False
-    if job.version >= 0 and src._version != job.version:
+    if job.version >= 0 and job.edits != job.version:
         return False
     if job.ptr and (src.data_ptr() != job.ptr or src.untyped_storage().nbytes() < job.need):
         return False
@@ -68,7 +74,7 @@ def _copy_cpu(job: CopyJob) -> bool:
         ctypes.memmove(job.dst.data_ptr() + job.start, src.data_ptr() + job.start, n)
     else:  # never split (the planner keeps it whole): copy with its strides
         job.dst.view(src.dtype).view(src.shape).copy_(src)
-    return job.version < 0 or src._version == job.version  # changed while it was read: not clean either
+    return job.version < 0 or job.edits == job.version  # changed while it was read: not clean either
 
 
 class CopyEngine:
@@ -176,7 +182,7 @@ class CopyEngine:
             exc, self._error = self._error, None
             raise exc
         for job in self._cuda_jobs:  # an edit queued while the side stream copied: not clean
-            if job.version >= 0 and job.src._version != job.version:
+            if job.version >= 0 and job.edits != job.version:
                 self._bad.add(job.index)
         self._cuda_jobs.clear()
         if not self._events:

@@ -6,7 +6,8 @@ import logging
 
 from asymcheck.commits import CommitQueue
 from asymcheck.copyengine import CopyEngine
-from asymcheck.edits import EditTracker, check_plain_tensors
+from asymcheck.dtensors import check_tensors
+from asymcheck.edits import EditTracker
 from asymcheck.errors import StepConflictError
 from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
@@ -15,6 +16,7 @@ from asymcheck.snapshot import Snapshot, extents_of
 from asymcheck.state import Moment, TrainingState
 from asymcheck.stats import StatsRecorder
 from asymcheck.storeloop import StoreLoop
+from asymstore.tensorlayout import LAYOUT_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class VersionCycle:
             # parameters, buffers or param groups were added or replaced after the step (before any
             # partition was issued): re-capture so the version stays one consistent state
             logger.info("model or optimizer changed after step %d: re-capturing its version", snap.step)
-            check_plain_tensors(self.state.model, self.state.optimizer)  # no tensor subclass added since
+            check_tensors(self.state.model, self.state.optimizer)  # no unsupported tensor added since
             cap = self.state.capture_step(Moment.of(snap.capture))
             if self._edits.eager:
                 cap.make_eager(self._edits.eager)
@@ -111,7 +113,11 @@ class VersionCycle:
         meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
                                      "partitions": len(snap.plan.partitions)}
         slot = snap.slot
-        submitted, waited = self._commits.submit(snap.step, snap.tensors(), meta, snap.ready,
+        tensors = snap.tensors()
+        layouts = self.state.layout_meta(tensors, snap.capture)
+        if layouts is not None:  # where each tensor sits in its global tensor (asymstore.tensorlayout)
+            meta[LAYOUT_KEY] = layouts
+        submitted, waited = self._commits.submit(snap.step, tensors, meta, snap.ready,
                                                  lambda: self._pool.release(slot), force=force)
         self._stats.versions_sealed += 1
         if submitted:

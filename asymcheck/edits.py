@@ -20,10 +20,6 @@ import logging
 import warnings
 from collections.abc import Iterable
 
-import torch
-
-from asymcheck.errors import UnsupportedModelError
-
 logger = logging.getLogger(__name__)
 
 ADVICE = ("wrap code that edits parameters between steps (EMA evaluation, weight surgery, load_state_dict) in "
@@ -58,31 +54,3 @@ class EditTracker:
                           f"optimizer steps, before the lazy copy read it. Those tensors are copied eagerly from "
                           f"now on; to keep every version at no extra stall, {ADVICE}.",
                           DroppedVersionWarning, stacklevel=4)
-
-
-def _is_plain(t: torch.Tensor) -> bool:
-    return type(t.detach()) is torch.Tensor
-
-
-def check_plain_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse models whose parameters, buffers or optimizer state are tensor subclasses (DTensor and the like).
-
-    The lazy copy reads raw memory; a subclass (FSDP2's DTensor parameters,
-    whose unsharded storage is resized between forward and backward) has no
-    stable memory to read.
-
-    Raises:
-        UnsupportedModelError: naming the first such tensor and its class.
-    """
-    named = [(f"model/{k}", v) for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)]
-    named += [(f"optimizer param {i}", p) for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])]
-    for key, state in optimizer.state.items():
-        named += [(f"optimizer state {k!r} of param {getattr(key, 'shape', '?')}", v)
-                  for k, v in state.items() if isinstance(v, torch.Tensor)]
-    for name, t in named:
-        if not _is_plain(t):
-            cls = type(t.detach())
-            raise UnsupportedModelError(
-                f"{name} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass: the Checkpointer copies plain "
-                "tensors only (FSDP2 / DTensor models are not supported yet; use DDP, DeepSpeed ZeRO through "
-                "asymcheck.deepspeed.attach, or torch.distributed.checkpoint)")

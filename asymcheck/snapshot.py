@@ -15,6 +15,7 @@ import logging
 import torch
 
 from asymcheck.copyengine import CopyEngine, CopyJob
+from asymcheck.dtensors import address_of
 from asymcheck.hostpool import HostSlot
 from asymcheck.partition import Extent, Partition, Plan
 from asymcheck.state import Capture
@@ -72,7 +73,7 @@ class Snapshot:
         self.dirty: list[str] = []  # tensors found changed before their copy
         self.ready: object = None  # the CUDA event of the copies when they finished early
         srcs = capture.sources
-        self.versions = [t._version for t in srcs]
+        self.versions = [t._version for t in capture.versioned]  # a DTensor's, not its local tensor's
         self.ptrs = [t.data_ptr() for t in srcs]
         self.needs = [_need(t) for t in srcs]
         self._sampled = [i for i, (t, owner) in enumerate(zip(srcs, capture.owners, strict=False))
@@ -82,7 +83,7 @@ class Snapshot:
 
     def _job(self, i: int, start: int, stop: int) -> CopyJob:
         return CopyJob(self.capture.sources[i], self.slot.region(i), start, stop, self.versions[i], self.ptrs[i],
-                       self.needs[i], i)
+                       self.needs[i], i, self.capture.versioned[i])
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +143,7 @@ class Snapshot:
                         idx.add(i)
                     at += n
         for i, owner in enumerate(self.capture.owners):
-            if owner is not None and owner.data_ptr() != self.ptrs[i]:  # ``p.data = other`` since the step
+            if owner is not None and address_of(owner) != self.ptrs[i]:  # ``p.data = other`` since the step
                 idx.add(i)
         self.verified = True
         self.dirty = [self.capture.names[i] for i in sorted(idx)]

@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from asymcheck import rng
+from asymcheck import dtensors, rng
+from asymcheck.capture import Capture, Moment
 from asymcheck.encode import decode, encode
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
 from asymstore.tensorbytes import host_copy
+from asymstore.tensorlayout import LAYOUT_KEY
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["FORMAT", "Capture", "Moment", "Stateful", "TrainingState"]
 
 FORMAT = 1
 
@@ -50,69 +53,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> Any:
         """Restore the object's state."""
         ...
-
-
-@dataclass
-class Capture:
-    """One version's state as captured so far.
-
-    Attributes:
-        names: the flat state's tensor names, in order.
-        sources: the live tensors behind ``names`` (read later, in partitions).
-        eager: private copies of small tensors, taken already.
-        meta: the JSON part.
-        owners: per source, the parameter it was detached from (checked for
-            a replaced ``.data`` before the version is committed), or None.
-    """
-
-    names: list[str] = field(default_factory=list)
-    sources: list[torch.Tensor] = field(default_factory=list)
-    eager: dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-    signature: tuple[int, ...] = ()
-    owners: list[torch.Tensor | None] = field(default_factory=list)
-
-    def make_eager(self, names: set[str]) -> int:
-        """Copy the sources named in ``names`` now instead of lazily; return how many moved."""
-        keep: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
-        moved = 0
-        for name, src, owner in zip(self.names, self.sources, self.owners, strict=True):
-            if name in names:
-                self.eager[name] = host_copy(src)
-                moved += 1
-            else:
-                keep.append((name, src, owner))
-        if moved:
-            self.names = [k[0] for k in keep]
-            self.sources = [k[1] for k in keep]
-            self.owners = [k[2] for k in keep]
-        return moved
-
-
-@dataclass(frozen=True)
-class Moment:
-    """What must be taken right when a step returns: RNG states and the ``data`` objects.
-
-    Attributes:
-        meta: ``{"rng": ..., "data": {name: tree}}`` (JSON).
-        tensors: the tensor parts (torch RNG states, tensors of data states), private copies.
-    """
-
-    meta: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-
-    @classmethod
-    def of(cls, cap: Capture) -> Moment:
-        """The moment already in ``cap``."""
-        return cls({"rng": cap.meta["rng"], "data": cap.meta.get("data", {})},
-                   {k: v for k, v in cap.eager.items() if k.startswith(("rng/", "data/"))})
-
-    def apply(self, cap: Capture) -> None:
-        """Put this moment into ``cap`` (replacing an earlier one)."""
-        for name in [n for n in cap.eager if n.startswith(("rng/", "data/"))]:
-            del cap.eager[name]
-        cap.eager.update(self.tensors)
-        cap.meta.update(self.meta)
 
 
 def _copy_all(tensors: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
@@ -154,12 +94,20 @@ class TrainingState:
         both = set(self.stateful) & set(self.data)
         if both:
             raise ValueError(f"names in both stateful= and data=: {sorted(both)}")
+        self._fsdp2 = dtensors.is_fsdp2(model)
+        self._layouts = dtensors.LayoutRecorder()
 
     # -- capture ---------------------------------------------------------
 
     def signature(self) -> tuple[int, ...]:
-        """Identities of every parameter, buffer and param group: changes when any is added or replaced."""
-        sig: list[int] = [id(t) for t in self.model.parameters()]
+        """Identities of every parameter, buffer and param group: changes when any is added or replaced.
+
+        FSDP2 registers unsharded parameters in its modules around forward and
+        backward: there the model's parameters count by number, and their
+        identities are those of the optimizer's (sharded) parameters.
+        """
+        params = self.model.parameters()
+        sig: list[int] = [sum(1 for _ in params)] if self._fsdp2 else [id(t) for t in params]
         sig.append(-1)
         sig += [id(t) for t in self.model.buffers()]
         for group in self.optimizer.param_groups:
@@ -186,6 +134,7 @@ class TrainingState:
         """
         cap = Capture(signature=self.signature())
         owners: list[torch.Tensor | None] = []
+        counters: list[torch.Tensor] = []
         lazy: dict[str, torch.Tensor] = {}
         eager: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
@@ -201,28 +150,38 @@ class TrainingState:
                 aliases[key] = seen[id(value)]
                 continue
             seen[id(value)] = key
+            if dtensors.is_dtensor(value):  # its local shard is what this rank holds and copies
+                cap.layouts[name] = dtensors.layout_of(value, name)
             if isinstance(value, torch.nn.Parameter):
                 model_params.add(id(value))
-                lazy[name] = value.detach()
+                lazy[name] = dtensors.local_of(value)
                 owners.append(value)
+                counters.append(value)
             else:
-                eager[name] = value.detach()
+                eager[name] = dtensors.local_of(value)
         params = _param_indices(self.optimizer)
         outside = {}
         for i, p in enumerate(params):
             if id(p) not in model_params and id(p) not in seen:
-                lazy[f"optim/param/{i}"] = p.detach()
+                lazy[f"optim/param/{i}"] = dtensors.local_of(p)
                 owners.append(p)
+                counters.append(p)
+                if dtensors.is_dtensor(p):
+                    cap.layouts[f"optim/param/{i}"] = dtensors.layout_of(p, f"optim/param/{i}")
                 outside[str(i)] = f"optim/param/{i}"
         opt_sd = self.optimizer.state_dict()
         opt_tensors: dict[str, torch.Tensor] = {}
         state_tree = encode(opt_sd["state"], "optim/state", opt_tensors)
         for name, tensor in opt_tensors.items():
-            lazy[name] = tensor.detach()
+            lazy[name] = dtensors.local_of(tensor)
             owners.append(None)
+            counters.append(tensor)
+            if dtensors.is_dtensor(tensor):  # AdamW's moments of a DTensor parameter
+                cap.layouts[name] = dtensors.layout_of(tensor, name)
         cap.names = list(lazy)
         cap.sources = list(lazy.values())
         cap.owners = owners
+        cap.counters = counters
         _copy_all(eager, cap.eager)
         cap.meta = {
             "asymcheck": {"format": FORMAT},
@@ -257,7 +216,14 @@ class TrainingState:
         tensors = dict(cap.eager)
         for name, src in zip(cap.names, cap.sources, strict=True):
             tensors[name] = host_copy(src)
+        layouts = self.layout_meta(tensors, cap)
+        if layouts is not None:
+            cap.meta[LAYOUT_KEY] = layouts
         return tensors, cap.meta
+
+    def layout_meta(self, tensors: Mapping[str, torch.Tensor], cap: Capture) -> dict[str, Any] | None:
+        """``meta["layout"]`` of a version holding ``tensors`` (see :mod:`asymstore.tensorlayout`), or None."""
+        return self._layouts.meta(cap.layouts)
 
     # -- load ------------------------------------------------------------
 
@@ -278,6 +244,8 @@ class TrainingState:
                 seen.add(id(value))
                 if type(value) in (torch.Tensor, torch.nn.Parameter):  # no subclass: its memory may not be its own
                     out[f"model/{key}"] = value.detach()
+                elif dtensors.is_dtensor(value):  # the shard this rank holds
+                    out[f"model/{key}"] = dtensors.local_of(value)
         return out
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
@@ -295,6 +263,7 @@ class TrainingState:
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise StateMismatchError(f"not an asymcheck checkpoint of format {FORMAT}: {info!r}")
         try:
+            tensors = dtensors.as_global(tensors, meta, self.live_tensors())
             model_sd = self._check_model(tensors, meta["model"])
             opt_sd, outside = self._check_optimizer(tensors, meta["optimizer"])
             states = self._check_stateful(tensors, meta.get("stateful", {}))
@@ -338,10 +307,11 @@ class TrainingState:
         for key, value in live.items():
             if isinstance(value, torch.Tensor):
                 got = saved[key]
-                if not isinstance(got, torch.Tensor) or got.shape != value.shape or got.dtype != value.dtype:
-                    desc = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
+                if not isinstance(got, torch.Tensor) or got.shape != value.shape or got.dtype != value.dtype \
+                        or not dtensors.same_kind(value, got):
+                    desc = dtensors.describe(got) if isinstance(got, torch.Tensor) else type(got).__name__
                     raise StateMismatchError(f"model/{key}: checkpoint has {desc}, "
-                                             f"model has {tuple(value.shape)} {value.dtype}")
+                                             f"model has {dtensors.describe(value)}")
         return saved
 
     def _check_optimizer(self, tensors: Mapping[str, torch.Tensor],
@@ -367,6 +337,10 @@ class TrainingState:
             value = tensors[name]
             outside.append((params[int(idx)], value))
         return {"state": decode(meta["state"], tensors), "param_groups": groups}, outside
+
+    def live_tensors(self) -> list[object]:
+        """The model's and optimizer's tensors (their device meshes place sharded tensors on load)."""
+        return [*self.model.state_dict(keep_vars=True).values(), *_param_indices(self.optimizer)]
 
     def _check_stateful(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, Any]:
         return _check_named("stateful", self.stateful, tensors, meta)

@@ -29,15 +29,21 @@ class RestoreInfo:
 
 
 def make_store(spec: StoreSpec, keep_last: int | None) -> AsymStore:
-    """An AsymStore for ``spec``: itself, over a list of tiers, or over a directory (a RankStore under DDP)."""
+    """An AsymStore for ``spec``: itself, over a list of tiers, or over a directory.
+
+    A directory is a :class:`~asymstore.multirank.RankStore` in a job of
+    several ranks, or when it already holds a multi-rank checkpoint.
+    """
     if isinstance(spec, AsymStore):
         return spec
     if isinstance(spec, (str, os.PathLike)):
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:  # DDP: one shard per rank, a global commit
-            from asymstore.multirank import RankStore
+        from asymstore.multirank import RankStore, is_multirank
 
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:  # DDP, FSDP2: one shard per rank, a global commit
             return RankStore(spec, keep_last=keep_last)
+        if is_multirank(os.fspath(spec)):  # one process resuming a multi-rank job's root (resharded)
+            return RankStore(spec, keep_last=keep_last, rank=0, world_size=1)
         return AsymStore([LocalTier(spec)], keep_last=keep_last)
     return AsymStore(list(spec), keep_last=keep_last)
 

@@ -90,3 +90,7 @@ class ReadOnlyStoreError(AsymstoreError):
 
 class StoreClosedError(AsymstoreError):
     """The store is not open (use ``async with AsymStore(...)``)."""
+
+
+class LayoutError(ManifestError):
+    """A version's tensor layout metadata (``meta["layout"]``) is malformed or contradicts its tensors."""

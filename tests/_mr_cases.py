@@ -2,7 +2,8 @@
 
 Case fields:
 
-- ``kind``: ``"ds"`` (a DeepSpeed engine, ``stage`` 0-3) or ``"ddp"`` (plain PyTorch DDP + Checkpointer).
+- ``kind``: ``"ds"`` (a DeepSpeed engine, ``stage`` 0-3), ``"ddp"`` (plain PyTorch DDP + Checkpointer) or
+  ``"fsdp2"`` (``fully_shard`` + Checkpointer: tests/_fsdp2_cases.py).
 - ``mode``: ``"refuse"`` (DeepSpeed: an engine with optimizer offload; ``attach()`` and ``install()``
   must refuse it), ``"ref"`` (train ``iterations`` without checkpoints), ``"attach"`` (checkpoint every
   iteration into ``dir``: DeepSpeed ``attach()`` or a Checkpointer over a RankStore; resumes from
@@ -47,6 +48,11 @@ def preload(kinds: set[str]) -> None:
 
     if "ddp" in kinds:
         import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it on construction: seconds)
+    if "fsdp2" in kinds:
+        import importlib
+
+        for module in ("_fsdp2_cases", "torch.distributed.fsdp", "torch.distributed.tensor"):
+            importlib.import_module(module)
     if "ds" in kinds:
         import importlib
 
@@ -159,6 +165,10 @@ def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
     log = Log(cdir, rank)
     if case["kind"] == "ds":
         run_ds(case, rank, log)
+    elif case["kind"] == "fsdp2":
+        from _fsdp2_cases import run_fsdp2
+
+        run_fsdp2(case, rank, log)
     else:
         run_ddp(case, rank, log)
 

@@ -39,6 +39,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         super().__init__(engine.module, inner_optimizer(engine), store, stateful=stateful, data=data, every=every,
                          **kwargs)
         self._hooks.remove()  # the plain adapter's optimizer hooks do not fit DeepSpeed's step
+        store.reshard = None  # ZeRO partitions carry no layout: another world size stays WorldSizeMismatchError
         self.engine = engine
         self.state = DeepSpeedState(engine, store, self._loop.run, stateful, data)
         self._hooks = self._ds_hooks = DeepSpeedHooks(

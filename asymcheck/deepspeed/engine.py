@@ -175,7 +175,7 @@ class AsymCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 if g.world_size != store.world_size:
                     raise WorldSizeMismatchError(
                         f"{key} was saved by {g.world_size} rank(s); this job has {store.world_size} "
-                        "(resharding is not supported yet)")
+                        "(DeepSpeed versions are not resharded)")
                 return g
         raise NotInStoreError(f"{key} is in no global version under {os.path.join(save_dir, STORE_DIR)}")
 

@@ -192,6 +192,10 @@ class DeepSpeedState(TrainingState):
             tensors[name] = host_copy(src)
         return tensors, cap.meta
 
+    def layout_meta(self, tensors: Mapping[str, torch.Tensor], cap: Capture) -> dict[str, Any] | None:
+        """None: ZeRO's flat partitions are not described as pieces of global tensors (yet)."""
+        return None
+
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         """Load a version into the engine through its own ``load_checkpoint`` (collective), then RNG and stateful.
 

@@ -22,7 +22,10 @@ class CoordinationTimeoutError(AsymstoreError, TimeoutError):
 
 
 class WorldSizeMismatchError(AsymstoreError, ValueError):
-    """The global version was written by a different number of ranks (resharding is not supported yet)."""
+    """The global version was written by another number of ranks and the store does not reshard.
+
+    See ``RankStore.reshard`` (the Checkpointer sets it; DeepSpeed versions are never resharded).
+    """
 
 
 class GlobalManifestError(CorruptVersionError):

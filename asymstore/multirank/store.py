@@ -41,6 +41,7 @@ from asymstore.errors import (
 )
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.multirank import layout
+from asymstore.multirank.departed import retire_departed
 from asymstore.multirank.errors import (
     CoordinationTimeoutError,
     GlobalCommitError,
@@ -50,6 +51,7 @@ from asymstore.multirank.errors import (
 )
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.multirank.kv import KV, MemoryStore, store_from_env
+from asymstore.multirank.reshardread import Targets, restore_resharded
 from asymstore.restore import Checkpoint, describe, load_version, read_manifest
 from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.store import AsymStore, CommitResult
@@ -144,6 +146,12 @@ class RankStore(AsymStore):
         """The newest global version this rank saw published (the coordinator's, after each commit)."""
         self.restored_global: GlobalManifest | None = None
         """The global version ``restore`` chose."""
+        self.reshard: Targets | None = None
+        """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
+
+    def peer_tiers(self, rank: int) -> Sequence[Tier]:
+        """Unopened tiers to read ``rank``'s shards from."""
+        return self._peer_tiers(rank)
 
     @property
     def is_coordinator(self) -> bool:
@@ -316,6 +324,7 @@ class RankStore(AsymStore):
         self._last_commit_key = key
         if self.is_coordinator:
             self.last_global = await asyncio.to_thread(self._publish, key, step, clean_global)
+            await self._retire_departed()
         elif self.wait_global:
             await asyncio.to_thread(self._await_global, key, step)
         await self._retain_shards()
@@ -372,9 +381,22 @@ class RankStore(AsymStore):
                 continue
         if not kept:
             return
-        for r in range(self.world_size):
-            oldest = min(g.shard(r).step for g in kept if g.world_size == self.world_size)
-            self.kv.raise_int(f"retain/{r}", oldest + 1)
+        for r in range(self.world_size):  # a kept version of another world size may need rank r's older shards
+            steps_r = [g.shard(r).step for g in kept if r < g.world_size]
+            if steps_r:
+                self.kv.raise_int(f"retain/{r}", min(steps_r) + 1)
+
+    async def _retire_departed(self) -> None:
+        """Coordinator: drop shards of ranks no longer in the job (it shrank) that no kept version needs."""
+        if self.global_keep_last is None or not any(r >= self.world_size for r in layout.rank_dirs(self.root)):
+            return
+        kept = []
+        for s in self.global_steps()[-self.global_keep_last:]:
+            try:
+                kept.append(self.read_global(s))
+            except (GlobalManifestError, OSError):
+                return  # an unreadable kept version: delete nothing it might need
+        await retire_departed(self.root, self.world_size, kept, self._peer_tiers)
 
     async def _retain_shards(self) -> None:
         """Delete own shards older than the oldest one a kept global version needs."""
@@ -399,7 +421,8 @@ class RankStore(AsymStore):
         Raises:
             NoCheckpointError: no global version is published.
             VersionNotFoundError: ``step`` is not published.
-            WorldSizeMismatchError: the newest global version was written by another number of ranks.
+            WorldSizeMismatchError: the newest global version was written by another number of ranks
+                and ``reshard`` is not set.
             CorruptVersionError: no candidate verified on every rank.
             CoordinationTimeoutError: a rank did not answer in time.
         """
@@ -435,11 +458,14 @@ class RankStore(AsymStore):
             except (GlobalManifestError, OSError) as exc:
                 notes.append(f"global step {s}: {describe(exc)}")
                 continue
+            if g.world_size != self.world_size and self.reshard is not None:
+                out.append(g)  # read from every old rank's shard (reshardread), not from this rank's own
+                continue
             if g.world_size != self.world_size:
                 if not out:
                     raise WorldSizeMismatchError(
                         f"global step {s} was written by {g.world_size} rank(s); this job has {self.world_size}. "
-                        "Restore needs the same world size (resharding is not supported yet)")
+                        "Restore needs the same world size, or resharding (RankStore.reshard)")
                 continue
             lacking = [r for r in range(self.world_size) if g.shard(r).step not in haves[r]]
             if lacking:
@@ -495,6 +521,11 @@ class RankStore(AsymStore):
 
     async def _try_shard(self, g: GlobalManifest,
                          into: Into | None) -> tuple[Checkpoint | None, str]:
+        if g.world_size != self.world_size and self.reshard is not None:
+            try:
+                return await restore_resharded(self, g, self.reshard), ""
+            except (AsymstoreError, OSError) as exc:
+                return None, describe(exc)
         shard = g.shard(self.rank)
         try:
             ckpt = await AsymStore.restore(self, step=shard.step, into=into)
@@ -507,7 +538,7 @@ class RankStore(AsymStore):
 
     def _restored(self, g: GlobalManifest, ckpt: Checkpoint, notes: list[str]) -> Checkpoint:
         self.restored_global = g
-        self._floor = g.shard(self.rank).step
+        self._floor = g.shard(self.rank).step if self.rank < g.world_size else g.step
         if notes:
             logger.warning("restored global step %d after: %s", g.step, "; ".join(notes))
         return Checkpoint(ckpt.step, ckpt.tensors, ckpt.meta, ckpt.tier, ckpt.manifest, [*notes, *ckpt.fallbacks])

@@ -1,0 +1,99 @@
+"""FSDP2 resumed on another number of ranks (gloo, CPU, real processes): 2 ranks -> 1 -> 2.
+
+``save2`` trains 4 iterations on 2 ranks with a checkpoint every iteration; ``one`` resumes that root on
+1 rank (FSDP2 on a mesh of one: every piece is the whole global tensor), trains to 6 and commits there;
+``two`` resumes the 1-rank version on 2 ranks again and trains to 8. Right after each resume, every
+sharded tensor (parameters, AdamW moments) equals the matching rows of the global tensor the previous job
+saved, bit for bit, and the tensors held whole (step counters, RNG states) come from old rank ``rank % N``.
+fsck finds the root clean at the end. And FSDP2 on a single rank (an ordinary store, resume reading
+straight into the local shards) stops after 3 iterations and resumes bit-exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _mr_harness import Case, assert_same_state, run_cases
+
+from asymstore.restore import Checkpoint
+from asymstore.tensorlayout import TensorLayout, read_layouts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("torch.distributed.fsdp", reason="no FSDP in this torch")
+    root = tmp_path_factory.mktemp("fsdp2-reshard")
+    ck = str(root / "ck")
+    base = {"kind": "fsdp2", "mode": "attach", "dir": ck, "dump_resumed": True}
+    run_cases([{**base, "name": "save2", "iterations": 4}], 2, root / "out")
+    solo = {"kind": "fsdp2", "mode": "attach", "dir": str(root / "solo")}
+    run_cases([{**base, "name": "one", "iterations": 6}, {"kind": "fsdp2", "mode": "ref", "name": "solo_ref",
+               "iterations": 5}, {**solo, "name": "solo_a", "iterations": 3}, {**solo, "name": "solo_b",
+               "iterations": 5}], 1, root / "out")
+    run_cases([{**base, "name": "two", "iterations": 8, "fsck": True}], 2, root / "out")
+    return root / "out"
+
+
+def global_tensors(pieces: list[Checkpoint]) -> dict[str, torch.Tensor]:
+    """Every sharded tensor of one job's final state put together from its ranks' pieces."""
+    out: dict[str, torch.Tensor] = {}
+    for ckpt in pieces:
+        for name, lay in read_layouts(ckpt.manifest).items():
+            if lay.mesh is None:
+                continue
+            whole = out.setdefault(name, torch.full(lay.global_shape, float("nan"), dtype=ckpt.tensors[name].dtype))
+            whole[tuple(slice(o, o + n) for o, n in zip(lay.offsets, lay.shape, strict=True))] = ckpt.tensors[name]
+    return out
+
+
+def assert_pieces_of(before: list[Checkpoint], after: Checkpoint, old_world: int, rank: int) -> None:
+    whole = global_tensors(before)
+    layouts = read_layouts(after.manifest)
+    assert whole and set(whole) <= set(layouts)
+    for name, lay in layouts.items():
+        got = after.tensors[name]
+        if name in whole:
+            assert lay.mesh is not None and lay.mesh.coordinate == (rank,)
+            want = whole[name][tuple(slice(o, o + n) for o, n in zip(lay.offsets, lay.shape, strict=True))]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+        else:  # held whole: from old rank ``rank % N``
+            src = before[rank % old_world].tensors[name]
+            assert torch.equal(got.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)), name
+    assert after.meta["stateful"] == before[rank % old_world].meta["stateful"]
+
+
+def test_fsdp2_version_of_two_ranks_resumes_on_one(out: Path) -> None:
+    save2, one = Case(out, "save2", 2), Case(out, "one", 1)
+    assert [save2.rc(r) for r in range(2)] == [0, 0] and one.rc(0) == 0, one.log(0)
+    [resumed] = one.events(0, "resumed")
+    assert resumed["step"] == 4 and resumed["tier"] == "resharded from 2 rank(s)"
+    after = one.final(0, "resumed")
+    assert_pieces_of([save2.final(r) for r in range(2)], after, 2, 0)
+    w = read_layouts(after.manifest)["model/0.weight"]
+    assert w == TensorLayout.sharded((37, 16), "float32", w.mesh, ["S(0)"]) and w.shape == (37, 16)
+
+
+def test_fsdp2_version_of_one_rank_resumes_on_two(out: Path) -> None:
+    one, two = Case(out, "one", 1), Case(out, "two", 2)
+    report = two.fsck()
+    assert report["ok"], report["problems"]
+    for r in range(2):
+        assert two.rc(r) == 0, two.log(r)
+        [resumed] = two.events(r, "resumed")
+        assert resumed["step"] == 6 and resumed["tier"] == "resharded from 1 rank(s)"
+        assert_pieces_of([one.final(0)], two.final(r, "resumed"), 1, r)
+        assert two.final(r).step == 8
+
+
+def test_fsdp2_on_one_rank_resumes_in_place_bit_exact(out: Path) -> None:
+    ref, a, b = Case(out, "solo_ref", 1), Case(out, "solo_a", 1), Case(out, "solo_b", 1)
+    assert ref.rc(0) == a.rc(0) == b.rc(0) == 0, b.log(0)
+    [resumed] = b.events(0, "resumed")
+    assert resumed["step"] == 3 and resumed["tier"].startswith("local:")  # a plain store, not a RankStore
+    assert_same_state(ref.final(0), b.final(0))
+    want = dict(ref.losses(0))
+    assert [loss for _, loss in a.losses(0) + b.losses(0)] == [want[i] for i in range(5)]

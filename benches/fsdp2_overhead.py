@@ -81,6 +81,9 @@ def run_method(args: argparse.Namespace, method: str, rank: int, work: Path) -> 
 
         ckpt = Checkpointer(model, opt, str(root), keep_last=2, max_overhead=None)
     pending = None
+    # DCP's async save runs collectives from its own thread: on the training group they would interleave
+    # with FSDP2's all-gathers (a size mismatch); a dedicated group, as DCP's docs advise
+    dcp_group = dist.new_group(backend="gloo") if method == "dcp.async_save" else None
     times: list[float] = []
     for it in range(args.warmup + args.steps):
         t0 = time.perf_counter()
@@ -89,7 +92,8 @@ def run_method(args: argparse.Namespace, method: str, rank: int, work: Path) -> 
             if pending is not None:
                 pending.result()
             msd, osd = get_state_dict(model, opt)
-            pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(root / f"step{it}"))
+            pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(root / f"step{it}"),
+                                     process_group=dcp_group)
         if it >= args.warmup:
             times.append(time.perf_counter() - t0)
     if pending is not None:

@@ -8,9 +8,10 @@ tensors on the ``meta`` device): a version that does not fit is refused
 before a byte is written. It then names the live model tensors as
 destinations, so each of their chunks is read from the tier into the
 parameter itself (one copy; ``model.load_state_dict`` then copies nothing);
-the optimizer's tensors, which do not exist before the first step, are read
-into fresh tensors that ``optimizer.load_state_dict`` takes as they are on
-CPU (and copies once to the device on CUDA).
+the optimizer's state tensors are read into the live ones where they exist
+already (a job that stepped before resuming), and otherwise (before the
+first step AdamW has none) into fresh tensors; ``optimizer.load_state_dict``
+takes either as they are on CPU (and copies once to the device on CUDA).
 
 A version that fails verification part way has written some parameters;
 the store then reads an older version into the same tensors. If none
@@ -49,7 +50,7 @@ def live_destinations(state: TrainingState) -> Callable[[Manifest], Mapping[str,
                    for name, entry in manifest.tensors.items()}
         state.check_fit(shadows, manifest.meta)  # StateMismatchError: refused before anything is read
         out = {}
-        for name, tensor in state.model_tensors().items():
+        for name, tensor in {**state.model_tensors(), **state.optimizer_tensors()}.items():
             entry = manifest.tensors.get(name)
             if entry is not None and entry.shape == tuple(tensor.shape) and entry.dtype == _dtype(tensor):
                 out[name] = tensor

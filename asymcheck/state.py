@@ -248,6 +248,15 @@ class TrainingState:
                     out[f"model/{key}"] = dtensors.local_of(value)
         return out
 
+    def optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer's existing state tensors as the checkpoint names them (``optim/state/...``); plain ones only.
+
+        Empty before the first step (AdamW creates its moments then).
+        """
+        found: dict[str, torch.Tensor] = {}
+        encode(self.optimizer.state_dict()["state"], "optim/state", found)
+        return {name: t.detach() for name, t in found.items() if type(t) is torch.Tensor}
+
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         """Check that the checkpoint fits, then load it into the live objects.
 

@@ -21,9 +21,13 @@ every tensor under its stored name.
   tensors, so each tensor is decoded (and verified) into memory first;
   memory is the exported tensors' size.
 
-Sharded versions (DeepSpeed ZeRO partitions, FSDP) are not consolidated
-here: they store no ``model/`` tensors, so exporting them raises
-:class:`ExportError` listing what the version holds instead.
+A multi-rank root whose shards record tensor layouts (FSDP2's sharded
+parameters, :mod:`asymstore.tensorlayout`) is consolidated: every rank's
+shard manifest is checked against the global manifest, and each sharded
+tensor is assembled whole from the pieces of every rank (each chunk read
+verified), one tensor at a time; tensors held whole come from rank 0. Memory:
+the largest tensor. DeepSpeed's flat ZeRO partitions record no layout: export
+them with ``python -m asymcheck.deepspeed.export`` and DeepSpeed's own tools.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from typing import Any, Literal
 
 from asymstore.errors import AsymstoreError, NoCheckpointError, VersionNotFoundError
 from asymstore.manifest import Manifest, TensorEntry
+from asymstore.multirank.reshardread import ShardSet
+from asymstore.tensorlayout import TensorLayout
 from asymstore.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
@@ -154,8 +160,8 @@ def _safetensors_header(chosen: dict[str, tuple[str, TensorEntry]], meta: dict[s
     return text + b" " * (-len(text) % 8)  # the data starts 8-byte aligned
 
 
-async def export_safetensors(tier: Tier, manifest: Manifest, chosen: dict[str, tuple[str, TensorEntry]], out: str,
-                             meta: dict[str, str], progress: Callable[[int], None] | None = None) -> int:
+async def export_safetensors(reader: _ChunkReader | _WholeReader, chosen: dict[str, tuple[str, TensorEntry]],
+                             out: str, meta: dict[str, str], progress: Callable[[int], None] | None = None) -> int:
     """Stream the chosen tensors into the safetensors file ``out`` (written to a temp name, then renamed)."""
     header = _safetensors_header(chosen, meta)
     tmp = f"{out}.tmp-{os.getpid()}"
@@ -163,7 +169,6 @@ async def export_safetensors(tier: Tier, manifest: Manifest, chosen: dict[str, t
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
-            reader = _ChunkReader(tier, manifest)
 
             def sink(data: memoryview) -> None:
                 f.write(data)
@@ -180,7 +185,7 @@ async def export_safetensors(tier: Tier, manifest: Manifest, chosen: dict[str, t
     return os.path.getsize(out)
 
 
-async def export_dcp(tier: Tier, manifest: Manifest, chosen: dict[str, tuple[str, TensorEntry]], out: str,
+async def export_dcp(reader: _ChunkReader | _WholeReader, chosen: dict[str, tuple[str, TensorEntry]], out: str,
                      progress: Callable[[int], None] | None = None) -> int:
     """Write the chosen tensors as a ``torch.distributed.checkpoint`` directory ``out``."""
     import torch
@@ -190,7 +195,6 @@ async def export_dcp(tier: Tier, manifest: Manifest, chosen: dict[str, tuple[str
     from asymstore.tensorbytes import as_bytes, dtype_from_name
 
     state: dict[str, torch.Tensor] = {}
-    reader = _ChunkReader(tier, manifest)
     for out_name, (stored, entry) in chosen.items():
         tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
         view = as_bytes(tensor.view(-1)) if entry.nbytes else memoryview(bytearray())
@@ -208,6 +212,65 @@ async def export_dcp(tier: Tier, manifest: Manifest, chosen: dict[str, tuple[str
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+class _WholeReader:
+    """Reads the chosen tensors of a multi-rank version whole: sharded ones assembled from every rank's pieces."""
+
+    def __init__(self, shards: ShardSet, sharded: dict[str, TensorLayout]) -> None:
+        self.shards = shards
+        self.sharded = sharded
+        self._rank0 = _ChunkReader(shards.tiers[0], shards.manifests[0])
+
+    async def tensor_bytes(self, name: str, entry: TensorEntry, sink: Callable[[memoryview], None]) -> None:
+        from asymstore.tensorbytes import as_bytes
+        from asymstore.tensorlayout import TensorLayout
+
+        layout = self.sharded.get(name)
+        if layout is None:
+            await self._rank0.tensor_bytes(name, self.shards.manifests[0].tensors[name], sink)
+            return
+        whole = await self.shards.piece(name, TensorLayout.whole(layout.global_shape, layout.dtype))
+        data = as_bytes(whole.reshape(-1)) if whole.numel() else memoryview(bytearray())
+        for at in range(0, len(data), 16 << 20):
+            sink(data[at:at + (16 << 20)])
+
+
+async def _open_sharded(location: str, step: int | None) -> tuple[ShardSet, dict[str, TensorLayout]] | None:
+    """For a local multi-rank root whose version has sharded tensors: its shards (opened) and those layouts."""
+    from asymstore.multirank import layout
+
+    gdir = os.path.join(location, layout.GLOBAL_DIR)
+    if "://" in location or not os.path.isdir(gdir):
+        return None
+    steps = layout.list_global_steps(gdir)
+    chosen = step if step is not None else (steps[-1] if steps else None)
+    if chosen is None or chosen not in steps:
+        return None  # _global_step reports it
+    shards = ShardSet.of_root(location, layout.read_global(gdir, chosen))
+    await shards.open()
+    sharded = {n: lay for n, lay in shards.layouts[0].items() if not lay.is_whole or lay.mesh is not None}
+    if not sharded:
+        await shards.close()
+        return None
+    return shards, sharded
+
+
+def _whole_entries(chosen: dict[str, tuple[str, TensorEntry]],
+                   sharded: dict[str, TensorLayout]) -> dict[str, tuple[str, TensorEntry]]:
+    """``chosen`` with the entries of sharded tensors describing the global tensor (shape, bytes)."""
+    from asymstore.manifest import DTYPE_SIZES
+
+    out = {}
+    for out_name, (stored, entry) in chosen.items():
+        lay = sharded.get(stored)
+        if lay is not None:
+            nbytes = DTYPE_SIZES[lay.dtype]
+            for d in lay.global_shape:
+                nbytes *= d
+            entry = TensorEntry(lay.dtype, tuple(lay.global_shape), nbytes, ())
+        out[out_name] = (stored, entry)
+    return out
+
+
 async def export(location: str, to: Format, out: str, *, step: int | None = None, prefix: str = "model/",
                  progress: Callable[[int], Callable[[int], None]] | None = None) -> dict[str, Any]:
     """Export one verified version of ``location`` (see the module docstring); return a summary.
@@ -219,20 +282,37 @@ async def export(location: str, to: Format, out: str, *, step: int | None = None
     """
     if to not in ("safetensors", "dcp"):
         raise ValueError(f"--to must be safetensors or dcp, got {to!r}")
+    found = await _open_sharded(location, step)
+    if found is not None:  # FSDP2-style shards: assemble each global tensor from every rank's piece
+        shards, sharded = found
+        try:
+            manifest = shards.manifests[0]
+            chosen = _whole_entries(select(manifest, prefix), sharded)
+            reader: _ChunkReader | _WholeReader = _WholeReader(shards, sharded)
+            where = f"{location} ({shards.g.world_size} ranks, global step {shards.g.step})"
+            return await _write(to, reader, manifest, chosen, out, where, progress)
+        finally:
+            await shards.close()
     tier, where = open_tier(location)
     await tier.open()
     try:
         manifest = await _pick(tier, _global_step(location, step))
         chosen = select(manifest, prefix)
-        total = sum(e.nbytes for _, e in chosen.values())
-        tick = progress(total) if progress else None
-        meta = {"format": "pt", "asymstore_step": str(manifest.step), "asymstore_source": where}
-        if to == "safetensors":
-            size = await export_safetensors(tier, manifest, chosen, out, meta, tick)
-        else:
-            size = await export_dcp(tier, manifest, chosen, out, tick)
+        return await _write(to, _ChunkReader(tier, manifest), manifest, chosen, out, where, progress)
     finally:
         await tier.close()
+
+
+async def _write(to: Format, reader: _ChunkReader | _WholeReader, manifest: Manifest,
+                 chosen: dict[str, tuple[str, TensorEntry]], out: str, where: str,
+                 progress: Callable[[int], Callable[[int], None]] | None) -> dict[str, Any]:
+    total = sum(e.nbytes for _, e in chosen.values())
+    tick = progress(total) if progress else None
+    meta = {"format": "pt", "asymstore_step": str(manifest.step), "asymstore_source": where}
+    if to == "safetensors":
+        size = await export_safetensors(reader, chosen, out, meta, tick)
+    else:
+        size = await export_dcp(reader, chosen, out, tick)
     return {"step": manifest.step, "tensors": len(chosen), "bytes": size, "out": out, "format": to}
 
 

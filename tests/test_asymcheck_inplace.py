@@ -66,3 +66,17 @@ def test_restore_live_returns_the_parameters_it_read_into(tmp_path: Path) -> Non
         equal_state(states[3], model.state_dict())
 
     asyncio.run(go())
+
+
+def test_existing_optimizer_state_is_filled_in_place_too(tmp_path: Path) -> None:
+    _, opt_saved, _ = train(tmp_path, 3, keep_last=1)
+    model = make_model(seed=9)
+    opt, sched = make_opt(model)
+    step_once(model, opt, 0, sched)  # the live optimizer has moments already (a job that stepped before resuming)
+    ptrs = {(i, k): v.data_ptr() for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=1) as ckpt:
+        assert ckpt.resume() == 3
+        live = opt.state_dict()["state"]
+        assert {(i, k): v.data_ptr() for i, st in live.items() for k, v in st.items()} == ptrs
+        saved = opt_saved.state_dict()["state"]
+        assert all(torch.equal(saved[i][k], live[i][k]) for i in saved for k in saved[i])

@@ -24,7 +24,7 @@ were recorded) is refused: where its pieces belong is unknown.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError
@@ -79,23 +79,50 @@ async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop
     return out
 
 
-class _Shards:
-    """The old shards of one global version: manifests, layouts and a tier to read each from."""
+class ShardSet:
+    """The shards of one global version: manifests, layouts and a tier to read each from.
 
-    def __init__(self, store: RankStore, g: GlobalManifest) -> None:
-        self.store = store
+    Args:
+        g: the global manifest.
+        tiers_for: rank -> (tiers to read its shard from, whether to open and close them here).
+    """
+
+    def __init__(self, g: GlobalManifest, tiers_for: Callable[[int], tuple[Sequence[Tier], bool]]) -> None:
+        """Nothing is read before :meth:`open`."""
         self.g = g
+        self._tiers_for = tiers_for
         self.manifests: dict[int, Manifest] = {}
         self.layouts: dict[int, dict[str, TensorLayout]] = {}
         self.tiers: dict[int, Tier] = {}
         self._opened: list[Tier] = []
 
+    @classmethod
+    def of_store(cls, store: RankStore, g: GlobalManifest) -> ShardSet:
+        """The shards as ``store``'s rank sees them: its own tiers (open already), the others' peer tiers."""
+        return cls(g, lambda r: (store.tiers, False) if r == store.rank else (store.peer_tiers(r), True))
+
+    @classmethod
+    def of_root(cls, root: str, g: GlobalManifest) -> ShardSet:
+        """The shards under a multi-rank root on this machine, read without any job running."""
+        import os
+
+        from asymstore.multirank.layout import rank_dirname
+        from asymstore.tiers.local import LocalTier
+
+        return cls(g, lambda r: ([LocalTier(os.path.join(root, rank_dirname(r)), fsync=False)], True))
+
     async def open(self) -> None:
+        """Read and check every rank's shard manifest (its digest against the global manifest) and layouts.
+
+        Raises:
+            CorruptVersionError: a shard is missing or differs from its digest.
+            LayoutError: a shard's layouts are malformed.
+        """
         for rank in range(self.g.world_size):
             step, reasons = self.g.shard(rank).step, []
-            candidates = self.store.tiers if rank == self.store.rank else self.store.peer_tiers(rank)
+            candidates, own = self._tiers_for(rank)
             for tier in candidates:
-                if rank != self.store.rank:
+                if own:
                     await tier.open()
                     self._opened.append(tier)
                 try:
@@ -113,6 +140,7 @@ class _Shards:
                 raise CorruptVersionError(f"rank {rank}'s shard {step}: " + ("; ".join(reasons) or "no tier"))
 
     async def close(self) -> None:
+        """Close the tiers opened here."""
         for tier in self._opened:
             try:
                 await tier.close()
@@ -152,7 +180,7 @@ async def restore_resharded(store: RankStore, g: GlobalManifest, targets: Target
         CorruptVersionError: an old shard is missing, differs from its digest, or fails verification.
         LayoutError: the old pieces do not fit together, or ``targets`` refused them.
     """
-    shards = _Shards(store, g)
+    shards = ShardSet.of_store(store, g)
     try:
         await shards.open()
         source = store.rank % g.world_size

@@ -13,7 +13,8 @@ float32/bfloat16), then per repetition, on the same filesystem (``--dir``):
   per ``write``, then ``fsync`` (the Python equivalent of
   ``dd if=/dev/zero of=F bs=64M count=N oflag=direct conv=fsync``, with random
   bytes from an aligned mmap buffer instead of zeros);
-* ``commit``: ``put_many`` (host staging copy + chunk checksums) then
+* ``commit``: ``put_many`` (host staging copy + chunk checksums; with
+  ``--put adopt``, ``adopt_many``: checksums only, the buffers taken as they are) then
   ``commit`` (plan, build segments with their checksums while the previous
   one is written + fsynced, manifest, directory fsyncs, atomic rename, LATEST),
   i.e. until durable;
@@ -303,12 +304,13 @@ def make_tier(root: str, options: dict[str, Any]) -> LocalTier:
 
 def store_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     """The AsymStore keyword arguments in ``options``."""
-    return {k: v for k, v in options.items() if k != "tier"}
+    return {k: v for k, v in options.items() if k not in ("tier", "put")}
 
 
 def store_options(args: argparse.Namespace) -> dict[str, Any]:
     """Tier kind and AsymStore keyword arguments from the command line (only those given, else defaults)."""
-    kwargs: dict[str, Any] = {"tier": args.tier, "keep_last": None, "calibration_cache": args.calibration_cache}
+    kwargs: dict[str, Any] = {"tier": args.tier, "put": args.put, "keep_last": None,
+                              "calibration_cache": args.calibration_cache}
     if args.segment_mib:
         kwargs["segment_bytes"] = args.segment_mib * MIB
     if args.compression:
@@ -336,7 +338,10 @@ async def commit_once(root: str, state: dict[str, torch.Tensor], step: int, timi
         timings.reset()  # after open: the calibration probe (if any) is not part of the commit
         c0 = cpu_seconds()
         t0 = time.perf_counter()
-        await store.put_many(step, state)
+        if options.get("put") == "adopt":  # the one-copy path: the store takes the buffers as they are
+            await store.adopt_many(step, state)
+        else:
+            await store.put_many(step, state)
         t1 = time.perf_counter()
         c1 = cpu_seconds()
         result = await store.commit(step, meta={"bench": True})
@@ -565,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-io", action="store_true", help="split segment writes into writev and fsync")
     parser.add_argument("--verify-all", action="store_true", help="check bit-exactness every repetition, not the first")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--put", choices=["copy", "adopt"], default="copy",
+                        help="stage with put_many (a private copy) or adopt_many (the caller's buffers, no copy)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be >= 1")

@@ -319,7 +319,13 @@ def _read_ranges_direct(fd: int, size: int, order: list[tuple[int, memoryview, i
     pending = list(order)
     while i < len(pending):
         start = pending[i][0] // _DIRECT_ALIGN * _DIRECT_ALIGN
-        want = min(_DIRECT_CHUNK, -(-(size - start) // _DIRECT_ALIGN) * _DIRECT_ALIGN)
+        limit = start + _DIRECT_CHUNK
+        need = start  # the window reaches only as far as the ranges that start in it: a few KiB wanted out of
+        j = i         # a large segment must not cost a whole 16 MiB read
+        while j < len(pending) and pending[j][0] < limit:
+            need = max(need, pending[j][0] + len(pending[j][1]))
+            j += 1
+        want = min(-(-min(need, limit, size) // _DIRECT_ALIGN) * _DIRECT_ALIGN, limit) - start
         try:
             got = os.preadv(fd, [bounce[:want]], start)
         except OSError as exc:

@@ -99,3 +99,29 @@ def test_the_nvme_posix_engine_writes_any_mix_byte_exact(tmp_path: Path, case: i
     assert engine.write(str(path), parts, fsync=True) == len(expect)
     assert path.read_bytes() == expect
     assert bytes(engine.read(str(path))) == expect
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_sparse_ranges_of_a_large_file_read_back_exact_with_their_hashes(tmp_path: Path, case: int) -> None:
+    import xxhash
+
+    from asymstore.fileio import read_ranges
+
+    rng = random.Random(500 + case)
+    data = random.Random(case).randbytes(40 << 20)
+    path = tmp_path / "seg.bin"
+    path.write_bytes(data)
+    starts = sorted(rng.sample(range(0, len(data) - (1 << 20)), rng.randint(1, 40)))
+    ranges, at = [], -1
+    for off in starts:
+        if off < at:
+            continue
+        n = rng.choice([1, 100, 4096, 70_000, 1 << 20])
+        ranges.append((off, memoryview(bytearray(n))))
+        at = off + n
+    rng.shuffle(ranges)
+    digests = read_ranges(str(path), len(data), ranges, hashes=True)
+    assert digests is not None
+    for (off, view), digest in zip(ranges, digests, strict=True):
+        assert bytes(view) == data[off:off + len(view)]
+        assert digest == xxhash.xxh3_64_hexdigest(data[off:off + len(view)])

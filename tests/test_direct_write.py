@@ -21,6 +21,24 @@ def aligned(nbytes: int, seed: int) -> memoryview:
     return view
 
 
+def random_parts(rng: random.Random, case: int, *, pages: int, count: tuple[int, int], loose: int) -> list[memoryview]:
+    """A random mix of page-aligned buffers (with and without a tail), unaligned ones, read-only bytes and padding."""
+    parts: list[memoryview] = []
+    for k in range(rng.randint(*count)):
+        kind = rng.choice(["aligned", "aligned-tail", "offset", "bytes", "pad"])
+        if kind == "aligned":
+            parts.append(aligned(4096 * rng.randint(1, pages), case * 100 + k))
+        elif kind == "aligned-tail":
+            parts.append(aligned(4096 * rng.randint(1, pages) + rng.randint(1, 4095), case * 100 + k))
+        elif kind == "offset":  # writable but not on a page boundary
+            parts.append(aligned(4096 * rng.randint(2, pages // 6 + 2), case * 100 + k)[rng.randint(1, 4095):])
+        elif kind == "bytes":
+            parts.append(memoryview(random.Random(k).randbytes(rng.randint(1, loose))))
+        else:
+            parts.append(memoryview(bytes(rng.randint(1, 4095))))
+    return parts
+
+
 def test_address_of_reports_writable_buffers_only() -> None:
     view = aligned(8192, 0)
     addr = address_of(view)
@@ -30,20 +48,7 @@ def test_address_of_reports_writable_buffers_only() -> None:
 
 @pytest.mark.parametrize("case", range(12))
 def test_any_mix_of_aligned_unaligned_and_read_only_parts_lands_byte_exact(tmp_path: Path, case: int) -> None:
-    rng = random.Random(case)
-    parts: list[memoryview] = []
-    for k in range(rng.randint(1, 7)):
-        kind = rng.choice(["aligned", "aligned-tail", "offset", "bytes", "pad"])
-        if kind == "aligned":
-            parts.append(aligned(4096 * rng.randint(1, 3000), case * 100 + k))
-        elif kind == "aligned-tail":
-            parts.append(aligned(4096 * rng.randint(1, 3000) + rng.randint(1, 4095), case * 100 + k))
-        elif kind == "offset":  # writable but not on a page boundary
-            parts.append(aligned(4096 * rng.randint(2, 500), case * 100 + k)[rng.randint(1, 4095):])
-        elif kind == "bytes":
-            parts.append(memoryview(random.Random(k).randbytes(rng.randint(1, 3 << 20))))
-        else:
-            parts.append(memoryview(bytes(rng.randint(1, 4095))))
+    parts = random_parts(random.Random(case), case, pages=3000, count=(1, 7), loose=3 << 20)
     total = sum(len(p) for p in parts)
     if total < (8 << 20):  # below the O_DIRECT threshold nothing under test runs
         parts.append(aligned(8 << 20, case))
@@ -80,19 +85,7 @@ def test_the_nvme_posix_engine_writes_any_mix_byte_exact(tmp_path: Path, case: i
     from asymstore.tiers.engines import PosixEngine
 
     rng = random.Random(100 + case)
-    parts: list[memoryview] = []
-    for k in range(rng.randint(2, 8)):
-        kind = rng.choice(["aligned", "aligned-tail", "offset", "bytes", "pad"])
-        if kind == "aligned":
-            parts.append(aligned(4096 * rng.randint(1, 700), case * 100 + k))
-        elif kind == "aligned-tail":
-            parts.append(aligned(4096 * rng.randint(1, 700) + rng.randint(1, 4095), case * 100 + k))
-        elif kind == "offset":
-            parts.append(aligned(4096 * rng.randint(2, 300), case * 100 + k)[rng.randint(1, 4095):])
-        elif kind == "bytes":
-            parts.append(memoryview(random.Random(k).randbytes(rng.randint(1, 1 << 20))))
-        else:
-            parts.append(memoryview(bytes(rng.randint(1, 4095))))
+    parts = random_parts(rng, case, pages=700, count=(2, 8), loose=1 << 20)
     expect = b"".join(bytes(p) for p in parts)
     engine = PosixEngine(num_threads=3, task_size=rng.choice([64 << 10, 1 << 20, 4 << 20]))
     path = tmp_path / "seg.bin"

@@ -1,10 +1,12 @@
-"""FSDP2 resumed on another number of ranks (gloo, CPU, real processes): 2 ranks -> 1 -> 2.
+"""FSDP2 resumed on another number of ranks (gloo, CPU, real processes): 2 ranks -> 1 -> 2 -> 4 -> 2.
 
 ``save2`` trains 4 iterations on 2 ranks with a checkpoint every iteration; ``one`` resumes that root on
 1 rank (FSDP2 on a mesh of one: every piece is the whole global tensor), trains to 6 and commits there;
 ``two`` resumes the 1-rank version on 2 ranks again and trains to 8. Right after each resume, every
 sharded tensor (parameters, AdamW moments) equals the matching rows of the global tensor the previous job
-saved, bit for bit, and the tensors held whole (step counters, RNG states) come from old rank ``rank % N``.
+saved, bit for bit, and the tensors held whole (step counters, RNG states) come from old rank ``rank % N``;
+``four`` then resumes that on 4 ranks and trains to 10, and ``back`` resumes the 4-rank version on 2 and
+trains to 12, checked the same way.
 fsck finds the root clean at the end. And FSDP2 on a single rank (an ordinary store, resume reading
 straight into the local shards) stops after 3 iterations and resumes bit-exact.
 """
@@ -35,6 +37,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
                "iterations": 5}, {**solo, "name": "solo_a", "iterations": 3}, {**solo, "name": "solo_b",
                "iterations": 5}], 1, root / "out")
     run_cases([{**base, "name": "two", "iterations": 8, "fsck": True}], 2, root / "out")
+    run_cases([{**base, "name": "four", "iterations": 10}], 4, root / "out")
+    run_cases([{**base, "name": "back", "iterations": 12, "fsck": True}], 2, root / "out")
     return root / "out"
 
 
@@ -89,6 +93,24 @@ def test_fsdp2_version_of_one_rank_resumes_on_two(out: Path) -> None:
         assert two.final(r).step == 8
 
 
+def test_fsdp2_version_of_two_ranks_resumes_on_four_and_back_on_two(out: Path) -> None:
+    two, four, back = Case(out, "two", 2), Case(out, "four", 4), Case(out, "back", 2)
+    for r in range(4):  # 37 rows over 4 ranks: pieces of 10, 10, 10 and 7; Linear(37, 1)'s one row on rank 0 only
+        assert four.rc(r) == 0, four.log(r)
+        [resumed] = four.events(r, "resumed")
+        assert resumed["step"] == 8 and resumed["tier"] == "resharded from 2 rank(s)"
+        assert_pieces_of([two.final(q) for q in range(2)], four.final(r, "resumed"), 2, r)
+        assert four.final(r).step == 10
+    report = back.fsck()
+    assert report["ok"], report["problems"]
+    for r in range(2):
+        assert back.rc(r) == 0, back.log(r)
+        [resumed] = back.events(r, "resumed")
+        assert resumed["step"] == 10 and resumed["tier"] == "resharded from 4 rank(s)"
+        assert_pieces_of([four.final(q) for q in range(4)], back.final(r, "resumed"), 4, r)
+        assert back.final(r).step == 12
+
+
 def test_fsdp2_on_one_rank_resumes_in_place_bit_exact(out: Path) -> None:
     ref, a, b = Case(out, "solo_ref", 1), Case(out, "solo_a", 1), Case(out, "solo_b", 1)
     assert ref.rc(0) == a.rc(0) == b.rc(0) == 0, b.log(0)
@@ -106,9 +128,9 @@ def test_export_assembles_the_global_tensors_for_the_reference_loaders(out: Path
 
     from asymstore.export import main as export_main
 
-    root = out.parent / "ck"  # the 2-rank job "two" committed its last version (step 8) on close
+    root = out.parent / "ck"  # the 2-rank job "back" committed its last version (step 12) on close
     whole = {k.removeprefix("model/"): v for k, v in
-             global_tensors([Case(out, "two", 2).final(r) for r in range(2)]).items() if k.startswith("model/")}
+             global_tensors([Case(out, "back", 2).final(r) for r in range(2)]).items() if k.startswith("model/")}
     assert whole and all(not torch.isnan(v).any() for v in whole.values())
     st = tmp_path / "model.safetensors"
     assert export_main([str(root), "--to", "safetensors", str(st)]) == 0

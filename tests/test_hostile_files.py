@@ -9,6 +9,7 @@ manifest parser: every flipped bit is a ManifestError, never a manifest.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,22 @@ def test_storable_dtypes_table_matches_torch() -> None:
     for name in ("qint8", "quint8", "bits8", "float65", "Tensor", "__class__"):
         with pytest.raises(ManifestError):
             dtype_from_name(name)
+
+
+def test_hostile_global_manifests_and_latest_are_refused_in_bounded_time(tmp_path: Path) -> None:
+    """A FIFO, a symlink or a huge file in a multi-rank root's global/ is refused, never read or waited on."""
+    from asymstore.multirank import layout
+    from asymstore.multirank.errors import GlobalManifestError
+
+    gdir = tmp_path / "global"
+    gdir.mkdir()
+    os.mkfifo(gdir / layout.global_filename(1))
+    (tmp_path / "elsewhere.json").write_text("{}")
+    os.symlink(tmp_path / "elsewhere.json", gdir / layout.global_filename(2))
+    with open(gdir / layout.global_filename(3), "wb") as f:
+        f.truncate(layout.MAX_GLOBAL_BYTES + 1)  # sparse: no disk used
+    for step in (1, 2, 3):
+        with pytest.raises(GlobalManifestError):
+            layout.read_global(str(gdir), step)
+    os.mkfifo(gdir / "LATEST")
+    assert layout.read_global_latest(str(gdir)) is None

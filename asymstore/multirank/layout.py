@@ -24,7 +24,8 @@ import os
 import re
 import uuid
 
-from asymstore.fileio import atomic_write, read_whole, write_parts
+from asymstore.errors import CorruptVersionError
+from asymstore.fileio import atomic_write, check_regular, read_whole, write_parts
 from asymstore.layout import LATEST, TMP_PREFIX, fsync_dir
 from asymstore.multirank.errors import GlobalManifestError
 from asymstore.multirank.globalmanifest import GlobalManifest
@@ -78,6 +79,10 @@ def rank_dirs(root: str) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
+MAX_GLOBAL_BYTES = 64 << 20
+"""The largest global manifest read (about 300,000 ranks' entries)."""
+
+
 def list_global_steps(gdir: str) -> list[int]:
     """Return the steps with a published global manifest, ascending."""
     try:
@@ -90,11 +95,20 @@ def list_global_steps(gdir: str) -> list[int]:
 def read_global(gdir: str, step: int) -> GlobalManifest:
     """Read and parse the global manifest of ``step``.
 
+    The file is checked first (a regular file, not a symlink, FIFO or device,
+    of at most :data:`MAX_GLOBAL_BYTES`), so a hostile one costs bounded time
+    and memory.
+
     Raises:
         FileNotFoundError: it is not published.
-        GlobalManifestError: it does not parse, or names another step.
+        GlobalManifestError: it is not such a file, does not parse, or names another step.
     """
-    manifest = GlobalManifest.from_json(read_whole(os.path.join(gdir, global_filename(step))))
+    path = os.path.join(gdir, global_filename(step))
+    try:
+        check_regular(path, max_size=MAX_GLOBAL_BYTES)
+    except CorruptVersionError as exc:
+        raise GlobalManifestError(str(exc)) from exc
+    manifest = GlobalManifest.from_json(read_whole(path))
     if manifest.step != step:
         raise GlobalManifestError(f"{global_filename(step)} says step {manifest.step}")
     return manifest
@@ -136,10 +150,12 @@ def write_global_latest(gdir: str, step: int, *, fsync: bool = True) -> None:
 
 
 def read_global_latest(gdir: str) -> int | None:
-    """Return the ``global/LATEST`` hint, or None."""
+    """Return the ``global/LATEST`` hint, or None (also for anything but a small regular file)."""
+    path = os.path.join(gdir, LATEST)
     try:
-        return int(read_whole(os.path.join(gdir, LATEST)).decode().strip())
-    except (OSError, ValueError, UnicodeDecodeError):
+        check_regular(path, max_size=64)
+        return int(read_whole(path).decode().strip())
+    except (OSError, ValueError, UnicodeDecodeError, CorruptVersionError):
         return None
 
 

@@ -128,7 +128,11 @@ class Puts:
                     pending = self._pending_for(step)  # the step may have been committed meanwhile
             else:
                 large.append((name, value))
-        await asyncio.gather(*(self._stage(step, name, value, adopted=adopted) for name, value in large))
+        results = await asyncio.gather(*(self._stage(step, name, value, adopted=adopted) for name, value in large),
+                                       return_exceptions=True)  # none still running when this returns or raises
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def adopt(self, step: int, name: str, tensor: object, *,
                     release: Release | None = None) -> None:
@@ -154,17 +158,19 @@ class Puts:
             InvalidValueError: a tensor is not a contiguous CPU tensor of a storable dtype.
             Everything :meth:`put_many` raises. ``release`` has run when this raises.
         """
+        earlier = self._pending.get(step)
+        staged_before = set(earlier.tensors) if earlier is not None else set()
         try:
             for value in tensors.values():
                 check_adoptable(value)
             await self._stage_many(step, tensors, adopted=True)
         except BaseException:
             pending = self._pending.get(step)
-            if pending is not None:  # what was staged of the batch must not outlive the caller's memory
+            if pending is not None:  # what this call staged must not outlive the caller's memory
                 for name in tensors:
                     st = pending.tensors.get(name)
-                    if st is not None and st.adopted:
-                        pending.tensors.pop(name, None)
+                    if name not in staged_before and st is not None and st.adopted:
+                        del pending.tensors[name]
             if release is not None:
                 _call(release, step)
             raise

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asymstore import AsymStore, HostTier, LocalTier
-from asymstore.errors import InvalidValueError, TierError
+from asymstore.errors import DuplicateNameError, InvalidValueError, TierError
 from asymstore.testing import FailingLocalTier
 
 FAST = {"compression": "never", "segment_bytes": 256 << 10}
@@ -122,3 +122,17 @@ async def test_background_tiers_get_a_private_copy_so_the_owner_gets_its_memory_
     async with AsymStore([slow], read_only=True) as reader:
         got = (await reader.restore()).tensors
     assert all(torch.equal(got[k], expect[k]) for k in expect)
+
+
+async def test_a_refused_batch_never_drops_what_an_earlier_call_adopted(tmp_path: object) -> None:
+    first, second = Releases(), Releases()
+    async with AsymStore([LocalTier(os.path.join(str(tmp_path), "a"))], **FAST) as store:  # type: ignore[arg-type]
+        data = tensors(1)
+        await store.adopt_many(1, {"w": data["w"]}, release=first)
+        with pytest.raises(DuplicateNameError):
+            await store.adopt_many(1, {"b": data["b"], "w": torch.zeros(3)}, release=second)
+        assert (first.calls, second.calls) == (0, 1)
+        await store.commit(1)
+        got = (await store.restore()).tensors
+    assert set(got) == {"w"} and torch.equal(got["w"], data["w"])  # the first batch, whole; nothing of the second
+    assert first.calls == 1

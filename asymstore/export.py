@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import struct
 import sys
@@ -263,9 +264,7 @@ def _whole_entries(chosen: dict[str, tuple[str, TensorEntry]],
     for out_name, (stored, entry) in chosen.items():
         lay = sharded.get(stored)
         if lay is not None:
-            nbytes = DTYPE_SIZES[lay.dtype]
-            for d in lay.global_shape:
-                nbytes *= d
+            nbytes = DTYPE_SIZES[lay.dtype] * math.prod(lay.global_shape)
             entry = TensorEntry(lay.dtype, tuple(lay.global_shape), nbytes, ())
         out[out_name] = (stored, entry)
     return out

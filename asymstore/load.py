@@ -127,8 +127,9 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
                                   "more than this machine's memory")
     targets = _targets(manifest, dests)  # every destination checked before any is allocated or written
     if dests and isinstance(tier, ReadIntoTier):
-        dests.update(_fresh_destinations(manifest, dests))
-        targets = _targets(manifest, dests)
+        fresh_dests = _fresh_destinations(manifest, dests)
+        targets.update(_targets(manifest, fresh_dests))
+        dests.update(fresh_dests)
     direct = _direct_ranges(manifest, targets) if isinstance(tier, ReadIntoTier) else {}
     sem = asyncio.Semaphore(READ_AHEAD)
 

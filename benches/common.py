@@ -13,6 +13,7 @@ import gc
 import json
 import mmap
 import os
+import socket
 import statistics
 import subprocess
 import threading
@@ -356,3 +357,21 @@ def build_gpt2(name: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimi
     model = GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt, sum(p.numel() for p in model.parameters())
+
+
+def run_ranks(argv: Sequence[str], world: int, threads: int, **env: str) -> list[int]:
+    """Run ``argv`` as ``world`` ranks of one torch.distributed job on this machine; return their exit codes.
+
+    Each process gets MASTER_ADDR/PORT (a free loopback port), RANK, WORLD_SIZE,
+    LOCAL_RANK and OMP_NUM_THREADS=``threads``, plus ``env``; only rank 0's
+    output is shown.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        penv = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                    WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads), **env)
+        procs.append(subprocess.Popen(list(argv), env=penv, stdout=None if rank == 0 else subprocess.DEVNULL))
+    return [p.wait() for p in procs]

@@ -29,15 +29,13 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from common import GPT2_CONFIGS, build_gpt2, pyplot, save_figure, write_json
+from common import GPT2_CONFIGS, build_gpt2, pyplot, run_ranks, save_figure, write_json
 
 METHODS = ["none", "attach", "save_checkpoint"]
 
@@ -165,19 +163,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def launch(args: argparse.Namespace) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    base = [sys.executable, __file__, "--worker", *sys.argv[1:]]
-    procs = []
-    for rank in range(args.world):
-        env = dict(os.environ, DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(rank),
-                   OMP_NUM_THREADS=str(args.threads))
-        procs.append(subprocess.Popen(base, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
-    codes = [p.wait() for p in procs]
+    codes = run_ranks([sys.executable, __file__, "--worker", *sys.argv[1:]], args.world, args.threads,
+                      DS_ACCELERATOR="cpu")
     if any(codes):
         raise SystemExit(f"workers failed: {codes}")
     per_rank = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(args.world)]

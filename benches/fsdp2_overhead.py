@@ -29,15 +29,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from common import GPT2_CONFIGS, build_gpt2, write_json
+from common import GPT2_CONFIGS, build_gpt2, run_ranks, write_json
 
 METHODS = ["none", "asymcheck", "dcp.async_save"]
 
@@ -184,16 +182,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, phase: str, world: int) -> list[list[dict[str, Any]]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     argv = [sys.executable, __file__, "--worker", "--phase", phase, *sys.argv[1:]]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(args.threads))
-        procs.append(subprocess.Popen(argv, env=env, stdout=None if rank == 0 else subprocess.DEVNULL))
-    codes = [p.wait() for p in procs]
+    codes = run_ranks(argv, world, args.threads)
     if any(codes):
         raise SystemExit(f"{phase} workers on {world} rank(s) failed: {codes}")
     out = Path(args.out)

@@ -81,34 +81,31 @@ def test_fsdp2_version_of_two_ranks_resumes_on_one(out: Path) -> None:
     assert w == TensorLayout.sharded((37, 16), "float32", w.mesh, ["S(0)"]) and w.shape == (37, 16)
 
 
+def assert_resharded(old: Case, old_world: int, new: Case, new_world: int, resumed_at: int, ends_at: int) -> None:
+    """Every rank of ``new`` resumed ``old``'s last version (of ``old_world`` ranks) re-cut, then trained on."""
+    before = [old.final(q) for q in range(old_world)]
+    for r in range(new_world):
+        assert new.rc(r) == 0, new.log(r)
+        [resumed] = new.events(r, "resumed")
+        assert resumed["step"] == resumed_at and resumed["tier"] == f"resharded from {old_world} rank(s)"
+        assert_pieces_of(before, new.final(r, "resumed"), old_world, r)
+        assert new.final(r).step == ends_at
+
+
 def test_fsdp2_version_of_one_rank_resumes_on_two(out: Path) -> None:
-    one, two = Case(out, "one", 1), Case(out, "two", 2)
+    two = Case(out, "two", 2)
     report = two.fsck()
     assert report["ok"], report["problems"]
-    for r in range(2):
-        assert two.rc(r) == 0, two.log(r)
-        [resumed] = two.events(r, "resumed")
-        assert resumed["step"] == 6 and resumed["tier"] == "resharded from 1 rank(s)"
-        assert_pieces_of([one.final(0)], two.final(r, "resumed"), 1, r)
-        assert two.final(r).step == 8
+    assert_resharded(Case(out, "one", 1), 1, two, 2, 6, 8)
 
 
 def test_fsdp2_version_of_two_ranks_resumes_on_four_and_back_on_two(out: Path) -> None:
-    two, four, back = Case(out, "two", 2), Case(out, "four", 4), Case(out, "back", 2)
-    for r in range(4):  # 37 rows over 4 ranks: pieces of 10, 10, 10 and 7; Linear(37, 1)'s one row on rank 0 only
-        assert four.rc(r) == 0, four.log(r)
-        [resumed] = four.events(r, "resumed")
-        assert resumed["step"] == 8 and resumed["tier"] == "resharded from 2 rank(s)"
-        assert_pieces_of([two.final(q) for q in range(2)], four.final(r, "resumed"), 2, r)
-        assert four.final(r).step == 10
+    four, back = Case(out, "four", 4), Case(out, "back", 2)
+    # 37 rows over 4 ranks: pieces of 10, 10, 10 and 7; Linear(37, 1)'s one row on rank 0 only
+    assert_resharded(Case(out, "two", 2), 2, four, 4, 8, 10)
     report = back.fsck()
     assert report["ok"], report["problems"]
-    for r in range(2):
-        assert back.rc(r) == 0, back.log(r)
-        [resumed] = back.events(r, "resumed")
-        assert resumed["step"] == 10 and resumed["tier"] == "resharded from 4 rank(s)"
-        assert_pieces_of([four.final(q) for q in range(4)], back.final(r, "resumed"), 4, r)
-        assert back.final(r).step == 12
+    assert_resharded(four, 4, back, 2, 10, 12)
 
 
 def test_fsdp2_on_one_rank_resumes_in_place_bit_exact(out: Path) -> None:

@@ -9,7 +9,8 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import aiofiles.os
 
@@ -36,6 +37,7 @@ from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.smallfiles import read_small
 from asymstore.tiers.base import Buffer
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 _LATEST_MAX_BYTES = 64  # a step number and a newline; anything longer is not a LATEST this tier wrote
@@ -142,15 +144,9 @@ class LocalTier:
         path = os.path.join(self._vdir(step), validate_segment_name(name))
 
         def read() -> Buffer:
-            check_directory(self._vdir(step))
             check_regular(path, expected_size=size)
             return self._read_segment_file(path)
-        try:
-            return await asyncio.to_thread(read)
-        except FileNotFoundError as exc:
-            raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
-        except OSError as exc:
-            raise TierError(f"reading {path}: {exc}") from exc
+        return await self._segment_io(step, name, path, read)
 
     async def read_segment_into(self, step: int, name: str, size: int,
                                 ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
@@ -160,11 +156,19 @@ class LocalTier:
         """
         path = os.path.join(self._vdir(step), validate_segment_name(name))
 
-        def read() -> list[str] | None:
+        return await self._segment_io(step, name, path, lambda: read_ranges(path, size, ranges, hashes=True))
+
+    async def _segment_io(self, step: int, name: str, path: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (reading segment ``name`` at ``path``) in a thread, after checking the version directory.
+
+        Raises:
+            TierError: the segment is missing, or the read failed.
+        """
+        def run() -> T:
             check_directory(self._vdir(step))
-            return read_ranges(path, size, ranges, hashes=True)
+            return fn()
         try:
-            return await asyncio.to_thread(read)
+            return await asyncio.to_thread(run)
         except FileNotFoundError as exc:
             raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
         except OSError as exc:

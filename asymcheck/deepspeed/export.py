@@ -39,8 +39,9 @@ import torch
 from asymcheck.deepspeed.files import META_KEY, decode_file, file_keys
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import AsymcheckError
-from asymstore import AsymStore, AsymstoreError, LocalTier
+from asymstore import AsymStore, AsymstoreError, CorruptVersionError, LocalTier
 from asymstore.multirank import layout
+from asymstore.multirank.globalmanifest import shard_digest
 from asymstore.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,12 @@ async def read_version(root: str, step: int | None = None) -> tuple[int, str, li
     for s in reversed(steps):
         g = layout.read_global(gdir, s)
         try:
-            shards = [await _shard(root, shard.rank, shard.step) for shard in sorted(g.shards, key=lambda x: x.rank)]
+            shards = []
+            for shard in sorted(g.shards, key=lambda x: x.rank):
+                ckpt = await _shard(root, shard.rank, shard.step)
+                if shard_digest(ckpt.manifest) != shard.digest:  # e.g. a rank's shard committed again since
+                    raise CorruptVersionError(f"rank {shard.rank}'s shard {shard.step} is not the global manifest's")
+                shards.append(ckpt)
         except AsymstoreError as exc:
             reasons.append(f"global step {s}: {type(exc).__name__}: {exc}")
             logger.warning("global step %d does not verify on every rank: %s", s, exc)

@@ -12,12 +12,18 @@ are unsharded at the first forward hook. Case fields beyond those of tests/_mr_c
   ``ckpt.editing()`` (its version must be dropped), and the same inside ``editing()`` one iteration later.
 
 Modes: ``"ref"`` trains ``iterations`` without checkpoints; ``"attach"`` checkpoints every iteration into
-``dir`` through a Checkpointer (a RankStore per rank, made from the directory) and resumes from what it holds.
+``dir`` through a Checkpointer (a RankStore per rank, made from the directory) and resumes from what it holds;
+``"ref_from"`` is the reference for a resharded resume: it loads the final state of the case named ``from``
+(run on ``from_world`` ranks) through torch's own full-state-dict API (``set_model_state_dict`` /
+``set_optimizer_state_dict``), with what each rank holds whole (scheduler, data position, RNG states) from its
+rank ``rank % from_world`` (the rule ``resume()`` documents), then trains to ``iterations`` without checkpoints.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +70,57 @@ def edit(case: dict[str, Any], it: int, model: nn.Module, ckpt: Any) -> None:
             model[0].weight.mul_(1.0)
 
 
+def read_final(path: Path) -> Any:
+    """The one version a ``save_final`` store at ``path`` holds (an ``asymstore.restore.Checkpoint``)."""
+    from asymstore import AsymStore, LocalTier
+
+    async def read() -> Any:
+        async with AsymStore([LocalTier(path)], keep_last=None, read_only=True) as store:
+            return await store.restore()
+
+    return asyncio.run(read())
+
+
+def global_tensors(pieces: list[Any]) -> dict[str, torch.Tensor]:
+    """Every sharded tensor of one job's state put together from its ranks' pieces (``Checkpoint`` objects)."""
+    from asymstore.tensorlayout import read_layouts
+
+    out: dict[str, torch.Tensor] = {}
+    for ckpt in pieces:
+        for name, lay in read_layouts(ckpt.manifest).items():
+            if lay.mesh is None:
+                continue
+            whole = out.setdefault(name, torch.full(lay.global_shape, float("nan"), dtype=ckpt.tensors[name].dtype))
+            whole[tuple(slice(o, o + n) for o, n in zip(lay.offsets, lay.shape, strict=True))] = ckpt.tensors[name]
+    return out
+
+
+def load_reference(case: dict[str, Any], rank: int, log: Log, model: nn.Module, opt: torch.optim.Optimizer,
+                   stateful: dict[str, Any]) -> None:
+    """Load another case's final state the way a user of plain PyTorch would (see ``"ref_from"`` above)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    from asymcheck import rng
+    from asymcheck.encode import decode
+
+    old = case["from_world"]
+    pieces = [read_final(log.cdir.parent / case["from"] / f"final-rank{q}") for q in range(old)]
+    own = pieces[rank % old]
+    tensors = {**own.tensors, **global_tensors(pieces)}
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")},
+                         options=full)
+    fqns = [name for name, _ in model.named_parameters()]
+    state = decode(own.meta["optimizer"]["state"], tensors)
+    groups = decode(own.meta["optimizer"]["param_groups"], tensors)
+    osd = {"state": {fqns[int(i)]: s for i, s in state.items()},
+           "param_groups": [{**g, "params": [fqns[int(i)] for i in g["params"]]} for g in groups]}
+    set_optimizer_state_dict(model, opt, osd, options=full)
+    for name, obj in stateful.items():
+        obj.load_state_dict(decode(own.meta["stateful"][name], own.tensors))
+    rng.restore(own.meta["rng"], own.tensors)
+
+
 def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
     import torch.distributed as dist
 
@@ -79,6 +136,8 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
     pos = DataPosition()
     stateful: dict[str, Any] = {"sched": sched, "pos": pos}
     ckpt = None
+    if case["mode"] == "ref_from":
+        load_reference(case, rank, log, model, opt, stateful)
     if case["mode"] == "attach":
         tiers = rank_tiers(case, rank)
         where: Any = case["dir"] if tiers is None and "timeout_s" not in case else RankStore(

@@ -6,7 +6,9 @@
 sharded tensor (parameters, AdamW moments) equals the matching rows of the global tensor the previous job
 saved, bit for bit, and the tensors held whole (step counters, RNG states) come from old rank ``rank % N``;
 ``four`` then resumes that on 4 ranks and trains to 10, and ``back`` resumes the 4-rank version on 2 and
-trains to 12, checked the same way.
+trains to 12, checked the same way. After each change of size, training goes on with losses (and ends in a
+state) bit-identical to a reference run of the new size that loaded the old job's final state through torch's
+own ``set_model_state_dict`` / ``set_optimizer_state_dict`` (mode ``"ref_from"`` of tests/_fsdp2_cases.py).
 fsck finds the root clean at the end. And FSDP2 on a single rank (an ordinary store, resume reading
 straight into the local shards) stops after 3 iterations and resumes bit-exact.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fsdp2_cases import global_tensors
 from _mr_harness import Case, assert_same_state, run_cases
 
 from asymstore.restore import Checkpoint
@@ -33,25 +36,21 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = {"kind": "fsdp2", "mode": "attach", "dir": ck, "dump_resumed": True}
     run_cases([{**base, "name": "save2", "iterations": 4}], 2, root / "out")
     solo = {"kind": "fsdp2", "mode": "attach", "dir": str(root / "solo")}
-    run_cases([{**base, "name": "one", "iterations": 6}, {"kind": "fsdp2", "mode": "ref", "name": "solo_ref",
-               "iterations": 5}, {**solo, "name": "solo_a", "iterations": 3}, {**solo, "name": "solo_b",
-               "iterations": 5}], 1, root / "out")
-    run_cases([{**base, "name": "two", "iterations": 8, "fsck": True}], 2, root / "out")
-    run_cases([{**base, "name": "four", "iterations": 10}], 4, root / "out")
-    run_cases([{**base, "name": "back", "iterations": 12, "fsck": True}], 2, root / "out")
+    run_cases([{**base, "name": "one", "iterations": 6}, ref("one", "save2", 2, 6),
+               {"kind": "fsdp2", "mode": "ref", "name": "solo_ref", "iterations": 5},
+               {**solo, "name": "solo_a", "iterations": 3}, {**solo, "name": "solo_b", "iterations": 5}],
+              1, root / "out")
+    run_cases([{**base, "name": "two", "iterations": 8, "fsck": True}, ref("two", "one", 1, 8)], 2, root / "out")
+    run_cases([{**base, "name": "four", "iterations": 10}, ref("four", "two", 2, 10)], 4, root / "out")
+    run_cases([{**base, "name": "back", "iterations": 12, "fsck": True}, ref("back", "four", 4, 12)], 2,
+              root / "out")
     return root / "out"
 
 
-def global_tensors(pieces: list[Checkpoint]) -> dict[str, torch.Tensor]:
-    """Every sharded tensor of one job's final state put together from its ranks' pieces."""
-    out: dict[str, torch.Tensor] = {}
-    for ckpt in pieces:
-        for name, lay in read_layouts(ckpt.manifest).items():
-            if lay.mesh is None:
-                continue
-            whole = out.setdefault(name, torch.full(lay.global_shape, float("nan"), dtype=ckpt.tensors[name].dtype))
-            whole[tuple(slice(o, o + n) for o, n in zip(lay.offsets, lay.shape, strict=True))] = ckpt.tensors[name]
-    return out
+def ref(name: str, old: str, old_world: int, iterations: int) -> dict[str, object]:
+    """The reference run of case ``name``: ``old``'s final state loaded with torch's own API, trained on."""
+    return {"kind": "fsdp2", "mode": "ref_from", "name": f"{name}_ref", "from": old, "from_world": old_world,
+            "iterations": iterations}
 
 
 def assert_pieces_of(before: list[Checkpoint], after: Checkpoint, old_world: int, rank: int) -> None:
@@ -75,8 +74,8 @@ def test_fsdp2_version_of_two_ranks_resumes_on_one(out: Path) -> None:
     assert [save2.rc(r) for r in range(2)] == [0, 0] and one.rc(0) == 0, one.log(0)
     [resumed] = one.events(0, "resumed")
     assert resumed["step"] == 4 and resumed["tier"] == "resharded from 2 rank(s)"
+    assert_resharded(save2, 2, one, 1, 4, 6)
     after = one.final(0, "resumed")
-    assert_pieces_of([save2.final(r) for r in range(2)], after, 2, 0)
     w = read_layouts(after.manifest)["model/0.weight"]
     assert w == TensorLayout.sharded((37, 16), "float32", w.mesh, ["S(0)"]) and w.shape == (37, 16)
 
@@ -90,6 +89,18 @@ def assert_resharded(old: Case, old_world: int, new: Case, new_world: int, resum
         assert resumed["step"] == resumed_at and resumed["tier"] == f"resharded from {old_world} rank(s)"
         assert_pieces_of(before, new.final(r, "resumed"), old_world, r)
         assert new.final(r).step == ends_at
+    # training goes on exactly as a run of the new size started from the same state by plain PyTorch
+    reference = Case(new.dir.parent, f"{new.dir.name}_ref", new_world)
+    for r in range(new_world):
+        assert reference.rc(r) == 0, reference.log(r)
+        want = reference.losses(r)
+        assert [it for it, _ in want] == list(range(resumed_at, ends_at))
+        assert new.losses(r) == want, r
+        # torch's set_optimizer_state_dict hands AdamW its betas as a list, not the tuple it was made with
+        a, b = reference.final(r), new.final(r)
+        assert_same_state(a, b, ignore_meta=("optimizer/param_groups",))
+        assert [g["lr"] for g in a.meta["optimizer"]["param_groups"]] == [
+            g["lr"] for g in b.meta["optimizer"]["param_groups"]]
 
 
 def test_fsdp2_version_of_one_rank_resumes_on_two(out: Path) -> None:

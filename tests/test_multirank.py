@@ -246,3 +246,37 @@ def test_a_second_job_on_the_same_root_is_refused_and_dead_coordinators_leftover
 
     asyncio.run(one_rank())
     assert check(str(tmp_path), deep=True).ok
+
+
+def test_after_falling_back_the_job_commits_the_abandoned_steps_again(tmp_path: Path) -> None:
+    """Global versions newer than the one restored belong to an abandoned history: the next commit replaces them."""
+    kv = dist.HashStore()
+    commit_steps(tmp_path, kv, {0: [1, 2, 3], 1: [1, 2, 3]})
+    seg = next((tmp_path / "rank-00001" / "v000000000003").glob("seg-*"))
+    data = bytearray(seg.read_bytes())
+    data[3] ^= 0xFF
+    seg.write_bytes(bytes(data))
+
+    async def go_on(rank: int) -> list[int]:
+        async with store(tmp_path, rank, 2, kv) as s:
+            ckpt = await s.restore()
+            assert ckpt.step == 2
+            for step in (3, 4):
+                await s.put_many(step, {"w": value(step, rank) + 0.5, "b": torch.tensor([rank])})
+                await s.commit(step, {"rank": rank, "step": step})
+            return s.global_steps() if rank == 0 else []
+
+    done = run_ranks(2, go_on)
+    assert done[0] == [2, 3, 4], done
+    restored = restore_all(tmp_path, kv)
+    for r in range(2):
+        assert restored[r].step == 4 and torch.equal(restored[r].tensors["w"], value(4, r) + 0.5)
+    restored = run_ranks(2, lambda rank: _restore_step(tmp_path, kv, rank, 3))
+    for r in range(2):
+        assert torch.equal(restored[r].tensors["w"], value(3, r) + 0.5)  # the new step 3, not the abandoned one
+    assert check(str(tmp_path), deep=True).ok
+
+
+async def _restore_step(root: Path, kv: Any, rank: int, step: int) -> Any:
+    async with store(root, rank, 2, kv) as s:
+        return await s.restore(step)

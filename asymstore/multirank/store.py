@@ -349,6 +349,9 @@ class RankStore(AsymStore):
             raise GlobalCommitError(msg)
         manifest = GlobalManifest(step, self.world_size, tuple(ShardInfo.from_json(r) for r in reports), meta,
                                   time.time())
+        for stale in [s for s in self.global_steps() if s >= step]:  # a history abandoned by an older restore
+            logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
+            layout.delete_global(self.global_dir, stale, fsync=self.fsync)
         layout.publish_global(self.global_dir, manifest, fsync=self.fsync)
         layout.write_global_latest(self.global_dir, step, fsync=self.fsync)
         self._retain_globals()

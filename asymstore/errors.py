@@ -94,3 +94,11 @@ class StoreClosedError(AsymstoreError):
 
 class LayoutError(ManifestError):
     """A version's tensor layout metadata (``meta["layout"]``) is malformed or contradicts its tensors."""
+
+
+class PeerError(TierError):
+    """The peer tier's transport failed or its peer is gone (the replica is not there)."""
+
+
+class PeerProtocolError(PeerError):
+    """A peer sent bytes that are not a well-formed frame of the replication protocol."""

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 from typing import Any, Literal, NoReturn, get_args
@@ -38,7 +39,10 @@ from asymstore.errors import TierError
 from asymstore.fileio import write_parts
 from asymstore.layout import fsync_dir
 from asymstore.manifest import MANIFEST_NAME
+from asymstore.peer.tier import PeerTier
 from asymstore.tiers.local import LocalTier, _DirWriter
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["PHASES", "CrashingLocalTier", "FailingLocalTier", "Phase"]
 
@@ -160,3 +164,25 @@ class FailingLocalTier(_FaultyLocalTier):
     def _fault(self, phase: Phase) -> NoReturn:
         self.faults += 1
         raise TierError(f"{self.name}: injected failure at {phase!r}")
+
+
+class CrashingPeerTier(PeerTier):
+    """A PeerTier whose process is SIGKILLed right after the first segment of a version ``>= at_step`` is sent.
+
+    The neighbour has then received part of a version and no manifest: the
+    replica must never be published there.
+
+    Args:
+        at_step: the step during whose replication the process dies.
+        **kwargs: passed to :class:`~asymstore.peer.PeerTier`.
+    """
+
+    def __init__(self, *, at_step: int, **kwargs: Any) -> None:
+        """Create the tier; it kills its process while sending ``at_step``."""
+        super().__init__(**kwargs)
+        self.at_step = at_step
+
+    def _sent(self, step: int, name: str, nbytes: int) -> None:
+        if step >= self.at_step:
+            logger.warning("CrashingPeerTier: SIGKILL after sending %s of step %d", name, step)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -17,6 +17,12 @@ Case fields:
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
+- ``step_s`` (DDP): sleep this long at the start of every iteration.
+- ``ordered`` (DDP): average gradients with :func:`ordered_mean` (bit-identical restarts beyond 2 ranks).
+- ``peer`` (DDP): ``{"shm": dir, "per_node": n, "crash": {"rank": r, "step": s} | absent}``: ranks in
+  simulated nodes of ``n``, each rank's tiers [HostTier in ``shm/node-K/own``, PeerTier holding its
+  source's replicas in ``shm/node-K/replicas``, LocalTier ``dir/rank-NNNNN``], the memory tier durable;
+  with ``crash``, rank r dies right after sending the first segment of step s to its peer.
 
 Every rank appends ``{"it", "loss"}`` (a hex float) to ``losses-rankR.jsonl`` per iteration and, when
 it finishes, writes its final state through asymstore to ``final-rankR`` and events to ``events-rankR.jsonl``.
@@ -30,6 +36,7 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,7 +155,26 @@ def kill_spec(case: dict[str, Any], rank: int) -> tuple[str, int]:
     return kind, int(at)
 
 
+def peer_tiers(case: dict[str, Any], rank: int) -> list[Any]:
+    """[shared memory, peer, local disk] of ``rank`` on its simulated node (``peer`` field, see the docstring)."""
+    from asymstore import HostTier, LocalTier
+    from asymstore.multirank.layout import rank_dirname
+    from asymstore.peer import PeerTier
+    from asymstore.testing import CrashingPeerTier
+
+    peer = case["peer"]
+    node = Path(peer["shm"]) / f"node-{rank // peer['per_node']}"
+    kw: dict[str, Any] = {"capacity_bytes": 64 << 20, "path": node / "replicas", "local_world_size": peer["per_node"],
+                          "timeout_s": 60.0, "close_timeout_s": 20.0}
+    crash = peer.get("crash")
+    return [HostTier(64 << 20, path=node / "own" / rank_dirname(rank)),
+            CrashingPeerTier(at_step=crash["step"], **kw) if crash and crash["rank"] == rank else PeerTier(**kw),
+            LocalTier(Path(case["dir"]) / rank_dirname(rank))]
+
+
 def rank_tiers(case: dict[str, Any], rank: int) -> list[Any] | None:
+    if case.get("peer"):
+        return peer_tiers(case, rank)
     kind, at = kill_spec(case, rank)
     if kind != "commit":
         return None
@@ -321,6 +347,27 @@ def ds_roundtrip(case: dict[str, Any], rank: int, log: Log) -> None:
 # -- DDP -----------------------------------------------------------------------------------
 
 
+def ordered_mean(state: object, bucket: Any) -> Any:
+    """A DDP comm hook averaging gradients over ranks in rank order, whatever the bucket layout.
+
+    With more than 2 ranks, gloo's ring allreduce adds an element's contributions in an order that depends
+    on where the element sits in its bucket, and DDP rebuilds its buckets after the first iteration of each
+    process: a job restarted from an exact checkpoint then differs from an uninterrupted one in the last
+    bits. Summing gathered buckets in rank order makes both runs bit-identical.
+    """
+    import torch.distributed as dist
+
+    grad = bucket.buffer()
+    parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, grad)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(total.div_(len(parts)))
+    return fut
+
+
 def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -332,6 +379,8 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     dist.init_process_group("gloo", timeout=TIMEOUT)
     n = case["iterations"]
     model = DDP(make_model())
+    if case.get("ordered"):
+        model.register_comm_hook(None, lambda state, bucket: ordered_mean(state, bucket))  # no annotations to check
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     pos = DataPosition()
@@ -341,15 +390,19 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         tiers = rank_tiers(case, rank)
         # a directory: the Checkpointer sees a multi-rank job and makes the RankStore itself
         where: Any = case["dir"] if tiers is None and "timeout_s" not in case else RankStore(
-            case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0))
+            case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0),
+            **({"durable": tiers[0].name} if case.get("peer") and tiers else {}))
         ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512)
         assert isinstance(ckpt.store, RankStore)
         resumed = ckpt.resume()
-        log.event(event="resumed", step=resumed, iteration=pos.iteration)
+        log.event(event="resumed", step=resumed, iteration=pos.iteration,
+                  tier=ckpt.restored.tier if ckpt.restored else None,
+                  fallbacks=list(ckpt.restored.fallbacks) if ckpt.restored else [])
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             model.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
     for it in range(pos.iteration, n):
+        time.sleep(case.get("step_s", 0.0))  # a slower step (loading data), as a real one is
         x, y = batch(it, rank)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()

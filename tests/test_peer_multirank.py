@@ -1,0 +1,146 @@
+"""Losing a node: 4 DDP ranks as 2 simulated nodes of 2, tiers [shared memory, peer, local disk].
+
+Each node has its own shared-memory directory (its ranks' memory tiers, and the replicas it holds for
+the other node's ranks) and each rank its own disk directory. Real processes, gloo, a TCPStore, and the
+replication group the peer tiers build. Every run is compared with an uninterrupted reference run of
+the same 4 ranks: losses of the resumed iterations and the final state, bit for bit (gradients are
+averaged in rank order, ``ordered`` in tests/_mr_cases.py: gloo's ring allreduce over 4 ranks is not
+bit-reproducible across a restart, since DDP rebuilds its buckets after each process's first iteration).
+
+(a) the job is SIGKILLed mid-training and node 1 is lost with its memory and its disks: the restarted
+job resumes from the replicas node 0 holds, losing at most the steps in flight; (b) a rank dies in the
+middle of sending a version to its peer: the peer never lists a half replica, every replica it lists
+verifies, and the job resumes bit-exact; (c) a replica is corrupt: its rank falls back to its disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _mr_harness import Case, assert_same_state, run_cases
+
+from asymstore import HostTier
+from asymstore.load import load_version
+from asymstore.multirank.layout import rank_dirname
+
+pytestmark = pytest.mark.slow
+
+WORLD, PER_NODE, N = 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def shm() -> Iterator[Path]:
+    """The simulated nodes' shared memory (/dev/shm where it is a tmpfs, else a temporary directory)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    path = tempfile.mkdtemp(prefix="asymstore-peer-", dir=base)
+    try:
+        yield Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("peer") / "out"
+    run_cases([{"kind": "ddp", "mode": "ref", "name": "ref", "iterations": N, "ordered": True}], WORLD, root)
+    return root
+
+
+def attach(out: Path, shm: Path, name: str, **peer: Any) -> dict[str, Any]:
+    return {"kind": "ddp", "mode": "attach", "dir": str(out.parent / f"ck-{name}"), "ordered": True, "step_s": 0.2,
+            "peer": {"shm": str(shm / name), "per_node": PER_NODE, **peer}}
+
+
+def lose(case: dict[str, Any], node: int, *, disks: bool) -> None:
+    """Node ``node`` is gone: its shared memory, and with ``disks`` its ranks' disk directories."""
+    shutil.rmtree(Path(case["peer"]["shm"]) / f"node-{node}")
+    if disks:
+        for r in range(node * PER_NODE, (node + 1) * PER_NODE):
+            shutil.rmtree(Path(case["dir"]) / rank_dirname(r))
+
+
+def replicas(case: dict[str, Any], holder_node: int, of_rank: int) -> Path:
+    return Path(case["peer"]["shm"]) / f"node-{holder_node}" / "replicas" / f"of-rank-{of_rank:05d}"
+
+
+def listed(path: Path) -> list[int]:
+    async def go() -> list[int]:
+        tier = HostTier(64 << 20, path=path)
+        await tier.open()
+        try:
+            steps = await tier.list_versions()
+            for s in steps:  # every replica listed is whole: it loads and verifies
+                await load_version(tier, s)
+            return steps
+        finally:
+            await tier.close()
+
+    return asyncio.run(go())
+
+
+def assert_resumed_like_ref(out: Path, name: str, tiers: dict[int, str]) -> int:
+    """Every rank resumed (from a tier whose name starts with ``tiers[rank]``) and ended exactly as ``ref``."""
+    case, ref = Case(out, name, WORLD), Case(out, "ref", WORLD)
+    steps = set()
+    for r in range(WORLD):
+        assert case.rc(r) == 0, case.log(r)
+        [resumed] = case.events(r, "resumed")
+        assert resumed["tier"].startswith(tiers[r]), (r, resumed)
+        steps.add(resumed["step"])
+        want = dict(ref.losses(r))
+        got = case.losses(r)
+        assert got and [it for it, _ in got] == list(range(resumed["step"], N))
+        assert all(loss == want[it] for it, loss in got), r
+        assert_same_state(ref.final(r), case.final(r))
+    assert len(steps) == 1
+    return steps.pop()
+
+
+def test_a_lost_node_resumes_from_its_peers_memory(out: Path, shm: Path) -> None:
+    case = attach(out, shm, "a")
+    run_cases([{**case, "name": "a1", "iterations": N, "kill": {"rank": None, "at": "forward:5"}}], WORLD, out)
+    assert listed(replicas(case, 0, 2)) and listed(replicas(case, 0, 3))
+    lose(case, 1, disks=True)
+    run_cases([{**case, "name": "a2", "iterations": N}], WORLD, out)
+    step = assert_resumed_like_ref(out, "a2", {0: "host:", 1: "host:", 2: "peer:", 3: "peer:"})
+    assert step >= 3  # killed in the forward of iteration 5: at most the steps in flight are lost
+
+
+def test_a_rank_killed_mid_replication_leaves_no_half_replica(out: Path, shm: Path) -> None:
+    case = attach(out, shm, "b", crash={"rank": 3, "step": 4})
+    run_cases([{**case, "name": "b1", "iterations": N}], WORLD, out)
+    assert Case(out, "b1", WORLD).rc(3) != 0
+    held = listed(replicas(case, 0, 3))  # rank 3's replicas live on rank 1 (node 0)
+    assert all(s < 4 for s in held), held  # it died sending its first version >= 4: never published
+    own = listed(Path(case["peer"]["shm"]) / "node-1" / "own" / rank_dirname(3))
+    assert max(own) >= 4  # there was a newer version to replicate
+    lose(case, 1, disks=False)  # node 1's memory is gone; its disks are not
+    run_cases([{**case, "name": "b2", "iterations": N, "peer": {k: v for k, v in case["peer"].items()
+                                                                 if k != "crash"}}], WORLD, out)
+    assert_resumed_like_ref(out, "b2", {0: "host:", 1: "host:", 2: "", 3: ""})
+
+
+def test_a_corrupt_replica_falls_back_to_disk(out: Path, shm: Path) -> None:
+    case = attach(out, shm, "c")
+    run_cases([{**case, "name": "c1", "iterations": 5}], WORLD, out)  # ends cleanly: every tier has step 5
+    assert listed(replicas(case, 0, 2))[-1] == 5
+    lose(case, 1, disks=False)
+    segments = sorted((replicas(case, 0, 2) / "v000000000005").glob("*.bin"))
+    assert segments
+    with open(segments[0], "r+b") as f:  # one bit flipped in rank 2's newest replica
+        f.seek(os.path.getsize(segments[0]) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    run_cases([{**case, "name": "c2", "iterations": N}], WORLD, out)
+    step = assert_resumed_like_ref(out, "c2", {0: "host:", 1: "host:", 2: "local:", 3: "peer:"})
+    assert step == 5
+    [resumed] = Case(out, "c2", WORLD).events(2, "resumed")
+    assert any("peer:" in f for f in resumed["fallbacks"]), resumed

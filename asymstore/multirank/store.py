@@ -35,17 +35,17 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from asymstore.checksum import checksum
-from asymstore.errors import AsymstoreError, CorruptVersionError
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.multirank import layout
 from asymstore.multirank.errors import CoordinationTimeoutError, GlobalManifestError
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.multirank.kv import KV, MemoryStore, store_from_env
+from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
 from asymstore.multirank.rankrestore import restore_collective
 from asymstore.multirank.reshardread import Targets
 from asymstore.multirank.retention import retain_shards, retire_departed_shards, roll_back
-from asymstore.restore import Checkpoint, describe, load_version, read_manifest
+from asymstore.restore import Checkpoint, describe
 from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.store import AsymStore, CommitResult
 from asymstore.storeapi import CheckpointStore
@@ -393,32 +393,13 @@ class RankStore:
         """Read and verify another rank's shard (through ``peer_tiers``; own shards through this store)."""
         if rank == self.rank:
             return await self.local.restore(step=step)
-        reasons: list[str] = []
-        for tier in self._peer_tiers(rank):
-            await tier.open()
-            try:
-                manifest, tensors = await load_version(tier, step)
-                return Checkpoint(step, tensors, manifest.meta, tier.name, manifest, reasons)
-            except (AsymstoreError, OSError) as exc:
-                reasons.append(f"rank {rank} step {step} on {tier.name}: {describe(exc)}")
-            finally:
-                await tier.close()
-        raise CorruptVersionError("; ".join(reasons) or f"no tier of rank {rank}")
+        return await read_peer_shard(self._peer_tiers(rank), rank, step)
 
     async def read_shard_manifest(self, rank: int, step: int) -> Manifest:
         """Read another rank's shard manifest (its meta tells what the shard holds)."""
-        reasons: list[str] = []
-        for tier in self._peer_tiers(rank) if rank != self.rank else self.tiers:
-            if rank != self.rank:
-                await tier.open()
-            try:
-                return await read_manifest(tier, step)
-            except (AsymstoreError, OSError) as exc:
-                reasons.append(f"rank {rank} step {step} on {tier.name}: {describe(exc)}")
-            finally:
-                if rank != self.rank:
-                    await tier.close()
-        raise CorruptVersionError("; ".join(reasons) or f"no tier of rank {rank}")
+        if rank == self.rank:
+            return await read_shard_manifest(self.tiers, rank, step, opened=True)
+        return await read_shard_manifest(self._peer_tiers(rank), rank, step, opened=False)
 
 
 _SATISFIES: type[CheckpointStore] = RankStore  # mypy checks that RankStore satisfies the adapters' protocol

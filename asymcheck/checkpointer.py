@@ -31,7 +31,8 @@ from asymcheck.state import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.storeloop import StoreLoop
 from asymcheck.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, versions_of
-from asymstore import AsymStore, CorruptVersionError, NoCheckpointError
+from asymstore import CorruptVersionError, NoCheckpointError
+from asymstore.storeapi import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ class Checkpointer(VersionCycle):
     Args:
         model: the module trained.
         optimizer: its optimizer.
-        store_or_tiers: an unopened :class:`asymstore.AsymStore` (the
-            Checkpointer opens and closes it), a list of tiers (fastest
+        store_or_tiers: an unopened store (:class:`asymstore.AsymStore`,
+            :class:`asymstore.multirank.RankStore`, or any
+            :class:`asymstore.storeapi.CheckpointStore`; the Checkpointer
+            opens and closes it), a list of tiers (fastest
             first), or a directory path (a single ``LocalTier``; in a
             torch.distributed job of several ranks, an
             :class:`asymstore.multirank.RankStore` there).
@@ -198,7 +201,7 @@ class Checkpointer(VersionCycle):
         return self._planner.current
 
     @property
-    def store(self) -> AsymStore:
+    def store(self) -> CheckpointStore:
         """The store (runs on the Checkpointer's thread; do not call it from another loop)."""
         return self._loop.store
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from asymcheck import dtensors
 from asymcheck.errors import StateMismatchError
 from asymcheck.state import TrainingState
-from asymstore import AsymStore
+from asymstore.storeapi import CheckpointStore
 from asymstore.tensorlayout import MeshInfo, TensorLayout
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def new_pieces(state: TrainingState, old: Mapping[str, TensorLayout]) -> dict[st
     return out
 
 
-def enable_resharding(store: AsymStore, state: TrainingState) -> None:
+def enable_resharding(store: CheckpointStore, state: TrainingState) -> None:
     """Let a RankStore restore versions of another world size into ``state`` (no-op for other stores)."""
     from asymstore.multirank import RankStore
 

@@ -33,10 +33,10 @@ import torch
 
 from asymcheck.errors import StateMismatchError
 from asymcheck.state import TrainingState
-from asymstore import AsymStore
 from asymstore.errors import DestinationMismatchError
 from asymstore.manifest import Manifest
 from asymstore.restore import Checkpoint
+from asymstore.storeapi import CheckpointStore
 from asymstore.tensorbytes import dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _dtype(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-async def restore_live(store: AsymStore, state: TrainingState) -> tuple[Checkpoint, bool]:
+async def restore_live(store: CheckpointStore, state: TrainingState) -> tuple[Checkpoint, bool]:
     """Restore the newest version that verifies; return it and whether it was read into the live tensors.
 
     Raises:

@@ -1,4 +1,4 @@
-"""An event loop on its own thread that owns an :class:`asymstore.AsymStore`.
+"""An event loop on its own thread that owns a store (:class:`asymstore.storeapi.CheckpointStore`).
 
 The training thread calls ``run`` (blocking) or ``submit`` (a
 ``concurrent.futures.Future``); every store call happens on the loop thread,
@@ -14,7 +14,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from asymstore import AsymStore
+from asymstore.storeapi import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +25,10 @@ class StoreLoop:
     """Runs ``store`` on a private event loop thread; opened on construction.
 
     Args:
-        store: an AsymStore that is not open yet (this loop opens and closes it).
+        store: a store that is not open yet (this loop opens and closes it).
     """
 
-    def __init__(self, store: AsymStore) -> None:
+    def __init__(self, store: CheckpointStore) -> None:
         """Start the loop thread and open the store on it."""
         self.store = store
         self._loop = asyncio.new_event_loop()

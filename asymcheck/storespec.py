@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from asymstore import AsymStore, LocalTier, Tier
+from asymstore.storeapi import CheckpointStore
 
-StoreSpec = AsymStore | Sequence[Tier] | str | os.PathLike[str]
+StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
 
 
 @dataclass(frozen=True)
@@ -28,13 +29,14 @@ class RestoreInfo:
     fallbacks: tuple[str, ...]
 
 
-def make_store(spec: StoreSpec, keep_last: int | None) -> AsymStore:
-    """An AsymStore for ``spec``: itself, over a list of tiers, or over a directory.
+def make_store(spec: StoreSpec, keep_last: int | None) -> CheckpointStore:
+    """The store for ``spec``: itself, an AsymStore over a list of tiers, or one over a directory.
 
-    A directory is a :class:`~asymstore.multirank.RankStore` in a job of
-    several ranks, or when it already holds a multi-rank checkpoint.
+    ``spec`` itself is any :class:`~asymstore.storeapi.CheckpointStore`. A directory is a
+    :class:`~asymstore.multirank.RankStore` in a job of several ranks, or when it already
+    holds a multi-rank checkpoint.
     """
-    if isinstance(spec, AsymStore):
+    if isinstance(spec, CheckpointStore):  # AsymStore, RankStore
         return spec
     if isinstance(spec, (str, os.PathLike)):
         from asymstore.multirank import RankStore, is_multirank
@@ -53,6 +55,6 @@ def on_cuda(model: torch.nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
 
 
-async def versions_of(store: AsymStore) -> dict[str, list[int]]:
+async def versions_of(store: CheckpointStore) -> dict[str, list[int]]:
     """``store.versions()`` (run on the store's loop)."""
     return store.versions()

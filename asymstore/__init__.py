@@ -50,11 +50,13 @@ if TYPE_CHECKING:
     from asymstore.manifest import Manifest
     from asymstore.restore import Checkpoint
     from asymstore.store import AsymStore, CommitResult
+    from asymstore.storeapi import CheckpointStore
     from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
 
 _LAZY = {
     "AsymStore": "asymstore.store",
     "Checkpoint": "asymstore.restore",
+    "CheckpointStore": "asymstore.storeapi",
     "CommitResult": "asymstore.store",
     "FlushStats": "asymstore.batcher",
     "GPUTier": "asymstore.tiers",
@@ -81,6 +83,7 @@ __all__ = [
     "AsymstoreError",
     "CapacityError",
     "Checkpoint",
+    "CheckpointStore",
     "CodecError",
     "CommitResult",
     "CorruptVersionError",

@@ -34,6 +34,7 @@ from asymstore.manifest import Manifest, validate_meta
 from asymstore.puts import Puts, check_step
 from asymstore.restore import Checkpoint, restore_newest
 from asymstore.staging import PendingStep
+from asymstore.storeapi import CheckpointStore
 from asymstore.tiers.base import ExclusiveTier, Tier
 from asymstore.tierwrite import TierState, write_version
 
@@ -464,3 +465,6 @@ class AsymStore(Puts):
             check_step(step)
         await self.refresh()
         return await restore_newest(self._tiers, step, into)
+
+
+_SATISFIES: type[CheckpointStore] = AsymStore  # mypy checks that AsymStore satisfies the adapters' protocol

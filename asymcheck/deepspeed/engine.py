@@ -139,8 +139,7 @@ class AsymCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             raise ValueError(f"{path} is outside the checkpoint directory {cur.save_dir}")
         tensors: dict[str, torch.Tensor] = {}
         cur.trees.update(encode_files({key: state_dict}, tensors))
-        loop = self.loop(cur.save_dir)
-        loop.run(loop.store.put_many(cur.step, tensors))
+        self.loop(cur.save_dir).run(self.store(cur.save_dir).put_many(cur.step, tensors))
 
     def commit(self, info: Any) -> bool:
         """Commit this rank's shard; return once the global version is published (collective)."""

@@ -2,13 +2,15 @@
 
 Protocol (see :mod:`asymstore.multirank.layout` for the directories):
 
-1. every rank commits its shard of step ``s`` to its own tiers (an ordinary
-   :class:`~asymstore.AsymStore` commit: durable before it returns);
+1. every rank commits its shard of step ``s`` to its own tiers (a commit of
+   its own :class:`~asymstore.AsymStore`, ``RankStore.local``: durable before
+   it returns);
 2. it reports the shard (step, tier-independent digest, size) under a key of
    the job's c10d store;
 3. the coordinator (rank 0) waits for every rank's report, with a timeout,
-   then publishes ``global/v…s.json`` atomically and updates ``global/LATEST``.
-   Only then does the multi-rank version exist.
+   then publishes ``global/v…s.json`` atomically and updates ``global/LATEST``
+   (:mod:`.publish`; retention follows, :mod:`.retention`). Only then does the
+   multi-rank version exist.
 
 Waiting happens on the store's own event loop thread (never the training
 thread) and only through the key-value store: never a collective on the
@@ -20,7 +22,7 @@ step is committed again after a restore.
 ``restore`` is collective (every rank calls it): the coordinator picks the
 newest global version whose shards every rank holds, every rank loads and
 verifies its shard against the digest, and a version that fails on any rank
-is skipped for the one before, on every rank alike.
+is skipped for the one before, on every rank alike (:mod:`.rankrestore`).
 """
 
 from __future__ import annotations
@@ -28,51 +30,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from asymstore.checksum import checksum
-from asymstore.errors import (
-    AsymstoreError,
-    CorruptVersionError,
-    NoCheckpointError,
-    VersionNotFoundError,
-)
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.multirank import layout
-from asymstore.multirank.departed import retire_departed
-from asymstore.multirank.errors import (
-    CoordinationTimeoutError,
-    GlobalCommitError,
-    GlobalCommitTimeoutError,
-    GlobalManifestError,
-    WorldSizeMismatchError,
-)
+from asymstore.multirank.errors import CoordinationTimeoutError, GlobalManifestError
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.multirank.kv import KV, MemoryStore, store_from_env
-from asymstore.multirank.reshardread import Targets, restore_resharded
-from asymstore.restore import Checkpoint, describe, load_version, read_manifest
+from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
+from asymstore.multirank.publish import await_global, publish_global
+from asymstore.multirank.rankrestore import restore_collective
+from asymstore.multirank.reshardread import Targets
+from asymstore.multirank.retention import retain_shards, retire_departed_shards, roll_back
+from asymstore.restore import Checkpoint, describe
 from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.store import AsymStore, CommitResult
+from asymstore.storeapi import CheckpointStore
 from asymstore.tiers.base import Tier
 from asymstore.tiers.local import LocalTier
 
 if TYPE_CHECKING:
-
+    from asymstore.batcher import TierStatus
+    from asymstore.calibration import TierCalibration
     from asymstore.load import Into
 
 logger = logging.getLogger(__name__)
 
-_ERRORS: dict[str, type[AsymstoreError]] = {
-    "NoCheckpointError": NoCheckpointError,
-    "VersionNotFoundError": VersionNotFoundError,
-    "WorldSizeMismatchError": WorldSizeMismatchError,
-    "CorruptVersionError": CorruptVersionError,
-}
 
-
-def _env_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def env_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """This process's rank and the job's size: as given, else ``RANK``/``WORLD_SIZE``, else torch.distributed."""
     if rank is not None and world_size is not None:
         return rank, world_size
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -84,12 +73,15 @@ def _env_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return (env[0] if rank is None else rank), (env[1] if world_size is None else world_size)
 
 
-class RankStore(AsymStore):
+class RankStore:
     """This rank's store of a multi-rank checkpoint under ``root`` (see the module docstring).
 
-    Use it wherever an :class:`~asymstore.AsymStore` goes (e.g. as the store
-    of :class:`asymcheck.Checkpointer` under DDP). Every rank must commit the
-    same steps, and every rank must call ``restore``.
+    It holds this rank's own :class:`~asymstore.AsymStore` (``local``, over
+    ``tiers``) and adds the global commit and the collective restore; it is a
+    :class:`~asymstore.storeapi.CheckpointStore`, so it goes wherever the
+    adapters take a store (e.g. as the store of :class:`asymcheck.Checkpointer`
+    under DDP). Every rank must commit the same steps, and every rank must
+    call ``restore``.
 
     Args:
         root: the multi-rank root (shared by all ranks; the coordinator writes ``global/`` there).
@@ -116,7 +108,7 @@ class RankStore(AsymStore):
                  restore_timeout_s: float = 1800.0, wait_global: bool = False, namespace: str | None = None,
                  fsync: bool = True, **store_kwargs: Any) -> None:
         """Configure; nothing is opened before ``open``."""
-        self.rank, self.world_size = _env_rank_world(rank, world_size)
+        self.rank, self.world_size = env_rank_world(rank, world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
         if keep_last is not None and keep_last < 1:
@@ -129,7 +121,8 @@ class RankStore(AsymStore):
                                                                fsync=fsync)])
         if tiers is None:
             tiers = self._peer_tiers(self.rank)
-        super().__init__(tiers, keep_last=None, **store_kwargs)
+        self.local = AsymStore(tiers, keep_last=None, **store_kwargs)
+        """This rank's own shards (retention follows the global versions, so it keeps everything itself)."""
         self.global_keep_last = keep_last
         self.timeout_s = timeout_s
         self.restore_timeout_s = restore_timeout_s
@@ -158,6 +151,44 @@ class RankStore(AsymStore):
         """True on rank 0, which publishes global manifests."""
         return self.rank == 0
 
+    # -- this rank's own store -------------------------------------------
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """This rank's tiers, fastest first."""
+        return self.local.tiers
+
+    @property
+    def durable_tier(self) -> Tier:
+        """The tier ``commit`` waits for (this rank's)."""
+        return self.local.durable_tier
+
+    def versions(self) -> dict[str, list[int]]:
+        """This rank's committed shard steps per tier name, ascending."""
+        return self.local.versions()
+
+    @property
+    def newest_step(self) -> int | None:
+        """This rank's newest committed shard step (a global version needs every rank's: see ``global_steps``)."""
+        return self.local.newest_step
+
+    def status(self) -> dict[str, TierStatus]:
+        """Per tier name of this rank: see :meth:`asymstore.AsymStore.status`."""
+        return self.local.status()
+
+    async def refresh(self) -> None:
+        """Re-read the shard steps each of this rank's tiers lists."""
+        await self.local.refresh()
+
+    async def flushed(self, step: int | None = None, *, tier: Tier | str | None = None,
+                      timeout: float | None = None) -> None:
+        """Wait for this rank's background tiers (see :meth:`asymstore.AsymStore.flushed`)."""
+        await self.local.flushed(step, tier=tier, timeout=timeout)
+
+    async def recalibrate(self) -> dict[str, TierCalibration]:
+        """Measure this rank's tiers again (see :meth:`asymstore.AsymStore.recalibrate`)."""
+        return await self.local.recalibrate()
+
     # -- lifecycle -------------------------------------------------------
 
     async def open(self) -> RankStore:
@@ -175,11 +206,20 @@ class RankStore(AsymStore):
             await asyncio.to_thread(self._global_lock.acquire)
             await asyncio.to_thread(sweep_directory, self.global_dir, fsync=self.fsync)
         try:
-            await super().open()
+            await self.local.open()
         except BaseException:
             self._global_lock.release()
             raise
         return self
+
+    async def __aenter__(self) -> RankStore:
+        """Open the store."""
+        return await self.open()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        """Close the store (waits for background flushes)."""
+        await self.close()
 
     async def close(self) -> None:
         """Close; a non-coordinator first waits briefly for its last global commit and drops shards it made obsolete."""
@@ -187,12 +227,12 @@ class RankStore(AsymStore):
             try:
                 await asyncio.to_thread(self._kv.wait, [f"{self._last_commit_key}/global"],
                                         min(self.timeout_s, 30.0), "the last global commit")
-                await self._retain_shards()
+                await retain_shards(self.local, self._kv, self.rank)
             except (CoordinationTimeoutError, RuntimeError) as exc:
                 logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
             self._last_commit_key = None
         try:
-            await super().close()
+            await self.local.close()
         finally:
             self._global_lock.release()
 
@@ -249,34 +289,22 @@ class RankStore(AsymStore):
     # -- writing ---------------------------------------------------------
 
     async def _roll_back(self, step: int) -> None:
-        """Delete own shards at or above ``step`` that no global version can use (after a restore)."""
-        newest = self.newest_step
-        if self._floor is None or newest is None or newest < step:
-            return
-        victims = [s for s in sorted({v for vs in self.versions().values() for v in vs}) if s >= step > self._floor]
-        for s in victims:
-            logger.warning("rank %d: rolling back shard %d (no global version uses it)", self.rank, s)
-            await self._delete_shard(s)
-        await self.refresh()
-        for tier in self.tiers:  # LATEST must not name a shard that is gone
-            left = await tier.list_versions()
-            if left:
-                await tier.write_latest(max(left))
-
-    async def _delete_shard(self, step: int) -> None:
-        for tier in self.tiers:
-            if step in await tier.list_versions():
-                await tier.delete_version(step)
+        await roll_back(self.local, self.rank, self._floor, step)
 
     async def put(self, step: int, name: str, tensor: object) -> None:
         """Stage ``tensor`` for ``step`` (see :meth:`asymstore.AsymStore.put`)."""
         await self._roll_back(step)
-        await super().put(step, name, tensor)
+        await self.local.put(step, name, tensor)
 
     async def put_many(self, step: int, tensors: Mapping[str, object]) -> None:
         """Stage every tensor of ``tensors`` for ``step``."""
         await self._roll_back(step)
-        await super().put_many(step, tensors)
+        await self.local.put_many(step, tensors)
+
+    async def adopt(self, step: int, name: str, tensor: object, *,
+                    release: Callable[[], None] | None = None) -> None:
+        """Stage ``tensor`` itself for ``step`` (see :meth:`asymstore.AsymStore.adopt`)."""
+        await self.adopt_many(step, {name: tensor}, release=release)
 
     async def adopt_many(self, step: int, tensors: Mapping[str, object], *,
                          release: Callable[[], None] | None = None) -> None:
@@ -287,7 +315,11 @@ class RankStore(AsymStore):
             if release is not None:
                 release()
             raise
-        await super().adopt_many(step, tensors, release=release)
+        await self.local.adopt_many(step, tensors, release=release)
+
+    def abandon(self, step: int) -> None:
+        """Drop everything put for an uncommitted ``step`` (adopted tensors are released)."""
+        self.local.abandon(step)
 
     async def commit(self, step: int, meta: Mapping[str, Any] | None = None, *,
                      summary: Mapping[str, Any] | None = None,
@@ -314,7 +346,7 @@ class RankStore(AsymStore):
         clean_summary = validate_meta(summary)
         clean_global = validate_meta(global_meta)
         try:
-            result = await super().commit(step, meta)
+            result = await self.local.commit(step, meta)
         except BaseException as exc:
             await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", {"failed": describe(exc)})
             raise
@@ -323,99 +355,20 @@ class RankStore(AsymStore):
         await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", info.to_json())
         self._last_commit_key = key
         if self.is_coordinator:
-            self.last_global = await asyncio.to_thread(self._publish, key, step, clean_global)
-            await self._retire_departed()
+            self.last_global = await asyncio.to_thread(publish_global, self, key, step, clean_global)
+            await retire_departed_shards(self)
         elif self.wait_global:
-            await asyncio.to_thread(self._await_global, key, step)
-        await self._retain_shards()
+            await asyncio.to_thread(await_global, kv, key, step, self.timeout_s)
+            self.last_global = None  # published; the manifest itself lives with the coordinator
+        await retain_shards(self.local, kv, self.rank)
         return result
-
-    def _publish(self, key: str, step: int, meta: dict[str, Any]) -> GlobalManifest:
-        kv = self.kv
-        keys = [f"{key}/rank/{r}" for r in range(self.world_size)]
-        try:
-            kv.wait(keys, self.timeout_s, f"global commit of step {step}")
-        except CoordinationTimeoutError as exc:
-            missing = [r for r, k in enumerate(keys) if not kv.has(k)]
-            msg = (f"step {step}: rank(s) {missing} did not report a committed shard within {self.timeout_s:g} s; "
-                   f"the global version is not published (newest stays {max(self.global_steps(), default=None)})")
-            kv.put(f"{key}/global", {"failed": msg})
-            raise GlobalCommitTimeoutError(msg) from exc
-        reports = [kv.get(k) for k in keys]
-        failed = {r: rep["failed"] for r, rep in enumerate(reports) if "failed" in rep}
-        if failed:
-            msg = f"step {step}: shard commit failed on rank(s) {failed}; the global version is not published"
-            kv.put(f"{key}/global", {"failed": msg})
-            raise GlobalCommitError(msg)
-        manifest = GlobalManifest(step, self.world_size, tuple(ShardInfo.from_json(r) for r in reports), meta,
-                                  time.time())
-        for stale in [s for s in self.global_steps() if s >= step]:  # a history abandoned by an older restore
-            logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
-            layout.delete_global(self.global_dir, stale, fsync=self.fsync)
-        layout.publish_global(self.global_dir, manifest, fsync=self.fsync)
-        layout.write_global_latest(self.global_dir, step, fsync=self.fsync)
-        self._retain_globals()
-        kv.put(f"{key}/global", {"step": step})
-        logger.debug("published global version %d (%d ranks, %d bytes)", step, self.world_size, manifest.nbytes)
-        return manifest
-
-    def _await_global(self, key: str, step: int) -> None:
-        try:
-            self.kv.wait([f"{key}/global"], self.timeout_s, f"the coordinator's global commit of step {step}")
-        except CoordinationTimeoutError as exc:
-            raise GlobalCommitTimeoutError(str(exc)) from exc
-        msg = self.kv.get(f"{key}/global")
-        if "failed" in msg:
-            raise GlobalCommitError(msg["failed"])
-        self.last_global = None  # published; the manifest itself lives with the coordinator
-
-    def _retain_globals(self) -> None:
-        """Coordinator: drop global versions beyond ``keep_last``; tell each rank which shards are still needed."""
-        if self.global_keep_last is None:
-            return
-        steps = self.global_steps()
-        for old in steps[:-self.global_keep_last]:
-            layout.delete_global(self.global_dir, old, fsync=self.fsync)
-        kept = []
-        for s in steps[-self.global_keep_last:]:
-            try:
-                kept.append(self.read_global(s))
-            except (GlobalManifestError, OSError):
-                continue
-        if not kept:
-            return
-        for r in range(self.world_size):  # a kept version of another world size may need rank r's older shards
-            steps_r = [g.shard(r).step for g in kept if r < g.world_size]
-            if steps_r:
-                self.kv.raise_int(f"retain/{r}", min(steps_r) + 1)
-
-    async def _retire_departed(self) -> None:
-        """Coordinator: drop shards of ranks no longer in the job (it shrank) that no kept version needs."""
-        if self.global_keep_last is None or not any(r >= self.world_size for r in layout.rank_dirs(self.root)):
-            return
-        kept = []
-        for s in self.global_steps()[-self.global_keep_last:]:
-            try:
-                kept.append(self.read_global(s))
-            except (GlobalManifestError, OSError):
-                return  # an unreadable kept version: delete nothing it might need
-        await retire_departed(self.root, self.world_size, kept, self._peer_tiers)
-
-    async def _retain_shards(self) -> None:
-        """Delete own shards older than the oldest one a kept global version needs."""
-        keep_from = await asyncio.to_thread(self.kv.read_int, f"retain/{self.rank}") - 1
-        if keep_from < 0:
-            return
-        old = sorted({v for vs in self.versions().values() for v in vs if v < keep_from})
-        for s in old:
-            await self._delete_shard(s)
-        if old:
-            await self.refresh()
 
     # -- reading ---------------------------------------------------------
 
     async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:
         """Restore this rank's shard of the newest global version every rank can load (collective).
+
+        See :mod:`.rankrestore` for how the ranks agree.
 
         Args:
             step: restore exactly this global step.
@@ -429,117 +382,8 @@ class RankStore(AsymStore):
             CorruptVersionError: no candidate verified on every rank.
             CoordinationTimeoutError: a rank did not answer in time.
         """
-        await self.refresh()
-        key = self._key("restore")
-        if self.is_coordinator:
-            haves = await asyncio.to_thread(self._gather_haves, key)
-            return await self._restore_coordinator(key, haves, step, into)
-        have = sorted({v for vs in self.versions().values() for v in vs})
-        await asyncio.to_thread(self.kv.put, f"{key}/have/{self.rank}", have)
-        return await self._restore_follower(key, into)
-
-    def _gather_haves(self, key: str) -> dict[int, set[int]]:
-        own = sorted({v for vs in self.versions().values() for v in vs})
-        self.kv.put(f"{key}/have/{self.rank}", own)
-        keys = [f"{key}/have/{r}" for r in range(self.world_size)]
-        self.kv.wait(keys, self.restore_timeout_s, "ranks listing their shards for restore")
-        return {r: set(self.kv.get(k)) for r, k in enumerate(keys)}
-
-    def _candidates(self, haves: dict[int, set[int]], step: int | None,
-                    notes: list[str]) -> list[GlobalManifest]:
-        steps = sorted(self.global_steps(), reverse=True)
-        if step is not None:
-            if step not in steps:
-                raise VersionNotFoundError(f"global step {step} is not published under {self.global_dir}")
-            steps = [step]
-        if not steps:
-            raise NoCheckpointError(f"no global version under {self.global_dir}")
-        out: list[GlobalManifest] = []
-        for s in steps:
-            try:
-                g = self.read_global(s)
-            except (GlobalManifestError, OSError) as exc:
-                notes.append(f"global step {s}: {describe(exc)}")
-                continue
-            if g.world_size != self.world_size and self.reshard is not None:
-                out.append(g)  # read from every old rank's shard (reshardread), not from this rank's own
-                continue
-            if g.world_size != self.world_size:
-                if not out:
-                    raise WorldSizeMismatchError(
-                        f"global step {s} was written by {g.world_size} rank(s); this job has {self.world_size}. "
-                        "Restore needs the same world size, or resharding (RankStore.reshard)")
-                continue
-            lacking = [r for r in range(self.world_size) if g.shard(r).step not in haves[r]]
-            if lacking:
-                notes.append(f"global step {s}: rank(s) {lacking} do not hold their shard")
-                continue
-            out.append(g)
-        return out
-
-    async def _restore_coordinator(self, key: str, haves: dict[int, set[int]], step: int | None,
-                                   into: Into | None) -> Checkpoint:
-        kv = self.kv
-        notes: list[str] = []
-        try:
-            candidates = self._candidates(haves, step, notes)
-        except (NoCheckpointError, WorldSizeMismatchError) as exc:
-            await asyncio.to_thread(kv.put, f"{key}/try/0", {"error": type(exc).__name__, "message": str(exc)})
-            raise
-        for k, g in enumerate(candidates):
-            await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
-            ckpt, reason = await self._try_shard(g, into)
-            await asyncio.to_thread(kv.put, f"{key}/result/{k}/{self.rank}", {"ok": ckpt is not None, "reason": reason})
-            keys = [f"{key}/result/{k}/{r}" for r in range(self.world_size)]
-            await asyncio.to_thread(kv.wait, keys, self.restore_timeout_s, f"ranks loading global step {g.step}")
-            results = [await asyncio.to_thread(kv.get, kk) for kk in keys]
-            bad = {r: res["reason"] for r, res in enumerate(results) if not res["ok"]}
-            if not bad and ckpt is not None:
-                await asyncio.to_thread(kv.put, f"{key}/try/{k + 1}", {"done": g.step, "notes": notes})
-                return self._restored(g, ckpt, notes)
-            notes.append(f"global step {g.step}: failed on rank(s) {bad}")
-            logger.warning("restore: global step %d failed on rank(s) %s; trying the one before", g.step, sorted(bad))
-        msg = "no global version verified on every rank: " + "; ".join(notes)
-        await asyncio.to_thread(kv.put, f"{key}/try/{len(candidates)}",
-                                {"error": "CorruptVersionError", "message": msg})
-        raise CorruptVersionError(msg)
-
-    async def _restore_follower(self, key: str, into: Into | None) -> Checkpoint:
-        kv = self.kv
-        k = 0
-        ckpt: Checkpoint | None = None
-        g: GlobalManifest | None = None
-        while True:
-            await asyncio.to_thread(kv.wait, [f"{key}/try/{k}"], self.restore_timeout_s, "the coordinator's restore")
-            msg = await asyncio.to_thread(kv.get, f"{key}/try/{k}")
-            if "error" in msg:
-                raise _ERRORS.get(msg["error"], CorruptVersionError)(msg["message"])
-            if "done" in msg:
-                assert ckpt is not None and g is not None and g.step == msg["done"]
-                return self._restored(g, ckpt, list(msg.get("notes", [])))
-            g = GlobalManifest.from_json(msg["global"].encode())
-            ckpt, reason = await self._try_shard(g, into)
-            await asyncio.to_thread(kv.put, f"{key}/result/{k}/{self.rank}", {"ok": ckpt is not None, "reason": reason})
-            k += 1
-
-    async def _try_shard(self, g: GlobalManifest,
-                         into: Into | None) -> tuple[Checkpoint | None, str]:
-        if g.world_size != self.world_size and self.reshard is not None:
-            try:
-                return await restore_resharded(self, g, self.reshard), ""
-            except (AsymstoreError, OSError) as exc:
-                return None, describe(exc)
-        shard = g.shard(self.rank)
-        try:
-            ckpt = await AsymStore.restore(self, step=shard.step, into=into)
-        except (AsymstoreError, OSError) as exc:
-            return None, describe(exc)
-        digest = shard_digest(ckpt.manifest)
-        if digest != shard.digest:
-            return None, f"shard {shard.step} digest {digest} != {shard.digest} in the global manifest"
-        return ckpt, ""
-
-    def _restored(self, g: GlobalManifest, ckpt: Checkpoint, notes: list[str]) -> Checkpoint:
+        await self.local.refresh()
+        g, ckpt, notes = await restore_collective(self, self._key("restore"), step, into)
         self.restored_global = g
         self._floor = g.shard(self.rank).step if self.rank < g.world_size else g.step
         if notes:
@@ -549,30 +393,14 @@ class RankStore(AsymStore):
     async def read_shard(self, rank: int, step: int) -> Checkpoint:
         """Read and verify another rank's shard (through ``peer_tiers``; own shards through this store)."""
         if rank == self.rank:
-            return await AsymStore.restore(self, step=step)
-        reasons: list[str] = []
-        for tier in self._peer_tiers(rank):
-            await tier.open()
-            try:
-                manifest, tensors = await load_version(tier, step)
-                return Checkpoint(step, tensors, manifest.meta, tier.name, manifest, reasons)
-            except (AsymstoreError, OSError) as exc:
-                reasons.append(f"rank {rank} step {step} on {tier.name}: {describe(exc)}")
-            finally:
-                await tier.close()
-        raise CorruptVersionError("; ".join(reasons) or f"no tier of rank {rank}")
+            return await self.local.restore(step=step)
+        return await read_peer_shard(self._peer_tiers(rank), rank, step)
 
     async def read_shard_manifest(self, rank: int, step: int) -> Manifest:
         """Read another rank's shard manifest (its meta tells what the shard holds)."""
-        reasons: list[str] = []
-        for tier in self._peer_tiers(rank) if rank != self.rank else self.tiers:
-            if rank != self.rank:
-                await tier.open()
-            try:
-                return await read_manifest(tier, step)
-            except (AsymstoreError, OSError) as exc:
-                reasons.append(f"rank {rank} step {step} on {tier.name}: {describe(exc)}")
-            finally:
-                if rank != self.rank:
-                    await tier.close()
-        raise CorruptVersionError("; ".join(reasons) or f"no tier of rank {rank}")
+        if rank == self.rank:
+            return await read_shard_manifest(self.tiers, rank, step, opened=True)
+        return await read_shard_manifest(self._peer_tiers(rank), rank, step, opened=False)
+
+
+_SATISFIES: type[CheckpointStore] = RankStore  # mypy checks that RankStore satisfies the adapters' protocol

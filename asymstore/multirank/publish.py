@@ -1,0 +1,88 @@
+"""Phase two of the global commit: the coordinator publishes the global manifest once every rank reported.
+
+After committing its shard of step ``s``, each rank reports it under
+``{key}/rank/<rank>`` of the coordination store (a :class:`ShardInfo`, or
+``{"failed": ...}``). The coordinator waits for every report
+(:func:`publish_global`), writes ``global/v…s.json`` and ``global/LATEST``,
+applies retention and answers ``{key}/global``; a rank that waits for the
+global version (:func:`await_global`) reads that answer. Both run in a thread
+(they block on the key-value store).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from asymstore.multirank import layout
+from asymstore.multirank.errors import CoordinationTimeoutError, GlobalCommitError, GlobalCommitTimeoutError
+from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.multirank.retention import retain_globals
+
+if TYPE_CHECKING:
+    from asymstore.multirank.kv import KV
+    from asymstore.multirank.store import RankStore
+
+logger = logging.getLogger(__name__)
+
+
+def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) -> GlobalManifest:
+    """Coordinator: wait for every rank's report of ``step``, then publish its global manifest.
+
+    Args:
+        store: the coordinator's store.
+        key: the coordination key prefix of this commit.
+        step: the step.
+        meta: the global manifest's JSON metadata (validated).
+
+    Returns:
+        The global manifest published.
+
+    Raises:
+        GlobalCommitTimeoutError: not every rank reported within ``store.timeout_s``.
+        GlobalCommitError: a rank reported that its shard failed.
+    """
+    kv = store.kv
+    keys = [f"{key}/rank/{r}" for r in range(store.world_size)]
+    try:
+        kv.wait(keys, store.timeout_s, f"global commit of step {step}")
+    except CoordinationTimeoutError as exc:
+        missing = [r for r, k in enumerate(keys) if not kv.has(k)]
+        msg = (f"step {step}: rank(s) {missing} did not report a committed shard within {store.timeout_s:g} s; "
+               f"the global version is not published (newest stays {max(store.global_steps(), default=None)})")
+        kv.put(f"{key}/global", {"failed": msg})
+        raise GlobalCommitTimeoutError(msg) from exc
+    reports = [kv.get(k) for k in keys]
+    failed = {r: rep["failed"] for r, rep in enumerate(reports) if "failed" in rep}
+    if failed:
+        msg = f"step {step}: shard commit failed on rank(s) {failed}; the global version is not published"
+        kv.put(f"{key}/global", {"failed": msg})
+        raise GlobalCommitError(msg)
+    manifest = GlobalManifest(step, store.world_size, tuple(ShardInfo.from_json(r) for r in reports), meta,
+                              time.time())
+    for stale in [s for s in store.global_steps() if s >= step]:  # a history abandoned by an older restore
+        logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
+        layout.delete_global(store.global_dir, stale, fsync=store.fsync)
+    layout.publish_global(store.global_dir, manifest, fsync=store.fsync)
+    layout.write_global_latest(store.global_dir, step, fsync=store.fsync)
+    retain_globals(store)
+    kv.put(f"{key}/global", {"step": step})
+    logger.debug("published global version %d (%d ranks, %d bytes)", step, store.world_size, manifest.nbytes)
+    return manifest
+
+
+def await_global(kv: KV, key: str, step: int, timeout_s: float) -> None:
+    """Wait for the coordinator's answer to the global commit of ``step``.
+
+    Raises:
+        GlobalCommitTimeoutError: no answer within ``timeout_s``.
+        GlobalCommitError: the coordinator did not publish the version.
+    """
+    try:
+        kv.wait([f"{key}/global"], timeout_s, f"the coordinator's global commit of step {step}")
+    except CoordinationTimeoutError as exc:
+        raise GlobalCommitTimeoutError(str(exc)) from exc
+    msg = kv.get(f"{key}/global")
+    if "failed" in msg:
+        raise GlobalCommitError(msg["failed"])

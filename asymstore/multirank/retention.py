@@ -1,0 +1,115 @@
+"""Retention of a multi-rank checkpoint: which global versions and shards are kept, and rolling back orphans.
+
+* The coordinator keeps the newest ``keep_last`` global versions
+  (:func:`retain_globals`) and tells each rank, under ``retain/<rank>`` of the
+  coordination store, the oldest shard step a kept version still needs.
+* Each rank then deletes its own older shards (:func:`retain_shards`).
+* Shards of ranks no longer in the job are retired by the coordinator
+  (:func:`retire_departed_shards`, see :mod:`.departed`).
+* After a restore, a rank's own shards above the restored version that no
+  global version uses are rolled back before the same step is put again
+  (:func:`roll_back`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from asymstore.multirank import layout
+from asymstore.multirank.departed import retire_departed
+from asymstore.multirank.errors import GlobalManifestError
+from asymstore.multirank.globalmanifest import GlobalManifest
+
+if TYPE_CHECKING:
+    from asymstore.multirank.kv import KV
+    from asymstore.multirank.store import RankStore
+    from asymstore.store import AsymStore
+
+logger = logging.getLogger(__name__)
+
+
+def _kept_globals(store: RankStore, keep_last: int) -> list[GlobalManifest] | None:
+    """The newest ``keep_last`` global versions, or None if one of them does not parse."""
+    kept = []
+    for s in store.global_steps()[-keep_last:]:
+        try:
+            kept.append(store.read_global(s))
+        except (GlobalManifestError, OSError):
+            return None
+    return kept
+
+
+def retain_globals(store: RankStore) -> None:
+    """Coordinator: drop global versions beyond ``keep_last``; tell each rank which shards are still needed."""
+    if store.global_keep_last is None:
+        return
+    steps = store.global_steps()
+    for old in steps[:-store.global_keep_last]:
+        layout.delete_global(store.global_dir, old, fsync=store.fsync)
+    kept = []
+    for s in steps[-store.global_keep_last:]:
+        try:
+            kept.append(store.read_global(s))
+        except (GlobalManifestError, OSError):
+            continue
+    if not kept:
+        return
+    for r in range(store.world_size):  # a kept version of another world size may need rank r's older shards
+        steps_r = [g.shard(r).step for g in kept if r < g.world_size]
+        if steps_r:
+            store.kv.raise_int(f"retain/{r}", min(steps_r) + 1)
+
+
+async def retire_departed_shards(store: RankStore) -> None:
+    """Coordinator: drop shards of ranks no longer in the job (it shrank) that no kept version needs."""
+    if store.global_keep_last is None or not any(r >= store.world_size for r in layout.rank_dirs(store.root)):
+        return
+    kept = _kept_globals(store, store.global_keep_last)
+    if kept is None:
+        return  # an unreadable kept version: delete nothing it might need
+    await retire_departed(store.root, store.world_size, kept, store.peer_tiers)
+
+
+async def delete_shard(local: AsymStore, step: int) -> None:
+    """Delete shard ``step`` from every tier of ``local`` that holds it (``local.refresh`` is the caller's)."""
+    for tier in local.tiers:
+        if step in await tier.list_versions():
+            await tier.delete_version(step)
+
+
+async def retain_shards(local: AsymStore, kv: KV, rank: int) -> None:
+    """Delete ``rank``'s own shards older than the oldest one a kept global version needs."""
+    keep_from = await asyncio.to_thread(kv.read_int, f"retain/{rank}") - 1
+    if keep_from < 0:
+        return
+    old = sorted({v for vs in local.versions().values() for v in vs if v < keep_from})
+    for s in old:
+        await delete_shard(local, s)
+    if old:
+        await local.refresh()
+
+
+async def roll_back(local: AsymStore, rank: int, floor: int | None, step: int) -> None:
+    """Delete ``rank``'s own shards at or above ``step`` that no global version can use (after a restore).
+
+    Args:
+        local: the rank's own store.
+        rank: the rank (for the log).
+        floor: the newest global step when this rank last agreed on a step, or its shard's step
+            in the version it restored (None: nothing is rolled back); only shards above it go.
+        step: the step about to be put.
+    """
+    newest = local.newest_step
+    if floor is None or newest is None or newest < step:
+        return
+    victims = [s for s in sorted({v for vs in local.versions().values() for v in vs}) if s >= step > floor]
+    for s in victims:
+        logger.warning("rank %d: rolling back shard %d (no global version uses it)", rank, s)
+        await delete_shard(local, s)
+    await local.refresh()
+    for tier in local.tiers:  # LATEST must not name a shard that is gone
+        left = await tier.list_versions()
+        if left:
+            await tier.write_latest(max(left))

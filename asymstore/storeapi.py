@@ -1,0 +1,68 @@
+"""CheckpointStore: the store protocol the adapters (``asymcheck``) program against.
+
+Both :class:`~asymstore.AsymStore` (one process's tiers) and
+:class:`~asymstore.multirank.RankStore` (one rank's shard store of a
+multi-rank checkpoint, which holds an ``AsymStore`` and adds the global
+commit) satisfy it. It names only what the adapters use:
+
+* ``open`` / ``close``: the adapter's store loop opens and closes it;
+* ``adopt_many`` / ``abandon`` / ``commit``: a sealed version is staged from
+  the adapter's host slots without a copy, committed, or dropped;
+* ``restore``: resume (``into`` fills live tensors in place where the store
+  supports it);
+* ``versions`` / ``newest_step``: what the store holds.
+
+Anything else (``reshard``, ``restored_global``, ``read_shard`` ...) belongs to
+a concrete store, and an adapter that needs it checks for that class.
+The protocol is ``runtime_checkable``: ``isinstance(x, CheckpointStore)``
+tells a store from the other things an adapter accepts (tiers, a directory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+
+if TYPE_CHECKING:
+    from asymstore.load import Into
+    from asymstore.restore import Checkpoint
+    from asymstore.store import CommitResult
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """A versioned checkpoint store, as the adapters use it (see the module docstring)."""
+
+    async def open(self) -> Self:
+        """Open the store (before any other call); return it."""
+        ...
+
+    async def close(self) -> None:
+        """Wait for what the store still writes, then close it."""
+        ...
+
+    def versions(self) -> dict[str, list[int]]:
+        """Committed steps per tier name, ascending."""
+        ...
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        ...
+
+    async def adopt_many(self, step: int, tensors: Mapping[str, object], *,
+                         release: Callable[[], None] | None = None) -> None:
+        """Stage ``tensors`` for ``step`` without copying; ``release`` runs once the store is done with them."""
+        ...
+
+    def abandon(self, step: int) -> None:
+        """Drop everything staged for an uncommitted ``step`` (adopted tensors are released)."""
+        ...
+
+    async def commit(self, step: int, meta: Mapping[str, Any] | None = None) -> CommitResult:
+        """Commit ``step`` with its JSON ``meta``; return once it is durable."""
+        ...
+
+    async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:
+        """Return the newest version that verifies (or ``step``), optionally read into ``into``."""
+        ...

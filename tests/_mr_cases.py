@@ -17,9 +17,9 @@ Case fields:
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
-- ``step_s`` (DDP): sleep this long at the start of every iteration.
+- ``step_s`` (DDP, DeepSpeed): sleep this long at the start of every iteration.
 - ``ordered`` (DDP): average gradients with :func:`ordered_mean` (bit-identical restarts beyond 2 ranks).
-- ``peer`` (DDP): ``{"shm": dir, "per_node": n, "crash": {"rank": r, "step": s} | absent}``: ranks in
+- ``peer`` (DDP, DeepSpeed): ``{"shm": dir, "per_node": n, "crash": {"rank": r, "step": s} | absent}``: ranks in
   simulated nodes of ``n``, each rank's tiers [HostTier in ``shm/node-K/own``, PeerTier holding its
   source's replicas in ``shm/node-K/replicas``, LocalTier ``dir/rank-NNNNN``], the memory tier durable;
   with ``crash``, rank r dies right after sending the first segment of step s to its peer.
@@ -216,9 +216,10 @@ def ds_engine(stage: int, accum: int = 1) -> Any:
 
 
 def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataPosition | None = None,
-             kill_at: int = -1, loader: Loader | None = None, val: bool = False) -> None:
+             kill_at: int = -1, loader: Loader | None = None, val: bool = False, step_s: float = 0.0) -> None:
     accum = int(engine.gradient_accumulation_steps())
     for it in range(start, stop):
+        time.sleep(step_s)
         if it == kill_at:
             log.event(event="dying", it=it)
         value = 0.0
@@ -269,15 +270,20 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
         pos = DataPosition()
         tiers = rank_tiers(case, rank)
         where: Any = tiers if tiers is not None else case["dir"]
+        if case.get("peer"):  # the memory tier durable: replication and the disk in the background
+            from asymstore.multirank import RankStore
+
+            where = RankStore(case["dir"], tiers=tiers, durable=where[0].name, keep_last=3, timeout_s=60.0)
         ckpt = ads.attach(engine, where, root=case["dir"], stateful={"pos": pos}, keep_last=3,
                           timeout_s=case.get("timeout_s", 60.0), warmup=1, min_partition_bytes=512, **objs)
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration, fallbacks=list(
-            ckpt.restored.fallbacks) if ckpt.restored else [], fetched=loader.fetched if loader else None)
+            ckpt.restored.fallbacks) if ckpt.restored else [], fetched=loader.fetched if loader else None,
+            tier=ckpt.restored.tier if ckpt.restored else None)
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             engine.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
-        ds_train(engine, pos.iteration, n, rank, log, pos, loader=loader, val=val)
+        ds_train(engine, pos.iteration, n, rank, log, pos, loader=loader, val=val, step_s=case.get("step_s", 0.0))
         ckpt.close()
         stats = ckpt.stats()
         log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed,

@@ -7,7 +7,8 @@ the same 4 ranks: losses of the resumed iterations and the final state, bit for 
 averaged in rank order, ``ordered`` in tests/_mr_cases.py: gloo's ring allreduce over 4 ranks is not
 bit-reproducible across a restart, since DDP rebuilds its buckets after each process's first iteration).
 
-(a) the job is SIGKILLed mid-training and node 1 is lost with its memory and its disks: the restarted
+DDP through the plain Checkpointer, and DeepSpeed ZeRO-2 through ``asymcheck.deepspeed.attach()``: (a) the job
+is SIGKILLed mid-training and node 1 is lost with its memory and its disks: the restarted
 job resumes from the replicas node 0 holds, losing at most the steps in flight; (b) a rank dies in the
 middle of sending a version to its peer: the peer never lists a half replica, every replica it lists
 verifies, and the job resumes bit-exact; (c) a replica is corrupt: its rank falls back to its disk.
@@ -85,9 +86,9 @@ def listed(path: Path) -> list[int]:
     return asyncio.run(go())
 
 
-def assert_resumed_like_ref(out: Path, name: str, tiers: dict[int, str]) -> int:
+def assert_resumed_like_ref(out: Path, name: str, tiers: dict[int, str], ref_name: str = "ref") -> int:
     """Every rank resumed (from a tier whose name starts with ``tiers[rank]``) and ended exactly as ``ref``."""
-    case, ref = Case(out, name, WORLD), Case(out, "ref", WORLD)
+    case, ref = Case(out, name, WORLD), Case(out, ref_name, WORLD)
     steps = set()
     for r in range(WORLD):
         assert case.rc(r) == 0, case.log(r)
@@ -144,3 +145,14 @@ def test_a_corrupt_replica_falls_back_to_disk(out: Path, shm: Path) -> None:
     assert step == 5
     [resumed] = Case(out, "c2", WORLD).events(2, "resumed")
     assert any("peer:" in f for f in resumed["fallbacks"]), resumed
+
+
+def test_deepspeed_zero2_lost_node_resumes_from_its_peers_memory(out: Path, shm: Path) -> None:
+    pytest.importorskip("deepspeed")
+    run_cases([{"kind": "ds", "stage": 2, "mode": "ref", "name": "ds_ref", "iterations": N}], WORLD, out)
+    case = {**attach(out, shm, "ds"), "kind": "ds", "stage": 2}
+    run_cases([{**case, "name": "ds1", "iterations": N, "kill": {"rank": None, "at": "forward:5"}}], WORLD, out)
+    lose(case, 1, disks=True)
+    run_cases([{**case, "name": "ds2", "iterations": N}], WORLD, out)
+    step = assert_resumed_like_ref(out, "ds2", {0: "host:", 1: "host:", 2: "peer:", 3: "peer:"}, "ds_ref")
+    assert step >= 3

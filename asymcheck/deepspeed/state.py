@@ -49,6 +49,7 @@ from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.encode import decode, encode
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
 from asymcheck.state import Capture, Moment, Stateful, TrainingState
+from asymstore.errors import AsymstoreError
 from asymstore.multirank import RankStore
 from asymstore.restore import Checkpoint
 from asymstore.tensorbytes import host_copy
@@ -245,20 +246,26 @@ class DeepSpeedState(TrainingState):
             raise StateMismatchError("load() needs the RankStore, after its restore()")
         own = file_keys(meta)
         others: dict[str, tuple[int, int]] = {}
+        unreadable: list[str] = []
         for shard in g.shards:
             if shard.rank != store.rank:
-                manifest = run(store.read_shard_manifest(shard.rank, shard.step))
+                try:
+                    manifest = run(store.read_shard_manifest(shard.rank, shard.step))
+                except AsymstoreError as exc:  # e.g. a lost node's disk: its files are only needed if asked for
+                    unreadable.append(f"rank {shard.rank}: {exc}")
+                    continue
                 for key in file_keys(manifest.meta):
                     others.setdefault(key, (shard.rank, shard.step))
-        return _Fetcher(self, tensors, meta, own, others)
+        return _Fetcher(self, tensors, meta, own, others, unreadable)
 
 
 class _Fetcher:
     """key -> state dict: own files from the restored shard, others from their rank's shard (read once)."""
 
     def __init__(self, state: DeepSpeedState, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-                 own: list[str], others: dict[str, tuple[int, int]]) -> None:
+                 own: list[str], others: dict[str, tuple[int, int]], unreadable: list[str]) -> None:
         self.state = state
+        self.unreadable = unreadable
         self.tensors = tensors
         self.meta = meta
         self.own = set(own)
@@ -272,7 +279,8 @@ class _Fetcher:
             return decode_file(self.meta, self.tensors, key)
         where = self.others.get(key)
         if where is None:
-            raise StateMismatchError(f"DeepSpeed asked for {key}, which no rank's shard holds")
+            raise StateMismatchError(f"DeepSpeed asked for {key}, which no readable rank's shard holds"
+                                     + (f" (unreadable: {'; '.join(self.unreadable)})" if self.unreadable else ""))
         ckpt = self._read.get(where)
         if ckpt is None:
             store, run = self.state.store, self.state.run

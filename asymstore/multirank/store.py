@@ -146,6 +146,8 @@ class RankStore(AsymStore):
         """The newest global version this rank saw published (the coordinator's, after each commit)."""
         self.restored_global: GlobalManifest | None = None
         """The global version ``restore`` chose."""
+        self.published_step: int | None = None
+        """The newest global step this rank saw published (its commits; non-coordinators: once waited for)."""
         self.reshard: Targets | None = None
         """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
 
@@ -353,6 +355,7 @@ class RankStore(AsymStore):
         layout.write_global_latest(self.global_dir, step, fsync=self.fsync)
         self._retain_globals()
         kv.put(f"{key}/global", {"step": step})
+        self.published_step = step
         logger.debug("published global version %d (%d ranks, %d bytes)", step, self.world_size, manifest.nbytes)
         return manifest
 
@@ -365,6 +368,28 @@ class RankStore(AsymStore):
         if "failed" in msg:
             raise GlobalCommitError(msg["failed"])
         self.last_global = None  # published; the manifest itself lives with the coordinator
+        self.published_step = step
+
+    async def flush(self, timeout_s: float | None = None) -> int | None:
+        """Wait for the global commit of this rank's last shard (up to ``timeout_s``), then as ``AsymStore.flush``.
+
+        Returns:
+            The newest step of this rank's shards on a persistent tier; :attr:`published_step` tells
+            the newest global version this rank knows was published.
+        """
+        started = time.monotonic()
+        key = self._last_commit_key
+        if key is not None and not self.is_coordinator:
+            try:
+                await asyncio.to_thread(self.kv.wait, [f"{key}/global"],
+                                        self.timeout_s if timeout_s is None else timeout_s, "the last global commit")
+                msg = await asyncio.to_thread(self.kv.get, f"{key}/global")
+                if "step" in msg:
+                    self.published_step = int(msg["step"])
+            except (CoordinationTimeoutError, RuntimeError) as exc:
+                logger.warning("rank %d: the global commit of its last shard is not known: %s", self.rank, exc)
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
+        return await super().flush(left)
 
     def _retain_globals(self) -> None:
         """Coordinator: drop global versions beyond ``keep_last``; tell each rank which shards are still needed."""

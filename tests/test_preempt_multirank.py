@@ -67,9 +67,10 @@ def check_losses(ref: Case, *runs: Case, rank: int) -> int:
     return seen
 
 
-def preemption_lines(case: Case, rank: int) -> list[str]:
+def preemption_lines(case: Case, rank: int, kind: str) -> list[str]:
+    """The Checkpointer's preemption log lines of ``kind``'s case (the driver's log holds every case's)."""
     log = (case.dir.parent / f"driver-rank{rank}.log").read_text()
-    return re.findall(r"preemption \(SIGTERM\): step \d+ [^\n]*", log)
+    return [line for line in re.findall(r"preemption \(SIGTERM\): step \d+ [^\n]*", log) if f"/{kind}-ck/" in line]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -97,8 +98,9 @@ def test_sigterm_on_every_rank_commits_the_newest_step_globally_and_resumes_bit_
             assert record["deadline_s"] == 25.0 and not record["deadline_hit"] and record["error"] is None
             assert record["durable"] and record["global_step"] == newest == record["persistent_step"]
         else:  # the default action: the record is in the log, written before the signal was handed on
-            [line] = preemption_lines(pre, r)
+            [line] = preemption_lines(pre, r, kind)
             assert line.startswith(f"preemption (SIGTERM): step {newest} durable"), line
+            assert f"persistent {newest}, global {newest};" in line and ", hit" not in line, line
         [resumed] = resume.events(r, "resumed")
         assert resumed["step"] == restorable == resumed["iteration"]
         assert [it for it, _ in resume.losses(r)] == list(range(restorable, ITERATIONS))

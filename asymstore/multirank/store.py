@@ -371,7 +371,14 @@ class RankStore(AsymStore):
         self.published_step = step
 
     async def flush(self, timeout_s: float | None = None) -> int | None:
-        """Wait for the global commit of this rank's last shard (up to ``timeout_s``), then as ``AsymStore.flush``.
+        """Finish this rank's part of its last commit (up to ``timeout_s``), then as ``AsymStore.flush``.
+
+        Collective when several ranks committed (every rank calls it, as at a
+        preemption): a non-coordinator waits for the global commit of its last
+        shard, drops the shards it made obsolete and says so; the coordinator
+        waits until every rank did, so that it (the host of the job's
+        coordination store under ``torch.distributed``'s env:// init) outlives
+        their use of it. A timeout is logged, never raised.
 
         Returns:
             The newest step of this rank's shards on a persistent tier; :attr:`published_step` tells
@@ -379,15 +386,21 @@ class RankStore(AsymStore):
         """
         started = time.monotonic()
         key = self._last_commit_key
-        if key is not None and not self.is_coordinator:
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        if key is not None and self.world_size > 1:
             try:
-                await asyncio.to_thread(self.kv.wait, [f"{key}/global"],
-                                        self.timeout_s if timeout_s is None else timeout_s, "the last global commit")
-                msg = await asyncio.to_thread(self.kv.get, f"{key}/global")
-                if "step" in msg:
-                    self.published_step = int(msg["step"])
+                if self.is_coordinator:
+                    await asyncio.to_thread(self.kv.wait, [f"{key}/flushed/{r}" for r in range(1, self.world_size)],
+                                            wait, "every rank finishing its last commit")
+                else:
+                    await asyncio.to_thread(self.kv.wait, [f"{key}/global"], wait, "the last global commit")
+                    msg = await asyncio.to_thread(self.kv.get, f"{key}/global")
+                    if "step" in msg:
+                        self.published_step = int(msg["step"])
+                        await self._retain_shards()
+                    await asyncio.to_thread(self.kv.put, f"{key}/flushed/{self.rank}", {"global": msg})
             except (CoordinationTimeoutError, RuntimeError) as exc:
-                logger.warning("rank %d: the global commit of its last shard is not known: %s", self.rank, exc)
+                logger.warning("rank %d: its last commit is not finished on every rank: %s", self.rank, exc)
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
         return await super().flush(left)
 

@@ -25,6 +25,7 @@ from asymcheck.errors import (
     UnsupportedStateError,
 )
 from asymcheck.partition import Extent, Partition, Plan, Planner, Span, Window, WindowRecorder, plan_partitions
+from asymcheck.preempt import PreemptionRecord
 from asymcheck.state import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
 
@@ -40,6 +41,7 @@ __all__ = [
     "Partition",
     "Plan",
     "Planner",
+    "PreemptionRecord",
     "RestoreInfo",
     "Span",
     "StateMismatchError",

@@ -23,7 +23,15 @@ from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
 from asymcheck.pacing import Pacer
 from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
-from asymcheck.preempt import PreemptionRecord, PreemptOn, SigtermNotice
+from asymcheck.preempt import (
+    DEFAULT_DEADLINE_S,
+    Deadline,
+    Preemptible,
+    PreemptionRecord,
+    PreemptOn,
+    SigtermNotice,
+    check_deadline,
+)
 from asymcheck.reshard import enable_resharding
 from asymcheck.resume import restore_live
 from asymcheck.snapshot import Snapshot
@@ -42,7 +50,7 @@ WhenBusy = Literal["wait", "skip"]
 CopyMode = Literal["thread", "inline"]
 
 
-class Checkpointer(VersionCycle):
+class Checkpointer(VersionCycle, Preemptible):
     """Snapshots every ``every``-th optimizer step of an ordinary training loop.
 
     The state after step ``t`` is copied to host memory during the forward
@@ -115,6 +123,9 @@ class Checkpointer(VersionCycle):
             the next hook commits the newest completed step durably, then
             hands the signal on to the program's own handler or the default
             (see :mod:`asymcheck.preempt`); ``"none"`` leaves SIGTERM alone.
+        preempt_deadline_s: how long, from the SIGTERM, the preemption flush may
+            wait for commits and persistent copies before it hands the signal on
+            all the same (None: no limit; default 25 s, under common grace periods).
         max_overhead: the step-time budget of checkpointing, as a fraction of
             the step without it (default 5%). After 50 steps and every 200
             after, 3 steps take no version to measure the step alone; when
@@ -135,11 +146,13 @@ class Checkpointer(VersionCycle):
                  min_partition_bytes: int = 1 << 20, replan_tolerance: float = 0.25, clock: Clock | None = None,
                  on_error: OnError = "budget", max_steps_without_durable: int | None = None,
                  max_seconds_without_durable: float | None = 1800.0, save_on_close: bool = True,
-                 preempt_on: PreemptOn = "sigterm", max_overhead: float | None = 0.05) -> None:
+                 preempt_on: PreemptOn = "sigterm", preempt_deadline_s: float | None = DEFAULT_DEADLINE_S,
+                 max_overhead: float | None = 0.05) -> None:
         """Open the store on its own thread and register the hooks."""
         if every < 1:
             raise ValueError("every must be >= 1")
         check_tensors(model, optimizer)
+        self.preempt_deadline_s = check_deadline(preempt_deadline_s)
         self.state = TrainingState(model, optimizer, stateful, data)
         self.every = every
         self._pacer = Pacer(max_overhead)
@@ -330,35 +343,22 @@ class Checkpointer(VersionCycle):
         """
         self._close(save=True)
 
-    def preempt(self) -> PreemptionRecord:
-        """Finish now: commit the newest completed step durably, wait for every commit, close (no exit).
+    def preempt(self, deadline_s: float | None = None) -> PreemptionRecord:
+        """Finish now: commit the newest completed step durably within a deadline, then close (no exit).
 
         For schedulers that announce preemption other than by SIGTERM; call it
-        from the training thread between iterations. SIGTERM does the same at
-        the next hook, then lets the process exit.
+        from the training thread between iterations. Waits for the commits in
+        flight, seals and commits the newest completed step, and waits until a
+        persistent tier holds it (under several ranks: the global version),
+        never past the deadline; ``ckpt.preempted`` tells what it managed.
+        SIGTERM does the same at the next hook, then lets the process exit.
+
+        Args:
+            deadline_s: seconds it may take (default: ``preempt_deadline_s``; ``math.inf``: no limit).
         """
         self._require_open()
-        return self._flush_for_preemption("explicit")
-
-    def _flush_for_preemption(self, reason: str) -> PreemptionRecord:
-        started = time.perf_counter()
-        durable = True
-        try:
-            self._close(save=True, remove_hooks=False)  # inside a hook the hooks stay registered (as no-ops)
-        except Exception as exc:  # recorded and logged: the process is about to exit
-            durable = False
-            logger.error("preemption: the final commit failed: %s", exc)
-        record = PreemptionRecord(reason, self._step, durable, time.perf_counter() - started,
-                                  self.final_versions or {})
-        self.preempted = record
-        logger.warning("preemption (%s): step %d %s in %.2f s; versions %s", reason, record.step,
-                       "durable" if durable else "NOT durable", record.seconds, record.versions)
-        return record
-
-    def _check_notice(self) -> None:
-        if self._notice.pending and not self._closed:
-            self._flush_for_preemption("SIGTERM")
-            self._notice.hand_on()
+        limit = self.preempt_deadline_s if deadline_s is None else check_deadline(deadline_s)
+        return self._flush_for_preemption("explicit", Deadline(limit))
 
     def __enter__(self) -> Checkpointer:
         """Return self."""
@@ -458,23 +458,11 @@ class Checkpointer(VersionCycle):
             return
         self._closed = True
         try:
-            snap, self._snap = self._snap, None
-            if save and not self._in_step and not self._conflict:
-                if snap is None and self.save_on_close and self._step > 0 and self._step != self._saved_step:
-                    self._open(self._step)
-                    snap, self._snap = self._snap, None
-                if snap is not None:
-                    self._seal(snap, force=True)
-            elif snap is not None:
-                self._pool.release(snap.slot)
+            self._seal_last(save)
             self._commits.drain()
             self.final_versions = self._loop.run(versions_of(self._loop.store))
         finally:
-            if remove_hooks:
-                self._hooks.remove()
-                self._notice.uninstall()
-            self._engine.close()
-            self._loop.close()
+            self._release(remove_hooks=remove_hooks)
         error = self._commits.take_error()
         if self.on_error == "raise" and error is not None:
             self._budget.check(self._step, error)

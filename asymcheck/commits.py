@@ -64,6 +64,12 @@ class CommitQueue:
         self._prune()
         return len(self._inflight)
 
+    @property
+    def pending(self) -> list[concurrent.futures.Future[CommitResult]]:
+        """The commits submitted and not finished."""
+        self._prune()
+        return list(self._inflight)
+
     def take_error(self) -> BaseException | None:
         """Return (and forget) the oldest commit failure not reported yet."""
         self._prune()
@@ -133,9 +139,13 @@ class CommitQueue:
         logger.debug("version %d committed to %s in %.3f s", step, result.tiers, result.seconds)
         return result
 
-    def drain(self) -> None:
-        """Wait for every commit submitted so far."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for every commit submitted so far, at most ``timeout`` seconds; return whether all finished."""
+        end = None if timeout is None else time.monotonic() + timeout
         while self._inflight:
-            fut = self._inflight.popleft()
-            concurrent.futures.wait([fut])
-            self._collect(fut)
+            left = None if end is None else max(0.0, end - time.monotonic())
+            done, _ = concurrent.futures.wait([self._inflight[0]], timeout=left)
+            if not done:
+                return False  # still running on the store's thread
+            self._collect(self._inflight.popleft())
+        return True

@@ -12,6 +12,7 @@ from asymcheck.errors import StepConflictError
 from asymcheck.hooks import HookSet
 from asymcheck.hostpool import HostPool
 from asymcheck.partition import Planner
+from asymcheck.preempt import SigtermNotice
 from asymcheck.snapshot import Snapshot, extents_of
 from asymcheck.state import Moment, TrainingState
 from asymcheck.stats import StatsRecorder
@@ -45,6 +46,10 @@ class VersionCycle:
     _checked_store: bool
     _conflict: bool
     _saved_step: int | None
+    _notice: SigtermNotice
+    _step: int
+    _in_step: bool
+    save_on_close: bool
 
     def _take_moment(self) -> Moment | None:
         moment, self._moment = self._moment, None
@@ -125,3 +130,26 @@ class VersionCycle:
         else:
             self._stats.versions_skipped += 1
         return submitted, waited, snap.nbytes, False
+
+    def _seal_last(self, save: bool) -> None:
+        """Seal the open version, or the newest completed step if none is open and it was not saved."""
+        snap, self._snap = self._snap, None
+        if save and not self._in_step and not self._conflict:
+            if snap is None and self.save_on_close and self._step > 0 and self._step != self._saved_step:
+                self._open(self._step)
+                snap, self._snap = self._snap, None
+            if snap is not None:
+                self._seal(snap, force=True)
+        elif snap is not None:
+            self._pool.release(snap.slot)
+
+    def _release(self, *, remove_hooks: bool, timeout: float | None = None) -> bool:
+        """Stop the copy thread and close the store (within ``timeout``); True when it closed in time."""
+        try:
+            if remove_hooks:
+                self._hooks.remove()
+                self._notice.uninstall()
+            self._engine.close()
+        finally:
+            closed = self._loop.close(timeout, after=self._commits.pending)  # commits in flight end first
+        return closed

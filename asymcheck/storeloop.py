@@ -11,7 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from asymstore.storeapi import CheckpointStore
@@ -53,15 +53,38 @@ class StoreLoop:
         """Call a plain function on the loop thread (thread-safe)."""
         self._loop.call_soon_threadsafe(fn, *args)
 
-    def close(self) -> None:
-        """Close the store (waits for its background flushes), then stop the loop."""
+    def close(self, timeout: float | None = None,
+              after: Sequence[concurrent.futures.Future[Any]] = ()) -> bool:
+        """Close the store (waits for its background flushes), then stop the loop.
+
+        Args:
+            timeout: seconds to wait at most (None: as long as it takes). When
+                they pass, the store goes on closing on its thread and the loop
+                stops once it has; nothing of it is waited for.
+            after: work on this loop (commits in flight) that must end before the store closes.
+
+        Returns:
+            True when the store closed within ``timeout``.
+        """
         if self._closed:
-            return
+            return True
         self._closed = True
+        fut = self.submit(self._close_after(after))
+        concurrent.futures.wait([fut], timeout)
+        if not fut.done():
+            logger.warning("the store did not close within %.1f s: it goes on closing in the background", timeout)
+            fut.add_done_callback(lambda _: self._loop.call_soon_threadsafe(self._loop.stop))
+            return False
         try:
-            self.run(self.store.close())
+            fut.result()
         finally:
             self._stop()
+        return True
+
+    async def _close_after(self, after: Sequence[concurrent.futures.Future[Any]]) -> None:
+        if after:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in after), return_exceptions=True)
+        await self.store.close()
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -434,6 +434,43 @@ class AsymStore(Puts):
                 raise ValueError(f"{name!r} is not one of the store's tiers")
         await self._background.wait(step, name, timeout)
 
+    @property
+    def newest_persistent_step(self) -> int | None:
+        """Newest committed step on a persistent tier (one that survives the process), or None."""
+        good = [v for s in self._tiers if s.tier.persistent for v in s.versions - s.bad]
+        return max(good) if good else None
+
+    async def flush(self, timeout_s: float | None = None) -> int | None:
+        """Wait until a persistent tier holds the newest committed step; return the newest step one holds.
+
+        When the durable tier is a memory tier, ``commit`` returns before the
+        version reaches a persistent tier (the background cascade copies it
+        there). This waits, up to ``timeout_s``, until some persistent tier has
+        it; what is left goes on in the background. Unlike :meth:`flushed` it
+        never raises on a timeout: the result tells what survives the process.
+
+        Returns:
+            :attr:`newest_persistent_step` when done waiting (None: no persistent tier has a version).
+        """
+        self._require_open()
+        newest = max(self._committed_steps, default=None)
+        if newest is None or (self.newest_persistent_step or -1) >= newest:
+            return self.newest_persistent_step
+        names = [s.tier.name for s in self._tiers[self._durable + 1:] if s.tier.persistent]
+        waiters = {asyncio.ensure_future(self._background.wait(newest, name)) for name in names}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while waiters and (self.newest_persistent_step or -1) < newest:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, waiters = await asyncio.wait(waiters, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    logger.warning("flush: step %d is on no persistent tier after %.1f s", newest, timeout_s)
+                    break
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        return self.newest_persistent_step
+
     # -- reading ---------------------------------------------------------
 
     async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 if TYPE_CHECKING:
+    from asymstore.batcher import TierStatus
     from asymstore.load import Into
     from asymstore.restore import Checkpoint
     from asymstore.store import CommitResult
@@ -48,6 +49,19 @@ class CheckpointStore(Protocol):
     @property
     def newest_step(self) -> int | None:
         """The newest committed step, or None."""
+        ...
+
+    @property
+    def newest_persistent_step(self) -> int | None:
+        """The newest step some persistent tier holds, or None."""
+        ...
+
+    async def flush(self, timeout_s: float | None = None) -> int | None:
+        """Wait (at most ``timeout_s``) until a persistent tier holds the newest step; return the newest it holds."""
+        ...
+
+    def status(self) -> dict[str, TierStatus]:
+        """Per tier: versions, lag, errors (see :meth:`asymstore.AsymStore.status`)."""
         ...
 
     async def adopt_many(self, step: int, tensors: Mapping[str, object], *,

@@ -16,7 +16,9 @@ protocol (DESIGN §6):
 :class:`CrashingLocalTier` SIGKILLs its own process there, which leaves the
 disk exactly as a crash would; run it in a child process. :class:`FailingLocalTier`
 raises :class:`~asymstore.errors.TierError` instead, for in-process tests
-that a failed commit leaves the previous version intact.
+that a failed commit leaves the previous version intact. :class:`SlowLocalTier`
+only stalls each commit before its manifest is written (a slow or congested
+disk), for tests of deadlines.
 
 Example::
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from typing import Any, Literal, NoReturn, get_args
 
 from asymstore.errors import TierError
@@ -44,7 +47,7 @@ from asymstore.tiers.local import LocalTier, _DirWriter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PHASES", "CrashingLocalTier", "FailingLocalTier", "Phase"]
+__all__ = ["PHASES", "CrashingLocalTier", "CrashingPeerTier", "FailingLocalTier", "Phase", "SlowLocalTier"]
 
 Phase = Literal["segments_written", "manifest_half", "published", "retention"]
 PHASES: tuple[Phase, ...] = get_args(Phase)
@@ -186,3 +189,38 @@ class CrashingPeerTier(PeerTier):
         if step >= self.at_step:
             logger.warning("CrashingPeerTier: SIGKILL after sending %s of step %d", name, step)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SlowLocalTier(LocalTier):
+    """A LocalTier whose commits stall ``delay_s`` with every segment written, before the manifest.
+
+    Args:
+        root: the tier's directory.
+        delay_s: the stall of each commit after the first ``after``.
+        after: how many commits run at full speed first.
+        **kwargs: passed to :class:`~asymstore.tiers.local.LocalTier`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, delay_s: float, after: int = 0, **kwargs: Any) -> None:
+        """Create the tier."""
+        super().__init__(root, **kwargs)
+        if delay_s < 0 or after < 0:
+            raise ValueError("delay_s and after must be >= 0")
+        self.delay_s = delay_s
+        self.after = after
+        self.commits = 0  # commits that reached the manifest so far
+
+    async def begin(self, step: int, nbytes: int) -> _DirWriter:
+        """Start writing ``step``, through a writer that stalls before the manifest."""
+        writer = await super().begin(step, nbytes)
+        return _SlowWriter(self, step, writer.tmp)
+
+
+class _SlowWriter(_DirWriter):
+    tier: SlowLocalTier
+
+    def _publish_sync(self, manifest: bytes) -> None:
+        self.tier.commits += 1
+        if self.tier.commits > self.tier.after:
+            time.sleep(self.tier.delay_s)
+        super()._publish_sync(manifest)

@@ -14,6 +14,7 @@ Case fields:
   the forward; ``"val"``: a validation forward (no_grad, eval()) runs after ``engine.step()``, before
   the data position (a ``stateful`` counter) is advanced; ``"accum"``: gradient accumulation over two
   micro-batches (``gradient_accumulation_steps: 2``, ``engine.step()`` after each).
+- ``preempt``: ``{"at": K, "deadline_s": D}``: every rank is SIGTERMed in iteration K (tests/_preempt_cases.py).
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
@@ -189,7 +190,11 @@ def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     log = Log(cdir, rank)
-    if case["kind"] == "ds":
+    if "preempt" in case:  # every rank SIGTERMed mid-training: tests/_preempt_cases.py
+        from _preempt_cases import run_preempt
+
+        run_preempt(case, rank, log)
+    elif case["kind"] == "ds":
         run_ds(case, rank, log)
     elif case["kind"] == "fsdp2":
         from _fsdp2_cases import run_fsdp2

@@ -96,8 +96,10 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
         keep_last: global versions kept (when the store is built here).
         timeout_s: how long rank 0 waits for every rank's shard at each commit.
         **kwargs: passed to :class:`asymcheck.Checkpointer` (``warmup``, ``max_inflight``,
-            ``host_slots``, ``min_partition_bytes``...). Keep ``when_busy="wait"``: a version
-            one rank skips can never be completed globally.
+            ``host_slots``, ``min_partition_bytes``, ``preempt_on``, ``preempt_deadline_s``...).
+            Keep ``when_busy="wait"``: a version one rank skips can never be completed globally.
+            SIGTERM is handled as by the Checkpointer: every rank commits the newest completed
+            step at its next hook, the global commit completes, then the signal is handed on.
 
     Raises:
         UnsupportedConfigError: the engine uses a setting whose state the capture would miss

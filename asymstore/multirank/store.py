@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -139,6 +140,8 @@ class RankStore:
         """The newest global version this rank saw published (the coordinator's, after each commit)."""
         self.restored_global: GlobalManifest | None = None
         """The global version ``restore`` chose."""
+        self.published_step: int | None = None
+        """The newest global step this rank saw published (its commits; non-coordinators: once waited for)."""
         self.reshard: Targets | None = None
         """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
 
@@ -356,12 +359,53 @@ class RankStore:
         self._last_commit_key = key
         if self.is_coordinator:
             self.last_global = await asyncio.to_thread(publish_global, self, key, step, clean_global)
+            self.published_step = step
             await retire_departed_shards(self)
         elif self.wait_global:
             await asyncio.to_thread(await_global, kv, key, step, self.timeout_s)
             self.last_global = None  # published; the manifest itself lives with the coordinator
+            self.published_step = step
         await retain_shards(self.local, kv, self.rank)
         return result
+
+    @property
+    def newest_persistent_step(self) -> int | None:
+        """The newest of this rank's shards on a persistent tier (see :meth:`asymstore.AsymStore.flush`)."""
+        return self.local.newest_persistent_step
+
+    async def flush(self, timeout_s: float | None = None) -> int | None:
+        """Finish this rank's part of its last commit (up to ``timeout_s``), then as ``AsymStore.flush``.
+
+        Collective when several ranks committed (every rank calls it, as at a
+        preemption): a non-coordinator waits for the global commit of its last
+        shard, drops the shards it made obsolete and says so; the coordinator
+        waits until every rank did, so that it (the host of the job's
+        coordination store under ``torch.distributed``'s env:// init) outlives
+        their use of it. A timeout is logged, never raised.
+
+        Returns:
+            The newest step of this rank's shards on a persistent tier; :attr:`published_step` tells
+            the newest global version this rank knows was published.
+        """
+        started = time.monotonic()
+        key = self._last_commit_key
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        if key is not None and self.world_size > 1:
+            try:
+                if self.is_coordinator:
+                    await asyncio.to_thread(self.kv.wait, [f"{key}/flushed/{r}" for r in range(1, self.world_size)],
+                                            wait, "every rank finishing its last commit")
+                else:
+                    await asyncio.to_thread(self.kv.wait, [f"{key}/global"], wait, "the last global commit")
+                    msg = await asyncio.to_thread(self.kv.get, f"{key}/global")
+                    if "step" in msg:
+                        self.published_step = int(msg["step"])
+                        await retain_shards(self.local, self.kv, self.rank)
+                    await asyncio.to_thread(self.kv.put, f"{key}/flushed/{self.rank}", {"global": msg})
+            except (CoordinationTimeoutError, RuntimeError) as exc:
+                logger.warning("rank %d: its last commit is not finished on every rank: %s", self.rank, exc)
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
+        return await self.local.flush(left)
 
     # -- reading ---------------------------------------------------------
 

@@ -1,0 +1,100 @@
+"""What one rank does in a preemption case of the multi-rank tests (run by tests/_mr_cases.py's ``run``).
+
+A case with ``"preempt": {"at": K, "deadline_s": D}`` trains like the ``attach`` mode of its ``kind``
+(the same model, optimizer, scheduler, data, ``stateful`` objects and checkpoint settings, so that
+the ``attach`` mode resumes from what it left) and, in iteration ``K``, every rank sends itself
+SIGTERM from inside the training step:
+
+- ``"ddp"`` (DDP + Checkpointer over a RankStore): from a forward pre-hook of the middle of the
+  model, in the forward pass of iteration K. The program has its own SIGTERM handler, installed
+  before the Checkpointer: the Checkpointer chains to it after its flush, and it writes
+  ``ckpt.preempted`` as a ``preempted`` event, then dies by SIGTERM's default action.
+- ``"ds"`` (DeepSpeed ``attach()``): from the inner optimizer's step post-hook, inside
+  ``engine.step()`` of iteration K (ZeRO has not copied the new masters into the parameters yet).
+  SIGTERM keeps its default action: the Checkpointer hands it on and the process ends killed by it.
+
+Either way the process must never reach the end of training (a ``finished`` event says it did).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+from types import FrameType
+from typing import Any
+
+import torch
+from _mr_cases import TIMEOUT, DataPosition, Log, batch, ds_engine, ds_train, make_model
+from torch import nn
+
+
+def sigterm_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_preempt(case: dict[str, Any], rank: int, log: Log) -> None:
+    """Train ``case`` with checkpoints until every rank's SIGTERM of iteration ``preempt.at`` ends it."""
+    if case["kind"] == "ds":
+        preempt_ds(case, rank, log)
+    else:
+        preempt_ddp(case, rank, log)
+    log.event(event="finished")  # not reached: SIGTERM ends the process
+
+
+def preempt_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from asymcheck import Checkpointer
+    from asymstore.multirank import RankStore
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    n, at = case["iterations"], case["preempt"]["at"]
+    model = DDP(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    pos = DataPosition()
+    ckpt: Any = None
+
+    def own_handler(signum: int, frame: FrameType | None) -> None:  # chained to by the Checkpointer
+        record = ckpt.preempted if ckpt is not None else None
+        log.event(event="preempted", record=dataclasses.asdict(record) if record is not None else None)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sigterm_self()
+
+    signal.signal(signal.SIGTERM, own_handler)
+    ckpt = Checkpointer(model, opt, case["dir"], stateful={"sched": sched, "pos": pos}, warmup=1,
+                        min_partition_bytes=512, preempt_deadline_s=case["preempt"].get("deadline_s", 25.0))
+    assert isinstance(ckpt.store, RankStore)
+    log.event(event="resumed", step=ckpt.resume(), iteration=pos.iteration)
+    model.module[4].register_forward_pre_hook(lambda m, a: sigterm_self() if pos.iteration == at else None)
+    for it in range(pos.iteration, n):  # the loop of _mr_cases.run_ddp
+        x, y = batch(it, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        log.loss(it, loss.item())
+        pos.iteration += 1
+    ckpt.close()
+
+
+def preempt_ds(case: dict[str, Any], rank: int, log: Log) -> None:
+    import deepspeed
+
+    import asymcheck.deepspeed as ads
+    from asymcheck.deepspeed.hooks import inner_optimizer
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
+    n, at = case["iterations"], case["preempt"]["at"]
+    engine = ds_engine(case["stage"])
+    pos = DataPosition()
+    ckpt = ads.attach(engine, case["dir"], root=case["dir"], stateful={"pos": pos}, keep_last=3, timeout_s=60.0,
+                      warmup=1, min_partition_bytes=512, preempt_deadline_s=case["preempt"].get("deadline_s", 25.0))
+    log.event(event="resumed", step=ckpt.resume(), iteration=pos.iteration)
+    inner_optimizer(engine).register_step_post_hook(
+        lambda opt, args, kwargs: sigterm_self() if pos.iteration == at else None)
+    ds_train(engine, pos.iteration, n, rank, log, pos)
+    ckpt.close()

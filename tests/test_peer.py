@@ -1,0 +1,193 @@
+"""The peer tier's pieces in one process: the ring, the framing, and what the receiving end refuses.
+
+Two ranks are two threads, each with its own event loop and its own end of a real gloo process
+group (built over a shared ``torch.distributed.HashStore``). A segment changed in flight, a version
+larger than the receiver's capacity and a malformed frame must each leave no replica and raise a
+typed error; tests/test_peer_multirank.py kills real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asymstore import AsymStore, HostTier, LocalTier
+from asymstore.errors import PeerError, PeerProtocolError
+from asymstore.peer import PeerTier, ring_of
+from asymstore.peer.link import MAGIC, TAG_REPL, connect
+
+
+def test_the_ring_sends_each_rank_to_the_same_local_rank_on_the_next_node() -> None:
+    rings = [ring_of(r, 6, local_world_size=2) for r in range(6)]
+    assert [(g.dst, g.src) for g in rings] == [(2, 4), (3, 5), (4, 0), (5, 1), (0, 2), (1, 3)]
+    explicit = ring_of(1, 4, node_of=[7, 3, 7, 3])  # node ids in any order: the ring goes by sorted id
+    assert (explicit.dst, explicit.src, explicit.nodes) == (0, 0, 2)
+    with pytest.raises(ValueError, match="two nodes"):
+        ring_of(0, 2, local_world_size=2)
+    with pytest.raises(ValueError, match="different numbers"):
+        ring_of(0, 3, node_of=[0, 0, 1])
+    with pytest.raises(ValueError, match="split"):
+        ring_of(0, 5, local_world_size=2)
+
+
+def two_ranks(fn: Callable[[int], Awaitable[Any]]) -> dict[int, Any]:
+    """Run ``fn(rank)`` for ranks 0 and 1 on their own threads and loops; exceptions come back as values."""
+    out: dict[int, Any] = {}
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = asyncio.run(fn(rank))  # type: ignore[arg-type]
+        except BaseException as exc:
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def peer(rank: int, kv: Any, capacity: int = 1 << 20) -> PeerTier:
+    return PeerTier(capacity, rank=rank, world_size=2, node_of=[0, 1], store=kv, timeout_s=20.0,
+                    close_timeout_s=10.0)
+
+
+def a_version(root: Path) -> tuple[bytes, bytes]:
+    """The manifest and only segment of a real committed version."""
+    async def go() -> tuple[bytes, bytes]:
+        tier = LocalTier(root)
+        async with AsymStore([tier], compression="never") as s:
+            await s.put_many(5, {"w": torch.arange(1000, dtype=torch.float32)})
+            m = (await s.commit(5)).manifest
+            return await tier.read_manifest(5), bytes(await tier.read_segment(5, m.segments[0].name))
+
+    return asyncio.run(go())
+
+
+def test_replicas_round_trip_and_a_segment_changed_in_flight_is_never_published(tmp_path: Path) -> None:
+    manifest, segment = a_version(tmp_path / "src")
+    name = "seg-000000.bin"
+    kv = dist.HashStore()
+
+    async def rank_fn(rank: int) -> Any:
+        tier = peer(rank, kv)
+        await tier.open()
+        try:
+            if rank == 1:
+                return None
+            w = await tier.begin(5, len(segment))
+            await w.write_segment(name, [segment])
+            await w.publish(manifest)  # whole: verified and published on rank 1
+            assert await tier.list_versions() == [5]
+            assert bytes(await tier.read_segment(5, name, len(segment))) == segment
+            await tier.delete_version(5)
+            bad = bytearray(segment)
+            bad[len(bad) // 2] ^= 1
+            w = await tier.begin(5, len(segment))
+            await w.write_segment(name, [bad])
+            with pytest.raises(PeerError, match="does not verify"):
+                await w.publish(manifest)
+            tier._held = None  # ask the neighbour, not the cache
+            return await tier.list_versions()
+        finally:
+            await tier.close()
+
+    out = two_ranks(rank_fn)
+    assert out == {0: [], 1: None}, out
+
+
+def test_a_version_larger_than_the_receivers_capacity_is_refused_and_drained(tmp_path: Path) -> None:
+    manifest, segment = a_version(tmp_path / "src")
+    kv = dist.HashStore()
+
+    async def rank_fn(rank: int) -> Any:
+        tier = peer(rank, kv, capacity=1024)  # the version is 4 KiB
+        await tier.open()
+        try:
+            if rank == 1:
+                return None
+            w = await tier.begin(5, len(segment))
+            await w.write_segment("seg-000000.bin", [segment])
+            with pytest.raises(PeerError, match="refused"):
+                await w.publish(manifest)
+            w = await tier.begin(6, 10)  # the link still works after the refusal
+            await w.abort()
+            return await tier.list_versions()
+        finally:
+            await tier.close()
+
+    out = two_ranks(rank_fn)
+    assert out == {0: [], 1: None}, out
+
+
+def test_a_malformed_frame_is_a_protocol_error_within_bounded_memory() -> None:
+    kv = dist.HashStore()
+
+    def rank_fn(rank: int) -> Any:
+        link = connect(kv, rank, 2, 1, 20.0)
+        if rank == 0:
+            junk = torch.zeros(16 << 10, dtype=torch.uint8)
+            junk[:24] = torch.frombuffer(bytearray(
+                MAGIC.to_bytes(8, "little") + (1 << 40).to_bytes(8, "little") + (0).to_bytes(8, "little")),
+                dtype=torch.uint8)
+            link.pg.send([junk], 1, TAG_REPL).wait()  # claims a 1 TiB header
+            return None
+        with pytest.raises(PeerProtocolError, match="malformed"):
+            link.recv_header(0, TAG_REPL)
+        with pytest.raises(PeerError, match="down"):  # and the link is not used again
+            link.recv_header(0, TAG_REPL)
+        return "ok"
+
+    async def wrapped(rank: int) -> Any:
+        return await asyncio.to_thread(rank_fn, rank)
+
+    out = two_ranks(wrapped)
+    assert out == {0: None, 1: "ok"}, out
+
+
+def test_replicas_in_shared_memory_outlive_the_tier_and_are_served_to_a_new_one(tmp_path: Path) -> None:
+    manifest, segment = a_version(tmp_path / "src")
+    kv = dist.HashStore()
+    shm = tmp_path / "shm"
+
+    async def first(rank: int) -> Any:
+        tier = PeerTier(1 << 20, path=shm / f"node-{rank}", rank=rank, world_size=2, node_of=[0, 1], store=kv)
+        await tier.open()
+        try:
+            if rank == 0:
+                w = await tier.begin(5, len(segment))
+                await w.write_segment("seg-000000.bin", [segment])
+                await w.publish(manifest)
+        finally:
+            await tier.close()
+
+    async def second(rank: int) -> Any:
+        tier = PeerTier(1 << 20, path=shm / f"node-{rank}", rank=rank, world_size=2, node_of=[0, 1], store=kv)
+        await tier.open()
+        try:
+            return await tier.list_versions(), bytes(await tier.read_manifest(5)) if rank == 0 else None
+        finally:
+            await tier.close()
+
+    assert two_ranks(first) == {0: None, 1: None}
+    listed = HostTier(1 << 20, path=shm / "node-1" / "of-rank-00000")
+    assert asyncio.run(_list(listed)) == [5]
+    out = two_ranks(second)
+    assert out[0] == ([5], manifest) and out[1] == ([], None), out
+
+
+async def _list(tier: HostTier) -> list[int]:
+    await tier.open()
+    try:
+        return await tier.list_versions()
+    finally:
+        await tier.close()

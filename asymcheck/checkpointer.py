@@ -38,8 +38,9 @@ from asymcheck.snapshot import Snapshot
 from asymcheck.state import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.storeloop import StoreLoop
-from asymcheck.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, versions_of
+from asymcheck.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, status_of, versions_of
 from asymstore import CorruptVersionError, NoCheckpointError
+from asymstore.batcher import TierStatus
 from asymstore.storeapi import CheckpointStore
 
 logger = logging.getLogger(__name__)
@@ -221,6 +222,10 @@ class Checkpointer(VersionCycle, Preemptible):
     def versions(self) -> dict[str, list[int]]:
         """Committed versions per tier name."""
         return self._loop.run(versions_of(self._loop.store))
+
+    def status(self) -> dict[str, TierStatus]:
+        """The store's view of each tier (versions, background lag, errors), read on the store's thread."""
+        return self._loop.run(status_of(self._loop.store))
 
     @property
     def last_record(self) -> StepRecord | None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from asymstore import AsymStore, LocalTier, Tier
+from asymstore.batcher import TierStatus
 from asymstore.storeapi import CheckpointStore
 
 StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
@@ -58,3 +59,8 @@ def on_cuda(model: torch.nn.Module) -> bool:
 async def versions_of(store: CheckpointStore) -> dict[str, list[int]]:
     """``store.versions()`` (run on the store's loop)."""
     return store.versions()
+
+
+async def status_of(store: CheckpointStore) -> dict[str, TierStatus]:
+    """``store.status()`` (run on the store's loop)."""
+    return store.status()

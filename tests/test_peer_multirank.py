@@ -112,6 +112,8 @@ def test_a_lost_node_resumes_from_its_peers_memory(out: Path, shm: Path) -> None
     run_cases([{**case, "name": "a2", "iterations": N}], WORLD, out)
     step = assert_resumed_like_ref(out, "a2", {0: "host:", 1: "host:", 2: "peer:", 3: "peer:"})
     assert step >= 3  # killed in the forward of iteration 5: at most the steps in flight are lost
+    for r in range(WORLD):  # replication went on after the restart, up to the version committed on close
+        assert listed(replicas(case, 1 - r // PER_NODE, r))[-1] == N, r
 
 
 def test_a_rank_killed_mid_replication_leaves_no_half_replica(out: Path, shm: Path) -> None:

@@ -61,7 +61,7 @@ def tiers(method: str, args: argparse.Namespace, rank: int, work: Path, shm: Pat
 
     cap = args.capacity_gib << 30
     out: list[Any] = [HostTier(cap, path=shm / method.replace("+", "_") / f"rank-{rank}")]
-    if "peer" in method:
+    if "peer" in method or method == "all":
         out.append(PeerTier(cap, path=shm / method.replace("+", "_") / "replicas", node_of=[0, 1]))
     if method == "all":
         out.append(LocalTier(work / "local" / f"rank-{rank}"))
@@ -177,7 +177,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    work, shm = Path(args.dir), Path(args.shm)
+    work, shm = Path(args.dir).resolve(), Path(args.shm)
     results: list[dict[str, Any]] = []
     for rep in range(args.reps):
         for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:

@@ -10,8 +10,10 @@ refused, dst → src), ``REQ`` (list / read / delete requests, src → dst) and
 
 A frame is one message of :data:`FRAME` bytes — magic, the JSON header's length,
 the inline payload's length, the JSON, and the payload when it fits — followed,
-for a larger payload (the JSON gives ``nbytes``), by messages of :data:`CHUNK`
-bytes, all posted at once so that they stream. Every gloo message costs a round
+for a larger payload (the JSON gives ``nbytes`` and the message sizes,
+``pieces``), by messages of at most :data:`CHUNK` bytes sent from the caller's
+memory where the parts are large (small parts are gathered into one copy), all
+posted at once so that they stream. Every gloo message costs a round
 trip (the receiver announces its buffer first), so a small request, answer or
 segment is a single message. A receiver checks the magic and the lengths
 against its own limits before it allocates anything, so a peer's bytes can
@@ -52,7 +54,11 @@ FRAME = 16 << 10
 the payload itself when it fits; every gloo message costs a round trip, so a small frame is one message."""
 _PREFIX = 24
 CHUNK = 32 << 20
-"""Payload bytes per gloo message when the payload does not fit in the first one."""
+"""Payload bytes per gloo message at most, when the payload does not fit in the first one."""
+DIRECT = 1 << 20
+"""Payload parts at least this large are sent from their own memory; smaller ones are gathered into a copy."""
+MAX_PIECES = 1024
+"""Payload messages a frame lists (``pieces``); a payload of more is cut into CHUNK-sized copies instead."""
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
@@ -122,6 +128,13 @@ class PeerLink:
             raise PeerProtocolError(f"frame header of {len(body)} bytes does not fit in {FRAME}")
         inline = _PREFIX + len(body) + nbytes <= FRAME
         first = bytearray(FRAME)
+        pieces = [] if inline else _pieces(views)
+        if not inline and len(pieces) <= MAX_PIECES:  # the receiver posts one receive per piece, where it lands
+            body = json.dumps({**header, "nbytes": nbytes, "pieces": [len(p) for p in pieces]},
+                              separators=(",", ":")).encode()
+        if not inline and (len(pieces) > MAX_PIECES or _PREFIX + len(body) > FRAME):
+            pieces = _cut(views)  # many small parts: copied into CHUNK-sized messages
+            body = json.dumps({**header, "nbytes": nbytes}, separators=(",", ":")).encode()
         first[:_PREFIX] = struct.pack("<qqq", MAGIC, len(body), nbytes if inline else -1)
         first[_PREFIX:_PREFIX + len(body)] = body
         if inline:
@@ -132,8 +145,7 @@ class PeerLink:
         with self._send_lock:
             try:
                 works = [self.pg.send([_as_tensor(first)], to, tag)]
-                if not inline:
-                    works += [self.pg.send([_as_tensor(piece)], to, tag) for piece in _pieces(views)]
+                works += [self.pg.send([_as_tensor(piece)], to, tag) for piece in pieces]
                 for work in works:
                     work.wait()
             except RuntimeError as exc:
@@ -177,54 +189,86 @@ class PeerLink:
         self.send(peer, tag, header, payload)
         return self.recv_header(peer, answer_tag)
 
-    def recv_into(self, frm: int, tag: int, out: memoryview) -> None:
-        """Receive a payload of exactly ``len(out)`` bytes into ``out`` (writable), in the sender's pieces."""
+    def _sizes(self, frm: int, header: dict[str, Any]) -> list[int]:
+        """The sizes of a frame's payload messages: the header's ``pieces``, else :data:`CHUNK`-sized cuts."""
+        nbytes = int(header["nbytes"])
+        pieces = header.get("pieces")
+        if pieces is None:
+            return [min(CHUNK, nbytes - pos) for pos in range(0, nbytes, CHUNK)]
+        if not isinstance(pieces, list) or len(pieces) > MAX_PIECES or sum(pieces) != nbytes \
+                or not all(isinstance(n, int) and 0 < n <= CHUNK for n in pieces):
+            self.broken = f"rank {frm} sent a frame whose pieces do not add up to its {nbytes} bytes"
+            raise PeerProtocolError(self.broken)
+        return pieces
+
+    def payload(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None, out: memoryview) -> None:
+        """Fill ``out`` (exactly the payload's size, writable) with a frame's payload: inline, or received."""
+        if inline is not None:
+            out[:] = inline
+            return
         self._check()
         try:
-            works = [self.pg.recv([_as_tensor(out[pos:pos + CHUNK])], frm, tag) for pos in range(0, len(out), CHUNK)]
+            works, pos = [], 0
+            for n in self._sizes(frm, header):
+                works.append(self.pg.recv([_as_tensor(out[pos:pos + n])], frm, tag))
+                pos += n
             for work in works:
                 work.wait()
         except RuntimeError as exc:
             raise self._fail(f"receiving from rank {frm}", exc) from exc
 
-    def payload(self, frm: int, tag: int, inline: bytes | None, out: memoryview) -> None:
-        """Fill ``out`` with a frame's payload: from its inline bytes, or received (see :meth:`recv_header`)."""
-        if inline is not None:
-            out[:] = inline
-        else:
-            self.recv_into(frm, tag, out)
-
-    def discard(self, frm: int, tag: int, inline: bytes | None, nbytes: int) -> None:
+    def discard(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None) -> None:
         """Drop a frame's payload (one this side refuses), receiving it one piece of memory at a time."""
         if inline is not None:
             return
-        scratch = memoryview(bytearray(min(nbytes, CHUNK)))
-        for pos in range(0, nbytes, CHUNK):
-            self.recv_into(frm, tag, scratch[:min(CHUNK, nbytes - pos)])
+        sizes = self._sizes(frm, header)
+        scratch = memoryview(bytearray(max(sizes, default=0)))
+        try:
+            for n in sizes:
+                self.pg.recv([_as_tensor(scratch[:n])], frm, tag).wait()
+        except RuntimeError as exc:
+            raise self._fail(f"receiving from rank {frm}", exc) from exc
 
 
 def _pieces(views: list[memoryview]) -> list[memoryview]:
-    """The payload cut into :data:`CHUNK`-byte messages (a piece spanning parts is copied once)."""
+    """The payload as messages, each at most :data:`CHUNK` bytes.
+
+    Parts of at least :data:`DIRECT` bytes are sent from where they are; smaller ones are gathered into
+    bounce copies between them.
+    """
     out: list[memoryview] = []
-    bounce: bytearray | None = None
-    fill = 0
+    bounce = bytearray()
+    for view in views:
+        if len(view) < DIRECT:
+            bounce += view
+            if len(bounce) >= CHUNK:
+                out.append(memoryview(bounce)[:CHUNK])
+                bounce = bounce[CHUNK:]
+            continue
+        if bounce:
+            out.append(memoryview(bounce))
+            bounce = bytearray()
+        out.extend(view[pos:pos + CHUNK] for pos in range(0, len(view), CHUNK))
+    if bounce:
+        out.append(memoryview(bounce))
+    return out
+
+
+def _cut(views: list[memoryview]) -> list[memoryview]:
+    """The payload copied into messages of :data:`CHUNK` bytes (the last one shorter)."""
+    out: list[memoryview] = []
+    bounce = bytearray()
     for view in views:
         pos = 0
         while pos < len(view):
-            if fill == 0 and len(view) - pos >= CHUNK:  # a whole piece inside one part: no copy
-                out.append(view[pos:pos + CHUNK])
-                pos += CHUNK
-                continue
-            if bounce is None:
-                bounce = bytearray(CHUNK)
-            n = min(CHUNK - fill, len(view) - pos)
-            bounce[fill:fill + n] = view[pos:pos + n]
-            fill, pos = fill + n, pos + n
-            if fill == CHUNK:
+            n = min(CHUNK - len(bounce), len(view) - pos)
+            bounce += view[pos:pos + n]
+            pos += n
+            if len(bounce) == CHUNK:
                 out.append(memoryview(bounce))
-                bounce, fill = None, 0
-    if bounce is not None and fill:
-        out.append(memoryview(bounce)[:fill])
+                bounce = bytearray()
+    if bounce:
+        out.append(memoryview(bounce))
     return out
 
 

@@ -55,6 +55,7 @@ class ReplicaService:
         self.received = 0
         self.refused = 0
         self.last_error: str | None = None
+        self._recv = bytearray()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"asymstore-replicas-of-{src}", daemon=True)
         self._opened = threading.Event()
@@ -156,17 +157,17 @@ class ReplicaService:
                     total += nbytes
                     if writer is None or total > reserve or name in digests:
                         refusal = refusal or f"segment {name!r} of {nbytes} bytes does not fit the reservation"
-                        await blocking(partial(self.link.discard, self.src, TAG_REPL, inline, nbytes))
+                        await blocking(partial(self.link.discard, self.src, TAG_REPL, header, inline))
                     else:
-                        buf = memoryview(bytearray(nbytes))
-                        await blocking(partial(self.link.payload, self.src, TAG_REPL, inline, buf))
+                        buf = self._buffer(nbytes)  # reused: fresh memory costs a page fault per page
+                        await blocking(partial(self.link.payload, self.src, TAG_REPL, header, inline, buf))
                         digests[name] = (nbytes, StreamingChecksum([buf]).hexdigest())
                         await writer.write_segment(name, [buf])
                 elif op == "manifest":
                     if nbytes > MAX_MANIFEST_BYTES:
                         self._protocol(f"manifest of {nbytes} bytes")
                     body = memoryview(bytearray(nbytes))
-                    await blocking(partial(self.link.payload, self.src, TAG_REPL, inline, body))
+                    await blocking(partial(self.link.payload, self.src, TAG_REPL, header, inline, body))
                     if writer is not None and refusal is None:
                         refusal = await self._publish(writer, step, bytes(body), digests)
                     break
@@ -203,6 +204,12 @@ class ReplicaService:
                 await self.tier.delete_version(step)
         except (AsymstoreError, OSError) as exc:
             logger.warning("replicas of rank %d: deleting step %d: %s", self.src, step, exc)
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        """The receive buffer, grown to ``nbytes`` (at most a reservation: the tier's capacity bounds it)."""
+        if len(self._recv) < nbytes:
+            self._recv = bytearray(nbytes)
+        return memoryview(self._recv)[:nbytes]
 
     async def _publish(self, writer: VersionWriter, step: int, body: bytes,
                        digests: dict[str, tuple[int, str]]) -> str | None:

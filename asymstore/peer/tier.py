@@ -16,6 +16,7 @@ replication group is built collectively when the tiers open).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -83,6 +84,7 @@ class PeerTier:
         self._service: ReplicaService | None = None
         self._requests = asyncio.Lock()
         self._held: list[int] | None = None
+        self._deletes: set[int] = set()
         self._writing = asyncio.Lock()
 
     def __repr__(self) -> str:
@@ -135,6 +137,8 @@ class PeerTier:
         self._keepalive.cancel()
         if link.broken is None:
             async with self._writing, self._requests:
+                with contextlib.suppress(PeerError):
+                    await self._send_deletes()
                 for tag in (TAG_REPL, TAG_REQ):
                     try:
                         await blocking(partial(link.send, self.ring.dst, tag, {"op": "bye"}), 10.0)
@@ -161,6 +165,11 @@ class PeerTier:
     async def begin(self, step: int, nbytes: int) -> PeerWriter:
         """Start sending version ``step`` (every frame asks the neighbour to reserve ``nbytes``)."""
         await self._writing.acquire()
+        try:
+            await self._send_deletes()
+        except BaseException:
+            self._writing.release()
+            raise
         return PeerWriter(self, step, nbytes)
 
     def _sent(self, step: int, name: str, nbytes: int) -> None:
@@ -168,22 +177,23 @@ class PeerTier:
 
     # -- reading ---------------------------------------------------------
 
-    async def _request(self, header: dict[str, Any], out_size: int | None = None) -> tuple[dict[str, Any], bytes]:
+    async def _request(self, header: dict[str, Any],
+                       out_size: int | None = None) -> tuple[dict[str, Any], bytearray]:
         """Send one request and receive its answer (and payload, at most ``out_size`` bytes when given)."""
         async with self._requests:
             link, dst = self.link, self.ring.dst
             answer, inline = await blocking(partial(link.exchange, dst, TAG_REQ, header, (), TAG_RESP))
             n = int(answer["nbytes"])
             if out_size is not None and n > out_size:
-                await blocking(partial(link.discard, dst, TAG_RESP, inline, n))
+                await blocking(partial(link.discard, dst, TAG_RESP, answer, inline))
                 raise CorruptVersionError(f"{self.name}: {header.get('op')} of step {header.get('step')}: "
                                           f"{n} bytes, at most {out_size} expected")
-            body = memoryview(bytearray(n))
-            await blocking(partial(link.payload, dst, TAG_RESP, inline, body))
+            body = bytearray(n)
+            await blocking(partial(link.payload, dst, TAG_RESP, answer, inline, memoryview(body)))
         if not answer.get("ok"):
             err = _ERRORS.get(str(answer.get("error")), TierError)
             raise err(f"{self.name}: {answer.get('message')}")
-        return answer, bytes(body)
+        return answer, body
 
     async def list_versions(self) -> list[int]:
         """The steps of this rank's replicas the neighbour holds, ascending.
@@ -202,7 +212,7 @@ class PeerTier:
         """The manifest of replica ``step`` (unverified: the store checks it)."""
         from asymstore.manifest import MAX_MANIFEST_BYTES
 
-        return (await self._request({"op": "manifest", "step": step}, MAX_MANIFEST_BYTES))[1]
+        return bytes((await self._request({"op": "manifest", "step": step}, MAX_MANIFEST_BYTES))[1])
 
     async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
         """One segment of replica ``step``, of exactly ``size`` bytes when given."""
@@ -213,11 +223,19 @@ class PeerTier:
         return body
 
     async def delete_version(self, step: int) -> None:
-        """Delete replica ``step`` on the neighbour (sent in order with the versions; nothing waits for it)."""
-        async with self._writing:
-            await blocking(partial(self.link.send, self.ring.dst, TAG_REPL, {"op": "delete", "step": step}))
+        """Delete replica ``step`` on the neighbour: sent before the next version (or on close), never waited for.
+
+        A commit's retention must not wait for the replication of an earlier version in flight.
+        """
+        self._deletes.add(step)
         if self._held is not None and step in self._held:
             self._held.remove(step)
+
+    async def _send_deletes(self) -> None:
+        """Send the deletions queued so far (the caller holds the write lock)."""
+        for step in sorted(self._deletes):
+            await blocking(partial(self.link.send, self.ring.dst, TAG_REPL, {"op": "delete", "step": step}))
+            self._deletes.discard(step)
 
     async def quarantine(self, step: int) -> None:
         """A replica that failed verification is deleted (the neighbour keeps no inspection copy)."""

@@ -18,7 +18,8 @@ ratio to ``memory``: target <= 1.05), and under ``memory+peer`` the peer tier's 
 step (``status().lag_versions``).
 
 Then recovery: the state after training is committed once to [memory, peer, local disk, remote
-``file://``]; every rank restores it, in fresh stores, from each source alone — its replica in the other
+``file://``]; every rank restores it (into tensors, as ``resume()`` does), in fresh stores, from each
+source alone — its replica in the other
 rank's memory (``PeerTier``), its disk (``LocalTier``, page cache dropped with fadvise), the remote tier
 (pyarrow ``file://``, page cache dropped) — and both ranks move the same number of bytes to each other
 through a gloo group of their own in 32 MiB messages, both ways at once as the restore does: the loopback
@@ -129,6 +130,14 @@ def loopback_seconds(nbytes: int, rank: int, repeat: int) -> float:
     return best
 
 
+def one_destination(manifest: Any) -> dict[str, Any]:
+    """A destination for the first tensor: the store then reads every raw tensor straight into fresh ones."""
+    import torch
+
+    name, entry = next(iter(manifest.tensors.items()))
+    return {name: torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))}
+
+
 def recover(args: argparse.Namespace, rank: int, work: Path, shm: Path) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -160,7 +169,7 @@ def recover(args: argparse.Namespace, rank: int, work: Path, shm: Path) -> dict[
         async def restore(tier: Any = tier) -> tuple[float, int]:
             async with AsymStore([tier], keep_last=None) as store:
                 t0 = time.perf_counter()
-                ckpt = await store.restore()
+                ckpt = await store.restore(into=one_destination)  # as resume(): read into tensors, not staged
                 return time.perf_counter() - t0, ckpt.manifest.nbytes
 
         out[source], nbytes = asyncio.run(restore())

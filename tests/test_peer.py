@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.errors import PeerError, PeerProtocolError
+from asymstore.load import load_version
 from asymstore.peer import PeerTier, ring_of
 from asymstore.peer.link import MAGIC, TAG_REPL, connect
 
@@ -89,6 +90,9 @@ def test_replicas_round_trip_and_a_segment_changed_in_flight_is_never_published(
             await w.publish(manifest)  # whole: verified and published on rank 1
             assert await tier.list_versions() == [5]
             assert bytes(await tier.read_segment(5, name, len(segment))) == segment
+            dest = torch.empty(1000, dtype=torch.float32)  # a restore into live tensors: only their bytes travel
+            _, tensors = await load_version(tier, 5, into={"w": dest})
+            assert tensors["w"] is dest and torch.equal(dest, torch.arange(1000, dtype=torch.float32))
             await tier.delete_version(5)
             bad = bytearray(segment)
             bad[len(bad) // 2] ^= 1

@@ -217,6 +217,46 @@ class PeerLink:
         except RuntimeError as exc:
             raise self._fail(f"receiving from rank {frm}", exc) from exc
 
+    def scatter(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None,
+                views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order with a frame's payload (exactly their total size).
+
+        Each message is received straight into its view where it falls inside one, else through a scratch copy.
+        """
+        total = sum(len(v) for v in views)
+        if int(header["nbytes"]) != total:
+            raise PeerProtocolError(f"rank {frm} sent {header['nbytes']} bytes for {total}")
+        if inline is not None:
+            pos = 0
+            for v in views:
+                v[:] = inline[pos:pos + len(v)]
+                pos += len(v)
+            return
+        self._check()
+        starts, pos = [], 0
+        for v in views:
+            starts.append(pos)
+            pos += len(v)
+        pending: list[tuple[Any, bytearray | None, int]] = []
+        try:
+            pos, i = 0, 0
+            for n in self._sizes(frm, header):
+                while i + 1 < len(views) and starts[i + 1] <= pos:
+                    i += 1
+                inside = pos - starts[i]
+                if inside + n <= len(views[i]):  # the message lands inside one view: no copy
+                    pending.append((self.pg.recv([_as_tensor(views[i][inside:inside + n])], frm, tag), None, pos))
+                else:
+                    scratch = bytearray(n)
+                    pending.append((self.pg.recv([_as_tensor(scratch)], frm, tag), scratch, pos))
+                pos += n
+            for work, copy, at in pending:
+                work.wait()
+                if copy is not None:
+                    _spread(copy, at, views, starts)
+        except RuntimeError as exc:
+            raise self._fail(f"receiving from rank {frm}", exc) from exc
+
     def discard(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None) -> None:
         """Drop a frame's payload (one this side refuses), receiving it one piece of memory at a time."""
         if inline is not None:
@@ -252,6 +292,15 @@ def _pieces(views: list[memoryview]) -> list[memoryview]:
     if bounce:
         out.append(memoryview(bounce))
     return out
+
+
+def _spread(data: bytearray, at: int, views: Sequence[memoryview], starts: list[int]) -> None:
+    """Copy ``data``, which sits at ``at`` in the concatenation of ``views``, into them."""
+    end = at + len(data)
+    for v, start in zip(views, starts, strict=True):
+        lo, hi = max(at, start), min(end, start + len(v))
+        if lo < hi:
+            v[lo - start:hi - start] = data[lo - at:hi - at]
 
 
 def _cut(views: list[memoryview]) -> list[memoryview]:

@@ -13,8 +13,9 @@ shared memory that outlives the process). Two loops run there:
   there (with the steps now held, so the sender need not ask). ``delete`` drops a replica.
   A version whose sender dies, aborts or sends anything that does not
   verify is aborted, never published: no half replica is ever listed.
-- **serve** (``REQ`` from the source rank): ``list``, ``manifest`` and ``segment``,
-  answered on ``RESP``; what is served is verified again by the
+- **serve** (``REQ`` from the source rank): ``list``, ``manifest``, ``segment`` and
+  ``ranges`` (parts of a segment, which the reader receives straight into its
+  tensors), answered on ``RESP``; what is served is verified again by the
   reader (restore), like any tier's bytes.
 
 Both end on the source's ``bye`` or when the link fails (the source died).
@@ -227,6 +228,18 @@ class ReplicaService:
         await writer.publish(body)
         return None
 
+    async def _ranges(self, header: dict[str, Any]) -> list[memoryview]:
+        """The byte ranges a ``ranges`` request names, of one segment of exactly the size it gives."""
+        data = memoryview(await self.tier.read_segment(int(header["step"]), str(header["name"]),
+                                                       int(header["size"]))).cast("B")
+        out = []
+        for offset, length in header["ranges"]:
+            if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                    and 0 <= length <= len(data) - offset):
+                raise ValueError(f"range {offset!r}+{length!r} is outside a segment of {len(data)} bytes")
+            out.append(data[offset:offset + length])
+        return out
+
     async def _retain(self) -> None:
         steps = await self.tier.list_versions()
         for old in steps[:-self.keep]:
@@ -258,6 +271,8 @@ class ReplicaService:
                     data = await self.tier.read_segment(int(header["step"]), str(header["name"]),
                                                         int(size) if size is not None else None)
                     answer, payload = {}, [data]
+                elif op == "ranges":
+                    answer, payload = {}, await self._ranges(header)
                 else:
                     self._protocol(f"unknown request {op!r}")
                 answer["ok"] = True

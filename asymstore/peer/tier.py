@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from asymstore.errors import (
     TierError,
     VersionNotFoundError,
 )
-from asymstore.peer.link import TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking, connect
+from asymstore.peer.link import FRAME, TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking, connect
 from asymstore.peer.ring import Ring, ring_of
 from asymstore.peer.service import ReplicaService
 from asymstore.tiers.base import Buffer, Tier
@@ -221,6 +222,33 @@ class PeerTier:
         if size is not None and len(body) != size:
             raise CorruptVersionError(f"{self.name}: segment {name} of step {step}: {len(body)} bytes, not {size}")
         return body
+
+    async def read_segment_into(self, step: int, name: str, size: int,
+                                ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
+        """Fill each ``(offset, view)`` with those bytes of segment ``name``.
+
+        Only those bytes travel, straight into the views; the caller verifies them (no digests are returned).
+        """
+        views = [memoryview(v).cast("B") for _, v in ranges]
+        header = {"op": "ranges", "step": step, "name": name, "size": size,
+                  "ranges": [[int(o), len(v)] for (o, _), v in zip(ranges, views, strict=True)]}
+        if len(json.dumps(header)) > FRAME // 2:  # too many ranges for one request: the whole segment
+            data = memoryview(await self.read_segment(step, name, size)).cast("B")
+            for (offset, _), v in zip(ranges, views, strict=True):
+                if offset < 0 or offset + len(v) > len(data):
+                    raise CorruptVersionError(f"{self.name}: range {offset}+{len(v)} outside segment {name}")
+                v[:] = data[offset:offset + len(v)]
+            return None
+        async with self._requests:
+            link, dst = self.link, self.ring.dst
+            answer, inline = await blocking(partial(link.exchange, dst, TAG_REQ, header, (), TAG_RESP))
+            if answer.get("ok"):
+                await blocking(partial(link.scatter, dst, TAG_RESP, answer, inline, views))
+            elif int(answer["nbytes"]):
+                await blocking(partial(link.discard, dst, TAG_RESP, answer, inline))
+        if not answer.get("ok"):
+            raise _ERRORS.get(str(answer.get("error")), TierError)(f"{self.name}: {answer.get('message')}")
+        return None
 
     async def delete_version(self, step: int) -> None:
         """Delete replica ``step`` on the neighbour: sent before the next version (or on close), never waited for.

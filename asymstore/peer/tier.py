@@ -122,6 +122,9 @@ class PeerTier:
         if store is None:
             from asymstore.multirank.kv import store_from_env
 
+            if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+                raise PeerError("the peer tier needs the job's c10d store: set MASTER_ADDR and MASTER_PORT "
+                                "(torchrun does) or pass store=")
             store = await asyncio.to_thread(store_from_env, "peer", timeout_s=self.timeout_s)
         generation = await asyncio.to_thread(store.add, f"asymstore-peer-generation/{ring.rank}", 1)
         self._link = await blocking(partial(connect, store, ring.rank, ring.world_size, generation, self.timeout_s))
@@ -178,14 +181,13 @@ class PeerTier:
 
     # -- reading ---------------------------------------------------------
 
-    async def _request(self, header: dict[str, Any],
-                       out_size: int | None = None) -> tuple[dict[str, Any], bytearray]:
-        """Send one request and receive its answer (and payload, at most ``out_size`` bytes when given)."""
+    async def _request(self, header: dict[str, Any], out_size: int = 0) -> tuple[dict[str, Any], bytearray]:
+        """Send one request and receive its answer (and its payload, at most ``out_size`` bytes)."""
         async with self._requests:
             link, dst = self.link, self.ring.dst
             answer, inline = await blocking(partial(link.exchange, dst, TAG_REQ, header, (), TAG_RESP))
             n = int(answer["nbytes"])
-            if out_size is not None and n > out_size:
+            if n > out_size:
                 await blocking(partial(link.discard, dst, TAG_RESP, answer, inline))
                 raise CorruptVersionError(f"{self.name}: {header.get('op')} of step {header.get('step')}: "
                                           f"{n} bytes, at most {out_size} expected")

@@ -5,7 +5,8 @@ A case with ``"preempt": {"at": K, "deadline_s": D}`` trains like the ``attach``
 the ``attach`` mode resumes from what it left) and, in iteration ``K``, every rank sends itself
 SIGTERM from inside the training step:
 
-- ``"ddp"`` (DDP + Checkpointer over a RankStore): from a forward pre-hook of the middle of the
+- ``"ddp"`` (DDP + Checkpointer over a RankStore; with ``peer`` and ``ordered`` as in tests/_mr_cases.py,
+  over [memory, peer, disk]): from a forward pre-hook of the middle of the
   model, in the forward pass of iteration K. The program has its own SIGTERM handler, installed
   before the Checkpointer: the Checkpointer chains to it after its flush, and it writes
   ``ckpt.preempted`` as a ``preempted`` event, then dies by SIGTERM's default action.
@@ -25,7 +26,17 @@ from types import FrameType
 from typing import Any
 
 import torch
-from _mr_cases import TIMEOUT, DataPosition, Log, batch, ds_engine, ds_train, make_model
+from _mr_cases import (
+    TIMEOUT,
+    DataPosition,
+    Log,
+    batch,
+    ds_engine,
+    ds_train,
+    make_model,
+    ordered_mean,
+    peer_tiers,
+)
 from torch import nn
 
 
@@ -63,8 +74,14 @@ def preempt_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         sigterm_self()
 
+    if case.get("ordered"):
+        model.register_comm_hook(None, lambda state, bucket: ordered_mean(state, bucket))
+    where: Any = case["dir"]
+    if case.get("peer"):  # [memory (durable), peer, disk]: the flush waits for the disk
+        tiers = peer_tiers(case, rank)
+        where = RankStore(case["dir"], tiers=tiers, durable=tiers[0].name, keep_last=3, timeout_s=60.0)
     signal.signal(signal.SIGTERM, own_handler)
-    ckpt = Checkpointer(model, opt, case["dir"], stateful={"sched": sched, "pos": pos}, warmup=1,
+    ckpt = Checkpointer(model, opt, where, stateful={"sched": sched, "pos": pos}, warmup=1,
                         min_partition_bytes=512, preempt_deadline_s=case["preempt"].get("deadline_s", 25.0))
     assert isinstance(ckpt.store, RankStore)
     log.event(event="resumed", step=ckpt.resume(), iteration=pos.iteration)

@@ -11,7 +11,9 @@ DDP through the plain Checkpointer, and DeepSpeed ZeRO-2 through ``asymcheck.dee
 is SIGKILLed mid-training and node 1 is lost with its memory and its disks: the restarted
 job resumes from the replicas node 0 holds, losing at most the steps in flight; (b) a rank dies in the
 middle of sending a version to its peer: the peer never lists a half replica, every replica it lists
-verifies, and the job resumes bit-exact; (c) a replica is corrupt: its rank falls back to its disk.
+verifies, and the job resumes bit-exact; (c) a replica is corrupt: its rank falls back to its disk; (d) every
+rank is sent SIGTERM mid-training: each flushes the newest completed step to its disk before it dies, and
+the job resumes from the disks alone, bit-exact.
 """
 
 from __future__ import annotations
@@ -158,3 +160,19 @@ def test_deepspeed_zero2_lost_node_resumes_from_its_peers_memory(out: Path, shm:
     run_cases([{**case, "name": "ds2", "iterations": N}], WORLD, out)
     step = assert_resumed_like_ref(out, "ds2", {0: "host:", 1: "host:", 2: "peer:", 3: "peer:"}, "ds_ref")
     assert step >= 3
+
+
+def test_sigterm_on_every_rank_leaves_the_newest_step_on_the_disks(out: Path, shm: Path) -> None:
+    case = attach(out, shm, "d")
+    run_cases([{**case, "name": "d1", "iterations": N, "preempt": {"at": 5}}], WORLD, out)
+    steps = set()
+    for r in range(WORLD):
+        [event] = Case(out, "d1", WORLD).events(r, "preempted")
+        record = event["record"]
+        assert record["durable"] and record["persistent_step"] == record["step"] == record["global_step"], record
+        steps.add(record["step"])
+    assert steps == {5}  # SIGTERMed in the forward of iteration 5: the 5 completed steps are on disk
+    lose(case, 0, disks=False)  # both nodes' memories gone (a reboot): only the disks are left
+    lose(case, 1, disks=False)
+    run_cases([{**case, "name": "d2", "iterations": N}], WORLD, out)
+    assert assert_resumed_like_ref(out, "d2", dict.fromkeys(range(WORLD), "local:")) == 5

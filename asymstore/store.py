@@ -29,10 +29,11 @@ from asymstore.errors import (
     StepCommittedError,
     StepOrderError,
     StoreClosedError,
+    TierError,
 )
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.puts import Puts, check_step
-from asymstore.restore import Checkpoint, restore_newest
+from asymstore.restore import Checkpoint, describe, restore_newest
 from asymstore.staging import PendingStep
 from asymstore.storeapi import CheckpointStore
 from asymstore.tiers.base import ExclusiveTier, Tier
@@ -261,9 +262,22 @@ class AsymStore(Puts):
                 await tier.unlock_root()
 
     async def refresh(self) -> None:
-        """Re-read the versions each tier lists (after another process wrote)."""
-        for state in self._tiers:
-            state.versions = set(await state.tier.list_versions())
+        """Re-read the versions each tier lists (after another process wrote).
+
+        A tier other than the durable one that cannot list (a peer that is gone, a remote store that is
+        down) lists nothing until the next refresh; its error is logged and kept in ``status()``, and
+        the other tiers still serve restores. The durable tier's failure is raised.
+        """
+        for i, state in enumerate(self._tiers):
+            try:
+                state.versions = set(await state.tier.list_versions())
+            except (TierError, OSError) as exc:
+                if i == self._durable:
+                    raise
+                state.versions = set()
+                state.last_error = describe(exc)
+                logger.warning("%s cannot list its versions; restores use the other tiers: %s",
+                               state.tier.name, exc)
 
     def _require_open(self) -> None:
         if not self._open:

@@ -6,12 +6,14 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
 from _servers import S3Server, s3_server, stub_libcuda  # noqa: F401  (fixtures)
 
 from asymstore import AsymStore, HostTier, LocalTier, SnapshotSkippedError
+from asymstore.errors import TierError
 from asymstore.fsck import check
 from asymstore.layout import version_dirname
 from asymstore.tiers.base import Buffer, VersionWriter
@@ -172,3 +174,27 @@ async def test_kvikio_and_posix_engines_read_each_other(tmp_path: object, stub_l
             assert same((await store.restore()).tensors, big)
     for root in (a, b):
         assert check(root, deep=True).ok
+
+
+class _Unlisting(LocalTier):
+    """A LocalTier that cannot list its versions (a peer that is gone, a remote store that is down): a fault."""
+
+    async def list_versions(self) -> list[int]:
+        raise TierError(f"{self.name}: injected: cannot list")
+
+
+async def test_a_tier_that_cannot_list_leaves_restores_to_the_others(tmp_path: Path) -> None:
+    async with AsymStore([LocalTier(tmp_path / "a"), LocalTier(tmp_path / "b")], keep_last=None) as s:
+        for step in (1, 2):
+            await s.put_many(step, {"w": torch.full((4,), float(step))})
+            await s.commit(step)
+        await s.flushed()
+    async with AsymStore([LocalTier(tmp_path / "a"), _Unlisting(tmp_path / "b")], keep_last=None) as s:
+        ckpt = await s.restore()
+        assert ckpt.step == 2 and ckpt.tier.startswith("local:")
+        assert torch.equal(ckpt.tensors["w"], torch.full((4,), 2.0))
+        status = s.status()[f"local:{tmp_path / 'b'}"]
+        assert status.versions == [] and "cannot list" in (status.last_error or "")
+    with pytest.raises(TierError, match="cannot list"):  # the durable tier must list: that is an error
+        async with AsymStore([_Unlisting(tmp_path / "a"), LocalTier(tmp_path / "b")], keep_last=None):
+            pass

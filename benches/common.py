@@ -359,6 +359,14 @@ def build_gpt2(name: str, seq: int) -> tuple[torch.nn.Module, torch.optim.Optimi
     return model, opt, sum(p.numel() for p in model.parameters())
 
 
+def slowest_rank_times(runs: Sequence[Sequence[dict[str, Any]]]) -> list[float]:
+    """Per iteration, the slowest rank's time (ranks wait for each other in the collectives anyway).
+
+    ``runs[rank]`` lists that rank's repetitions of one method, each a dict with ``"times"``.
+    """
+    return [max(ts) for reps in zip(*runs, strict=True) for ts in zip(*(r["times"] for r in reps), strict=True)]
+
+
 def run_ranks(argv: Sequence[str], world: int, threads: int, **env: str) -> list[int]:
     """Run ``argv`` as ``world`` ranks of one torch.distributed job on this machine; return their exit codes.
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import GPT2_CONFIGS, build_gpt2, pyplot, run_ranks, save_figure, write_json
+from common import GPT2_CONFIGS, build_gpt2, pyplot, run_ranks, save_figure, slowest_rank_times, write_json
 
 METHODS = ["none", "attach", "save_checkpoint"]
 
@@ -125,9 +125,7 @@ def summarize(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) ->
         methods: dict[str, Any] = {}
         for method in METHODS:
             runs = [[r for r in rank if r["stage"] == stage and r["method"] == method] for rank in per_rank]
-            # per iteration, the slowest rank (ranks wait for each other in the collectives anyway)
-            times = [max(ts) for reps in zip(*runs, strict=True) for ts in zip(*(r["times"] for r in reps),
-                                                                               strict=True)]
+            times = slowest_rank_times(runs)
             entry = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times), "n": len(times)}
             first = runs[0][0]
             for key in ("stall_median_s", "versions_committed", "versions_skipped", "plan_partitions", "close_s"):

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import GPT2_CONFIGS, build_gpt2, run_ranks, write_json
+from common import GPT2_CONFIGS, build_gpt2, run_ranks, slowest_rank_times, write_json
 
 METHODS = ["none", "asymcheck", "dcp.async_save"]
 
@@ -219,7 +219,7 @@ def main() -> None:
     methods: dict[str, Any] = {}
     for method in METHODS:
         runs = [[r for r in rank if r["method"] == method] for rank in per_rank]
-        times = [max(ts) for reps in zip(*runs, strict=True) for ts in zip(*(r["times"] for r in reps), strict=True)]
+        times = slowest_rank_times(runs)
         methods[method] = {"median_s": statistics.median(times), "n": len(times)}
     for entry in methods.values():
         entry["ratio_to_none"] = entry["median_s"] / methods["none"]["median_s"]

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import GPT2_CONFIGS, build_gpt2, evict, files_under, run_ranks, write_json
+from common import GPT2_CONFIGS, build_gpt2, evict, files_under, run_ranks, slowest_rank_times, write_json
 
 METHODS = ["none", "memory", "memory+peer"]
 
@@ -236,7 +236,7 @@ def main() -> None:
     methods: dict[str, Any] = {}
     for method in METHODS:
         runs = [[r for r in rank if r["method"] == method] for rank in per_rank]
-        times = [max(ts) for reps in zip(*runs, strict=True) for ts in zip(*(r["times"] for r in reps), strict=True)]
+        times = slowest_rank_times(runs)
         lags = [lag for rank in runs for r in rank for lag in r["lags"]]
         methods[method] = {"median_s": statistics.median(times), "n": len(times),
                            "lag_versions": {"median": statistics.median(lags), "max": max(lags)} if lags else None}

@@ -9,14 +9,13 @@ typed error; tests/test_peer_multirank.py kills real processes.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_multirank import run_ranks
 
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.errors import PeerError, PeerProtocolError
@@ -36,25 +35,6 @@ def test_the_ring_sends_each_rank_to_the_same_local_rank_on_the_next_node() -> N
         ring_of(0, 3, node_of=[0, 0, 1])
     with pytest.raises(ValueError, match="split"):
         ring_of(0, 5, local_world_size=2)
-
-
-def two_ranks(fn: Callable[[int], Awaitable[Any]]) -> dict[int, Any]:
-    """Run ``fn(rank)`` for ranks 0 and 1 on their own threads and loops; exceptions come back as values."""
-    out: dict[int, Any] = {}
-
-    def body(rank: int) -> None:
-        try:
-            out[rank] = asyncio.run(fn(rank))  # type: ignore[arg-type]
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
-    return out
 
 
 def peer(rank: int, kv: Any, capacity: int = 1 << 20) -> PeerTier:
@@ -105,7 +85,7 @@ def test_replicas_round_trip_and_a_segment_changed_in_flight_is_never_published(
         finally:
             await tier.close()
 
-    out = two_ranks(rank_fn)
+    out = run_ranks(2, rank_fn)
     assert out == {0: [], 1: None}, out
 
 
@@ -129,7 +109,7 @@ def test_a_version_larger_than_the_receivers_capacity_is_refused_and_drained(tmp
         finally:
             await tier.close()
 
-    out = two_ranks(rank_fn)
+    out = run_ranks(2, rank_fn)
     assert out == {0: [], 1: None}, out
 
 
@@ -154,7 +134,7 @@ def test_a_malformed_frame_is_a_protocol_error_within_bounded_memory() -> None:
     async def wrapped(rank: int) -> Any:
         return await asyncio.to_thread(rank_fn, rank)
 
-    out = two_ranks(wrapped)
+    out = run_ranks(2, wrapped)
     assert out == {0: None, 1: "ok"}, out
 
 
@@ -182,10 +162,10 @@ def test_replicas_in_shared_memory_outlive_the_tier_and_are_served_to_a_new_one(
         finally:
             await tier.close()
 
-    assert two_ranks(first) == {0: None, 1: None}
+    assert run_ranks(2, first) == {0: None, 1: None}
     listed = HostTier(1 << 20, path=shm / "node-1" / "of-rank-00000")
     assert asyncio.run(_list(listed)) == [5]
-    out = two_ranks(second)
+    out = run_ranks(2, second)
     assert out[0] == ([5], manifest) and out[1] == ([], None), out
 
 

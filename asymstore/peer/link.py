@@ -154,7 +154,7 @@ class PeerLink:
     def recv_header(self, frm: int, tag: int) -> tuple[dict[str, Any], bytes | None]:
         """Receive one frame's first message: its header and, when it came inline, its payload.
 
-        A payload that did not come inline (None) must be read next with :meth:`recv_into` or :meth:`discard`.
+        A payload that did not come inline (None) must be read next: :meth:`payload`, :meth:`scatter`, :meth:`discard`.
 
         Raises:
             PeerError: the peer is gone, or the link is down.
@@ -203,19 +203,7 @@ class PeerLink:
 
     def payload(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None, out: memoryview) -> None:
         """Fill ``out`` (exactly the payload's size, writable) with a frame's payload: inline, or received."""
-        if inline is not None:
-            out[:] = inline
-            return
-        self._check()
-        try:
-            works, pos = [], 0
-            for n in self._sizes(frm, header):
-                works.append(self.pg.recv([_as_tensor(out[pos:pos + n])], frm, tag))
-                pos += n
-            for work in works:
-                work.wait()
-        except RuntimeError as exc:
-            raise self._fail(f"receiving from rank {frm}", exc) from exc
+        self.scatter(frm, tag, header, inline, [out])
 
     def scatter(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None,
                 views: Sequence[memoryview]) -> None:
@@ -224,8 +212,9 @@ class PeerLink:
         Each message is received straight into its view where it falls inside one, else through a scratch copy.
         """
         total = sum(len(v) for v in views)
-        if int(header["nbytes"]) != total:
-            raise PeerProtocolError(f"rank {frm} sent {header['nbytes']} bytes for {total}")
+        if int(header["nbytes"]) != total:  # its messages cannot be matched any more: the link is down
+            self.broken = f"rank {frm} sent {header['nbytes']} bytes where {total} were asked for"
+            raise PeerProtocolError(self.broken)
         if inline is not None:
             pos = 0
             for v in views:

@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -158,7 +158,8 @@ def is_uri(location: str) -> bool:
     return "://" in location
 
 
-def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None) -> FsckReport:
+def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None,
+          node_local: Sequence[str] = ()) -> FsckReport:
     """Examine every entry of ``root`` and return the report.
 
     Args:
@@ -167,9 +168,12 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
             chunks are decoded and their raw checksum verified too.
         progress: called with the total byte count to verify; returns a
             callback that receives the bytes verified as they are.
+        node_local: a multi-rank root only: examine just the shard locations under these
+            paths (a per-node check, see :mod:`asymstore.fsck.multirank`).
 
     Raises:
         FileNotFoundError: ``root`` is not a directory.
+        ValueError: ``node_local`` given for a root that is not multi-rank.
     """
     if is_uri(root):
         from asymstore.fsck.remote import check_remote
@@ -181,7 +185,9 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
     if os.path.isdir(os.path.join(root, "global")):  # a multi-rank root: rank-NNNNN/ shards + global/ manifests
         from asymstore.fsck.multirank import check_multirank
 
-        return check_multirank(root, deep=deep, progress=progress)
+        return check_multirank(root, deep=deep, progress=progress, node_local=node_local)
+    if node_local:
+        raise ValueError(f"{root} is not a multi-rank root: --node-local applies to multi-rank roots only")
     return run_sync(_check_dir(root, deep, progress))
 
 

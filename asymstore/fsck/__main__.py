@@ -8,8 +8,11 @@ everything a deep check finds, flipped bytes included.
 
 Exit status: 0 when every version verifies and LATEST is right (after
 ``--repair``, when the repaired root does), 1 when problems were found,
-2 on a usage error (bad arguments, LOCATION not a tier root) or when
-``--repair`` finds a live writer holding the root.
+2 on a usage error (bad arguments, LOCATION not a tier root), when
+``--repair`` finds a live writer holding the root, or when it refused to
+touch a multi-rank version whose shards it cannot see from here
+(``unreachable``; the reasons go to stderr). ``--node-local PATH...`` checks
+(and repairs) only the shards one node of a multi-rank job holds under PATH.
 """
 
 from __future__ import annotations
@@ -62,26 +65,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repair", action="store_true", help="(implies --deep) remove partial/orphaned data, "
                         "quarantine corrupt versions, fix LATEST; never touches a committed version that verifies")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
+    parser.add_argument("--node-local", nargs="+", default=[], metavar="PATH",
+                        help="multi-rank root: check only the shards this node holds under these paths")
     args = parser.parse_args(argv)
     args.deep = args.deep or args.repair
     progress = _progress_factory(args.deep and not args.json and sys.stderr.isatty())
     try:
-        report = check(args.root, deep=args.deep, progress=progress)
+        report = check(args.root, deep=args.deep, progress=progress, node_local=args.node_local)
     except (FileNotFoundError, ValueError, OSError) as exc:
         print(f"fsck: {exc}", file=sys.stderr)
         return 2
+    refused: list[str] = []
     if args.repair and not report.ok:
+        refused = list(getattr(report, "refused", []))
         try:
             actions = repair(report)
         except RootLockedError as exc:
             print(f"fsck: not repairing: {exc}", file=sys.stderr)
             return 2
-        report = check(args.root, deep=args.deep, progress=progress)
+        report = check(args.root, deep=args.deep, progress=progress, node_local=args.node_local)
         report.repaired = actions
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
         _print_text(report)
+    for line in refused:
+        print(f"fsck: refused: {line}", file=sys.stderr)
+    if refused:
+        return 2
     return 0 if report.ok else 1
 
 

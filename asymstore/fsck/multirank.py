@@ -1,26 +1,43 @@
-"""fsck of the multi-rank layout (:mod:`asymstore.multirank.layout`).
+"""fsck of a multi-rank root: global manifests checked against the shards where they live.
 
-Every rank directory is checked like a single tier (its entries are named
-``rank-NNNNN/…``). Then each global manifest ``global/v….json`` is checked
-against the rank directories:
+A multi-rank version is a global manifest ``global/v….json``; its shards live
+on the ranks' tiers, which need not be under the root: a shared-memory tier
+and a disk local to each node, a peer's memory, a remote store. Every global
+manifest names the placement record it was committed under
+(:mod:`asymstore.multirank.placement`), which lists every rank's tier locations
+and host; a version 1 manifest (or a root without records) has its shards in
+``ROOT/rank-NNNNN/``. Rank directories under the root are always checked.
 
-- ``committed``: it parses, and every rank's shard it lists is committed in that
-  rank's directory with the same content digest.
-- ``corrupt``: it does not parse, or a shard it lists is missing, corrupt or
-  has another digest. The version cannot be restored.
-- ``partial``: a step whose rank shards exist (committed in their rank
-  directories) but that no global manifest references: a multi-rank commit
-  that did not complete on every rank (a rank died or timed out). Listed as
-  ``global/v….json`` with the ranks that have and lack their shard. Also a
-  ``global/.tmp-*`` file: a global manifest that was being written.
-- ``orphaned``: the same for a step older than the newest global version
-  (shards retention had not removed yet when a rank stopped, or a commit that
-  failed before newer ones succeeded): never restorable, safe to remove.
+Each location that holds a rank's shards is checked like a single tier (once),
+then each global manifest's shards are looked up there:
 
-``newest restorable`` is the newest committed global step, ``LATEST`` is
-``global/LATEST``. ``repair`` removes partial and orphaned shards and temporary files,
-moves corrupt global manifests to ``global/.quarantine/``, repairs every
-rank directory as a single tier, and rewrites ``global/LATEST``.
+- ``committed``: every shard it lists verifies, with the digest it lists, in at
+  least one of the locations that hold it.
+- ``corrupt``: it does not parse, or a shard it lists is absent or damaged in
+  every location that holds it, and every one of them was seen: a directory
+  under the root, one on this host (the placement's host name), a remote URI
+  that answered, or a path given with ``node_local``. The version cannot be
+  restored.
+- ``unreachable``: no copy of a shard verified and at least one location could
+  not be seen from here: process or GPU memory, a directory that does not
+  exist on this machine, a directory that does but was recorded on another
+  host (it may be another disk of the same name), a remote that did not
+  answer. Nothing is concluded: ``repair`` never touches such a version and
+  reports it as refused (the CLI exits 2 with the reasons).
+- ``partial`` / ``orphaned``: a step whose shards exist (committed, in locations
+  that were seen) but that no global manifest lists, newer / older than the
+  newest global version: an incomplete multi-rank commit, or leftovers of
+  retention. Also ``global/.tmp-*`` and ``LATEST`` temp files.
+
+With ``node_local`` (a per-node check, ``fsck ROOT --node-local PATH...``) only
+the locations under those paths are examined — the ones this node holds — and
+a global version is judged only on the shards that live nowhere else.
+
+``repair`` removes partial and orphaned shards and temporary files from the
+locations that were seen, moves corrupt global manifests to
+``global/.quarantine/``, repairs every such location as a single tier, and
+rewrites ``global/LATEST``; with ``node_local`` it repairs only those locations
+and never touches ``global/``.
 """
 
 from __future__ import annotations
@@ -28,20 +45,21 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from asymstore.errors import ManifestError
+from asymstore.errors import AsymstoreError, ManifestError
 from asymstore.fileio import atomic_write, read_whole
-from asymstore.fsck import FsckReport, Progress, VersionReport, _check_latest, _quarantine
+from asymstore.fsck import FsckReport, Progress, VersionReport, _check_latest, _quarantine, is_uri, run_sync
 from asymstore.fsck import check as check_tier
 from asymstore.fsck import repair as repair_tier
 from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, version_dirname
 from asymstore.manifest import MANIFEST_NAME, Manifest
-from asymstore.multirank import layout
+from asymstore.multirank import layout, placement
 from asymstore.multirank.errors import GlobalManifestError
 from asymstore.multirank.globalmanifest import GlobalManifest, shard_digest
+from asymstore.multirank.placement import Placement
 from asymstore.rootlock import DirLock
 
 logger = logging.getLogger(__name__)
@@ -52,103 +70,291 @@ class MultiRankFsckReport(FsckReport):
     """An :class:`asymstore.fsck.FsckReport` of a multi-rank root.
 
     Attributes:
-        ranks: rank -> the report of its directory.
+        ranks: rank -> the report of its directory under the root.
         partial_steps: step -> ranks holding a committed shard of it that no global manifest uses,
             newer than the newest global version (an incomplete multi-rank commit).
         stale_steps: the same for steps older than the newest global version (``orphaned``).
+        locations: every shard location examined -> its single-tier report (None: not seen, see
+            ``unseen``).
+        unseen: location -> why it could not be examined from here.
+        shard_dirs: (rank, step) -> the seen directories holding that unused shard (what repair removes).
+        refused: what ``repair`` will not touch and why (an ``unreachable`` version).
+        node_local: the paths of a per-node check (empty: the whole root).
     """
 
     ranks: dict[int, FsckReport] = field(default_factory=dict)
     partial_steps: dict[int, list[int]] = field(default_factory=dict)
     stale_steps: dict[int, list[int]] = field(default_factory=dict)
+    locations: dict[str, FsckReport | None] = field(default_factory=dict)
+    unseen: dict[str, str] = field(default_factory=dict)
+    shard_dirs: dict[tuple[int, int], list[str]] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+    node_local: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """Return the single-tier schema plus ``layout``, ``ranks``, ``partial_steps`` and ``stale_steps``."""
-        return super().to_json() | {"layout": "multirank", "ranks": sorted(self.ranks),
-                                    "partial_steps": {str(k): v for k, v in sorted(self.partial_steps.items())},
-                                    "stale_steps": {str(k): v for k, v in sorted(self.stale_steps.items())}}
+        """Return the single-tier schema plus the multi-rank fields (see the README)."""
+        return super().to_json() | {
+            "layout": "multirank", "ranks": sorted(self.ranks), "node_local": self.node_local,
+            "partial_steps": {str(k): v for k, v in sorted(self.partial_steps.items())},
+            "stale_steps": {str(k): v for k, v in sorted(self.stale_steps.items())},
+            "locations": {loc: (rep is not None) for loc, rep in sorted(self.locations.items())},
+            "unseen": dict(sorted(self.unseen.items())), "refused": self.refused}
 
 
-def _shard_ok(rank_report: FsckReport | None, rank_dir: str | None, step: int, digest: str) -> str | None:
-    """Return None when rank shard ``step`` is committed with ``digest``, else the problem."""
-    if rank_report is None or rank_dir is None:
-        return "its rank directory is missing"
-    entry = next((e for e in rank_report.entries if e.step == step and e.name == version_dirname(step)), None)
-    if entry is None:
-        return f"shard {step} is missing"
-    if not entry.ok:
-        return f"shard {step} is {entry.status}: {'; '.join(entry.problems)}"
-    try:
-        manifest = Manifest.from_json(read_whole(os.path.join(rank_dir, version_dirname(step), MANIFEST_NAME)))
-    except (ManifestError, OSError) as exc:
-        return f"shard {step}: {exc}"
-    if shard_digest(manifest) != digest:
-        return f"shard {step} has another digest than the global manifest lists"
-    return None
+@dataclass(frozen=True)
+class _Holder:
+    """One place that holds a rank's shards."""
+
+    location: str | None  # a directory, a URI, or None (memory)
+    host: str
+    what: str  # for messages: "rank 2's local tier"
 
 
-def _check_global(gdir: str, name: str, step: int, ranks: dict[int, FsckReport],
-                  dirs: dict[int, str]) -> tuple[VersionReport, GlobalManifest | None]:
-    report = VersionReport(f"{layout.GLOBAL_DIR}/{name}", "committed", step)
-    try:
-        g = layout.read_global(gdir, step)
-    except (GlobalManifestError, OSError) as exc:
-        report.status = "corrupt"
-        report.problems.append(f"bad global manifest: {exc}")
-        return report, None
-    report.nbytes = g.nbytes
+class _Locations:
+    """Examines each location once and answers: does it hold shard (rank, step) with this digest?"""
+
+    def __init__(self, root: str, deep: bool, progress: Callable[[int], Progress] | None,
+                 node_local: Sequence[str]) -> None:
+        self.root, self.deep, self.progress = root, deep, progress
+        self.node_local = [os.path.abspath(p) for p in node_local]
+        self.host = placement.this_host()
+        self.reports: dict[str, FsckReport | None] = {}
+        self.unseen: dict[str, str] = {}
+        self.trusted: set[str] = set()  # what it lacks is lacking where it lives
+
+    def _under(self, path: str, parents: Sequence[str]) -> bool:
+        return any(os.path.commonpath([path, p]) == p for p in parents)
+
+    def examine(self, holder: _Holder) -> FsckReport | None:
+        """The single-tier report of ``holder``'s location, or None when it cannot be seen (see ``unseen``)."""
+        loc = holder.location
+        if loc is None:
+            return None
+        if loc in self.reports:
+            return self.reports[loc]
+        report: FsckReport | None = None
+        if self.node_local and (is_uri(loc) or not self._under(loc, self.node_local)):
+            self.unseen[loc] = "not on this node (a per-node check examines only the --node-local paths)"
+        elif is_uri(loc):
+            try:
+                report = check_tier(loc, deep=self.deep, progress=self.progress)
+                self.trusted.add(loc)
+            except (OSError, ValueError, AsymstoreError) as exc:
+                self.unseen[loc] = f"the remote did not answer: {str(exc)[:200]}"
+        elif not os.path.isabs(loc):
+            self.unseen[loc] = "not an absolute path"
+        elif not os.path.isdir(loc) and not (self._under(loc, [self.root]) or self.node_local):
+            self.unseen[loc] = (f"does not exist on this machine ({self.host}); it is local to {holder.host}: "
+                                f"check it there with --node-local")
+        else:
+            if self.node_local or self._under(loc, [self.root]) or holder.host == self.host:
+                self.trusted.add(loc)
+            else:
+                self.unseen[loc] = (f"recorded on host {holder.host}, this is {self.host}: a directory of that "
+                                    f"name here may be another disk (copies found here still count)")
+            if os.path.isdir(loc):
+                report = check_tier(loc, deep=self.deep, progress=self.progress)
+        self.reports[loc] = report
+        return report
+
+    def copy_problem(self, holder: _Holder, step: int, digest: str) -> tuple[bool, str]:
+        """Whether ``holder`` has shard ``step`` verifying with ``digest``; else (False, why)."""
+        loc = holder.location
+        if loc is None:
+            return False, f"{holder.what}: in process memory on {holder.host}, not readable from here"
+        report = self.examine(holder)
+        if report is None:
+            return False, f"{holder.what} {loc}: {self.unseen.get(loc, 'missing')}"
+        entry = next((e for e in report.entries if e.step == step and e.name == version_dirname(step)), None)
+        if entry is None:
+            return False, f"{holder.what} {loc}: shard {step} is missing"
+        if not entry.ok:
+            return False, f"{holder.what} {loc}: shard {step} is {entry.status}: {'; '.join(entry.problems)}"
+        try:
+            manifest = self._manifest(loc, step)
+        except (ManifestError, OSError, AsymstoreError) as exc:
+            return False, f"{holder.what} {loc}: shard {step}: {exc}"
+        if shard_digest(manifest) != digest:
+            return False, f"{holder.what} {loc}: shard {step} has another digest than the global manifest lists"
+        return True, ""
+
+    def _manifest(self, loc: str, step: int) -> Manifest:
+        if not is_uri(loc):
+            return Manifest.from_json(read_whole(os.path.join(loc, version_dirname(step), MANIFEST_NAME)))
+        from asymstore.tiers.remote import RemoteTier
+
+        async def read() -> bytes:
+            return await RemoteTier(loc).read_manifest(step)
+
+        return Manifest.from_json(run_sync(read()))
+
+
+def _holders(root: str, g: GlobalManifest, places: dict[str, Placement | GlobalManifestError],
+             rank: int) -> list[_Holder] | str:
+    """Every place holding ``rank``'s shards of ``g``, or why they cannot be known."""
+    in_root = _Holder(os.path.join(root, layout.rank_dirname(rank)), "", f"rank {rank}'s directory")
+    if g.placement is None:
+        return [in_root]
+    found = places.get(g.placement)
+    if isinstance(found, GlobalManifestError):
+        return f"its placement record {placement.placement_filename(g.placement)}: {found}"
+    assert found is not None
+    holders = [_Holder(t.location, r.host, f"rank {r.rank}'s {t.kind} tier {t.name!r}") for r, t in found.holders(rank)]
+    if os.path.isdir(in_root.location or "") and all(h.location != in_root.location for h in holders):
+        holders.append(in_root)
+    return holders
+
+
+def _read_placements(gdir: str, globals_: list[GlobalManifest]) -> dict[str, Placement | GlobalManifestError]:
+    out: dict[str, Placement | GlobalManifestError] = {}
+    for g in globals_:
+        if g.placement is not None and g.placement not in out:
+            try:
+                out[g.placement] = layout.read_placement(gdir, g.placement)
+            except FileNotFoundError:
+                out[g.placement] = GlobalManifestError("missing")
+            except (GlobalManifestError, OSError) as exc:
+                out[g.placement] = GlobalManifestError(str(exc))
+    return out
+
+
+def _judge(report: VersionReport, g: GlobalManifest, locs: _Locations,
+           holders_of: Callable[[int], list[_Holder] | str]) -> None:
+    """Set ``report``'s status from where ``g``'s shards are (see the module docstring)."""
+    unreachable: list[str] = []
     for shard in g.shards:
-        problem = _shard_ok(ranks.get(shard.rank), dirs.get(shard.rank), shard.step, shard.digest)
-        if problem:
+        holders = holders_of(shard.rank)
+        if isinstance(holders, str):
+            unreachable.append(f"rank {shard.rank}: {holders}")
+            continue
+        if locs.node_local and not any(h.location is not None and not is_uri(h.location)
+                                       and locs._under(h.location, locs.node_local) for h in holders):
+            continue  # a per-node check: this shard lives on other nodes only
+        why: list[str] = []
+        seen_all = True
+        ok = False
+        for h in holders:
+            good, problem = locs.copy_problem(h, shard.step, shard.digest)
+            if good:
+                ok = True
+                break
+            why.append(problem)
+            if h.location is None or h.location not in locs.trusted:
+                seen_all = False
+        if ok:
+            continue
+        if locs.node_local:  # judged on this node's copies only when the shard lives nowhere else
+            seen_all = seen_all and all(h.location is not None and locs._under(h.location, locs.node_local)
+                                        for h in holders if not (h.location and is_uri(h.location)))
+        if seen_all:
             report.status = "corrupt"
-            report.problems.append(f"rank {shard.rank}: {problem}")
-    return report, g
+            report.problems.append(f"rank {shard.rank}: no verified copy of shard {shard.step}: " + "; ".join(why))
+        else:
+            unreachable.append(f"rank {shard.rank}: " + "; ".join(why or ["no location recorded"]))
+    if report.status != "corrupt" and unreachable:
+        report.status = "unreachable"
+        report.problems += unreachable
 
 
-def check_multirank(root: str, *, deep: bool = False,
-                    progress: Callable[[int], Progress] | None = None) -> MultiRankFsckReport:
-    """Examine a multi-rank root (every rank directory and the global manifests)."""
+def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None,
+                    node_local: Sequence[str] = ()) -> MultiRankFsckReport:
+    """Examine a multi-rank root: every global manifest against its shards where they live.
+
+    Args:
+        root: the multi-rank root (with ``global/``).
+        deep: verify every checksum of every shard examined.
+        progress: see :func:`asymstore.fsck.check`.
+        node_local: a per-node check: examine only the shard locations under these paths.
+    """
     root = os.path.abspath(root)
     gdir = os.path.join(root, layout.GLOBAL_DIR)
-    dirs = layout.rank_dirs(root)
+    locs = _Locations(root, deep, progress, node_local)
+    dirs = {} if node_local else layout.rank_dirs(root)
     ranks = {r: check_tier(d, deep=deep, progress=progress) for r, d in dirs.items()}
+    for r, d in dirs.items():
+        locs.reports[d] = ranks[r]
+        locs.trusted.add(d)
     entries: list[VersionReport] = []
-    for r, rep in ranks.items():
-        entries += [replace(e, name=f"{layout.rank_dirname(r)}/{e.name}") for e in rep.entries]
-    used: set[tuple[int, int]] = set()
-    good: set[int] = set()
+    globals_: list[tuple[str, int, GlobalManifest | None, VersionReport]] = []
+    extra: list[VersionReport] = []
     for name in sorted(os.listdir(gdir)):
         path = os.path.join(gdir, name)
         step = layout.parse_global_filename(name)
         if step is not None:
-            report, g = _check_global(gdir, name, step, ranks, dirs)
-            entries.append(report)
-            if g is not None:
-                used |= {(s.rank, s.step) for s in g.shards}
-            else:  # its shards are accounted for by the corrupt entry
-                used |= {(r, step) for r in ranks}
-            if report.status == "committed":
-                good.add(step)
-        elif name.startswith(TMP_PREFIX):
+            report = VersionReport(f"{layout.GLOBAL_DIR}/{name}", "committed", step)
+            try:
+                g: GlobalManifest | None = layout.read_global(gdir, step)
+            except (GlobalManifestError, OSError) as exc:
+                report.status, g = "corrupt", None
+                report.problems.append(f"bad global manifest: {exc}")
+            globals_.append((name, step, g, report))
+        elif name.startswith(TMP_PREFIX) and not node_local:
             vstep = layout.parse_global_filename(name[len(TMP_PREFIX):].rsplit("-", 1)[0])
-            entries.append(VersionReport(f"{layout.GLOBAL_DIR}/{name}", "partial", vstep,
-                                         problems=["a global manifest that was never published"]))
-        elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
-            entries.append(VersionReport(f"{layout.GLOBAL_DIR}/{name}", "orphaned", None,
-                                         problems=["leftover of a LATEST update"]))
+            extra.append(VersionReport(f"{layout.GLOBAL_DIR}/{name}", "partial", vstep,
+                                       problems=["a global manifest that was never published"]))
+        elif name.startswith(f".{LATEST}.") and name.endswith(".tmp") and not node_local:
+            extra.append(VersionReport(f"{layout.GLOBAL_DIR}/{name}", "orphaned", None,
+                                       problems=["leftover of a LATEST update"]))
         elif name == QUARANTINE and os.path.isdir(path):
-            entries += [VersionReport(f"{layout.GLOBAL_DIR}/{QUARANTINE}/{q}", "quarantined",
-                                      layout.parse_global_filename(q.split("-")[0]))
-                        for q in sorted(os.listdir(path))]
-    unused: dict[int, list[int]] = {}
+            extra += [VersionReport(f"{layout.GLOBAL_DIR}/{QUARANTINE}/{q}", "quarantined",
+                                    layout.parse_global_filename(q.split("-")[0]))
+                      for q in sorted(os.listdir(path))]
+    places = _read_placements(gdir, [g for _, _, g, _ in globals_ if g is not None])
+    used: set[tuple[int, int]] = set()
+    holders_by_rank: dict[int, list[_Holder]] = {}
+    for _, step, g, report in globals_:
+        if g is None:
+            used |= {(r, step) for r in ranks}  # its shards are accounted for by the corrupt entry
+            continue
+        report.nbytes = g.nbytes
+        used |= {(s.rank, s.step) for s in g.shards}
+
+        def holders_of(rank: int, g: GlobalManifest = g) -> list[_Holder] | str:
+            found = _holders(root, g, places, rank)
+            if not isinstance(found, str):
+                known = holders_by_rank.setdefault(rank, [])
+                known += [h for h in found if h not in known]
+            return found
+
+        _judge(report, g, locs, holders_of)
+        entries.append(report)
+    entries = [r for _, _, g, r in globals_ if g is None] + entries
+    entries.sort(key=lambda e: e.name)
+    good = {e.step for e in entries if e.status == "committed" and e.step is not None}
+    unreachable = {e.step for e in entries if e.status == "unreachable" and e.step is not None}
+    # shard copies in the locations seen, by the rank whose shards they are
+    copies: dict[tuple[int, int], list[str]] = {}
+    for r, d in dirs.items():
+        for e in ranks[r].entries:
+            if e.status == "committed" and e.step is not None:
+                copies.setdefault((r, e.step), []).append(d)
+    for rank, holders in holders_by_rank.items():
+        for h in holders:
+            if h.location is None or h.location not in locs.trusted or h.location in dirs.values():
+                continue
+            rep = locs.reports.get(h.location)
+            for e in rep.entries if rep is not None else []:
+                if e.status == "committed" and e.step is not None:
+                    copies.setdefault((rank, e.step), []).append(h.location)
+    for loc, rep in locs.reports.items():
+        if rep is None or loc in dirs.values():
+            continue
+        entries += [replace(e, name=f"{_label(root, loc)}/{e.name}") for e in rep.entries
+                    if e.status != "committed" or e.problems]
     for r, rep in ranks.items():
-        for e in rep.entries:
-            if e.status == "committed" and e.step is not None and (r, e.step) not in used:
-                unused.setdefault(e.step, []).append(r)
+        entries += [replace(e, name=f"{layout.rank_dirname(r)}/{e.name}") for e in rep.entries]
+    unused: dict[int, list[int]] = {}
+    shard_dirs: dict[tuple[int, int], list[str]] = {}
+    for (r, step), where in sorted(copies.items()):
+        if (r, step) not in used:
+            unused.setdefault(step, []).append(r)
+            shard_dirs[(r, step)] = sorted(set(where))
     newest = max(good) if good else None
-    partial = {s: have for s, have in unused.items() if newest is None or s > newest}
+    top = max(good | unreachable) if good | unreachable else None
+    partial = {s: have for s, have in unused.items() if top is None or s > top}
     stale = {s: have for s, have in unused.items() if s not in partial}
-    world = max(len(dirs), 1)
+    parsed = [g for _, _, g, _ in globals_ if g is not None]
+    world = parsed[-1].world_size if parsed else max(len(dirs), 1)
     for step, have in sorted(partial.items()):
         lacking = [r for r in range(world) if r not in have]
         entries.append(VersionReport(
@@ -158,17 +364,23 @@ def check_multirank(root: str, *, deep: bool = False,
     for step, have in sorted(stale.items()):
         entries.append(VersionReport(
             f"{layout.GLOBAL_DIR}/{layout.global_filename(step)}", "orphaned", step,
-            problems=[f"rank shard(s) of rank(s) {have} that no global version uses, older than the newest "
+            problems=[f"shard(s) of rank(s) {have} that no global version uses, older than the newest "
                       f"one: left by retention on a rank that stopped early, or by an incomplete commit"]))
-    latest, latest_problem = _check_latest(gdir, newest, set(good))
+    entries += extra
+    listed: set[int | None] = set(good | unreachable)
+    latest, latest_problem = (None, None) if node_local else _check_latest(gdir, top, listed)
     rank_latest = [f"{layout.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
                    for r, rep in ranks.items() if rep.latest_problem]
     if latest_problem:
         latest_problem = f"{layout.GLOBAL_DIR}/{LATEST}: {latest_problem}"
     if rank_latest:
         latest_problem = "; ".join([*([latest_problem] if latest_problem else []), *rank_latest])
+    refused = [f"{e.name}: not touched, a shard cannot be seen from here: {'; '.join(e.problems)}"
+               for e in entries if e.status == "unreachable"]
     return MultiRankFsckReport(root, deep, entries, latest, latest_problem, newest, ranks=ranks,
-                               partial_steps=partial, stale_steps=stale)
+                               partial_steps=partial, stale_steps=stale, locations=dict(locs.reports),
+                               unseen=dict(locs.unseen), shard_dirs=shard_dirs, refused=refused,
+                               node_local=list(locs.node_local))
 
 
 def _delete_shard(vdir: str) -> None:
@@ -180,8 +392,14 @@ def _delete_shard(vdir: str) -> None:
 
 
 def repair_multirank(report: MultiRankFsckReport) -> list[str]:
-    """Fix what ``report`` found; return one line per action (see the module docstring)."""
+    """Fix what ``report`` found; return one line per action (see the module docstring).
+
+    Raises:
+        RootLockedError: a live job holds ``global/`` or a shard location.
+    """
     gdir = os.path.join(report.root, layout.GLOBAL_DIR)
+    if report.node_local:
+        return _repair_locations(report)
     lock = DirLock(gdir)
     lock.acquire()  # the coordinator's lock: never repair under a live job
     try:
@@ -190,18 +408,32 @@ def repair_multirank(report: MultiRankFsckReport) -> list[str]:
         lock.release()
 
 
-def _repair(report: MultiRankFsckReport, gdir: str) -> list[str]:
-    root = report.root
-    dirs = layout.rank_dirs(root)
+def _label(root: str, path: str) -> str:
+    """``path`` relative to the root when it is inside it, else as it is."""
+    return os.path.relpath(path, root) if os.path.commonpath([path, root]) == root else path
+
+
+def _repair_locations(report: MultiRankFsckReport) -> list[str]:
+    """Repair every seen shard location as a single tier, after removing the unused shards there."""
     actions: list[str] = []
     for kind, steps in (("partial", report.partial_steps), ("orphaned", report.stale_steps)):
         for step, have in sorted(steps.items()):
             for r in have:
-                _delete_shard(os.path.join(dirs[r], version_dirname(step)))
-                actions.append(f"removed {kind} shard {layout.rank_dirname(r)}/{version_dirname(step)}")
-    for r, d in dirs.items():
-        rep = check_tier(d, deep=report.deep)
-        actions += [f"{layout.rank_dirname(r)}: {a}" for a in repair_tier(rep)]
+                for d in report.shard_dirs.get((r, step), []):
+                    _delete_shard(os.path.join(d, version_dirname(step)))
+                    actions.append(f"removed {kind} shard {_label(report.root, d)}/{version_dirname(step)}")
+    for loc, rep in sorted(report.locations.items()):
+        if rep is None or is_uri(loc) or not os.path.isdir(loc):
+            continue
+        if loc in report.unseen:  # another host's disk of the same name: not ours to repair
+            continue
+        actions += [f"{_label(report.root, loc)}: {a}" for a in repair_tier(check_tier(loc, deep=report.deep))]
+    return actions
+
+
+def _repair(report: MultiRankFsckReport, gdir: str) -> list[str]:
+    root = report.root
+    actions = _repair_locations(report)
     for e in report.entries:
         if not e.name.startswith(f"{layout.GLOBAL_DIR}/"):
             continue
@@ -213,7 +445,9 @@ def _repair(report: MultiRankFsckReport, gdir: str) -> list[str]:
             os.unlink(path)
             actions.append(f"removed {e.status} {e.name}")
     latest = os.path.join(gdir, LATEST)
-    if report.newest_restorable is None:
+    if report.refused:
+        pass  # an unreachable version may be the newest: LATEST stays as the job wrote it
+    elif report.newest_restorable is None:
         if os.path.exists(latest):
             os.unlink(latest)
             actions.append(f"removed {layout.GLOBAL_DIR}/{LATEST} (no restorable version)")

@@ -8,6 +8,7 @@
       global/
         LATEST                    hint: newest published global step
         v000000000012.json        global manifest of step 12: the commit point of the multi-rank version
+        placement-<hex>.json      where every rank's tiers were when a version was committed (fsck reads it)
         .tmp-v000000000013-<id>   a global manifest being written
         .quarantine/              corrupt global manifests moved aside by fsck --repair
 
@@ -24,11 +25,13 @@ import os
 import re
 import uuid
 
+from asymstore.checksum import checksum
 from asymstore.errors import CorruptVersionError
 from asymstore.fileio import atomic_write, check_regular, read_whole, write_parts
 from asymstore.layout import LATEST, TMP_PREFIX, fsync_dir
 from asymstore.multirank.errors import GlobalManifestError
 from asymstore.multirank.globalmanifest import GlobalManifest
+from asymstore.multirank.placement import MAX_PLACEMENT_BYTES, Placement, placement_filename
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ GLOBAL_DIR = "global"
 RANK_PREFIX = "rank-"
 _GLOBAL_NAME = re.compile(r"^v(\d{12,20})\.json$")
 _RANK_NAME = re.compile(r"^rank-(\d{5,})$")
+_PLACEMENT_NAME = re.compile(r"^placement-([0-9a-f]{16})\.json$")
 
 
 def rank_dirname(rank: int) -> str:
@@ -142,6 +146,43 @@ def publish_global(gdir: str, manifest: GlobalManifest, *, fsync: bool = True) -
             os.unlink(tmp)
     if fsync:
         fsync_dir(gdir)
+
+
+def write_placement(gdir: str, placement: Placement, *, fsync: bool = True) -> str:
+    """Write the placement record (named by its digest) unless it is there already; return the digest."""
+    data = placement.to_json()
+    digest = checksum(data)
+    path = os.path.join(gdir, placement_filename(digest))
+    if not os.path.exists(path):
+        atomic_write(path, data, fsync=fsync)
+    return digest
+
+
+def read_placement(gdir: str, digest: str) -> Placement:
+    """Read and verify the placement record ``digest``.
+
+    Raises:
+        FileNotFoundError: there is no such record.
+        GlobalManifestError: it is not a regular file of bounded size, is damaged, or has another digest.
+    """
+    path = os.path.join(gdir, placement_filename(digest))
+    try:
+        check_regular(path, max_size=MAX_PLACEMENT_BYTES)
+    except CorruptVersionError as exc:
+        raise GlobalManifestError(str(exc)) from exc
+    data = read_whole(path)
+    if checksum(data) != digest:
+        raise GlobalManifestError(f"{placement_filename(digest)} does not match its name")
+    return Placement.from_json(data)
+
+
+def list_placements(gdir: str) -> list[str]:
+    """The digests of the placement records in ``gdir``."""
+    try:
+        names = os.listdir(gdir)
+    except FileNotFoundError:
+        return []
+    return sorted(m.group(1) for m in map(_PLACEMENT_NAME.match, names) if m)
 
 
 def write_global_latest(gdir: str, step: int, *, fsync: bool = True) -> None:

@@ -16,8 +16,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from asymstore.multirank import layout
-from asymstore.multirank.errors import CoordinationTimeoutError, GlobalCommitError, GlobalCommitTimeoutError
+from asymstore.multirank.errors import (
+    CoordinationTimeoutError,
+    GlobalCommitError,
+    GlobalCommitTimeoutError,
+    GlobalManifestError,
+)
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.multirank.placement import Placement, RankPlacement
 from asymstore.multirank.retention import retain_globals
 
 if TYPE_CHECKING:
@@ -60,7 +66,7 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
         kv.put(f"{key}/global", {"failed": msg})
         raise GlobalCommitError(msg)
     manifest = GlobalManifest(step, store.world_size, tuple(ShardInfo.from_json(r) for r in reports), meta,
-                              time.time())
+                              time.time(), record_placement(store, reports))
     for stale in [s for s in store.global_steps() if s >= step]:  # a history abandoned by an older restore
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
         layout.delete_global(store.global_dir, stale, fsync=store.fsync)
@@ -70,6 +76,32 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
     kv.put(f"{key}/global", {"step": step})
     logger.debug("published global version %d (%d ranks, %d bytes)", step, store.world_size, manifest.nbytes)
     return manifest
+
+
+def record_placement(store: RankStore, reports: list[dict[str, Any]]) -> str | None:
+    """Write the placement the ranks reported with their shards (once per distinct placement); return its digest.
+
+    None when a rank reported none (an older peer) or a malformed one: the
+    global manifest then names no placement, and fsck looks for the shards in
+    ``ROOT/rank-NNNNN/``.
+    """
+    docs = [rep.get("placement") for rep in reports]
+    cached = store.placement_cache
+    if cached is not None and cached[0] == docs:
+        return cached[1]
+    if any(d is None for d in docs):
+        logger.warning("a rank reported no tier placement: fsck will look for its shards under the root")
+        return None
+    try:
+        placement = Placement(store.world_size, tuple(RankPlacement.from_json(d) for d in docs))
+        if [r.rank for r in placement.ranks] != list(range(store.world_size)):
+            raise GlobalManifestError("ranks reported placements out of order")
+    except GlobalManifestError as exc:
+        logger.warning("not recording the tier placement: %s", exc)
+        return None
+    digest = layout.write_placement(store.global_dir, placement, fsync=store.fsync)
+    store.placement_cache = (docs, digest)
+    return digest
 
 
 def await_global(kv: KV, key: str, step: int, timeout_s: float) -> None:

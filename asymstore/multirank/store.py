@@ -41,7 +41,9 @@ from asymstore.multirank import layout
 from asymstore.multirank.errors import CoordinationTimeoutError, GlobalManifestError
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.multirank.kv import KV, MemoryStore, store_from_env
+from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
+from asymstore.multirank.placement import RankPlacement
 from asymstore.multirank.publish import await_global, publish_global
 from asymstore.multirank.rankrestore import restore_collective
 from asymstore.multirank.reshardread import Targets
@@ -144,6 +146,10 @@ class RankStore:
         """The newest global step this rank saw published (its commits; non-coordinators: once waited for)."""
         self.reshard: Targets | None = None
         """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
+        self.placement: RankPlacement | None = None
+        """Where this rank's tiers are (after ``open``): reported with every shard, recorded in ``global/``."""
+        self.placement_cache: tuple[list[Any], str] | None = None
+        """The coordinator's last recorded placement: the ranks' reports and the record's digest."""
 
     def peer_tiers(self, rank: int) -> Sequence[Tier]:
         """Unopened tiers to read ``rank``'s shards from."""
@@ -213,6 +219,7 @@ class RankStore:
         except BaseException:
             self._global_lock.release()
             raise
+        self.placement = rank_placement(self.local.tiers, self.rank)
         return self
 
     async def __aenter__(self) -> RankStore:
@@ -355,7 +362,10 @@ class RankStore:
             raise
         m = result.manifest
         info = ShardInfo(self.rank, step, shard_digest(m), m.nbytes, len(m.tensors), clean_summary)
-        await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", info.to_json())
+        report = info.to_json()
+        if self.placement is not None:
+            report["placement"] = self.placement.to_json()
+        await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", report)
         self._last_commit_key = key
         if self.is_coordinator:
             self.last_global = await asyncio.to_thread(publish_global, self, key, step, clean_global)

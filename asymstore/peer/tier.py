@@ -97,12 +97,17 @@ class PeerTier:
         """The receiving end (replicas of ``ring.src`` held here), once open."""
         return self._service
 
+    def held_replicas(self) -> tuple[int, str | None]:
+        """The rank whose replicas this rank holds, and their directory (``path/of-rank-NNNNN``; None: in memory)."""
+        src = self.ring.src
+        if self.path is None:
+            return src, None
+        return src, os.path.join(os.path.abspath(self.path), f"of-rank-{src:05d}")
+
     def replica_tier(self) -> Tier:
         """A new, unopened tier for the replicas this rank holds (``path/of-rank-NNNNN`` in shared memory)."""
-        if self.path is None:
-            return HostTier(self.capacity_bytes, name=f"replicas-of-{self.ring.src}", policy="skip")
-        return HostTier(self.capacity_bytes, path=os.path.join(self.path, f"of-rank-{self.ring.src:05d}"),
-                        name=f"replicas-of-{self.ring.src}", policy="skip")
+        src, location = self.held_replicas()
+        return HostTier(self.capacity_bytes, path=location, name=f"replicas-of-{src}", policy="skip")
 
     @property
     def link(self) -> PeerLink:

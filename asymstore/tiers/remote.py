@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -74,6 +74,8 @@ class RemoteTier:
                  filesystem: pafs.FileSystem | None = None, lease_ttl_s: float = 30.0,
                  lease_wait_s: float = 40.0, **options: Any) -> None:
         """Build the filesystem client; nothing is contacted before ``open``."""
+        self.uri = _locator(uri, options)
+        """The location as fsck takes it (the URI, with ``endpoint_override``/``scheme`` given as options)."""
         if filesystem is not None:
             parts = urlsplit(uri)
             self.fs, self.root = filesystem, (f"{parts.netloc}{parts.path}" if parts.scheme else uri).rstrip("/")
@@ -402,3 +404,11 @@ class _RemoteWriter:
             logger.warning("could not remove %s after an aborted commit: %s", target, exc)
             return
         self._done()
+
+
+def _locator(uri: str, options: dict[str, Any]) -> str:
+    """``uri`` with the S3 options fsck needs to reach it appended as a query (never credentials)."""
+    extra: dict[str, str] = {k: str(options[k]) for k in ("endpoint_override", "scheme") if k in options}
+    if not extra or "?" in uri:
+        return uri
+    return uri + "?" + urlencode(extra)

@@ -23,7 +23,8 @@ Case fields:
 - ``peer`` (DDP, DeepSpeed): ``{"shm": dir, "per_node": n, "crash": {"rank": r, "step": s} | absent}``: ranks in
   simulated nodes of ``n``, each rank's tiers [HostTier in ``shm/node-K/own``, PeerTier holding its
   source's replicas in ``shm/node-K/replicas``, LocalTier ``dir/rank-NNNNN``], the memory tier durable;
-  with ``crash``, rank r dies right after sending the first segment of step s to its peer.
+  with ``crash``, rank r dies right after sending the first segment of step s to its peer; with ``disks``, each
+  rank's disk tier is ``disks/node-N/rank-NNNNN`` (node-local, outside the root) instead of ``dir/rank-NNNNN``.
 
 Every rank appends ``{"it", "loss"}`` (a hex float) to ``losses-rankR.jsonl`` per iteration and, when
 it finishes, writes its final state through asymstore to ``final-rankR`` and events to ``events-rankR.jsonl``.
@@ -170,7 +171,8 @@ def peer_tiers(case: dict[str, Any], rank: int) -> list[Any]:
     crash = peer.get("crash")
     return [HostTier(64 << 20, path=node / "own" / rank_dirname(rank)),
             CrashingPeerTier(at_step=crash["step"], **kw) if crash and crash["rank"] == rank else PeerTier(**kw),
-            LocalTier(Path(case["dir"]) / rank_dirname(rank))]
+            LocalTier(Path(peer["disks"]) / f"node-{rank // peer['per_node']}" / rank_dirname(rank)
+                      if peer.get("disks") else Path(case["dir"]) / rank_dirname(rank))]
 
 
 def rank_tiers(case: dict[str, Any], rank: int) -> list[Any] | None:

@@ -243,9 +243,9 @@ def _judge(report: VersionReport, g: GlobalManifest, locs: _Locations,
                 seen_all = False
         if ok:
             continue
-        if locs.node_local:  # judged on this node's copies only when the shard lives nowhere else
-            seen_all = seen_all and all(h.location is not None and locs._under(h.location, locs.node_local)
-                                        for h in holders if not (h.location and is_uri(h.location)))
+        if locs.node_local and not all(h.location is not None and not is_uri(h.location)
+                                       and locs._under(h.location, locs.node_local) for h in holders):
+            continue  # judged on this node's copies only when the shard lives nowhere else
         if seen_all:
             report.status = "corrupt"
             report.problems.append(f"rank {shard.rank}: no verified copy of shard {shard.step}: " + "; ".join(why))

@@ -15,6 +15,8 @@ import torch
 from asymcheck.stats import StatsRecorder
 from asymcheck.storeloop import StoreLoop
 from asymstore import CommitResult
+from asymstore.multirank.errors import GlobalVersionDroppedError
+from asymstore.storeapi import DropReportingStore
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +57,20 @@ class CommitQueue:
 
     def _collect(self, fut: concurrent.futures.Future[CommitResult]) -> None:
         exc = fut.exception()
-        if exc is not None:
+        if exc is not None and not isinstance(exc, GlobalVersionDroppedError):  # another rank's choice, not a failure
             self._errors.append(exc)
+
+    def report_dropped(self, step: int, reason: str) -> None:
+        """Tell a store whose commits involve other ranks that ``step`` will not be committed here (no wait)."""
+        store = self.loop.store
+        if not isinstance(store, DropReportingStore):
+            return
+
+        def done(fut: concurrent.futures.Future[None]) -> None:
+            if fut.exception() is not None:
+                logger.warning("could not report dropped version %d: %s", step, fut.exception())
+
+        self.loop.submit(store.report_dropped(step, reason)).add_done_callback(done)
 
     @property
     def inflight(self) -> int:
@@ -96,6 +110,7 @@ class CommitQueue:
             if self.when_busy == "skip" and not force:
                 release()
                 logger.info("version %d skipped: %d commit(s) still in flight", step, len(self._inflight))
+                self.report_dropped(step, "skipped: earlier commits still in flight")
                 return False, 0.0
             started = time.perf_counter()
             while len(self._inflight) >= self.max_inflight:
@@ -127,6 +142,9 @@ class CommitQueue:
                 result = await store.commit(step, meta)
             finally:
                 store.abandon(step)  # a failed commit: hand the slot back (nothing left to do after success)
+        except GlobalVersionDroppedError as exc:
+            logger.info("version %d is not a global version: %s", step, exc)
+            raise
         except Exception as exc:
             self.stats.failed(f"step {step}: {type(exc).__name__}: {exc}")
             logger.error("commit of version %d failed (the next version is the next attempt): %s", step, exc)

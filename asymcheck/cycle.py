@@ -112,6 +112,7 @@ class VersionCycle:
         if snap.dirty:
             self._pool.release(snap.slot)
             self._edits.dropped_version(snap.step, snap.dirty)
+            self._commits.report_dropped(snap.step, f"{len(snap.dirty)} tensor(s) changed before their copy")
             return False, 0.0, snap.nbytes, True
         meta = snap.capture.meta
         meta["asymcheck"]["step"] = snap.step

@@ -80,3 +80,19 @@ class CheckpointStore(Protocol):
     async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:
         """Return the newest version that verifies (or ``step``), optionally read into ``into``."""
         ...
+
+
+@runtime_checkable
+class DropReportingStore(Protocol):
+    """A store whose commit of a step involves others, who must hear when this process will not commit it.
+
+    :class:`~asymstore.multirank.RankStore` is one: a rank that drops a version
+    (an edit between steps, a version skipped under back-pressure) reports it,
+    so the coordinator abandons that step's global commit at once instead of
+    waiting for the rank until its timeout. The adapters check for it with
+    ``isinstance``.
+    """
+
+    async def report_dropped(self, step: int, reason: str) -> None:
+        """Say that ``step`` will not be committed by this process, and why."""
+        ...

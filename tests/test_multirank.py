@@ -280,3 +280,34 @@ def test_after_falling_back_the_job_commits_the_abandoned_steps_again(tmp_path: 
 async def _restore_step(root: Path, kv: Any, rank: int, step: int) -> Any:
     async with store(root, rank, 2, kv) as s:
         return await s.restore(step)
+
+
+@pytest.mark.parametrize("dropper", [1, 0])
+def test_a_dropped_version_abandons_its_step_at_once_and_the_next_step_commits(tmp_path: Path, dropper: int) -> None:
+    """A rank that drops step 2 says so: the global commit gives up at once (not after timeout_s), step 3 commits."""
+    kv = dist.HashStore()
+    timings: dict[int, float] = {}
+
+    async def rank_fn(rank: int) -> dict[int, str]:
+        errors: dict[int, str] = {}
+        async with store(tmp_path, rank, 2, kv, timeout_s=30.0, wait_global=True) as s:
+            for step in (1, 2, 3):
+                started = time.monotonic()
+                if step == 2 and rank == dropper:
+                    await s.report_dropped(step, "a tensor changed before its copy")
+                else:
+                    await s.put_many(step, {"w": value(step, rank)})
+                    try:
+                        await s.commit(step)
+                    except GlobalCommitError as exc:
+                        errors[step] = type(exc).__name__
+                timings[rank * 10 + step] = time.monotonic() - started
+        return errors
+
+    out = run_ranks(2, rank_fn)
+    other = 1 - dropper
+    assert out[dropper] == {} and out[other] == {2: "GlobalVersionDroppedError"}, out
+    assert timings[other * 10 + 2] < 10.0  # told at once, not after the 30 s timeout
+    assert list_global_steps(str(tmp_path / "global")) == [1, 3]
+    report = check(str(tmp_path))
+    assert report.ok, report.problems  # the dropped step's shard was rolled back or retired, nothing partial

@@ -23,6 +23,7 @@ from asymstore.multirank.errors import (
     GlobalCommitError,
     GlobalCommitTimeoutError,
     GlobalManifestError,
+    GlobalVersionDroppedError,
     WorldSizeMismatchError,
 )
 
@@ -55,6 +56,7 @@ __all__ = [
     "GlobalCommitTimeoutError",
     "GlobalManifest",
     "GlobalManifestError",
+    "GlobalVersionDroppedError",
     "MemoryStore",
     "RankStore",
     "ShardInfo",

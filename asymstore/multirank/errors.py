@@ -13,6 +13,14 @@ class GlobalCommitError(AsymstoreError):
     """
 
 
+class GlobalVersionDroppedError(GlobalCommitError):
+    """A rank dropped its version of the step (an edit between steps, a skipped version): no global version.
+
+    The coordinator abandons the step as soon as the report arrives, so the
+    next step commits on time; not a storage failure.
+    """
+
+
 class GlobalCommitTimeoutError(GlobalCommitError, TimeoutError):
     """Not every rank reported its shard committed before the timeout."""
 

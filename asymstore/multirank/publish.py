@@ -21,6 +21,7 @@ from asymstore.multirank.errors import (
     GlobalCommitError,
     GlobalCommitTimeoutError,
     GlobalManifestError,
+    GlobalVersionDroppedError,
 )
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo
 from asymstore.multirank.placement import Placement, RankPlacement
@@ -60,6 +61,12 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
         kv.put(f"{key}/global", {"failed": msg})
         raise GlobalCommitTimeoutError(msg) from exc
     reports = [kv.get(k) for k in keys]
+    dropped = {r: rep["dropped"] for r, rep in enumerate(reports) if "dropped" in rep}
+    if dropped:
+        msg = f"step {step}: rank(s) {sorted(dropped)} dropped their version ({next(iter(dropped.values()))}); " \
+              f"no global version of it"
+        kv.put(f"{key}/global", {"failed": msg, "dropped": True})
+        raise GlobalVersionDroppedError(msg)
     failed = {r: rep["failed"] for r, rep in enumerate(reports) if "failed" in rep}
     if failed:
         msg = f"step {step}: shard commit failed on rank(s) {failed}; the global version is not published"
@@ -116,5 +123,7 @@ def await_global(kv: KV, key: str, step: int, timeout_s: float) -> None:
     except CoordinationTimeoutError as exc:
         raise GlobalCommitTimeoutError(str(exc)) from exc
     msg = kv.get(f"{key}/global")
+    if "dropped" in msg:
+        raise GlobalVersionDroppedError(msg["failed"])
     if "failed" in msg:
         raise GlobalCommitError(msg["failed"])

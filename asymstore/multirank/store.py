@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from asymstore.checksum import checksum
 from asymstore.manifest import Manifest, validate_meta
 from asymstore.multirank import layout
-from asymstore.multirank.errors import CoordinationTimeoutError, GlobalManifestError
+from asymstore.multirank.errors import CoordinationTimeoutError, GlobalManifestError, GlobalVersionDroppedError
 from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.multirank.kv import KV, MemoryStore, store_from_env
 from asymstore.multirank.locate import rank_placement
@@ -47,7 +47,7 @@ from asymstore.multirank.placement import RankPlacement
 from asymstore.multirank.publish import await_global, publish_global
 from asymstore.multirank.rankrestore import restore_collective
 from asymstore.multirank.reshardread import Targets
-from asymstore.multirank.retention import retain_shards, retire_departed_shards, roll_back
+from asymstore.multirank.retention import delete_shard, retain_shards, retire_departed_shards, roll_back
 from asymstore.restore import Checkpoint, describe
 from asymstore.rootlock import DirLock, sweep_directory
 from asymstore.store import AsymStore, CommitResult
@@ -331,6 +331,21 @@ class RankStore:
         """Drop everything put for an uncommitted ``step`` (adopted tensors are released)."""
         self.local.abandon(step)
 
+    async def report_dropped(self, step: int, reason: str) -> None:
+        """Say that this rank will not commit ``step`` (its version was dropped or skipped).
+
+        The coordinator abandons the step's global commit at once instead of
+        waiting for this rank until ``timeout_s`` (:class:`GlobalVersionDroppedError`
+        on the ranks that committed it); when the coordinator itself drops it,
+        the ranks waiting for the global version are told the same.
+        """
+        key = f"s{self._session}/commit/{self._commit_tags.pop(step, str(step))}"
+        kv = self.kv
+        await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", {"dropped": reason[:500]})
+        if self.is_coordinator:
+            await asyncio.to_thread(kv.put, f"{key}/global", {"failed": f"step {step}: rank 0 dropped its version "
+                                                                        f"({reason[:500]})", "dropped": True})
+
     async def commit(self, step: int, meta: Mapping[str, Any] | None = None, *,
                      summary: Mapping[str, Any] | None = None,
                      global_meta: Mapping[str, Any] | None = None) -> CommitResult:
@@ -346,6 +361,8 @@ class RankStore:
             This rank's commit result (``last_global`` holds the global manifest once known).
 
         Raises:
+            GlobalVersionDroppedError: (coordinator, or any rank with ``wait_global``) a rank dropped
+                its version of ``step`` (:meth:`report_dropped`); this rank's shard is committed.
             GlobalCommitTimeoutError: (coordinator, or any rank with ``wait_global``) not every
                 rank reported in time; this rank's shard is committed, the global version is not.
             GlobalCommitError: a rank reported that its shard failed.
@@ -367,16 +384,28 @@ class RankStore:
             report["placement"] = self.placement.to_json()
         await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", report)
         self._last_commit_key = key
-        if self.is_coordinator:
-            self.last_global = await asyncio.to_thread(publish_global, self, key, step, clean_global)
-            self.published_step = step
-            await retire_departed_shards(self)
-        elif self.wait_global:
-            await asyncio.to_thread(await_global, kv, key, step, self.timeout_s)
-            self.last_global = None  # published; the manifest itself lives with the coordinator
-            self.published_step = step
+        try:
+            if self.is_coordinator:
+                self.last_global = await asyncio.to_thread(publish_global, self, key, step, clean_global)
+                self.published_step = step
+                await retire_departed_shards(self)
+            elif self.wait_global:
+                await asyncio.to_thread(await_global, kv, key, step, self.timeout_s)
+                self.last_global = None  # published; the manifest itself lives with the coordinator
+                self.published_step = step
+        except GlobalVersionDroppedError:
+            await self._discard(step)  # no global version will ever use it
+            raise
         await retain_shards(self.local, kv, self.rank)
         return result
+
+    async def _discard(self, step: int) -> None:
+        await delete_shard(self.local, step)
+        await self.local.refresh()
+        for tier in self.local.tiers:  # LATEST must not name a shard that is gone
+            left = await tier.list_versions()
+            if left:
+                await tier.write_latest(max(left))
 
     @property
     def newest_persistent_step(self) -> int | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from _mr_harness import Case, run_cases
+from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
 from asymstore.fsck import check, repair
 from asymstore.fsck.__main__ import main as fsck_main
@@ -206,3 +207,49 @@ def test_placement_and_global_manifests_are_sealed() -> None:
     bad[g.index(b'"step"') + 8] ^= 0x01
     with pytest.raises(GlobalManifestError):
         GlobalManifest.from_json(bytes(bad))
+
+
+def test_shards_on_remote_tiers_are_verified_there(tmp_path: Path, s3_uri: str,  # noqa: F811
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Each rank's disk outside the root plus a remote tier (rank 0 on S3, rank 1 on file://): fsck reads them there."""
+    import torch
+    import torch.distributed as dist
+    from test_multirank import run_ranks
+
+    from asymstore import LocalTier
+    from asymstore.multirank import RankStore
+    from asymstore.tiers.remote import RemoteTier
+
+    for key, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
+        monkeypatch.setenv(key, value)  # fsck's credentials: the placement record never holds any
+    base, _, query = s3_uri.partition("?")
+    remote = {0: f"{base}/rank-0?{query}", 1: (tmp_path / "nfs" / "rank-1").as_uri()}
+    (tmp_path / "nfs" / "rank-1").mkdir(parents=True)
+    root, kv = tmp_path / "root", dist.HashStore()
+
+    async def rank_fn(rank: int) -> None:
+        tiers = [LocalTier(tmp_path / f"disk-{rank}"), RemoteTier(remote[rank])]
+        async with RankStore(root, rank=rank, world_size=2, kv=kv, tiers=tiers, timeout_s=20.0,
+                             segment_bytes=1 << 20, compression="never") as s:
+            for step in (1, 2):
+                await s.put_many(step, {"w": torch.full((64,), float(step + rank))})
+                await s.commit(step)
+            await s.flushed(timeout=20.0)
+
+    assert all(v is None for v in run_ranks(2, rank_fn).values())
+    gdir = str(root / "global")
+    record = layout.read_placement(gdir, layout.read_global(gdir, 2).placement or "")
+    assert "secret" not in json.dumps([t.to_json() for r in record.ranks for t in r.tiers])
+    assert check(str(root), deep=True).ok
+    shutil.rmtree(tmp_path / "disk-0")  # both disks gone: the remote copies serve every shard
+    shutil.rmtree(tmp_path / "disk-1")
+    report = check(str(root), deep=True)
+    assert report.ok, report.problems
+    assert any(loc.startswith("s3://") for loc in report.to_json()["locations"])
+    (tmp_path / "nfs").rename(tmp_path / "nfs-away")  # the file:// remote cannot be reached
+    assert fsck_main([str(root), "--repair"]) == 2
+    assert "refused" in capsys.readouterr().err
+    assert layout.list_global_steps(gdir) == [1, 2]
+    (tmp_path / "nfs-away").rename(tmp_path / "nfs")
+    assert fsck_main([str(root), "--deep"]) == 0

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -407,8 +407,16 @@ class _RemoteWriter:
 
 
 def _locator(uri: str, options: dict[str, Any]) -> str:
-    """``uri`` with the S3 options fsck needs to reach it appended as a query (never credentials)."""
-    extra: dict[str, str] = {k: str(options[k]) for k in ("endpoint_override", "scheme") if k in options}
-    if not extra or "?" in uri:
-        return uri
-    return uri + "?" + urlencode(extra)
+    """``uri`` as fsck can reach it again: the query keeps only where the store is, never credentials.
+
+    ``endpoint_override``, ``scheme`` and ``region`` (from the URI's query or the options) are kept;
+    ``access_key``, ``secret_key``, ``session_token`` and anything else are dropped (fsck takes
+    credentials from the environment, as pyarrow does).
+    """
+    parts = urlsplit(uri)
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items() if k in _LOCATOR_KEYS}
+    query |= {k: str(options[k]) for k in _LOCATOR_KEYS if k in options}
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query, safe=":/"), ""))
+
+
+_LOCATOR_KEYS = ("endpoint_override", "scheme", "region")

@@ -311,3 +311,47 @@ def test_a_dropped_version_abandons_its_step_at_once_and_the_next_step_commits(t
     assert list_global_steps(str(tmp_path / "global")) == [1, 3]
     report = check(str(tmp_path))
     assert report.ok, report.problems  # the dropped step's shard was rolled back or retired, nothing partial
+
+
+def test_a_rank_dropping_a_version_does_not_stall_the_other_ranks_checkpointer(tmp_path: Path) -> None:
+    """Checkpointers over RankStores: rank 1's version 3 is dropped (an EMA swap between steps, unguarded);
+    rank 0's commit of step 3 gives up at once, so its next version does not wait for timeout_s."""
+    import warnings
+
+    from _asymcheck_train import data, make_model, make_opt
+
+    from asymcheck import Checkpointer
+
+    kv = dist.HashStore()
+    step_s: dict[int, list[float]] = {0: [], 1: []}
+    dropped: dict[int, int] = {}
+
+    async def rank_fn(rank: int) -> None:
+        model = make_model()
+        opt, _ = make_opt(model)
+        s = RankStore(tmp_path, rank=rank, world_size=2, kv=kv, timeout_s=60.0, segment_bytes=1 << 20,
+                      compression="never")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Checkpointer(model, opt, s, max_overhead=None, preempt_on="none", warmup=1) as ckpt:
+                for it in range(8):
+                    started = time.monotonic()
+                    x, y = data(it)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    if rank == 1 and it == 3:  # an EMA swap between steps, not declared: version 3 is dropped
+                        with torch.no_grad():
+                            for p in model.parameters():
+                                p.add_(1.0)
+                                p.sub_(1.0)
+                    step_s[rank].append(time.monotonic() - started)
+                dropped[rank] = ckpt.versions_dropped
+
+    started = time.monotonic()
+    out = run_ranks(2, rank_fn)
+    assert all(v is None for v in out.values()), out
+    assert dropped == {0: 0, 1: 1}
+    assert time.monotonic() - started < 40.0 and max(step_s[0]) < 20.0, step_s  # never the 60 s timeout
+    steps = list_global_steps(str(tmp_path / "global"))
+    assert 4 not in steps and steps[-1] == 8, steps  # version 4 (after step 4) dropped; the rest on time

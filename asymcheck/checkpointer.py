@@ -122,7 +122,9 @@ class Checkpointer(VersionCycle, Preemptible):
         save_on_close: ``close()`` saves the final step even when it is not
             a multiple of ``every``.
         preempt_on: ``"sigterm"`` (constructed on the main thread): on SIGTERM,
-            the next hook commits the newest completed step durably, then
+            the next hook commits the newest completed step durably (under
+            several ranks: the step the ranks agree on, at the same iteration
+            boundary on every rank; see :mod:`asymcheck.agreement`), then
             hands the signal on to the program's own handler or the default
             (see :mod:`asymcheck.preempt`); ``"none"`` leaves SIGTERM alone.
         preempt_deadline_s: how long, from the SIGTERM, the preemption flush may

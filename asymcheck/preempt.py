@@ -240,10 +240,10 @@ class Preemptible:
             logger.error("preemption: every rank was to flush step %d, this rank is already at step %d "
                          "(a rank that does not step in lockstep?): flushing step %d", notice.step, self._step,
                          self._step)
-        own = self._notice.pending
         origins = [t for t in (self._notice.received, agreement.seen) if t is not None]
-        self._flush_for_preemption("SIGTERM" if own else "peer", Deadline(self.preempt_deadline_s, min(origins)))
-        if own or notice.reason == "SIGTERM":  # a notice read from a peer's SIGTERM: exit as if signalled
+        self._flush_for_preemption("SIGTERM" if self._notice.pending else "peer",
+                                   Deadline(self.preempt_deadline_s, min(origins)))
+        if self._notice.pending or notice.reason == "SIGTERM":  # a peer's SIGTERM: exit as if signalled
             self._notice.hand_on()
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], deadline: Deadline, grace_s: float = 1.0) -> T:

@@ -18,9 +18,10 @@ SIGTERM from inside the training step:
 With ``"spread_ms": S`` (and ``"seed"``) instead, nothing is sent from inside the step: when iteration
 ``K`` begins (a forward pre-hook of the outermost module), each rank starts a timer that SIGTERMs it
 after its own random delay in [0, S) ms (seeded per rank), as a scheduler's signals reach the ranks of
-a job a few milliseconds apart; the ranks agree on one step through the key-value store
-(asymcheck/agreement.py). A logging handler on ``asymcheck.preempt`` writes every rank's
-``PreemptionRecord`` as a ``record`` event before the signal is handed on.
+a job a few milliseconds apart (with ``"ranks": [...]``, only those ranks are signalled); the ranks
+agree on one step through the key-value store (asymcheck/agreement.py). A logging handler on
+``asymcheck.preempt`` writes every rank's ``PreemptionRecord`` as a ``record`` event before the
+signal is handed on.
 
 Either way the process must never reach the end of training (a ``finished`` event says it did).
 """
@@ -78,8 +79,9 @@ def spread_trigger(case: dict[str, Any], rank: int, log: Log, iteration: Any) ->
     def hook(module: Any, args: Any) -> None:
         if iteration() == spec["at"] and not started and module.training:
             started.append(True)
-            log.event(event="timer", delay_s=delay)
-            threading.Timer(delay, sigterm_self).start()
+            if rank in spec.get("ranks", [rank]):  # "ranks": only these get a SIGTERM (the others, the notice)
+                log.event(event="timer", delay_s=delay)
+                threading.Timer(delay, sigterm_self).start()
 
     return hook
 

@@ -147,6 +147,7 @@ ITERATIONS4 = 40  # far more than the few steps the spread and the agreement tak
 SPREAD_MS = 20.0
 SEEDS = {"ddp": (1, 2), "ds": (1, 2)}
 RESUMED = {"ddp": 1}  # the (kind, seed) whose root a fresh job resumes from, compared with a reference run
+ONLY = 2  # the one rank SIGTERMed in the ddp4-only case
 
 
 def cases4(root: Path) -> list[dict[str, Any]]:
@@ -166,6 +167,10 @@ def cases4(root: Path) -> list[dict[str, Any]]:
                           **common})
             if RESUMED.get(kind) == seed:
                 cases.append({"name": f"{kind}4-resume-{seed}", "mode": "attach", "dir": ck, **common})
+        if kind == "ddp":  # only one rank is signalled: the others act on the notice alone
+            cases.append({"name": "ddp4-only", "mode": "attach", "dir": str(root / "ddp4-only-ck"), "fsck": True,
+                          "preempt": {"at": AT4, "deadline_s": 25.0, "spread_ms": SPREAD_MS, "seed": 1,
+                                      "ranks": [ONLY]}, **common})
     return cases
 
 
@@ -228,3 +233,21 @@ def test_sigterm_spread_over_four_ranks_every_rank_flushes_the_same_newest_step(
 
 def report_root(out: Path, kind: str, seed: int) -> Path:
     return out.parent / "ckpt" / f"{kind}4-{seed}-ck"
+
+
+def test_ranks_that_only_read_the_notice_flush_the_same_step_and_exit_as_if_signalled(out4: Path) -> None:
+    """Only rank 2 gets SIGTERM: every other rank flushes the same step for its notice (reason ``peer``)
+    and hands SIGTERM on to the program's own handler, which ends it by the signal."""
+    pre = Case(out4, "ddp4-only", WORLD4)
+    records = [[e["record"] for e in pre.events(r, "record")] for r in range(WORLD4)]
+    assert all(len(rs) == 1 for rs in records), records
+    [newest] = {rs[0]["step"] for rs in records}
+    for r, [rec] in enumerate(records):
+        assert pre.rc(r) == -signal.SIGTERM, f"rank {r}: rc {pre.rc(r)}\n{pre.log(r)}"
+        assert rec["reason"] == ("SIGTERM" if r == ONLY else "peer"), (r, rec)
+        assert rec["durable"] and rec["global_step"] == newest and not rec["peer_lost"], (r, rec)
+        assert [it for it, _ in pre.losses(r)] == list(range(newest)), r
+        [handled] = pre.events(r, "preempted")  # the program's own handler, called once
+        assert handled["record"] == rec
+    assert newest > AT4
+    assert pre.fsck()["newest_restorable"] == newest

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from asymcheck.agreement import agreement_for
 from asymcheck.commits import CommitQueue
 from asymcheck.copyengine import CopyEngine
 from asymcheck.cycle import VersionCycle
@@ -121,7 +122,9 @@ class Checkpointer(VersionCycle, Preemptible):
         save_on_close: ``close()`` saves the final step even when it is not
             a multiple of ``every``.
         preempt_on: ``"sigterm"`` (constructed on the main thread): on SIGTERM,
-            the next hook commits the newest completed step durably, then
+            the next hook commits the newest completed step durably (under
+            several ranks: the step the ranks agree on, at the same iteration
+            boundary on every rank; see :mod:`asymcheck.agreement`), then
             hands the signal on to the program's own handler or the default
             (see :mod:`asymcheck.preempt`); ``"none"`` leaves SIGTERM alone.
         preempt_deadline_s: how long, from the SIGTERM, the preemption flush may
@@ -199,6 +202,9 @@ class Checkpointer(VersionCycle, Preemptible):
         self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
         self.preempted: PreemptionRecord | None = None
         self._notice = SigtermNotice(preempt_on)
+        self._agreement = agreement_for(self._loop.store)  # several ranks: one notice, one step, one boundary
+        self._boundary = True
+        self._joined = False
         self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
                               on_step_pre=self._on_step_pre, on_step_post=self._on_step_post)
 
@@ -358,12 +364,25 @@ class Checkpointer(VersionCycle, Preemptible):
         never past the deadline; ``ckpt.preempted`` tells what it managed.
         SIGTERM does the same at the next hook, then lets the process exit.
 
+        Under several ranks it is collective: every rank calls it after the same
+        optimizer step. It also publishes the notice (see :mod:`asymcheck.agreement`),
+        so that a rank that did not call it flushes the same step at its next hook
+        (and does not exit).
+
         Args:
             deadline_s: seconds it may take (default: ``preempt_deadline_s``; ``math.inf``: no limit).
         """
         self._require_open()
         limit = self.preempt_deadline_s if deadline_s is None else check_deadline(deadline_s)
-        return self._flush_for_preemption("explicit", Deadline(limit))
+        deadline = Deadline(limit)
+        lost = False
+        if self._agreement is not None:
+            agreed = self._agreement.publish(self._step, "explicit")
+            lost = agreed is None
+            if agreed is not None and agreed.step != self._step:
+                logger.error("preempt(): the ranks agreed on step %d (%s from rank %d) and this rank is at step %d; "
+                             "flushing step %d", agreed.step, agreed.reason, agreed.rank, self._step, self._step)
+        return self._flush_for_preemption("explicit", deadline, lost=lost)
 
     def __enter__(self) -> Checkpointer:
         """Return self."""
@@ -390,6 +409,7 @@ class Checkpointer(VersionCycle, Preemptible):
             self._event(FORWARD)
 
     def _on_grad(self) -> None:
+        self._joined = True  # gradients started: their collectives may complete on the other ranks
         self._event(BACKWARD)
 
     def _event(self, phase: str) -> None:
@@ -410,6 +430,7 @@ class Checkpointer(VersionCycle, Preemptible):
     def _on_step_pre(self) -> None:
         if self._unusable is not None:
             raise CheckpointerStateError(self._unusable + "; rebuild the model and optimizer (or start fresh)")
+        self._joined = True
         self._check_notice()
         if self._closed:
             return
@@ -444,6 +465,7 @@ class Checkpointer(VersionCycle, Preemptible):
         self._in_step = False
         self._started = True
         self._step += 1
+        self._boundary, self._joined = True, False  # the next training hook is an iteration boundary
         self._hooks.refresh()
         if self._step % self.every == 0 and self._pacer.take(self._step):
             self._open(self._step)

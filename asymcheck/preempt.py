@@ -23,15 +23,23 @@ reaches no hook within the grace period is killed as before, with the durable
 tier holding the versions committed until then.
 
 Under several ranks (DDP over a :class:`asymstore.multirank.RankStore`,
-DeepSpeed through :func:`asymcheck.deepspeed.attach`) every rank does the
-same at its own next hook: ranks in one data-parallel step hold the same
-newest completed step, so each seals the same version and the two-phase
-global commit completes, or, if a rank cannot take part in time, no global
-manifest is published and the previous global version stays the newest.
+DeepSpeed through :func:`asymcheck.deepspeed.attach`) the signal reaches the
+ranks milliseconds apart, so no rank acts alone: the first rank to see a
+notice publishes it through the job's key-value store with the step every
+rank must complete, every rank reads it once per iteration at its first
+training hook, and every rank flushes that same step at the same iteration
+boundary, after every collective of the step and before any of the next
+(:mod:`asymcheck.agreement`). Each rank then waits, within the deadline, for
+the global commit of that step, records it and hands the signal on; a rank
+that only read the notice (no SIGTERM of its own yet) exits as if signalled
+when the notice came from a SIGTERM (``reason="peer"``). A rank whose peers
+are gone (the key-value store unreachable, or the global version never
+published in time) records ``peer_lost``.
 
 ``Checkpointer.preempt(deadline_s)`` does the same on an explicit notice (a
 scheduler that announces preemption another way), from the training thread,
-without exiting.
+without exiting; under several ranks every rank calls it after the same step
+(a collective, like ``close()``).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal, TypeVar
 
+from asymcheck.agreement import PreemptAgreement
 from asymcheck.commits import CommitQueue
 from asymcheck.storeloop import StoreLoop
 from asymstore import CheckpointStore
@@ -61,7 +70,7 @@ Handler = Callable[[int, FrameType | None], Any] | int | None
 
 T = TypeVar("T")
 DEFAULT_DEADLINE_S = 25.0  # under the usual grace periods (Kubernetes 30 s, Slurm's KillWait 30 s)
-Reason = Literal["SIGTERM", "explicit"]
+Reason = Literal["SIGTERM", "explicit", "peer"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,8 @@ class PreemptionRecord:
     """What a preemption flush managed.
 
     Attributes:
-        reason: ``"SIGTERM"`` or ``"explicit"``.
+        reason: ``"SIGTERM"``, ``"explicit"``, or ``"peer"`` (under several ranks: only another rank's
+            notice, read through the key-value store, reached this rank before its flush).
         step: the newest completed optimizer step at the flush.
         durable: whether ``step`` itself survives the process: on a persistent tier and, under
             several ranks, published as a global version.
@@ -80,6 +90,9 @@ class PreemptionRecord:
         persistent_step: the newest step on a persistent tier (this rank's shard under several ranks).
         global_step: under several ranks, the newest global version this rank knows was published.
         error: why the final commit failed, if it did.
+        peer_lost: under several ranks, another rank did not take part: the key-value store was
+            unreachable, or this rank's shard of ``step`` is persistent but its global version was not
+            known published by the end.
     """
 
     reason: Reason
@@ -92,6 +105,7 @@ class PreemptionRecord:
     persistent_step: int | None = None
     global_step: int | None = None
     error: str | None = None
+    peer_lost: bool = False
 
 
 class SigtermNotice:
@@ -176,6 +190,9 @@ class Preemptible:
     _commits: CommitQueue
     _loop: StoreLoop
     _notice: SigtermNotice
+    _agreement: PreemptAgreement | None  # under several ranks (asymcheck.agreement)
+    _boundary: bool  # the next training hook is the first after an optimizer step (or the first of all)
+    _joined: bool  # this iteration's gradients (and the collectives they start) began
     _closed: bool
     _step: int
     _saved_step: int | None
@@ -193,9 +210,40 @@ class Preemptible:
         raise NotImplementedError
 
     def _check_notice(self) -> None:
-        """At a hook: act on a SIGTERM received since, then hand the signal on."""
-        if self._notice.pending and not self._closed:
-            self._flush_for_preemption("SIGTERM", Deadline(self.preempt_deadline_s, self._notice.received))
+        """At a hook: act on a SIGTERM received since (under several ranks, on the agreed notice)."""
+        if self._closed:
+            return
+        agreement = self._agreement
+        if agreement is None:  # one process: the state after the newest completed step is whole at any hook
+            if self._notice.pending:
+                self._flush_for_preemption("SIGTERM", Deadline(self.preempt_deadline_s, self._notice.received))
+                self._notice.hand_on()
+            return
+        boundary, self._boundary = self._boundary, False
+        notice = agreement.notice
+        if notice is None:
+            if self._notice.pending:  # no rank can be past step T (asymcheck.agreement)
+                notice = agreement.publish(self._step + (2 if self._joined else 1), "SIGTERM")
+            elif boundary:
+                notice = agreement.poll()  # the one read of the iteration
+            if notice is None:
+                if agreement.lost is not None and self._notice.pending:  # no peers to agree with: flush now
+                    self._flush_for_preemption("SIGTERM", Deadline(self.preempt_deadline_s, self._notice.received),
+                                               lost=True)
+                    self._notice.hand_on()
+                return
+        if not boundary:
+            return
+        if self._step < notice.step:
+            return  # train on to the agreed step: the other ranks need this one in its collectives
+        if self._step > notice.step:
+            logger.error("preemption: every rank was to flush step %d, this rank is already at step %d "
+                         "(a rank that does not step in lockstep?): flushing step %d", notice.step, self._step,
+                         self._step)
+        origins = [t for t in (self._notice.received, agreement.seen) if t is not None]
+        self._flush_for_preemption("SIGTERM" if self._notice.pending else "peer",
+                                   Deadline(self.preempt_deadline_s, min(origins)))
+        if self._notice.pending or notice.reason == "SIGTERM":  # a peer's SIGTERM: exit as if signalled
             self._notice.hand_on()
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], deadline: Deadline, grace_s: float = 1.0) -> T:
@@ -208,7 +256,7 @@ class Preemptible:
             fut.cancel()
             raise
 
-    def _flush_for_preemption(self, reason: Reason, deadline: Deadline) -> PreemptionRecord:
+    def _flush_for_preemption(self, reason: Reason, deadline: Deadline, *, lost: bool = False) -> PreemptionRecord:
         self._settle()  # DeepSpeed: the last step's version opens first
         store = self._loop.store
         error: str | None = None
@@ -242,14 +290,16 @@ class Preemptible:
         multirank = _published(store)
         published = None if multirank is None else multirank[0]
         durable = persistent == self._step and (multirank is None or published == self._step)
+        lost = lost or (multirank is not None and persistent == self._step and published != self._step)
         record = PreemptionRecord(reason, self._step, durable, deadline.elapsed(), versions, deadline.seconds,
-                                  hit, persistent, published, error)
+                                  hit, persistent, published, error, lost)
         self.final_versions = versions
         self.preempted = record
         logger.warning("preemption (%s): step %d %s in %.2f s (deadline %s%s); persistent %s, global %s; "
-                       "versions %s%s", reason, record.step, "durable" if durable else "NOT durable",
+                       "versions %s%s%s", reason, record.step, "durable" if durable else "NOT durable",
                        record.seconds, deadline.seconds, ", hit" if hit else "", persistent, published,
-                       versions, f"; {error}" if error else "")
+                       versions, "; peer lost" if lost else "", f"; {error}" if error else "",
+                       extra={"preemption": record})  # a logging handler gets the record itself
         return record
 
 

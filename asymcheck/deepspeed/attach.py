@@ -98,8 +98,10 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
         **kwargs: passed to :class:`asymcheck.Checkpointer` (``warmup``, ``max_inflight``,
             ``host_slots``, ``min_partition_bytes``, ``preempt_on``, ``preempt_deadline_s``...).
             Keep ``when_busy="wait"``: a version one rank skips can never be completed globally.
-            SIGTERM is handled as by the Checkpointer: every rank commits the newest completed
-            step at its next hook, the global commit completes, then the signal is handed on.
+            SIGTERM is handled as by the Checkpointer: the ranks agree through the key-value store
+            on one step (the one after the step in flight), every rank trains to it and commits it
+            at the same iteration boundary, the global commit completes, then the signal is handed
+            on (see :mod:`asymcheck.agreement`).
 
     Raises:
         UnsupportedConfigError: the engine uses a setting whose state the capture would miss

@@ -251,6 +251,10 @@ class RankStore:
         self._counters[kind] = n + 1
         return f"s{self._session}/{kind}/{n}"
 
+    def session_key(self, name: str) -> str:
+        """A coordination key of this session (the same on every rank that opened the store as often)."""
+        return f"s{self._session}/{name}"
+
     @property
     def kv(self) -> KV:
         """The coordination store (after ``open``)."""

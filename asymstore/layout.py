@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import re
+import time
+import uuid
 
 LATEST = "LATEST"
 TMP_PREFIX = ".tmp-"
@@ -40,3 +42,26 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def quarantine_entry(root: str, path: str, label: str, *, fsync: bool = True) -> str:
+    """Move ``path`` (an entry of the tier ``root``) to ``root/.quarantine/<label>-<time>-<id>``; return where."""
+    qdir = os.path.join(root, QUARANTINE)
+    os.makedirs(qdir, exist_ok=True)
+    dest = os.path.join(qdir, f"{label}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    os.rename(path, dest)
+    if fsync:
+        fsync_dir(qdir)
+        fsync_dir(root)
+    return dest
+
+
+def retention_leftover(step: int, committed: list[int]) -> bool:
+    """Whether a version directory of ``step`` without a manifest can be what an interrupted retention delete left.
+
+    Retention deletes only versions older than every version it keeps (manifest
+    first), so such a leftover is older than the oldest committed version.
+    Anything else — a manifest lost from a committed version by a person, a
+    disk, a tool — holds data that may be the only copy: quarantine it.
+    """
+    return bool(committed) and step < min(committed)

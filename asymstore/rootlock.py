@@ -31,7 +31,14 @@ import time
 from collections.abc import Collection
 
 from asymstore.errors import RootLockedError
-from asymstore.layout import LATEST, TMP_PREFIX, fsync_dir, parse_version_dirname
+from asymstore.layout import (
+    LATEST,
+    TMP_PREFIX,
+    fsync_dir,
+    parse_version_dirname,
+    quarantine_entry,
+    retention_leftover,
+)
 from asymstore.manifest import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
@@ -132,28 +139,44 @@ def is_leftover_name(name: str) -> bool:
 
 
 def sweep_directory(root: str, active: Collection[str] = (), *, fsync: bool = True) -> list[str]:
-    """Remove what dead writers left in ``root``; return the names removed.
+    """Remove what dead writers left in ``root``; return the names removed or moved aside.
 
     Call it only while holding the root's :class:`DirLock`: then every
     temporary entry not in ``active`` (this writer's own in-flight names)
     belongs to a writer that is gone. Removed: ``.tmp-*`` files and
     directories, ``LATEST`` temp files, and version directories without a
-    manifest (a retention delete cut short). Symlinks are unlinked, never
-    followed. Committed versions are never touched.
+    manifest that a retention delete cut short (older than the oldest
+    committed version, :func:`asymstore.layout.retention_leftover`). A version
+    directory without a manifest that retention cannot have been deleting
+    (a committed version whose manifest was lost) is moved to ``.quarantine/``
+    with a WARNING, never deleted. Symlinks are unlinked, never followed.
+    Committed versions are never touched.
     """
     removed: list[str] = []
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return removed
+    committed = [s for s in (parse_version_dirname(e.name) for e in entries if e.is_dir(follow_symlinks=False)
+                             and os.path.lexists(os.path.join(e.path, MANIFEST_NAME))) if s is not None]
     for entry in entries:
         name = entry.name
         if name in active:
             continue
         is_dir = entry.is_dir(follow_symlinks=False)
-        orphan = (parse_version_dirname(name) is not None and is_dir
-                  and not os.path.lexists(os.path.join(entry.path, MANIFEST_NAME)))
+        step = parse_version_dirname(name)
+        orphan = step is not None and is_dir and not os.path.lexists(os.path.join(entry.path, MANIFEST_NAME))
         if not (is_leftover_name(name) or orphan):
+            continue
+        if orphan and step is not None and not retention_leftover(step, committed):
+            try:
+                dest = quarantine_entry(root, entry.path, name, fsync=fsync)
+            except OSError as exc:
+                logger.warning("could not move %s aside: %s", entry.path, exc)
+                continue
+            logger.warning("%s: version directory %s has no manifest but is no retention leftover (a version "
+                           "older than it is committed): moved to %s, not deleted", root, name, dest)
+            removed.append(name)
             continue
         try:
             if is_dir:

@@ -152,7 +152,7 @@ async def test_version_without_manifest_is_orphaned(tmp_path: Path) -> None:
     assert got[orphan.name] == ("orphaned", 5)
     assert got[stray.name] == ("orphaned", None)
     assert sorted(report["problems"]) == sorted([
-        f"{orphan.name}: orphaned: no manifest: an interrupted delete or a foreign directory",
+        f"{orphan.name}: orphaned: no manifest: a retention delete that was interrupted",
         f"{stray.name}: orphaned: leftover of a LATEST update"])
     rc, fixed = fsck_json("--repair", str(root))
     assert rc == 0

@@ -26,14 +26,21 @@ import concurrent.futures
 import logging
 import os
 import shutil
-import time
-import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from asymstore.fileio import atomic_write, read_whole
-from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, parse_version_dirname
+from asymstore.layout import (
+    LATEST,
+    QUARANTINE,
+    TMP_PREFIX,
+    fsync_dir,
+    parse_version_dirname,
+    quarantine_entry,
+    retention_leftover,
+    version_dirname,
+)
 from asymstore.manifest import MANIFEST_NAME
 from asymstore.rootlock import DirLock, is_leftover_name
 from asymstore.tiers.base import Tier
@@ -119,12 +126,17 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 async def _check_version(tier: Tier, path: str, name: str, step: int, deep: bool,
-                         progress: Progress | None) -> VersionReport:
+                         progress: Progress | None, committed: list[int]) -> VersionReport:
     """One version directory, through the verification path restore uses (:mod:`asymstore.verify`)."""
     report = VersionReport(name, "committed", step)
     if os.path.isdir(path) and not os.path.islink(path) and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
-        report.status = "orphaned"
-        report.problems.append("no manifest: an interrupted delete or a foreign directory")
+        if retention_leftover(step, committed):
+            report.status = "orphaned"
+            report.problems.append("no manifest: a retention delete that was interrupted")
+        else:
+            report.status = "corrupt"
+            report.problems.append("no manifest, yet older versions are committed: not a retention leftover but a "
+                                   "version that lost its manifest (repair moves it to .quarantine/)")
         return report
     manifest, problems = await check_version(tier, step, deep=deep, progress=progress)
     if problems:
@@ -197,12 +209,14 @@ async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] 
     tick = progress(_deep_total(root, versions)) if deep and progress else None
     holder = DirLock(root).holder()  # a live writer: its temporary entries are work in progress
     tier = LocalTier(root, fsync=False)
+    with_manifest = sorted(s for s in (parse_version_dirname(n) for n in versions)
+                           if s is not None and os.path.lexists(os.path.join(root, version_dirname(s), MANIFEST_NAME)))
     entries: list[VersionReport] = []
     for name in names:
         path = os.path.join(root, name)
         step = parse_version_dirname(name)
         if name in versions and step is not None:
-            entries.append(await _check_version(tier, path, name, step, deep, tick))
+            entries.append(await _check_version(tier, path, name, step, deep, tick, with_manifest))
         elif is_leftover_name(name) and holder is not None:
             entries.append(VersionReport(name, "in_progress", None, problems=[]))
         elif name.startswith(TMP_PREFIX):
@@ -235,11 +249,7 @@ def _check_latest(root: str, newest: int | None, committed: set[int | None]) -> 
 
 
 def _quarantine(root: str, path: str, label: str) -> str:
-    qdir = os.path.join(root, QUARANTINE)
-    os.makedirs(qdir, exist_ok=True)
-    dest = os.path.join(qdir, f"{label}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
-    os.rename(path, dest)
-    return dest
+    return quarantine_entry(root, path, label, fsync=False)
 
 
 def repair(report: FsckReport) -> list[str]:

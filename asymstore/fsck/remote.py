@@ -15,13 +15,16 @@ from collections.abc import Callable
 import pyarrow.fs as pafs
 
 from asymstore.fsck import FsckReport, Progress, VersionReport, run_sync
-from asymstore.layout import LATEST, QUARANTINE, parse_version_dirname
+from asymstore.layout import LATEST, QUARANTINE, parse_version_dirname, retention_leftover
 from asymstore.manifest import MANIFEST_NAME
 from asymstore.rootlock import LOCK_NAME, is_leftover_name
 from asymstore.tiers.remote import RemoteTier
 from asymstore.verify import check_version
 
 logger = logging.getLogger(__name__)
+
+LOST_MANIFEST = ("no manifest, yet older versions are committed: not a retention leftover but a version that lost "
+                 "its manifest (repair moves it to .quarantine/)")
 
 
 def check_remote(uri: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None) -> FsckReport:
@@ -50,6 +53,8 @@ async def _check(uri: str, deep: bool, progress: Callable[[int], Progress] | Non
                 if i.type == pafs.FileType.Directory and parse_version_dirname(i.base_name) is not None}
     total = sum(f.size or 0 for fs in contents.values() for f in fs if f.base_name != MANIFEST_NAME)
     tick = progress(total) if deep and progress else None
+    with_manifest = [s for n, fs in contents.items() if MANIFEST_NAME in {f.base_name for f in fs}
+                     for s in [parse_version_dirname(n)] if s is not None]
     entries: list[VersionReport] = []
     for info in listing:
         name = info.base_name
@@ -57,9 +62,13 @@ async def _check(uri: str, deep: bool, progress: Callable[[int], Progress] | Non
         if name in contents and step is not None:
             files = {f.base_name for f in contents[name]}
             if MANIFEST_NAME not in files:
-                status = "in_progress" if holder else "orphaned"
-                entries.append(VersionReport(name, status, step, problems=[] if holder else [
-                    "no manifest: an upload cut short or an interrupted delete"]))
+                if holder:
+                    entries.append(VersionReport(name, "in_progress", step))
+                elif retention_leftover(step, with_manifest):
+                    entries.append(VersionReport(name, "orphaned", step, problems=[
+                        "no manifest: an upload cut short or an interrupted delete"]))
+                else:
+                    entries.append(VersionReport(name, "corrupt", step, problems=[LOST_MANIFEST]))
                 continue
             report = VersionReport(name, "committed", step)
             manifest, problems = await check_version(tier, step, deep=deep, progress=tick)
@@ -111,8 +120,8 @@ async def _repair(report: FsckReport) -> list[str]:
     actions: list[str] = []
     try:
         for e in report.entries:
-            if e.status == "corrupt" and e.step is not None:
-                await tier.quarantine(e.step)
+            if e.status == "corrupt" and e.step is not None and LOST_MANIFEST not in e.problems:
+                await tier.quarantine(e.step)  # (a version that lost its manifest: the sweep below moves it)
                 actions.append(f"moved corrupt {e.name} to {QUARANTINE}/")
             elif e.status == "committed" and e.unreferenced:
                 for f in e.unreferenced:

@@ -31,7 +31,14 @@ import pyarrow.fs as pafs
 
 from asymstore.checksum import StreamingChecksum
 from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
-from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, parse_version_dirname, version_dirname
+from asymstore.layout import (
+    LATEST,
+    QUARANTINE,
+    TMP_PREFIX,
+    parse_version_dirname,
+    retention_leftover,
+    version_dirname,
+)
 from asymstore.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
 from asymstore.rootlock import is_leftover_name
 from asymstore.tiers.base import Buffer
@@ -147,7 +154,12 @@ class RemoteTier:
 
         Temporary directories and files (``.tmp-*``, ``LATEST`` temp files) and
         version prefixes without a manifest (uploads aborted while the remote
-        was down, or cut short by a crash) that are not this writer's own.
+        was down, or cut short by a crash, or a retention delete cut short) that
+        are not this writer's own. A version prefix without a manifest that is
+        newer than a committed version (not a retention leftover: see
+        :func:`asymstore.layout.retention_leftover`) is moved under
+        ``.quarantine/`` with a WARNING instead: it may be a committed
+        version that lost its manifest.
         """
         if not self._lease.held:
             return []
@@ -156,13 +168,25 @@ class RemoteTier:
         def sweep() -> list[str]:
             removed = []
             sel = pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
-            for info in self.fs.get_file_info(sel):
+            listing = list(self.fs.get_file_info(sel))
+            has_manifest = {info.base_name: self.fs.get_file_info(f"{info.path}/{MANIFEST_NAME}").type
+                            == pafs.FileType.File for info in listing
+                            if parse_version_dirname(info.base_name) is not None
+                            and info.type == pafs.FileType.Directory}
+            committed = [s for n, ok in has_manifest.items() if ok for s in [parse_version_dirname(n)] if s is not None]
+            for info in listing:
                 name = info.base_name
                 if name in active:
                     continue
-                orphan = (parse_version_dirname(name) is not None and info.type == pafs.FileType.Directory
-                          and self.fs.get_file_info(f"{info.path}/{MANIFEST_NAME}").type != pafs.FileType.File)
+                step = parse_version_dirname(name)
+                orphan = name in has_manifest and not has_manifest[name]
                 if not (orphan or is_leftover_name(name)):
+                    continue
+                if orphan and step is not None and not retention_leftover(step, committed):
+                    dest = self._move_aside(info.path, name)
+                    logger.warning("%s: version prefix %s has no manifest but is no retention leftover (a version "
+                                   "older than it is committed): moved to %s, not deleted", self.name, name, dest)
+                    removed.append(name)
                     continue
                 if info.type == pafs.FileType.Directory:
                     self.fs.delete_dir(info.path)
@@ -178,6 +202,19 @@ class RemoteTier:
         for name in removed:
             logger.info("%s: removed leftover %s", self.name, name)
         return removed
+
+    def _move_aside(self, path: str, name: str) -> str:
+        """Move the prefix ``path`` under ``.quarantine/`` (file by file where directories cannot be renamed)."""
+        dest = self._p(QUARANTINE, f"{name}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+        self.fs.create_dir(self._p(QUARANTINE), recursive=True)
+        if self.publish_mode == "rename":
+            self.fs.move(path, dest)
+            return dest
+        for f in self.fs.get_file_info(pafs.FileSelector(path, recursive=True)):
+            if f.type == pafs.FileType.File:
+                self.fs.move(f.path, f"{dest}/{f.path[len(path):].lstrip('/')}")
+        self.fs.delete_dir(path)
+        return dest
 
     async def list_versions(self) -> list[int]:
         """Return steps whose ``v…/MANIFEST.json`` exists, ascending."""

@@ -83,3 +83,44 @@ async def test_fsck_marks_a_live_remote_writers_temporaries_in_progress(tmp_path
     after = check(uri)  # the writer is gone: the same entry is a dead writer's leftover
     assert after.writer is None and not after.ok
     assert [e.status for e in after.entries if e.name.startswith(".tmp-")] == ["partial"]
+
+
+class _SlowFirstRead(RemoteLease):
+    """A fault: the first look at the lease takes a while (a slow mount), so two writers both see none."""
+
+    def __init__(self, *args: object, **kw: float) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self._first = True
+
+    def _read(self) -> dict[str, object] | None:
+        doc = super()._read()
+        if self._first:
+            self._first = False
+            time.sleep(0.2)
+        return doc
+
+
+def test_two_writers_starting_together_on_a_file_root_never_both_win(tmp_path: Path) -> None:
+    import threading
+
+    for attempt in range(5):
+        root = tmp_path / f"r{attempt}"
+        root.mkdir()
+        barrier = threading.Barrier(2)
+        won: list[bool] = []
+
+        def take(root: Path = root, barrier: threading.Barrier = barrier, won: list[bool] = won) -> None:
+            mine = _SlowFirstRead(pafs.LocalFileSystem(), str(root), wait_s=0.0)
+            barrier.wait()
+            try:
+                mine.acquire()
+                won.append(True)
+            except RootLockedError:
+                won.append(False)
+
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert sorted(won) == [False, True], (attempt, won)  # the conditional create lets exactly one in

@@ -8,10 +8,15 @@ live writer elsewhere is waited for up to ``wait_s`` (so a job restarted on
 another node after a crash takes over once the dead writer's lease lapses);
 past that, :class:`~asymstore.errors.RootLockedError` names the holder.
 
-Object stores give no compare-and-swap, so two writers starting within the
-same second can both believe they won; the read-back after each write
-narrows that window to a race no scheduler produces in practice, and the
-lease is documented as best effort for that reason.
+Where the filesystem offers a conditional create — a ``file://`` root (a
+local or network mount: ``O_CREAT | O_EXCL``) — a lease that does not exist
+yet is created only if it is still absent, so of two writers starting at the
+same moment exactly one wins. Object stores and HDFS as pyarrow exposes them
+give no conditional create or compare-and-swap, so there (and when taking
+over an expired lease anywhere) two writers starting within the same second
+can both believe they won; the read-back after each write narrows that window
+to a race no scheduler produces in practice, and the lease is documented as
+best effort for that reason.
 """
 
 from __future__ import annotations
@@ -82,6 +87,20 @@ class RemoteLease:
         with self.fs.open_output_stream(self.path) as out:
             out.write(json.dumps(doc).encode())
 
+    def _create_exclusive(self) -> bool:
+        """Create the lease file only if it does not exist (a local path); return whether this call created it."""
+        doc = holder_info() | {"token": self.token, "expires": time.time() + self.ttl_s}
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, json.dumps(doc).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
     def _blocker(self, doc: dict[str, Any] | None) -> str | None:
         """Why ``doc`` keeps us out, or None when the lease is free to take."""
         if not doc or doc.get("token") == self.token:
@@ -108,10 +127,15 @@ class RemoteLease:
         """
         deadline = time.monotonic() + self.wait_s
         while True:
-            blocker = self._blocker(self._read())
+            doc = self._read()
+            blocker = self._blocker(doc)
             if blocker is None:
-                self._write()
-                if (self._read() or {}).get("token") == self.token:
+                if doc is None and isinstance(self.fs, pafs.LocalFileSystem):
+                    won = self._create_exclusive()  # a conditional create: one of two racing writers wins
+                else:
+                    self._write()
+                    won = True
+                if won and (self._read() or {}).get("token") == self.token:
                     self.held = True
                     return
                 blocker = "another writer that took the lease at the same moment"

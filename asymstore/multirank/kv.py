@@ -61,6 +61,14 @@ class KV:
         """Return the JSON value of ``key`` (it must exist)."""
         return json.loads(bytes(self.store.get(key)).decode())
 
+    def get_many(self, keys: Sequence[str]) -> list[Any]:
+        """Return the JSON values of ``keys`` (they must exist), in one request where the store can."""
+        if not keys:
+            return []
+        multi_get = getattr(self.store, "multi_get", None)
+        raw = multi_get(list(keys)) if multi_get is not None else [self.store.get(k) for k in keys]
+        return [json.loads(bytes(v).decode()) for v in raw]
+
     def has(self, key: str) -> bool:
         """True when ``key`` is set."""
         return bool(self.store.check([key]))
@@ -78,13 +86,15 @@ class KV:
         deadline = time.monotonic() + timeout_s
         pending = list(keys)
         delay = _POLL_MIN_S
-        while True:
-            pending = self.missing(pending)
-            if not pending:
+        while True:  # one request per poll, however many keys (a per-key poll grows as N x polls per commit)
+            if not pending or self.store.check(pending):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise CoordinationTimeoutError(f"{what}: still missing after {timeout_s:g} s: {pending}")
+                missing = self.missing(pending)
+                if not missing:
+                    return
+                raise CoordinationTimeoutError(f"{what}: still missing after {timeout_s:g} s: {missing}")
             time.sleep(min(delay, left))
             delay = min(delay * 2, _POLL_MAX_S)
 
@@ -117,6 +127,10 @@ class MemoryStore:
     def check(self, keys: Sequence[str]) -> bool:
         """True when every key is set."""
         return all(k in self._data for k in keys)
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Return the values of ``keys`` (KeyError when one is unset)."""
+        return [self._data[k] for k in keys]
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the integer ``key`` and return the new value."""

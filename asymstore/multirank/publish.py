@@ -60,7 +60,7 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
                f"the global version is not published (newest stays {max(store.global_steps(), default=None)})")
         kv.put(f"{key}/global", {"failed": msg})
         raise GlobalCommitTimeoutError(msg) from exc
-    reports = [kv.get(k) for k in keys]
+    reports = kv.get_many(keys)
     dropped = {r: rep["dropped"] for r, rep in enumerate(reports) if "dropped" in rep}
     if dropped:
         msg = f"step {step}: rank(s) {sorted(dropped)} dropped their version ({next(iter(dropped.values()))}); " \

@@ -80,7 +80,7 @@ def _gather_haves(store: RankStore, key: str) -> dict[int, set[int]]:
     kv.put(f"{key}/have/{store.rank}", own_steps(store))
     keys = [f"{key}/have/{r}" for r in range(store.world_size)]
     kv.wait(keys, store.restore_timeout_s, "ranks listing their shards for restore")
-    return {r: set(kv.get(k)) for r, k in enumerate(keys)}
+    return {r: set(v) for r, v in enumerate(kv.get_many(keys))}
 
 
 def _candidates(store: RankStore, haves: dict[int, set[int]], step: int | None,
@@ -131,7 +131,7 @@ async def _coordinate(store: RankStore, key: str, haves: dict[int, set[int]], st
         await asyncio.to_thread(kv.put, f"{key}/result/{k}/{store.rank}", {"ok": ckpt is not None, "reason": reason})
         keys = [f"{key}/result/{k}/{r}" for r in range(store.world_size)]
         await asyncio.to_thread(kv.wait, keys, store.restore_timeout_s, f"ranks loading global step {g.step}")
-        results = [await asyncio.to_thread(kv.get, kk) for kk in keys]
+        results = await asyncio.to_thread(kv.get_many, keys)
         bad = {r: res["reason"] for r, res in enumerate(results) if not res["ok"]}
         if not bad and ckpt is not None:
             await asyncio.to_thread(kv.put, f"{key}/try/{k + 1}", {"done": g.step, "notes": notes})

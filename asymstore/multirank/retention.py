@@ -1,8 +1,9 @@
 """Retention of a multi-rank checkpoint: which global versions and shards are kept, and rolling back orphans.
 
 * The coordinator keeps the newest ``keep_last`` global versions
-  (:func:`retain_globals`) and tells each rank, under ``retain/<rank>`` of the
-  coordination store, the oldest shard step a kept version still needs.
+  (:func:`retain_globals`) and tells each rank, under ``retain/all`` (every
+  rank alike: one request) or ``retain/<rank>`` of the coordination store,
+  the oldest shard step a kept version still needs.
 * Each rank then deletes its own older shards (:func:`retain_shards`).
 * Shards of ranks no longer in the job are retired by the coordinator
   (:func:`retire_departed_shards`, see :mod:`.departed`).
@@ -56,10 +57,13 @@ def retain_globals(store: RankStore) -> None:
             continue
     if not kept:
         return
-    for r in range(store.world_size):  # a kept version of another world size may need rank r's older shards
-        steps_r = [g.shard(r).step for g in kept if r < g.world_size]
-        if steps_r:
-            store.kv.raise_int(f"retain/{r}", min(steps_r) + 1)
+    needed = {r: min(steps_r) for r in range(store.world_size)
+              if (steps_r := [g.shard(r).step for g in kept if r < g.world_size])}
+    if len(set(needed.values())) == 1 and len(needed) == store.world_size:  # the usual case: one request
+        store.kv.raise_int("retain/all", next(iter(needed.values())) + 1)
+        return
+    for r, step in needed.items():  # a kept version of another world size may need rank r's older shards
+        store.kv.raise_int(f"retain/{r}", step + 1)
 
 
 async def retire_departed_shards(store: RankStore) -> None:
@@ -81,7 +85,8 @@ async def delete_shard(local: AsymStore, step: int) -> None:
 
 async def retain_shards(local: AsymStore, kv: KV, rank: int) -> None:
     """Delete ``rank``'s own shards older than the oldest one a kept global version needs."""
-    keep_from = await asyncio.to_thread(kv.read_int, f"retain/{rank}") - 1
+    keep_from = max(await asyncio.to_thread(kv.read_int, f"retain/{rank}"),
+                    await asyncio.to_thread(kv.read_int, "retain/all")) - 1
     if keep_from < 0:
         return
     old = sorted({v for vs in local.versions().values() for v in vs if v < keep_from})

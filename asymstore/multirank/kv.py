@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from asymstore.exiting import exiting
 from asymstore.multirank.errors import CoordinationTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class KV:
         """Wait until every key is set.
 
         Raises:
-            CoordinationTimeoutError: ``timeout_s`` passed first (names ``what`` and the missing keys).
+            CoordinationTimeoutError: ``timeout_s`` passed first (names ``what`` and the missing keys), or
+                the interpreter is exiting (the wait must not hold up its exit: see :mod:`asymstore.exiting`).
         """
         deadline = time.monotonic() + timeout_s
         pending = list(keys)
@@ -82,6 +84,8 @@ class KV:
             pending = self.missing(pending)
             if not pending:
                 return
+            if exiting():
+                raise CoordinationTimeoutError(f"{what}: the process is exiting; still missing: {pending}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CoordinationTimeoutError(f"{what}: still missing after {timeout_s:g} s: {pending}")

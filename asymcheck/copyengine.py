@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from asymstore.exiting import EXIT_WAIT_S, at_exit, cancel
+
 logger = logging.getLogger(__name__)
 
 
@@ -100,9 +102,11 @@ class CopyEngine:
         self._thread: threading.Thread | None = None
         self._bad: set[int] = set()
         self._cuda_jobs: list[CopyJob] = []
+        self._exit_handle: int | None = None
         if mode == "thread":
             self._thread = threading.Thread(target=self._run, name="asymcheck-copy", daemon=True)
             self._thread.start()
+            self._exit_handle = at_exit(self._at_exit)
 
     def submit(self, jobs: Sequence[CopyJob]) -> None:
         """Start copying ``jobs``; returns before they finish (except inline CPU copies)."""
@@ -200,6 +204,13 @@ class CopyEngine:
 
     def close(self) -> None:
         """Stop the worker after the queued copies."""
+        cancel(self._exit_handle)
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+
+    def _at_exit(self) -> None:
+        """The interpreter exits: stop the worker after the queued copies, waiting a bounded time."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(EXIT_WAIT_S)

@@ -2,7 +2,10 @@
 
 The training thread calls ``run`` (blocking) or ``submit`` (a
 ``concurrent.futures.Future``); every store call happens on the loop thread,
-so the store's asyncio locks and tasks never cross loops.
+so the store's asyncio locks and tasks never cross loops. If the interpreter
+exits with the store still open (the program ended by an exception), the loop
+thread is stopped before the interpreter finalizes (:mod:`asymstore.exiting`):
+the store is left as it is, as if the process had been killed.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from asymstore.errors import StoreClosedError
+from asymstore.exiting import EXIT_WAIT_S, at_exit, cancel
 from asymstore.storeapi import CheckpointStore
 
 logger = logging.getLogger(__name__)
@@ -35,6 +40,8 @@ class StoreLoop:
         self._thread = threading.Thread(target=self._loop.run_forever, name="asymcheck-store", daemon=True)
         self._thread.start()
         self._closed = False
+        self._exited = False
+        self._exit_handle: int | None = at_exit(self._at_exit)
         try:
             self.run(store.open())
         except BaseException:
@@ -42,7 +49,14 @@ class StoreLoop:
             raise
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule ``coro`` on the loop; return its future."""
+        """Schedule ``coro`` on the loop; return its future.
+
+        Raises:
+            StoreClosedError: the interpreter is exiting and the loop was stopped.
+        """
+        if self._exited:
+            coro.close()
+            raise StoreClosedError("the process is exiting: the store's loop is stopped")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -64,10 +78,10 @@ class StoreLoop:
             after: work on this loop (commits in flight) that must end before the store closes.
 
         Returns:
-            True when the store closed within ``timeout``.
+            True when the store closed within ``timeout`` (False after the interpreter began exiting).
         """
         if self._closed:
-            return True
+            return not self._exited
         self._closed = True
         fut = self.submit(self._close_after(after))
         concurrent.futures.wait([fut], timeout)
@@ -86,7 +100,19 @@ class StoreLoop:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in after), return_exceptions=True)
         await self.store.close()
 
+    def _at_exit(self) -> None:
+        """The interpreter exits with the store open (or closing): stop the loop thread (bounded), close nothing."""
+        if not self._thread.is_alive():
+            return
+        self._closed = self._exited = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(EXIT_WAIT_S)
+        if self._thread.is_alive():
+            logger.warning("the store's loop thread did not stop within %.0f s of the interpreter's exit", EXIT_WAIT_S)
+
     def _stop(self) -> None:
+        cancel(self._exit_handle)
+        self._exit_handle = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

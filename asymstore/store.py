@@ -36,7 +36,7 @@ from asymstore.puts import Puts, check_step
 from asymstore.restore import Checkpoint, describe, restore_newest
 from asymstore.staging import PendingStep
 from asymstore.storeapi import CheckpointStore
-from asymstore.tiers.base import ExclusiveTier, Tier
+from asymstore.tiers.base import ExclusiveTier, ReportingTier, Tier
 from asymstore.tierwrite import TierState, write_version
 
 if TYPE_CHECKING:
@@ -308,9 +308,12 @@ class AsymStore(Puts):
             f = self._background.flushers.get(s.tier.name)
             have = max(s.versions) if s.versions else None
             lag = 0 if newest is None else sum(1 for v in self._committed_steps if v > (have or -1))
+            error = f.stats.last_error if f and f.stats.last_error else s.last_error
+            own = s.tier.background_error if isinstance(s.tier, ReportingTier) else None
+            if own is not None and (error is None or own not in error):  # its own threads' failure (a peer's)
+                error = own if error is None else f"{error}; {own}"
             out[s.tier.name] = TierStatus(
-                s.tier.name, sorted(s.versions), s.calibration, s.last_flush,
-                (f.stats.last_error if f and f.stats.last_error else s.last_error),
+                s.tier.name, sorted(s.versions), s.calibration, s.last_flush, error,
                 sorted(p.step for p in [*f.queue, *([f.current] if f.current else [])]) if f else [],
                 newest=have, lag_versions=lag, lag_bytes=f.lag_bytes if f else 0,
                 bytes_per_second=f.stats.bytes_per_second if f else 0.0, queue_depth=f.depth if f else 0,

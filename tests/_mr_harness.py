@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,62 @@ def assert_same_state(a: Checkpoint, b: Checkpoint, *, ignore_meta: tuple[str, .
                 m = m[p]
             m.pop(leaf)
     assert ma == mb
+
+
+SCRIPT = HERE / "_peer_exit_script.py"
+
+
+class Script:
+    """``world`` ranks of tests/_peer_exit_script.py, each a Python process of its own (as torchrun starts them).
+
+    Each rank's stdout and stderr go to ``out/log-rankR``; :meth:`wait` records when each process ended.
+    """
+
+    def __init__(self, case: dict[str, Any], out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.case = {**case, "out": str(out), "port": case.get("port") or free_ports(1)[0]}
+        self.out = out
+        spec = out / "case.json"
+        spec.write_text(json.dumps(self.case))
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        self.procs = []
+        for r in range(self.case["world"]):
+            with open(out / f"log-rank{r}", "w") as log:
+                self.procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(spec), str(r)],
+                                                   stdout=log, stderr=subprocess.STDOUT, env=env))
+        self.exited: dict[int, float] = {}
+
+    def iterations(self, rank: int) -> int:
+        path = self.out / f"progress-rank{rank}.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def wait_for_iterations(self, n: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while min(self.iterations(r) for r in range(len(self.procs))) < n:
+            assert all(p.poll() is None for p in self.procs), [p.poll() for p in self.procs]
+            assert time.monotonic() < deadline, f"not every rank reached iteration {n} in {timeout} s"
+            time.sleep(0.05)
+
+    def wait(self, ranks: list[int], timeout: float) -> None:
+        """Wait up to ``timeout`` for ``ranks`` to end, noting when each did (wall clock)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(r not in self.exited for r in ranks):
+            for r in ranks:
+                if r not in self.exited and self.procs[r].poll() is not None:
+                    self.exited[r] = time.time()
+            time.sleep(0.02)
+
+    def ended(self, rank: int) -> dict[str, Any] | None:
+        """When (wall clock, ``t``) and how (``error``) the rank's training program ended, if it did."""
+        path = self.out / f"ended-rank{rank}.json"
+        return json.loads(path.read_text()) if path.exists() else None  # type: ignore[no-any-return]
+
+    def log(self, rank: int) -> str:
+        return (self.out / f"log-rank{rank}").read_text()
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -14,20 +14,29 @@ middle of sending a version to its peer: the peer never lists a half replica, ev
 verifies, and the job resumes bit-exact; (c) a replica is corrupt: its rank falls back to its disk; (d) every
 rank is sent SIGTERM mid-training: each flushes the newest completed step to its disk before it dies, and
 the job resumes from the disks alone, bit-exact.
+
+Exit (tests/_peer_exit_script.py: each rank a user's script in a process of its own, as torchrun starts it):
+(e) a node is SIGKILLed mid-training: each survivor's training fails, and its process ends within seconds of
+its program, with the program's own status, never SIGABRT, and no thread's traceback; (f) a rank whose program
+ends without closing the Checkpointer (its replica service blocked in a gloo receive from a live peer) exits
+as cleanly when that peer is killed while the rank's interpreter finalizes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
+import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _mr_harness import Case, assert_same_state, run_cases
+from _mr_harness import Case, Script, assert_same_state, run_cases
 
 from asymstore import HostTier
 from asymstore.load import load_version
@@ -176,3 +185,62 @@ def test_sigterm_on_every_rank_leaves_the_newest_step_on_the_disks(out: Path, sh
     lose(case, 1, disks=False)
     run_cases([{**case, "name": "d2", "iterations": N}], WORLD, out)
     assert assert_resumed_like_ref(out, "d2", dict.fromkeys(range(WORLD), "local:")) == 5
+
+
+EXIT_S = 20.0
+"""A survivor's process must end within this long of its training program (measured: about 1-2 s)."""
+
+
+def assert_exited_cleanly(job: Script, rank: int, status: int) -> float:
+    """The rank's program ended, and its process ended within EXIT_S of it, with ``status``: no abort, no thread's
+    traceback. Returns the seconds from the program's end to the process's."""
+    ended, log = job.ended(rank), job.log(rank)
+    assert ended is not None, log[-3000:]
+    assert rank in job.exited, f"rank {rank} still running {time.time() - ended['t']:.0f} s after its program ended"
+    took = job.exited[rank] - ended["t"]
+    assert job.procs[rank].returncode != -signal.SIGABRT, log[-3000:]
+    assert job.procs[rank].returncode == status, (job.procs[rank].returncode, log[-3000:])
+    assert "terminate called" not in log and "Exception in thread" not in log, log[-3000:]
+    assert took <= EXIT_S, (rank, took)
+    return took
+
+
+@pytest.mark.parametrize("exit", ["propagate", "catch"])
+def test_survivors_of_a_lost_node_exit_when_their_program_ends(tmp_path: Path, shm: Path, exit: str) -> None:
+    case = {"world": WORLD, "per_node": PER_NODE, "timeout_s": 60, "iterations": 200, "step_s": 0.2,
+            "shm": str(shm / f"e-{exit}"), "dir": str(tmp_path / "ck"), "exit": exit}
+    job = Script(case, tmp_path / "out")
+    try:
+        job.wait_for_iterations(4, timeout=300)  # versions replicated both ways
+        for r in (2, 3):  # node 1 is lost
+            job.procs[r].send_signal(signal.SIGKILL)
+        job.wait([0, 1], timeout=120 + EXIT_S)
+    finally:
+        job.kill_all()
+    took = [assert_exited_cleanly(job, r, 1 if exit == "propagate" else 0) for r in (0, 1)]
+    for r in (0, 1):
+        error = job.ended(r)["error"]  # type: ignore[index]
+        assert (error is not None) == (exit == "propagate"), error  # the DDP collective failed; caught or not
+        if exit == "catch":  # the replica service of the lost rank's versions stopped: status() says why
+            status = json.loads((job.out / f"status-rank{r}.json").read_text())
+            assert f"replicas of rank {r + PER_NODE} held here" in status["peer_error"], status
+    print(f"{exit}: survivors exited {took[0]:.2f} s and {took[1]:.2f} s after their programs ended")
+
+
+def test_a_rank_whose_peer_dies_as_it_exits_exits_cleanly(tmp_path: Path, shm: Path) -> None:
+    """2 ranks as 2 nodes of 1; both programs end without closing the Checkpointer, so each rank's replica
+    service is still waiting in gloo for its peer's next frame. Node 1 is killed just as rank 0's interpreter
+    starts finalizing (which takes 2 s more, as a large program's does): the wait fails then, unless ended before."""
+    case = {"world": 2, "per_node": 1, "timeout_s": 60, "iterations": 6, "step_s": 0.1, "teardown_s": 2.0,
+            "shm": str(shm / "f"), "dir": str(tmp_path / "ck"), "exit": "forget"}
+    job = Script(case, tmp_path / "out")
+    try:
+        deadline = time.monotonic() + 300
+        while not (job.out / "finalizing-rank0").exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        job.procs[1].send_signal(signal.SIGKILL)
+        job.wait([0], timeout=60)
+    finally:
+        job.kill_all()
+    took = assert_exited_cleanly(job, 0, 0)
+    print(f"peer killed at exit: rank 0 exited {took:.2f} s after its program ended")

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from asymstore.exiting import exiting
 from asymstore.multirank.errors import CoordinationTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class KV:
         """Wait until every key is set.
 
         Raises:
-            CoordinationTimeoutError: ``timeout_s`` passed first (names ``what`` and the missing keys).
+            CoordinationTimeoutError: ``timeout_s`` passed first (names ``what`` and the missing keys), or
+                the interpreter is exiting (the wait must not hold up its exit: see :mod:`asymstore.exiting`).
         """
         deadline = time.monotonic() + timeout_s
         pending = list(keys)
@@ -89,6 +91,8 @@ class KV:
         while True:  # one request per poll, however many keys (a per-key poll grows as N x polls per commit)
             if not pending or self.store.check(pending):
                 return
+            if exiting():
+                raise CoordinationTimeoutError(f"{what}: the process is exiting; still missing: {pending}")
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = self.missing(pending)

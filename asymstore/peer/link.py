@@ -23,24 +23,35 @@ gloo waits are blocking C++ calls: they run on daemon threads (a dead peer's
 wait must never keep the process from exiting). An idle ``recv`` of gloo times
 out after the group's timeout and then closes the connection, so the sending
 side sends a ``ping`` frame on both request streams every ``timeout / 4``.
+
+No single gloo wait can be interrupted (neither ``abort()`` nor ``shutdown()`` of
+the group ends a pending ``recv``), but a wait that times out closes every
+connection of the group and fails every operation pending on it. So
+:meth:`PeerLink.end` (on close, and at interpreter exit before it finalizes: a
+daemon thread coming back from a gloo wait during finalization dies in
+``std::terminate``, SIGABRT) refuses new operations, then waits 1 ms for a
+message nobody sends from each peer until no thread is left inside gloo.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import datetime
 import json
 import logging
 import struct
 import threading
+import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from asymstore.errors import PeerError, PeerProtocolError
+from asymstore.exiting import EXIT_WAIT_S, at_exit, cancel
 from asymstore.tiers.base import Buffer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +59,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TAG_REPL, TAG_ACK, TAG_REQ, TAG_RESP = 101, 102, 103, 104
+TAG_POKE = 105
+"""Never sent: :meth:`PeerLink.end` waits for it, briefly, to fail the group's pending operations."""
 MAGIC = 0x4153594D50454552 & 0x7FFFFFFFFFFFFFFF  # "ASYMPEER"
 FRAME = 16 << 10
 """Bytes of a frame's first message: three int64 (magic, JSON length, inline payload length), the JSON, and
@@ -62,16 +75,23 @@ MAX_PIECES = 1024
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
+_STUCK: list[Any] = []
+"""Groups a thread may still be blocked in (:meth:`PeerLink.end` could not fail its wait): never destroyed."""
+
 
 def in_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
     """Run ``fn`` on a new daemon thread; its result or exception lands in the returned future."""
     fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
-        try:
-            fut.set_result(fn())
+        if not fut.set_running_or_notify_cancel():  # cancelled before it started
+            return
+        try:  # once running, the future cannot be cancelled: its outcome is always set, never raised here
+            result = fn()
         except BaseException as exc:
             fut.set_exception(exc)
+        else:
+            fut.set_result(result)
 
     threading.Thread(target=run, name="asymstore-peer-io", daemon=True).start()
     return fut
@@ -104,6 +124,67 @@ class PeerLink:
         self._send_lock = threading.Lock()  # one frame at a time to any peer: frames never interleave
         self.broken: str | None = None
         """Why the link is unusable (a wait timed out or a peer hung up), or None."""
+        self._cond = threading.Condition()
+        self._inflight = 0  # threads inside a gloo call of this group
+        self._peers: set[int] = set()  # every rank this link exchanged messages with
+        self._ended: str | None = None
+        self._exit_handle: int | None = at_exit(self._at_exit, phase=1)
+
+    @contextlib.contextmanager
+    def _io(self, peer: int) -> Iterator[None]:
+        """Around every gloo call: counted, so that :meth:`end` knows when none is left; refused once ended."""
+        with self._cond:
+            if self._ended is not None:
+                raise PeerError(f"peer link of rank {self.rank} is down: {self._ended}")
+            self._inflight += 1
+            self._peers.add(peer)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def end(self, why: str, grace_s: float = 0.0, timeout_s: float = EXIT_WAIT_S) -> bool:
+        """Refuse new gloo operations, and fail those still in flight after ``grace_s`` (blocking).
+
+        A receive from each peer with a tag nobody sends, waited 1 ms, times out, and a gloo timeout
+        closes every connection of the group and fails every pending operation: the threads blocked in
+        one come back with an error (nothing else can interrupt a gloo wait).
+
+        Returns:
+            True when no thread is left inside gloo (within ``timeout_s``): the group can be dropped.
+            Otherwise the group is kept alive until the process ends (never destroyed under a thread).
+        """
+        with self._cond:
+            self._ended = self._ended or why
+            self.broken = self.broken or why
+            self._cond.wait_for(lambda: self._inflight == 0, grace_s)
+            peers = sorted(self._peers)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if self._inflight == 0:
+                    cancel(self._exit_handle)
+                    self._exit_handle = None
+                    return True
+            if time.monotonic() > deadline:
+                break
+            for peer in peers:
+                try:
+                    self.pg.recv([torch.empty(1, dtype=torch.uint8)], peer, TAG_POKE).wait(
+                        datetime.timedelta(milliseconds=1))
+                except RuntimeError:
+                    pass  # the timeout (or the connection to a dead peer, already failed)
+            with self._cond:
+                self._cond.wait_for(lambda: self._inflight == 0, 0.05)
+        logger.warning("peer link of rank %d: %d gloo wait(s) still blocked %.0f s after ending it (%s); "
+                       "the group is kept until the process ends", self.rank, self._inflight, timeout_s, why)
+        _STUCK.append(self.pg)
+        return False
+
+    def _at_exit(self) -> None:
+        self.end("the process is exiting")
 
     def _check(self) -> None:
         if self.broken is not None:
@@ -142,7 +223,7 @@ class PeerLink:
             for v in views:
                 first[pos:pos + len(v)] = v
                 pos += len(v)
-        with self._send_lock:
+        with self._send_lock, self._io(to):
             try:
                 works = [self.pg.send([_as_tensor(first)], to, tag)]
                 works += [self.pg.send([_as_tensor(piece)], to, tag) for piece in pieces]
@@ -163,7 +244,8 @@ class PeerLink:
         self._check()
         first = torch.empty(FRAME, dtype=torch.uint8)
         try:
-            self.pg.recv([first], frm, tag).wait()
+            with self._io(frm):
+                self.pg.recv([first], frm, tag).wait()
         except RuntimeError as exc:
             raise self._fail(f"receiving from rank {frm}", exc) from exc
         raw = memoryview(first.numpy().tobytes())
@@ -228,21 +310,22 @@ class PeerLink:
             pos += len(v)
         pending: list[tuple[Any, bytearray | None, int]] = []
         try:
-            pos, i = 0, 0
-            for n in self._sizes(frm, header):
-                while i + 1 < len(views) and starts[i + 1] <= pos:
-                    i += 1
-                inside = pos - starts[i]
-                if inside + n <= len(views[i]):  # the message lands inside one view: no copy
-                    pending.append((self.pg.recv([_as_tensor(views[i][inside:inside + n])], frm, tag), None, pos))
-                else:
-                    scratch = bytearray(n)
-                    pending.append((self.pg.recv([_as_tensor(scratch)], frm, tag), scratch, pos))
-                pos += n
-            for work, copy, at in pending:
-                work.wait()
-                if copy is not None:
-                    _spread(copy, at, views, starts)
+            with self._io(frm):
+                pos, i = 0, 0
+                for n in self._sizes(frm, header):
+                    while i + 1 < len(views) and starts[i + 1] <= pos:
+                        i += 1
+                    inside = pos - starts[i]
+                    if inside + n <= len(views[i]):  # the message lands inside one view: no copy
+                        pending.append((self.pg.recv([_as_tensor(views[i][inside:inside + n])], frm, tag), None, pos))
+                    else:
+                        scratch = bytearray(n)
+                        pending.append((self.pg.recv([_as_tensor(scratch)], frm, tag), scratch, pos))
+                    pos += n
+                for work, copy, at in pending:
+                    work.wait()
+                    if copy is not None:
+                        _spread(copy, at, views, starts)
         except RuntimeError as exc:
             raise self._fail(f"receiving from rank {frm}", exc) from exc
 
@@ -253,8 +336,9 @@ class PeerLink:
         sizes = self._sizes(frm, header)
         scratch = memoryview(bytearray(max(sizes, default=0)))
         try:
-            for n in sizes:
-                self.pg.recv([_as_tensor(scratch[:n])], frm, tag).wait()
+            with self._io(frm):
+                for n in sizes:
+                    self.pg.recv([_as_tensor(scratch[:n])], frm, tag).wait()
         except RuntimeError as exc:
             raise self._fail(f"receiving from rank {frm}", exc) from exc
 

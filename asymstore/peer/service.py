@@ -18,7 +18,11 @@ shared memory that outlives the process). Two loops run there:
   tensors), answered on ``RESP``; what is served is verified again by the
   reader (restore), like any tier's bytes.
 
-Both end on the source's ``bye`` or when the link fails (the source died).
+Both end on the source's ``bye`` or when the link fails (the source died). A
+failure of either (or of the service's thread) is logged and kept in
+:attr:`ReplicaService.last_error` (the peer tier's ``status()`` shows it), never
+left to the thread's excepthook; at interpreter exit the service is stopped
+before the interpreter finalizes (:mod:`asymstore.exiting`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, NoReturn
 
 from asymstore.checksum import StreamingChecksum
 from asymstore.errors import AsymstoreError, CorruptVersionError, PeerError, PeerProtocolError
+from asymstore.exiting import EXIT_WAIT_S, at_exit, cancel
 from asymstore.manifest import MAX_MANIFEST_BYTES, Manifest
 from asymstore.peer.link import TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking
 from asymstore.restore import describe
@@ -62,19 +67,30 @@ class ReplicaService:
         self._opened = threading.Event()
         self._open_error: BaseException | None = None
         self._done: asyncio.Future[Any] | None = None
+        self._exit_handle: int | None = None
 
     # -- lifecycle -------------------------------------------------------
 
     def start(self) -> None:
         """Open the replica tier and start receiving and serving (blocks until the tier is open)."""
+        self._exit_handle = at_exit(self._at_exit)
         self._thread.start()
         self._opened.wait()
         if self._open_error is not None:
+            self._thread.join()
+            cancel(self._exit_handle)
+            self._exit_handle = None
             raise self._open_error
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._main())
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as exc:  # never the thread's excepthook: logged, and kept for status()
+            self.last_error = describe(exc)
+            logger.error("replicas of rank %d: the service stopped: %s", self.src, self.last_error, exc_info=exc)
+        finally:
+            self._opened.set()
 
     async def _main(self) -> None:
         try:
@@ -99,18 +115,31 @@ class ReplicaService:
         except (PeerError, OSError) as exc:
             self.last_error = describe(exc)
             logger.warning("replicas of rank %d: %s loop ended: %s", self.src, what, exc)
+        except Exception as exc:
+            self.last_error = describe(exc)
+            logger.error("replicas of rank %d: %s loop failed: %s", self.src, what, self.last_error, exc_info=exc)
 
     def stop(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for the source's ``bye``, then stop (blocking; idempotent)."""
-        if not self._thread.is_alive():
-            return
-        self._thread.join(timeout_s)
         if self._thread.is_alive():
-            logger.info("replicas of rank %d: no bye from it in %g s; stopping", self.src, timeout_s)
-            done = self._done
-            if done is not None:
-                self._loop.call_soon_threadsafe(done.cancel)
-            self._thread.join(10.0)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.info("replicas of rank %d: no bye from it in %g s; stopping", self.src, timeout_s)
+                self._cancel(10.0)
+        if not self._thread.is_alive():
+            cancel(self._exit_handle)
+            self._exit_handle = None
+
+    def _cancel(self, timeout_s: float) -> None:
+        done = self._done
+        if done is not None:
+            self._loop.call_soon_threadsafe(done.cancel)
+        self._thread.join(timeout_s)
+
+    def _at_exit(self) -> None:
+        """The interpreter exits: stop receiving and serving now (the replica tier is closed; bounded wait)."""
+        if self._thread.is_alive():
+            self._cancel(EXIT_WAIT_S)
 
     # -- receiving -------------------------------------------------------
 

@@ -110,6 +110,16 @@ class PeerTier:
         return HostTier(self.capacity_bytes, path=location, name=f"replicas-of-{src}", policy="skip")
 
     @property
+    def background_error(self) -> str | None:
+        """The latest failure of this tier's own threads (in ``status()``): the replica service's, else the link's."""
+        service, link = self._service, self._link
+        if service is not None and service.last_error is not None:
+            return f"replicas of rank {self.ring.src} held here: {service.last_error}"
+        if link is not None and link.broken is not None:
+            return f"peer link down: {link.broken}"
+        return None
+
+    @property
     def link(self) -> PeerLink:
         """The replication link (after ``open``)."""
         if self._link is None:
@@ -139,7 +149,11 @@ class PeerTier:
         logger.info("peer tier of rank %d: replicas to rank %d, holding rank %d's", ring.rank, ring.dst, ring.src)
 
     async def close(self) -> None:
-        """Say goodbye to the neighbour, then wait (bounded) for the source rank's goodbye."""
+        """Say goodbye to the neighbour, wait (bounded) for the source rank's goodbye, then end the link.
+
+        Ending the link fails the gloo waits still pending (a dead or silent peer's), so that no thread
+        is left blocked in the group once it is dropped (see :meth:`~asymstore.peer.link.PeerLink.end`).
+        """
         link, service = self._link, self._service
         if link is None:
             return
@@ -156,6 +170,7 @@ class PeerTier:
                         break
         if service is not None:
             await asyncio.to_thread(service.stop, self.close_timeout_s)
+        await asyncio.to_thread(link.end, "the peer tier is closed", 1.0)
         self._link = None
 
     async def _ping(self) -> None:

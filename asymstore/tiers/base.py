@@ -179,6 +179,16 @@ class HoldingTier(Protocol):
 
 
 @runtime_checkable
+class ReportingTier(Protocol):
+    """A tier with threads of its own (a connection, a service) whose latest failure ``status()`` shows."""
+
+    @property
+    def background_error(self) -> str | None:
+        """The latest failure of the tier's own threads, or None."""
+        ...
+
+
+@runtime_checkable
 class ReadIntoTier(Protocol):
     """A tier that reads parts of a segment straight into caller buffers (optional; restore ``into=`` uses it)."""
 

@@ -13,13 +13,14 @@ store operation of every client is counted.
 
 Reported per N, over ``--commits`` commits (after one warm-up):
 
-- publish latency: from the last rank's shard report (its ``commit`` returning)
-  to the global manifest being published (the coordinator's ``commit`` returning),
-  p50 and max;
+- publish latency: from the last rank's shard report (the ``set`` of its report
+  key, timed by the counting client) to the global manifest being published (the
+  coordinator's ``commit`` returning), p50 and max;
 - store requests per commit: every ``set``/``get``/``check``/``add``/``multi_get``
   of every client, per commit;
 - coordinator CPU per commit (its process's user+system CPU seconds);
-- restore agreement: the slowest rank's ``restore()`` of the newest global version;
+- restore agreement: the slowest rank's ``restore()`` of the newest global version,
+  every rank starting together (a counter in the store as the start line);
 - ring: ``ring_of`` for every rank (what every rank computes once at open).
 
     python benches/scale.py                      # N = 64, 256, 1024; 10 commits each
@@ -48,11 +49,12 @@ KIB = 1 << 10
 
 
 class Counting:
-    """A c10d store client that counts the operations made through it."""
+    """A c10d store client that counts the operations made through it, and notes when shard reports go out."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
         self.calls = 0
+        self.reported: dict[str, float] = {}  # commit key -> when this client set its shard report
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
@@ -61,7 +63,10 @@ class Counting:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            return attr(*args, **kwargs)
+            out = attr(*args, **kwargs)
+            if name == "set" and "/commit/" in str(args[0]) and "/rank/" in str(args[0]):
+                self.reported[str(args[0]).split("/commit/")[1].split("/")[0]] = time.time()
+            return out
 
         return call
 
@@ -82,7 +87,7 @@ def worker(ranks: list[int], world: int, root: str, port: int, commits: int, out
     from asymstore.multirank import RankStore
 
     clients = {r: client(port) for r in ranks}
-    result: dict[str, Any] = {"ranks": ranks, "done": {}, "restore": {}, "calls": 0, "cpu_s": 0.0}
+    result: dict[str, Any] = {"ranks": ranks, "done": {}, "reported": {}, "restore": {}, "calls": 0, "cpu_s": 0.0}
 
     def cpu() -> float:
         use = resource.getrusage(resource.RUSAGE_SELF)
@@ -102,6 +107,12 @@ def worker(ranks: list[int], world: int, root: str, port: int, commits: int, out
             result["calls"] += clients[rank].calls - calls
             if rank == 0:  # the coordinator is alone in its process
                 result["cpu_s"] = cpu() - cpu_start
+            for step_key, at in clients[rank].reported.items():
+                result["reported"].setdefault(step_key, {})[rank] = at
+            kv = clients[rank]
+            await asyncio.to_thread(kv.add, "bench/ready", 1)  # every rank at the start line: the agreement alone
+            while int(await asyncio.to_thread(kv.add, "bench/ready", 0)) < world:
+                await asyncio.sleep(0.01)
             started = time.perf_counter()
             await store.restore()
             result["restore"][rank] = time.perf_counter() - started
@@ -143,13 +154,16 @@ def run(world: int, procs: int, commits: int) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
         del server
     done: dict[int, dict[int, float]] = {}
+    reported: dict[int, float] = {}
     for res in results:
         for step, by_rank in res["done"].items():
             done.setdefault(int(step), {}).update({int(r): t for r, t in by_rank.items()})
+        for step_key, by_rank in res["reported"].items():
+            step = int(step_key.split(".")[0])
+            reported[step] = max(reported.get(step, 0.0), *by_rank.values())
     latency = []
     for step in range(1, commits + 1):  # step 0 is the warm-up
-        last_report = max(t for r, t in done[step].items() if r != 0)
-        latency.append(max(0.0, done[step][0] - last_report))
+        latency.append(max(0.0, done[step][0] - reported[step]))  # the last report to the publish
     started = time.perf_counter()
     for r in range(world):
         ring_of(r, world, local_world_size=8 if world % 8 == 0 else 1)

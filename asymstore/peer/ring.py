@@ -11,6 +11,7 @@ restore from their disks or the remote tier).
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,14 +71,16 @@ def ring_of(rank: int, world_size: int, *, node_of: Sequence[int] | None = None,
     nodes = tuple(int(n) for n in node_of)
     if len(nodes) != world_size:
         raise ValueError(f"node_of names {len(nodes)} ranks, the job has {world_size}")
-    order = sorted(set(nodes))
-    members = {n: [r for r in range(world_size) if nodes[r] == n] for n in order}
+    members: dict[int, list[int]] = {}
+    for r, n in enumerate(nodes):  # one pass: O(world_size), not O(nodes x world_size)
+        members.setdefault(n, []).append(r)
+    order = sorted(members)
     sizes = {len(m) for m in members.values()}
     if len(sizes) != 1:
         raise ValueError(f"nodes hold different numbers of ranks ({sorted(sizes)}): the ring needs equal nodes")
     if len(order) < 2:
         raise ValueError("the peer tier needs ranks on at least two nodes (all ranks are on one node)")
-    node = order.index(nodes[rank])
+    node = bisect.bisect_left(order, nodes[rank])
     local = members[nodes[rank]].index(rank)
     dst = members[order[(node + 1) % len(order)]][local]
     src = members[order[(node - 1) % len(order)]][local]

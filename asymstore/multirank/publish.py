@@ -77,7 +77,9 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
     for stale in [s for s in store.global_steps() if s >= step]:  # a history abandoned by an older restore
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
         layout.delete_global(store.global_dir, stale, fsync=store.fsync)
+        store.global_cache.pop(stale, None)
     layout.publish_global(store.global_dir, manifest, fsync=store.fsync)
+    store.global_cache[step] = manifest
     layout.write_global_latest(store.global_dir, step, fsync=store.fsync)
     retain_globals(store)
     kv.put(f"{key}/global", {"step": step})

@@ -36,10 +36,18 @@ def _kept_globals(store: RankStore, keep_last: int) -> list[GlobalManifest] | No
     kept = []
     for s in store.global_steps()[-keep_last:]:
         try:
-            kept.append(store.read_global(s))
+            kept.append(_global(store, s))
         except (GlobalManifestError, OSError):
             return None
     return kept
+
+
+def _global(store: RankStore, step: int) -> GlobalManifest:
+    """A kept global manifest: as the coordinator published it, else read (once) from ``global/``."""
+    g = store.global_cache.get(step)
+    if g is None:
+        g = store.global_cache[step] = store.read_global(step)
+    return g
 
 
 def retain_globals(store: RankStore) -> None:
@@ -52,9 +60,11 @@ def retain_globals(store: RankStore) -> None:
     kept = []
     for s in steps[-store.global_keep_last:]:
         try:
-            kept.append(store.read_global(s))
+            kept.append(_global(store, s))
         except (GlobalManifestError, OSError):
             continue
+    for s in set(store.global_cache) - {g.step for g in kept}:  # only what retention keeps
+        del store.global_cache[s]
     if not kept:
         return
     needed = {r: min(steps_r) for r in range(store.world_size)

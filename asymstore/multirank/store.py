@@ -148,6 +148,8 @@ class RankStore:
         """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
         self.placement: RankPlacement | None = None
         """Where this rank's tiers are (after ``open``): reported with every shard, recorded in ``global/``."""
+        self.global_cache: dict[int, GlobalManifest] = {}
+        """The coordinator's kept global manifests as it published them (retention reads them, not the files)."""
         self.placement_cache: tuple[list[Any], str] | None = None
         """The coordinator's last recorded placement: the ranks' reports and the record's digest."""
 

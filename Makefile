@@ -25,7 +25,7 @@ $(VENV)/.setup-done: pyproject.toml | $(PY)
 setup: $(VENV)/.setup-done
 
 demo: setup
-	$(PY) -m asymcheck.demo
+	$(PY) examples/demo/run.py $(ARGS)
 
 example: setup
 	$(PY) examples/store_roundtrip.py

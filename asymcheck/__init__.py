@@ -12,7 +12,6 @@ Quick start::
 """
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
-from asymcheck.edits import DroppedVersionWarning
 from asymcheck.errors import (
     AsymcheckError,
     CheckpointerStateError,
@@ -24,9 +23,10 @@ from asymcheck.errors import (
     UnsupportedModelError,
     UnsupportedStateError,
 )
-from asymcheck.partition import Extent, Partition, Plan, Planner, Span, Window, WindowRecorder, plan_partitions
-from asymcheck.preempt import PreemptionRecord
-from asymcheck.state import Stateful
+from asymcheck.policy.preempt import PreemptionRecord
+from asymcheck.snapshot.edits import DroppedVersionWarning
+from asymcheck.snapshot.partition import Extent, Partition, Plan, Planner, Span, Window, WindowRecorder, plan_partitions
+from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
 
 __all__ = [

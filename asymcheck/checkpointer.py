@@ -12,19 +12,11 @@ from typing import Literal
 
 import torch
 
-from asymcheck.agreement import agreement_for
-from asymcheck.commits import CommitQueue
-from asymcheck.copyengine import CopyEngine
-from asymcheck.cycle import VersionCycle
-from asymcheck.dtensors import check_tensors
-from asymcheck.edits import EditTracker
 from asymcheck.errors import CheckpointerStateError
-from asymcheck.failures import FailureBudget, OnError
-from asymcheck.hooks import HookSet
-from asymcheck.hostpool import HostPool
-from asymcheck.pacing import Pacer
-from asymcheck.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
-from asymcheck.preempt import (
+from asymcheck.policy.agreement import agreement_for
+from asymcheck.policy.failures import FailureBudget, OnError
+from asymcheck.policy.pacing import Pacer
+from asymcheck.policy.preempt import (
     DEFAULT_DEADLINE_S,
     Deadline,
     Preemptible,
@@ -33,16 +25,24 @@ from asymcheck.preempt import (
     SigtermNotice,
     check_deadline,
 )
-from asymcheck.reshard import enable_resharding
-from asymcheck.resume import restore_live
-from asymcheck.snapshot import Snapshot
-from asymcheck.state import Moment, Stateful, TrainingState
+from asymcheck.restore.reshard import enable_resharding
+from asymcheck.restore.resume import restore_live
+from asymcheck.snapshot.copyengine import CopyEngine
+from asymcheck.snapshot.edits import EditTracker
+from asymcheck.snapshot.hooks import HookSet
+from asymcheck.snapshot.hostpool import HostPool
+from asymcheck.snapshot.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
+from asymcheck.snapshot.version import Snapshot
+from asymcheck.state.dtensors import check_tensors
+from asymcheck.state.trainstate import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
-from asymcheck.storeloop import StoreLoop
-from asymcheck.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, status_of, versions_of
+from asymcheck.versions.commits import CommitQueue
+from asymcheck.versions.cycle import VersionCycle
+from asymcheck.versions.storeloop import StoreLoop
+from asymcheck.versions.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, status_of, versions_of
 from asymstore import CorruptVersionError, NoCheckpointError
-from asymstore.batcher import TierStatus
-from asymstore.storeapi import CheckpointStore
+from asymstore.api import CheckpointStore
+from asymstore.write.segments import TierStatus
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Checkpointer(VersionCycle, Preemptible):
         optimizer: its optimizer.
         store_or_tiers: an unopened store (:class:`asymstore.AsymStore`,
             :class:`asymstore.multirank.RankStore`, or any
-            :class:`asymstore.storeapi.CheckpointStore`; the Checkpointer
+            :class:`asymstore.api.CheckpointStore`; the Checkpointer
             opens and closes it), a list of tiers (fastest
             first), or a directory path (a single ``LocalTier``; in a
             torch.distributed job of several ranks, an
@@ -124,9 +124,9 @@ class Checkpointer(VersionCycle, Preemptible):
         preempt_on: ``"sigterm"`` (constructed on the main thread): on SIGTERM,
             the next hook commits the newest completed step durably (under
             several ranks: the step the ranks agree on, at the same iteration
-            boundary on every rank; see :mod:`asymcheck.agreement`), then
+            boundary on every rank; see :mod:`asymcheck.policy.agreement`), then
             hands the signal on to the program's own handler or the default
-            (see :mod:`asymcheck.preempt`); ``"none"`` leaves SIGTERM alone.
+            (see :mod:`asymcheck.policy.preempt`); ``"none"`` leaves SIGTERM alone.
         preempt_deadline_s: how long, from the SIGTERM, the preemption flush may
             wait for commits and persistent copies before it hands the signal on
             all the same (None: no limit; default 25 s, under common grace periods).
@@ -134,7 +134,7 @@ class Checkpointer(VersionCycle, Preemptible):
             the step without it (default 5%). After 50 steps and every 200
             after, 3 steps take no version to measure the step alone; when
             the measured overhead exceeds the budget, versions are taken every
-            few steps instead of every step (see :mod:`asymcheck.pacing` and
+            few steps instead of every step (see :mod:`asymcheck.policy.pacing` and
             ``stats().pacing``). None: a version every ``every`` steps, always.
 
     Raises:
@@ -168,7 +168,7 @@ class Checkpointer(VersionCycle, Preemptible):
         cuda = on_cuda(model)
         if clock is None:
             if cuda:
-                from asymcheck.cudaclock import CudaEventClock
+                from asymcheck.snapshot.cudaclock import CudaEventClock
                 clock = CudaEventClock()
             else:
                 clock = PerfCounterClock()
@@ -255,7 +255,7 @@ class Checkpointer(VersionCycle, Preemptible):
         Call before the first optimizer step. A damaged newest version is
         skipped in favour of the one before (see ``restored.fallbacks``).
         The model's tensors are read in place, straight from the tier (see
-        :mod:`asymcheck.resume`).
+        :mod:`asymcheck.restore.resume`).
 
         Returns:
             The restored step (optimizer steps completed), or None when the
@@ -331,7 +331,7 @@ class Checkpointer(VersionCycle, Preemptible):
         (``with ckpt.editing(), ema.average_parameters(): evaluate(model)``),
         weight surgery, ``load_state_dict`` or ``p.data`` edits between steps.
         Edits outside it, before the lazy copy read them, are detected and the
-        version is dropped (see :mod:`asymcheck.edits`).
+        version is dropped (see :mod:`asymcheck.snapshot.edits`).
         """
         self._settle()
         snap = self._snap
@@ -365,7 +365,7 @@ class Checkpointer(VersionCycle, Preemptible):
         SIGTERM does the same at the next hook, then lets the process exit.
 
         Under several ranks it is collective: every rank calls it after the same
-        optimizer step. It also publishes the notice (see :mod:`asymcheck.agreement`),
+        optimizer step. It also publishes the notice (see :mod:`asymcheck.policy.agreement`),
         so that a rank that did not call it flushes the same step at its next hook
         (and does not exit).
 

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from asymcheck.pacing import PaceReport
+from asymcheck.policy.pacing import PaceReport
 
 
 @dataclass(frozen=True)
@@ -54,12 +54,12 @@ class CheckpointStats:
     """A copy of the Checkpointer's counters; ``summary()`` gives the headline numbers.
 
     ``versions_dropped`` counts versions not committed because a captured
-    tensor changed in place before it was copied (see :mod:`asymcheck.edits`),
+    tensor changed in place before it was copied (see :mod:`asymcheck.snapshot.edits`),
     ``eager_tensors`` the tensors copied eagerly since. ``commits_failed`` and
     ``failures_since_durable`` count failed background commits (all of them,
     and those since the newest durable version); ``last_error`` is the newest.
     ``pacing`` is what the step-time budget measured and decided
-    (:mod:`asymcheck.pacing`); ``host_bytes`` the host memory held by the
+    (:mod:`asymcheck.policy.pacing`); ``host_bytes`` the host memory held by the
     staging slots (allocated once: ``host_slots`` times the flat state).
     """
 

@@ -41,34 +41,34 @@ from asymstore.errors import (
     TierError,
     VersionNotFoundError,
 )
-from asymstore.lazy import lazy_getattr
+from asymstore.runtime.lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from asymstore.batcher import FlushStats, TierStatus
-    from asymstore.calibration import TierCalibration
-    from asymstore.codec import PlaneCodec
-    from asymstore.manifest import Manifest
-    from asymstore.restore import Checkpoint
+    from asymstore.api import CheckpointStore
+    from asymstore.format.codec import PlaneCodec
+    from asymstore.format.manifest import Manifest
+    from asymstore.policy.calibration import TierCalibration
+    from asymstore.read.restore import Checkpoint
     from asymstore.store import AsymStore, CommitResult
-    from asymstore.storeapi import CheckpointStore
     from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
+    from asymstore.write.segments import FlushStats, TierStatus
 
 _LAZY = {
     "AsymStore": "asymstore.store",
-    "Checkpoint": "asymstore.restore",
-    "CheckpointStore": "asymstore.storeapi",
+    "Checkpoint": "asymstore.read.restore",
+    "CheckpointStore": "asymstore.api",
     "CommitResult": "asymstore.store",
-    "FlushStats": "asymstore.batcher",
+    "FlushStats": "asymstore.write.segments",
     "GPUTier": "asymstore.tiers",
     "HostTier": "asymstore.tiers",
     "LocalTier": "asymstore.tiers",
-    "Manifest": "asymstore.manifest",
+    "Manifest": "asymstore.format.manifest",
     "NVMeTier": "asymstore.tiers",
-    "PlaneCodec": "asymstore.codec",
+    "PlaneCodec": "asymstore.format.codec",
     "RemoteTier": "asymstore.tiers",
     "Tier": "asymstore.tiers",
-    "TierCalibration": "asymstore.calibration",
-    "TierStatus": "asymstore.batcher",
+    "TierCalibration": "asymstore.policy.calibration",
+    "TierStatus": "asymstore.write.segments",
     "VersionWriter": "asymstore.tiers",
 }
 

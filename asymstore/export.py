@@ -22,7 +22,7 @@ every tensor under its stored name.
   memory is the exported tensors' size.
 
 A multi-rank root whose shards record tensor layouts (FSDP2's sharded
-parameters, :mod:`asymstore.tensorlayout`) is consolidated: every rank's
+parameters, :mod:`asymstore.format.pieces`) is consolidated: every rank's
 shard manifest is checked against the global manifest, and each sharded
 tensor is assembled whole from the pieces of every rank (each chunk read
 verified), one tensor at a time; tensors held whole come from rank 0. Memory:
@@ -44,10 +44,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from asymstore.errors import AsymstoreError, NoCheckpointError, VersionNotFoundError
-from asymstore.manifest import Manifest, TensorEntry
-from asymstore.multirank.reshardread import ShardSet
-from asymstore.tensorlayout import TensorLayout
-from asymstore.tiers.base import Tier
+from asymstore.format.manifest import Manifest, TensorEntry
+from asymstore.format.pieces import TensorLayout
+from asymstore.multirank.reshard import ShardSet
+from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +67,14 @@ class ExportError(AsymstoreError):
 def open_tier(location: str) -> tuple[Tier, str]:
     """The tier to read for ``location`` (rank 0's for a multi-rank root), and a description."""
     if "://" in location:
-        from asymstore.tiers.remote import RemoteTier
+        from asymstore.tiers.remote.tier import RemoteTier
 
         return RemoteTier(location), location
-    from asymstore.multirank import layout
+    from asymstore.multirank import globaldir
     from asymstore.tiers.local import LocalTier
 
-    if os.path.isdir(os.path.join(location, layout.GLOBAL_DIR)):
-        return LocalTier(os.path.join(location, layout.rank_dirname(0)), fsync=False), f"{location} (rank 0)"
+    if os.path.isdir(os.path.join(location, globaldir.GLOBAL_DIR)):
+        return LocalTier(os.path.join(location, globaldir.rank_dirname(0)), fsync=False), f"{location} (rank 0)"
     if not os.path.isdir(location):
         raise FileNotFoundError(f"{location} is not a tier root")
     return LocalTier(location, fsync=False), location
@@ -82,23 +82,23 @@ def open_tier(location: str) -> tuple[Tier, str]:
 
 def _global_step(location: str, step: int | None) -> int | None:
     """For a multi-rank root: rank 0's shard step of the global version ``step`` (or the newest)."""
-    from asymstore.multirank import layout
+    from asymstore.multirank import globaldir
 
-    gdir = os.path.join(location, layout.GLOBAL_DIR)
+    gdir = os.path.join(location, globaldir.GLOBAL_DIR)
     if "://" in location or not os.path.isdir(gdir):
         return step
-    steps = layout.list_global_steps(gdir)
+    steps = globaldir.list_global_steps(gdir)
     if not steps:
         raise NoCheckpointError(f"no global version under {gdir}")
     chosen = step if step is not None else steps[-1]
     if chosen not in steps:
         raise VersionNotFoundError(f"global step {chosen} is not published under {gdir}")
-    return layout.read_global(gdir, chosen).shard(0).step
+    return globaldir.read_global(gdir, chosen).shard(0).step
 
 
 async def _pick(tier: Tier, step: int | None) -> Manifest:
     """The manifest of ``step``, or of the newest version whose manifest verifies."""
-    from asymstore.verify import read_manifest
+    from asymstore.read.verify import read_manifest
 
     steps = await tier.list_versions()
     if step is not None:
@@ -135,7 +135,7 @@ class _ChunkReader:
         self._data: memoryview | None = None
 
     async def tensor_bytes(self, name: str, entry: TensorEntry, sink: Callable[[memoryview], None]) -> None:
-        from asymstore.verify import decode_one, verify_segment
+        from asymstore.read.verify import decode_one, verify_segment
 
         for chunk in entry.chunks:
             if chunk.segment != self._name:
@@ -193,7 +193,7 @@ async def export_dcp(reader: _ChunkReader | _WholeReader, chosen: dict[str, tupl
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from asymstore.tensorbytes import as_bytes, dtype_from_name
+    from asymstore.format.tensors import as_bytes, dtype_from_name
 
     state: dict[str, torch.Tensor] = {}
     for out_name, (stored, entry) in chosen.items():
@@ -222,8 +222,8 @@ class _WholeReader:
         self._rank0 = _ChunkReader(shards.tiers[0], shards.manifests[0])
 
     async def tensor_bytes(self, name: str, entry: TensorEntry, sink: Callable[[memoryview], None]) -> None:
-        from asymstore.tensorbytes import as_bytes
-        from asymstore.tensorlayout import TensorLayout
+        from asymstore.format.pieces import TensorLayout
+        from asymstore.format.tensors import as_bytes
 
         layout = self.sharded.get(name)
         if layout is None:
@@ -237,16 +237,16 @@ class _WholeReader:
 
 async def _open_sharded(location: str, step: int | None) -> tuple[ShardSet, dict[str, TensorLayout]] | None:
     """For a local multi-rank root whose version has sharded tensors: its shards (opened) and those layouts."""
-    from asymstore.multirank import layout
+    from asymstore.multirank import globaldir
 
-    gdir = os.path.join(location, layout.GLOBAL_DIR)
+    gdir = os.path.join(location, globaldir.GLOBAL_DIR)
     if "://" in location or not os.path.isdir(gdir):
         return None
-    steps = layout.list_global_steps(gdir)
+    steps = globaldir.list_global_steps(gdir)
     chosen = step if step is not None else (steps[-1] if steps else None)
     if chosen is None or chosen not in steps:
         return None  # _global_step reports it
-    shards = ShardSet.of_root(location, layout.read_global(gdir, chosen))
+    shards = ShardSet.of_root(location, globaldir.read_global(gdir, chosen))
     await shards.open()
     sharded = {n: lay for n, lay in shards.layouts[0].items() if not lay.is_whole or lay.mesh is not None}
     if not sharded:
@@ -258,7 +258,7 @@ async def _open_sharded(location: str, step: int | None) -> tuple[ShardSet, dict
 def _whole_entries(chosen: dict[str, tuple[str, TensorEntry]],
                    sharded: dict[str, TensorLayout]) -> dict[str, tuple[str, TensorEntry]]:
     """``chosen`` with the entries of sharded tensors describing the global tensor (shape, bytes)."""
-    from asymstore.manifest import DTYPE_SIZES
+    from asymstore.format.manifest import DTYPE_SIZES
 
     out = {}
     for out_name, (stored, entry) in chosen.items():

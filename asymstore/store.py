@@ -12,16 +12,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from asymstore.batcher import (
-    COMPRESSION_POLICIES,
-    Compression,
-    FlushStats,
-    TierStatus,
-    VersionPlan,
-)
-from asymstore.calibration import CalibrationCache, TierCalibration, assumed_calibration, calibrate
-from asymstore.cascade import Background
-from asymstore.codec import PlaneCodec
+from asymstore.api import CheckpointStore
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
@@ -31,17 +22,26 @@ from asymstore.errors import (
     StoreClosedError,
     TierError,
 )
-from asymstore.manifest import Manifest, validate_meta
-from asymstore.puts import Puts, check_step
-from asymstore.restore import Checkpoint, describe, restore_newest
-from asymstore.staging import PendingStep
-from asymstore.storeapi import CheckpointStore
-from asymstore.tiers.base import ExclusiveTier, ReportingTier, Tier
-from asymstore.tierwrite import TierState, write_version
+from asymstore.format.codec import PlaneCodec
+from asymstore.format.manifest import Manifest, validate_meta
+from asymstore.policy.calibration import CalibrationCache, TierCalibration, assumed_calibration, calibrate
+from asymstore.read.restore import Checkpoint, describe, restore_newest
+from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
+from asymstore.write.cascade import Background
+from asymstore.write.puts import Puts, check_step
+from asymstore.write.segments import (
+    COMPRESSION_POLICIES,
+    Compression,
+    FlushStats,
+    TierStatus,
+    VersionPlan,
+)
+from asymstore.write.staging import PendingStep
+from asymstore.write.tierwrite import TierState, write_version
 
 if TYPE_CHECKING:
 
-    from asymstore.load import Into
+    from asymstore.read.load import Into
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class AsymStore(Puts):
         durable: the tier (object or name) whose commit ``commit`` waits for.
         segment_bytes: a fixed segment size for every tier. None (default):
             per tier and version ``B* = sqrt(a·N/c)`` from the tier's
-            calibration (see :mod:`asymstore.batcher`).
+            calibration (see :mod:`asymstore.write.segments`).
         chunk_bytes: largest chunk of one tensor (one checksum, one codec
             decision each); default ``min(segment_bytes, 16 MiB)``.
         compression: ``"auto"`` (byte-plane zstd per chunk where the cost
@@ -91,7 +91,7 @@ class AsymStore(Puts):
         codec: zstd level and threads of the byte-plane codec.
         calibrations: tier name -> calibration to use instead of measuring.
         calibration_cache: True: the default cache file
-            (:func:`asymstore.calibration.default_cache_path`); a path: that
+            (:func:`asymstore.policy.calibration.default_cache_path`); a path: that
             file; False: measure at every ``open``.
         flush_memory_bytes: host memory for segments in flight per tier
             (about two segments); caps ``B`` at half of it.
@@ -298,7 +298,7 @@ class AsymStore(Puts):
     def status(self) -> dict[str, TierStatus]:
         """Per tier name: committed versions, the calibration in use, what the last flush did, errors, backlog.
 
-        ``last_flush`` (a :class:`~asymstore.batcher.FlushStats`) shows the
+        ``last_flush`` (a :class:`~asymstore.write.segments.FlushStats`) shows the
         segment size chosen, chunks compressed vs raw, bytes raw vs stored and
         the time spent compressing and writing.
         """

@@ -39,11 +39,11 @@ import time
 from typing import Any, Literal, NoReturn, get_args
 
 from asymstore.errors import TierError
-from asymstore.fileio import write_parts
-from asymstore.layout import fsync_dir
-from asymstore.manifest import MANIFEST_NAME
-from asymstore.peer.tier import PeerTier
+from asymstore.format.manifest import MANIFEST_NAME
+from asymstore.format.names import fsync_dir
+from asymstore.io.files import write_parts
 from asymstore.tiers.local import LocalTier, _DirWriter
+from asymstore.tiers.peer.tier import PeerTier
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class CrashingPeerTier(PeerTier):
 
     Args:
         at_step: the step during whose replication the process dies.
-        **kwargs: passed to :class:`~asymstore.peer.PeerTier`.
+        **kwargs: passed to :class:`~asymstore.tiers.peer.PeerTier`.
     """
 
     def __init__(self, *, at_step: int, **kwargs: Any) -> None:

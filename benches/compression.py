@@ -15,7 +15,7 @@ Run by hand (never a timed test)::
 3. For each state, each zstd level (``--levels``) and thread count
    (``--threads``; -1 = one per CPU), compresses every tensor (in chunks of
    16 MiB, as the store does) with plain zstd and with the byte-plane codec
-   (:mod:`asymstore.codec`, planes that do not shrink stored raw), and reports
+   (:mod:`asymstore.format.codec`, planes that do not shrink stored raw), and reports
    the stored/raw ratio and MB/s (10**6 raw bytes per second of compression;
    decompression MB/s for the byte planes too). "planes" is the store's path:
    a 64 KiB sample of each chunk picks the planes worth compressing, the
@@ -53,11 +53,11 @@ import zstandard
 from common import REPO, pyplot, save_figure, write_json
 
 from asymstore import AsymStore, LocalTier, PlaneCodec, TierCalibration
-from asymstore.batcher import VersionPlan
-from asymstore.calibration import CalibrationCache, calibrate
-from asymstore.codec import decode, encode, plane_width, sample
-from asymstore.staging import stage
-from asymstore.tensorbytes import as_bytes
+from asymstore.format.codec import decode, encode, plane_width, sample
+from asymstore.format.tensors import as_bytes
+from asymstore.policy.calibration import CalibrationCache, calibrate
+from asymstore.write.segments import VersionPlan
+from asymstore.write.staging import stage
 
 CHUNK = 16 << 20
 MB = 1e6

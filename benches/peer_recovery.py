@@ -57,8 +57,8 @@ def train_step(model: Any, opt: Any, args: argparse.Namespace, it: int, rank: in
 
 def tiers(method: str, args: argparse.Namespace, rank: int, work: Path, shm: Path) -> list[Any]:
     from asymstore import HostTier, LocalTier
-    from asymstore.peer import PeerTier
-    from asymstore.tiers.remote import RemoteTier
+    from asymstore.tiers.peer import PeerTier
+    from asymstore.tiers.remote.tier import RemoteTier
 
     cap = args.capacity_gib << 30
     out: list[Any] = [HostTier(cap, path=shm / method.replace("+", "_") / f"rank-{rank}")]
@@ -110,7 +110,7 @@ def loopback_seconds(nbytes: int, rank: int, repeat: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from asymstore.peer.link import CHUNK
+    from asymstore.tiers.peer.link import CHUNK
 
     group = dist.new_group(backend="gloo")
     other = 1 - rank

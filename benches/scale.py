@@ -2,8 +2,8 @@
 
 Runs the real code — ``RankStore.commit`` (shard report, the coordinator's
 ``publish_global`` with its placement record and global retention),
-``RankStore.restore`` (the collective agreement of :mod:`asymstore.multirank.rankrestore`)
-and the peer ring assignment (:func:`asymstore.peer.ring.ring_of`) — with tiny
+``RankStore.restore`` (the collective agreement of :mod:`asymstore.multirank.restore`)
+and the peer ring assignment (:func:`asymstore.tiers.peer.ring.ring_of`) — with tiny
 shards (one 1 KiB tensor in a process-memory ``HostTier`` per rank) so that only
 the protocol costs. One ``torch.distributed.TCPStore`` server (as ``torchrun``
 starts it); the coordinator (rank 0) alone in its own process, so that its CPU
@@ -129,7 +129,7 @@ def run(world: int, procs: int, commits: int) -> dict[str, Any]:
     """One N: the server here, the coordinator and ``procs`` workers as processes; return the figures."""
     import torch.distributed as dist
 
-    from asymstore.peer.ring import ring_of
+    from asymstore.tiers.peer.ring import ring_of
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -84,7 +84,7 @@ from common import (
 
 import asymstore.tiers.local
 from asymstore import AsymStore, LocalTier
-from asymstore.tiers.base import Buffer, VersionWriter
+from asymstore.tiers.protocol import Buffer, VersionWriter
 
 MIN_TENSOR = 1 * KIB
 MAX_TENSOR = 256 * MIB

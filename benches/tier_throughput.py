@@ -110,10 +110,10 @@ from common import (
 )
 
 from asymstore import AsymStore
-from asymstore.layout import version_dirname
-from asymstore.tensorbytes import as_bytes
+from asymstore.format.names import version_dirname
+from asymstore.format.tensors import as_bytes
 from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier
-from asymstore.tiers.base import Buffer
+from asymstore.tiers.protocol import Buffer
 
 ALL_TIERS = ("host", "gpu", "nvme-posix", "nvme-kvikio", "local", "remote-file", "remote-s3")
 STORE_TENSOR = 16 * MIB

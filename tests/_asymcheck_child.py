@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
-from asymcheck.state import TrainingState
+from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
 from asymstore.testing import CrashingLocalTier
 
@@ -242,7 +242,7 @@ def main() -> int:
         middle.register_full_backward_pre_hook(
             lambda m, g: die() if steps_done() == kill_at and micro_now[0] == accum - 1 else None)
     if kind == "drain":
-        from asymcheck import copyengine
+        from asymcheck.snapshot import copyengine
 
         original = copyengine.CopyEngine.wait
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
-from asymcheck.state import TrainingState
+from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
-from asymstore.restore import Checkpoint
+from asymstore.read.restore import Checkpoint
 
 
 def make_model(seed: int = 0, hidden: int = 64) -> nn.Sequential:

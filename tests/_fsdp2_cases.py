@@ -71,7 +71,7 @@ def edit(case: dict[str, Any], it: int, model: nn.Module, ckpt: Any) -> None:
 
 
 def read_final(path: Path) -> Any:
-    """The one version a ``save_final`` store at ``path`` holds (an ``asymstore.restore.Checkpoint``)."""
+    """The one version a ``save_final`` store at ``path`` holds (an ``asymstore.read.restore.Checkpoint``)."""
     from asymstore import AsymStore, LocalTier
 
     async def read() -> Any:
@@ -83,7 +83,7 @@ def read_final(path: Path) -> Any:
 
 def global_tensors(pieces: list[Any]) -> dict[str, torch.Tensor]:
     """Every sharded tensor of one job's state put together from its ranks' pieces (``Checkpoint`` objects)."""
-    from asymstore.tensorlayout import read_layouts
+    from asymstore.format.pieces import read_layouts
 
     out: dict[str, torch.Tensor] = {}
     for ckpt in pieces:
@@ -100,8 +100,8 @@ def load_reference(case: dict[str, Any], rank: int, log: Log, model: nn.Module, 
     """Load another case's final state the way a user of plain PyTorch would (see ``"ref_from"`` above)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    from asymcheck import rng
-    from asymcheck.encode import decode
+    from asymcheck.state import rng
+    from asymcheck.state.encode import decode
 
     old = case["from_world"]
     pieces = [read_final(log.cdir.parent / case["from"] / f"final-rank{q}") for q in range(old)]
@@ -125,7 +125,7 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
     import torch.distributed as dist
 
     from asymcheck import Checkpointer
-    from asymcheck.state import TrainingState
+    from asymcheck.state.trainstate import TrainingState
     from asymstore.multirank import RankStore
 
     dist.init_process_group("gloo", timeout=TIMEOUT)

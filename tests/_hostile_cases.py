@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from asymstore import AsymStore, AsymstoreError, LocalTier
+from asymstore.format.manifest import MANIFEST_NAME, seal_document
+from asymstore.format.names import version_dirname
 from asymstore.fsck import check
-from asymstore.layout import version_dirname
-from asymstore.manifest import MANIFEST_NAME, seal_document
 
 STEPS = (10, 20)
 CASE_TIMEOUT_S = 20.0
@@ -83,7 +83,7 @@ def huge_int(root: Path) -> None:
 
 
 def seal_document_raw(body: bytes) -> bytes:
-    from asymstore.manifest import seal
+    from asymstore.format.manifest import seal
 
     return seal(body)
 
@@ -127,7 +127,7 @@ def overlapping_chunks(root: Path) -> None:
     seg = _segment(root)
     with open(seg, "r+b") as f:
         f.truncate(1 << 20)
-    from asymstore.checksum import checksum
+    from asymstore.format.checksum import checksum
 
     data = seg.read_bytes()
 

@@ -160,9 +160,9 @@ def kill_spec(case: dict[str, Any], rank: int) -> tuple[str, int]:
 def peer_tiers(case: dict[str, Any], rank: int) -> list[Any]:
     """[shared memory, peer, local disk] of ``rank`` on its simulated node (``peer`` field, see the docstring)."""
     from asymstore import HostTier, LocalTier
-    from asymstore.multirank.layout import rank_dirname
-    from asymstore.peer import PeerTier
+    from asymstore.multirank.globaldir import rank_dirname
     from asymstore.testing import CrashingPeerTier
+    from asymstore.tiers.peer import PeerTier
 
     peer = case["peer"]
     node = Path(peer["shm"]) / f"node-{rank // peer['per_node']}"
@@ -181,7 +181,7 @@ def rank_tiers(case: dict[str, Any], rank: int) -> list[Any] | None:
     kind, at = kill_spec(case, rank)
     if kind != "commit":
         return None
-    from asymstore.multirank.layout import rank_dirname
+    from asymstore.multirank.globaldir import rank_dirname
     from asymstore.testing import CrashingLocalTier
 
     return [CrashingLocalTier(Path(case["dir"]) / rank_dirname(rank), crash_at="manifest_half", after=at)]
@@ -386,7 +386,7 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from asymcheck import Checkpointer
-    from asymcheck.state import TrainingState
+    from asymcheck.state.trainstate import TrainingState
     from asymstore.multirank import RankStore
 
     dist.init_process_group("gloo", timeout=TIMEOUT)

@@ -33,8 +33,8 @@ def main(case: dict[str, Any], rank: int, out: Path) -> None:
     from asymcheck import Checkpointer
     from asymstore import HostTier, LocalTier
     from asymstore.multirank import RankStore
-    from asymstore.multirank.layout import rank_dirname
-    from asymstore.peer import PeerTier
+    from asymstore.multirank.globaldir import rank_dirname
+    from asymstore.tiers.peer import PeerTier
 
     per_node, world = case["per_node"], case["world"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(case["port"]), RANK=str(rank),

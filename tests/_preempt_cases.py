@@ -19,8 +19,8 @@ With ``"spread_ms": S`` (and ``"seed"``) instead, nothing is sent from inside th
 ``K`` begins (a forward pre-hook of the outermost module), each rank starts a timer that SIGTERMs it
 after its own random delay in [0, S) ms (seeded per rank), as a scheduler's signals reach the ranks of
 a job a few milliseconds apart (with ``"ranks": [...]``, only those ranks are signalled); the ranks
-agree on one step through the key-value store (asymcheck/agreement.py). A logging handler on
-``asymcheck.preempt`` writes every rank's ``PreemptionRecord`` as a ``record`` event before the
+agree on one step through the key-value store (asymcheck/policy/agreement.py). A logging handler on
+``asymcheck.policy.preempt`` writes every rank's ``PreemptionRecord`` as a ``record`` event before the
 signal is handed on.
 
 Either way the process must never reach the end of training (a ``finished`` event says it did).
@@ -88,7 +88,7 @@ def spread_trigger(case: dict[str, Any], rank: int, log: Log, iteration: Any) ->
 
 def run_preempt(case: dict[str, Any], rank: int, log: Log) -> None:
     """Train ``case`` with checkpoints until every rank's SIGTERM of iteration ``preempt.at`` ends it."""
-    logger = logging.getLogger("asymcheck.preempt")
+    logger = logging.getLogger("asymcheck.policy.preempt")
     logger.addHandler(RecordWriter(log))
     logger.addHandler(logging.StreamHandler())  # its lines stay in the driver's log (no last-resort handler now)
     if case["kind"] == "ds":

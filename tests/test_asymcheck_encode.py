@@ -14,8 +14,8 @@ import torch
 from _asymcheck_train import equal_state
 
 from asymcheck import UnsupportedStateError
-from asymcheck.encode import decode, encode, register_type
-from asymstore.manifest import validate_meta, validate_name
+from asymcheck.state.encode import decode, encode, register_type
+from asymstore.format.manifest import validate_meta, validate_name
 
 
 def roundtrip(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:

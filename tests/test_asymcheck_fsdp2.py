@@ -23,7 +23,7 @@ import pytest
 import torch
 from _mr_harness import Case, assert_same_state, run_cases
 
-from asymstore.tensorlayout import TensorLayout, read_layouts
+from asymstore.format.pieces import TensorLayout, read_layouts
 
 pytestmark = pytest.mark.slow
 

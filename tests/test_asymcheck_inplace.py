@@ -48,8 +48,8 @@ def test_no_version_verifying_stops_training_on_a_partly_loaded_model(tmp_path: 
 def test_restore_live_returns_the_parameters_it_read_into(tmp_path: Path) -> None:
     import asyncio
 
-    from asymcheck.resume import restore_live
-    from asymcheck.state import TrainingState
+    from asymcheck.restore.resume import restore_live
+    from asymcheck.state.trainstate import TrainingState
     from asymstore import AsymStore, LocalTier
 
     _, _, states = train(tmp_path, 3, keep_last=1)

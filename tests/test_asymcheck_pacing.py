@@ -9,7 +9,7 @@ import pytest
 from _asymcheck_train import equal_state, make_model, make_opt, open_ckpt, tensors_of
 from test_asymcheck_resume import step_once
 
-from asymcheck.pacing import Pacer
+from asymcheck.policy.pacing import Pacer
 
 
 def simulate(pacer: Pacer, steps: int, cost: float, base: float = 1.0) -> list[bool]:

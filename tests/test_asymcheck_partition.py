@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from asymcheck.partition import (
+from asymcheck.snapshot.partition import (
     BACKWARD,
     DRAIN,
     FORWARD,

@@ -23,7 +23,7 @@ from asymcheck import (
     UnsupportedStateError,
 )
 from asymstore import AsymStore, AsymstoreError, LocalTier, TierError
-from asymstore.layout import version_dirname
+from asymstore.format.names import version_dirname
 
 
 def step_once(model: nn.Module, opt: torch.optim.Optimizer, it: int, sched: Any = None) -> None:

@@ -157,7 +157,7 @@ def test_plan_and_stats_are_reported(tmp_path: Path) -> None:
 
 
 def test_copy_engine_never_reads_memory_that_is_no_longer_the_tensors() -> None:
-    from asymcheck.copyengine import CopyEngine, CopyJob
+    from asymcheck.snapshot.copyengine import CopyEngine, CopyJob
 
     engine = CopyEngine("thread")
     try:

@@ -14,8 +14,12 @@ import torch
 from test_roundtrip import assert_same
 
 from asymstore import AsymStore, HostTier, LocalTier, TierCalibration
-from asymstore.batcher import SegmentBuilder, VersionPlan
-from asymstore.calibration import (
+from asymstore.format.checksum import StreamingChecksum, checksum
+from asymstore.format.codec import RAW, PlaneCodec
+from asymstore.format.manifest import MANIFEST_NAME, seal_document
+from asymstore.format.names import version_dirname
+from asymstore.fsck import check
+from asymstore.policy.calibration import (
     CACHE_ENV,
     MIN_SEGMENT_BYTES,
     CalibrationCache,
@@ -24,12 +28,8 @@ from asymstore.calibration import (
     fit,
     optimal_segment_bytes,
 )
-from asymstore.checksum import StreamingChecksum, checksum
-from asymstore.codec import RAW, PlaneCodec
-from asymstore.fsck import check
-from asymstore.layout import version_dirname
-from asymstore.manifest import MANIFEST_NAME, seal_document
-from asymstore.staging import stage
+from asymstore.write.segments import SegmentBuilder, VersionPlan
+from asymstore.write.staging import stage
 
 MIB = 1 << 20
 FAST = TierCalibration.from_throughput(1e12, 1e-6)  # memory-like: nothing is worth compressing

@@ -14,12 +14,12 @@ from _servers import S3Server, s3_server, stub_libcuda  # noqa: F401  (fixtures)
 
 from asymstore import AsymStore, HostTier, LocalTier, SnapshotSkippedError
 from asymstore.errors import TierError
+from asymstore.format.names import version_dirname
 from asymstore.fsck import check
-from asymstore.layout import version_dirname
-from asymstore.tiers.base import Buffer, VersionWriter
 from asymstore.tiers.nvme import NVMeTier
-from asymstore.tiers.remote import RemoteTier
-from asymstore.tiers.retry import RetryPolicy
+from asymstore.tiers.protocol import Buffer, VersionWriter
+from asymstore.tiers.remote.retry import RetryPolicy
+from asymstore.tiers.remote.tier import RemoteTier
 
 FAST = {"compression": "never", "segment_bytes": 256 << 10}
 

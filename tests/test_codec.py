@@ -9,8 +9,8 @@ import torch
 from test_roundtrip import DTYPES, SHAPES, assert_same, random_tensor
 
 from asymstore import AsymStore, CodecError, CorruptVersionError, LocalTier
-from asymstore.checksum import checksum
-from asymstore.codec import (
+from asymstore.format.checksum import checksum
+from asymstore.format.codec import (
     RAW,
     PlaneCodec,
     codec_name,
@@ -22,8 +22,8 @@ from asymstore.codec import (
     sample,
     split_planes,
 )
-from asymstore.manifest import Chunk
-from asymstore.tensorbytes import as_bytes
+from asymstore.format.manifest import Chunk
+from asymstore.format.tensors import as_bytes
 
 CODEC = PlaneCodec(level=1, threads=0)
 MASKS = ["all", "none", "sampled"]  # compress every plane / store every plane raw / what the sample says

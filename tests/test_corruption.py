@@ -11,9 +11,9 @@ import pytest
 from _store_child import fsck_json, make_state, same_state, store_kw
 
 from asymstore import AsymStore, HostTier, LocalTier, StepCommittedError
-from asymstore.layout import LATEST, QUARANTINE, version_dirname
-from asymstore.manifest import MANIFEST_NAME, Manifest
-from asymstore.restore import Checkpoint
+from asymstore.format.manifest import MANIFEST_NAME, Manifest
+from asymstore.format.names import LATEST, QUARANTINE, version_dirname
+from asymstore.read.restore import Checkpoint
 
 STEPS = (10, 20, 30)
 

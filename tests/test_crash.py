@@ -33,10 +33,10 @@ from _store_child import (
 
 from asymstore import AsymStore, LocalTier, TierError
 from asymstore.errors import ManifestError
-from asymstore.layout import LATEST, TMP_PREFIX, version_dirname
-from asymstore.manifest import MANIFEST_NAME, Manifest
-from asymstore.restore import Checkpoint
-from asymstore.rootlock import LOCK_NAME
+from asymstore.format.manifest import MANIFEST_NAME, Manifest
+from asymstore.format.names import LATEST, TMP_PREFIX, version_dirname
+from asymstore.io.rootlock import LOCK_NAME
+from asymstore.read.restore import Checkpoint
 from asymstore.testing import PHASES, CrashingLocalTier, FailingLocalTier
 
 KILLED = -signal.SIGKILL

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymstore import fileio
-from asymstore.fileio import address_of, write_parts
+from asymstore.io import files as fileio
+from asymstore.io.files import address_of, write_parts
 
 
 def aligned(nbytes: int, seed: int) -> memoryview:
@@ -98,7 +98,7 @@ def test_the_nvme_posix_engine_writes_any_mix_byte_exact(tmp_path: Path, case: i
 def test_sparse_ranges_of_a_large_file_read_back_exact_with_their_hashes(tmp_path: Path, case: int) -> None:
     import xxhash
 
-    from asymstore.fileio import read_ranges
+    from asymstore.io.files import read_ranges
 
     rng = random.Random(500 + case)
     data = random.Random(case).randbytes(40 << 20)

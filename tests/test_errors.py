@@ -26,8 +26,8 @@ from asymstore import (
     StoreClosedError,
     VersionNotFoundError,
 )
+from asymstore.format.manifest import Manifest, seal_document
 from asymstore.fsck import check
-from asymstore.manifest import Manifest, seal_document
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from asymcheck import Checkpointer
 from asymstore import AsymStore, CorruptVersionError, LocalTier
 from asymstore.export import ExportError, export, main
-from asymstore.layout import version_dirname
+from asymstore.format.names import version_dirname
 
 
 def gpt2() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -15,9 +15,9 @@ from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 from _store_child import fsck, fsck_json, make_state, same_state, store_kw
 
 from asymstore import AsymStore, LocalTier
+from asymstore.format.names import LATEST, QUARANTINE, version_dirname
 from asymstore.fsck.__main__ import main
-from asymstore.layout import LATEST, QUARANTINE, version_dirname
-from asymstore.rootlock import LOCK_NAME
+from asymstore.io.rootlock import LOCK_NAME
 
 TOP_KEYS = {"schema", "root", "deep", "ok", "latest", "latest_problem", "newest_restorable", "versions",
             "problems", "repaired", "writer"}
@@ -236,7 +236,7 @@ def remote_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 async def test_fsck_checks_and_repairs_remote_roots(remote_uri: str) -> None:
-    from asymstore.tiers.remote import RemoteTier
+    from asymstore.tiers.remote.tier import RemoteTier
 
     async with AsymStore([RemoteTier(remote_uri)], keep_last=None, **store_kw()) as store:
         for step in (10, 20):

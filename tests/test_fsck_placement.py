@@ -21,12 +21,13 @@ import pytest
 from _mr_harness import Case, run_cases
 from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
+from asymstore.format import placement
+from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.placement import Placement
 from asymstore.fsck import check, repair
 from asymstore.fsck.__main__ import main as fsck_main
-from asymstore.multirank import layout, placement
+from asymstore.multirank import globaldir
 from asymstore.multirank.errors import GlobalManifestError
-from asymstore.multirank.globalmanifest import GlobalManifest
-from asymstore.multirank.placement import Placement
 
 WORLD, PER_NODE, N = 4, 2, 8
 
@@ -71,11 +72,11 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def own(job: dict[str, Any], rank: int) -> Path:
-    return job["shm"] / f"node-{rank // PER_NODE}" / "own" / layout.rank_dirname(rank)
+    return job["shm"] / f"node-{rank // PER_NODE}" / "own" / globaldir.rank_dirname(rank)
 
 
 def disk(job: dict[str, Any], rank: int) -> Path:
-    return job["disks"] / f"node-{rank // PER_NODE}" / layout.rank_dirname(rank)
+    return job["disks"] / f"node-{rank // PER_NODE}" / globaldir.rank_dirname(rank)
 
 
 def replica(job: dict[str, Any], rank: int) -> Path:
@@ -88,9 +89,9 @@ def segment(version_dir: Path) -> Path:
 
 def test_the_placement_record_lists_every_ranks_tiers_where_they_are(job: dict[str, Any]) -> None:
     gdir = str(job["root"] / "global")
-    g = layout.read_global(gdir, max(layout.list_global_steps(gdir)))
+    g = globaldir.read_global(gdir, max(globaldir.list_global_steps(gdir)))
     assert g.placement is not None
-    record = layout.read_placement(gdir, g.placement)
+    record = globaldir.read_placement(gdir, g.placement)
     for r in range(WORLD):
         where = {t.location for _, t in record.holders(r)}
         assert where == {str(own(job, r)), str(disk(job, r)), str(replica(job, r))}, (r, where)
@@ -115,14 +116,14 @@ def test_another_host_sees_copies_but_concludes_nothing_from_what_it_lacks(
     report = check(str(job["root"]))
     assert report.ok, report.problems  # every shard's copy verified, wherever fsck runs
     gdir = str(job["root"] / "global")
-    newest = max(layout.list_global_steps(gdir))
+    newest = max(globaldir.list_global_steps(gdir))
     victims = [own(job, 0), disk(job, 0), replica(job, 0)]
     saved = {v: (segment(v / f"v{newest:012d}"), segment(v / f"v{newest:012d}").read_bytes()) for v in victims}
     try:
         for seg, _ in saved.values():
             flip(seg)
         report = check(str(job["root"]), deep=True)
-        [entry] = [e for e in report.entries if e.name == f"global/{layout.global_filename(newest)}"]
+        [entry] = [e for e in report.entries if e.name == f"global/{globaldir.global_filename(newest)}"]
         assert entry.status == "unreachable", entry  # damaged here, but these may be other disks of that name
     finally:
         for seg, data in saved.values():
@@ -132,7 +133,7 @@ def test_another_host_sees_copies_but_concludes_nothing_from_what_it_lacks(
 def test_a_shard_fsck_cannot_see_is_unreachable_and_repair_refuses_it(
         job: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
     gdir = job["root"] / "global"
-    steps = layout.list_global_steps(str(gdir))
+    steps = globaldir.list_global_steps(str(gdir))
     newest = steps[-1]
     saved = job["shm"].parent / (job["shm"].name + "-node1")
     shutil.move(job["shm"] / "node-1", saved)  # node 1's memory is out of sight (another machine, or gone)
@@ -147,8 +148,8 @@ def test_a_shard_fsck_cannot_see_is_unreachable_and_repair_refuses_it(
         assert fsck_main([str(job["root"]), "--deep", "--json"]) == 1
         doc = json.loads(capsys.readouterr().out)
         status = {v["name"]: v["status"] for v in doc["versions"]}
-        assert status[f"global/{layout.global_filename(newest)}"] == "unreachable"
-        assert "corrupt" not in {status[f"global/{layout.global_filename(s)}"] for s in steps}
+        assert status[f"global/{globaldir.global_filename(newest)}"] == "unreachable"
+        assert "corrupt" not in {status[f"global/{globaldir.global_filename(s)}"] for s in steps}
         # the per-node check of node 0 examines what node 0 holds: rank 0's copies are damaged there
         node0 = [str(job["shm"] / "node-0"), str(job["disks"] / "node-0")]
         assert fsck_main([str(job["root"]), "--deep", "--json", "--node-local", *node0]) == 1
@@ -158,8 +159,8 @@ def test_a_shard_fsck_cannot_see_is_unreachable_and_repair_refuses_it(
         assert any(name.endswith(f"node-0/rank-00000/v{newest:012d}") for name in bad), bad
         assert fsck_main([str(job["root"]), "--repair"]) == 2
         err = capsys.readouterr().err
-        assert f"refused: global/{layout.global_filename(newest)}" in err and "local to" in err
-        assert layout.list_global_steps(str(gdir)) == steps  # no global version removed
+        assert f"refused: global/{globaldir.global_filename(newest)}" in err and "local to" in err
+        assert globaldir.list_global_steps(str(gdir)) == steps  # no global version removed
         after = tree(job["root"], job["shm"], job["disks"])
         assert {k: v for k, v in after.items() if "global" in k} == {k: v for k, v in before.items() if "global" in k}
         assert any(".quarantine" in k for k in after)  # the damaged copies seen on node 0: moved aside, not deleted
@@ -177,18 +178,18 @@ def test_a_shard_fsck_cannot_see_is_unreachable_and_repair_refuses_it(
 def test_a_shard_damaged_everywhere_it_lives_is_corrupt_and_repair_quarantines_only_its_version(
         job: dict[str, Any]) -> None:
     gdir = job["root"] / "global"
-    steps = layout.list_global_steps(str(gdir))
+    steps = globaldir.list_global_steps(str(gdir))
     newest = steps[-1]
     victims = [own(job, 3), disk(job, 3), replica(job, 3)]
     for v in victims:
         flip(segment(v / f"v{newest:012d}"))
     report = check(str(job["root"]), deep=True)
-    [entry] = [e for e in report.entries if e.name == f"global/{layout.global_filename(newest)}"]
+    [entry] = [e for e in report.entries if e.name == f"global/{globaldir.global_filename(newest)}"]
     assert entry.status == "corrupt" and "rank 3" in entry.problems[0], entry
     repair(report)
-    assert layout.list_global_steps(str(gdir)) == steps[:-1]
-    assert any(n.startswith(layout.global_filename(newest)) for n in os.listdir(gdir / ".quarantine"))
-    assert layout.read_global_latest(str(gdir)) == steps[-2]
+    assert globaldir.list_global_steps(str(gdir)) == steps[:-1]
+    assert any(n.startswith(globaldir.global_filename(newest)) for n in os.listdir(gdir / ".quarantine"))
+    assert globaldir.read_global_latest(str(gdir)) == steps[-2]
     for r in range(3):  # the other ranks' good shards of that step were not destroyed... nor needed
         assert (disk(job, r) / f"v{steps[-2]:012d}" / "MANIFEST.json").exists()
 
@@ -219,7 +220,7 @@ def test_shards_on_remote_tiers_are_verified_there(tmp_path: Path, s3_uri: str, 
 
     from asymstore import LocalTier
     from asymstore.multirank import RankStore
-    from asymstore.tiers.remote import RemoteTier
+    from asymstore.tiers.remote.tier import RemoteTier
 
     for key, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
         monkeypatch.setenv(key, value)  # fsck's credentials: the placement record never holds any
@@ -239,7 +240,7 @@ def test_shards_on_remote_tiers_are_verified_there(tmp_path: Path, s3_uri: str, 
 
     assert all(v is None for v in run_ranks(2, rank_fn).values())
     gdir = str(root / "global")
-    record = layout.read_placement(gdir, layout.read_global(gdir, 2).placement or "")
+    record = globaldir.read_placement(gdir, globaldir.read_global(gdir, 2).placement or "")
     assert "secret" not in json.dumps([t.to_json() for r in record.ranks for t in r.tiers])
     assert check(str(root), deep=True).ok
     shutil.rmtree(tmp_path / "disk-0")  # both disks gone: the remote copies serve every shard
@@ -250,6 +251,6 @@ def test_shards_on_remote_tiers_are_verified_there(tmp_path: Path, s3_uri: str, 
     (tmp_path / "nfs").rename(tmp_path / "nfs-away")  # the file:// remote cannot be reached
     assert fsck_main([str(root), "--repair"]) == 2
     assert "refused" in capsys.readouterr().err
-    assert layout.list_global_steps(gdir) == [1, 2]
+    assert globaldir.list_global_steps(gdir) == [1, 2]
     (tmp_path / "nfs-away").rename(tmp_path / "nfs")
     assert fsck_main([str(root), "--deep"]) == 0

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from asymstore import GPUTier, HostTier
-from asymstore.tiers.base import ExclusiveTier, HoldingTier, ProbeableTier, ReadIntoTier, Tier
-from asymstore.tiers.memory import MemoryTier
-from asymstore.tiers.shm import ShmTier
+from asymstore.tiers.memory.process import MemoryTier
+from asymstore.tiers.memory.shm import ShmTier
+from asymstore.tiers.protocol import ExclusiveTier, HoldingTier, ProbeableTier, ReadIntoTier, Tier
 
 
 def test_path_chooses_the_kind(tmp_path: Path) -> None:

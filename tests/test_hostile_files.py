@@ -20,7 +20,7 @@ import torch
 from _hostile_cases import CASE_TIMEOUT_S, CASES
 
 from asymstore.errors import ManifestError
-from asymstore.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
+from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 
 HERE = Path(__file__).resolve().parent
 RSS_BUDGET = 96 << 20  # the versions are a few KiB: anything near a claimed size is a failure
@@ -102,8 +102,8 @@ def test_version_1_manifests_are_still_read_with_every_check() -> None:
 
 
 def test_storable_dtypes_table_matches_torch() -> None:
-    from asymstore.manifest import DTYPE_SIZES
-    from asymstore.tensorbytes import dtype_from_name
+    from asymstore.format.manifest import DTYPE_SIZES
+    from asymstore.format.tensors import dtype_from_name
 
     for name, size in DTYPE_SIZES.items():
         dtype = getattr(torch, name, None)
@@ -117,18 +117,18 @@ def test_storable_dtypes_table_matches_torch() -> None:
 
 def test_hostile_global_manifests_and_latest_are_refused_in_bounded_time(tmp_path: Path) -> None:
     """A FIFO, a symlink or a huge file in a multi-rank root's global/ is refused, never read or waited on."""
-    from asymstore.multirank import layout
+    from asymstore.multirank import globaldir
     from asymstore.multirank.errors import GlobalManifestError
 
     gdir = tmp_path / "global"
     gdir.mkdir()
-    os.mkfifo(gdir / layout.global_filename(1))
+    os.mkfifo(gdir / globaldir.global_filename(1))
     (tmp_path / "elsewhere.json").write_text("{}")
-    os.symlink(tmp_path / "elsewhere.json", gdir / layout.global_filename(2))
-    with open(gdir / layout.global_filename(3), "wb") as f:
-        f.truncate(layout.MAX_GLOBAL_BYTES + 1)  # sparse: no disk used
+    os.symlink(tmp_path / "elsewhere.json", gdir / globaldir.global_filename(2))
+    with open(gdir / globaldir.global_filename(3), "wb") as f:
+        f.truncate(globaldir.MAX_GLOBAL_BYTES + 1)  # sparse: no disk used
     for step in (1, 2, 3):
         with pytest.raises(GlobalManifestError):
-            layout.read_global(str(gdir), step)
+            globaldir.read_global(str(gdir), step)
     os.mkfifo(gdir / "LATEST")
-    assert layout.read_global_latest(str(gdir)) is None
+    assert globaldir.read_global_latest(str(gdir)) is None

@@ -14,8 +14,8 @@ import torch
 
 from asymstore import AsymStore, RootLockedError
 from asymstore.fsck import check
-from asymstore.tiers.lease import RemoteLease
-from asymstore.tiers.remote import RemoteTier
+from asymstore.tiers.remote.lease import RemoteLease
+from asymstore.tiers.remote.tier import RemoteTier
 
 
 def write_holder(root: Path, **fields: object) -> None:

@@ -24,7 +24,7 @@ from asymstore.errors import TierError
 from asymstore.fsck import check, repair
 from asymstore.fsck.__main__ import main as fsck_main
 from asymstore.multirank import GlobalCommitError, RankStore, WorldSizeMismatchError
-from asymstore.multirank.layout import list_global_steps, read_global
+from asymstore.multirank.globaldir import list_global_steps, read_global
 from asymstore.testing import FailingLocalTier
 
 

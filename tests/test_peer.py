@@ -19,9 +19,9 @@ from test_multirank import run_ranks
 
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.errors import PeerError, PeerProtocolError
-from asymstore.load import load_version
-from asymstore.peer import PeerTier, ring_of
-from asymstore.peer.link import MAGIC, TAG_REPL, connect
+from asymstore.read.load import load_version
+from asymstore.tiers.peer import PeerTier, ring_of
+from asymstore.tiers.peer.link import MAGIC, TAG_REPL, connect
 
 
 def test_the_ring_sends_each_rank_to_the_same_local_rank_on_the_next_node() -> None:

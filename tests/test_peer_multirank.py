@@ -39,8 +39,8 @@ import pytest
 from _mr_harness import Case, Script, assert_same_state, run_cases
 
 from asymstore import HostTier
-from asymstore.load import load_version
-from asymstore.multirank.layout import rank_dirname
+from asymstore.multirank.globaldir import rank_dirname
+from asymstore.read.load import load_version
 
 pytestmark = pytest.mark.slow
 
@@ -181,7 +181,7 @@ def test_sigterm_on_every_rank_leaves_the_newest_step_on_the_disks(out: Path, sh
         assert record["durable"] and record["persistent_step"] == record["step"] == record["global_step"], record
         steps.add(record["step"])
     # SIGTERMed in the forward of iteration 5 (5 steps completed): the ranks agree to finish step 6, the one
-    # in flight, and all flush it at the same boundary (asymcheck.agreement); it is on every disk
+    # in flight, and all flush it at the same boundary (asymcheck.policy.agreement); it is on every disk
     assert steps == {6}
     lose(case, 0, disks=False)  # both nodes' memories gone (a reboot): only the disks are left
     lose(case, 1, disks=False)

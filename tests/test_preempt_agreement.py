@@ -1,4 +1,4 @@
-"""The preemption agreement over a real c10d store (asymcheck/agreement.py), without training processes."""
+"""The preemption agreement over a real c10d store (asymcheck/policy/agreement.py), without training processes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from asymcheck.agreement import AgreedNotice, PreemptAgreement
-from asymstore.multirank.kv import KV
+from asymcheck.policy.agreement import AgreedNotice, PreemptAgreement
+from asymstore.dist.kv import KV
 
 
 def tcp_pair() -> tuple[Any, Any]:

@@ -7,7 +7,7 @@ Per kind, three cases (tests/_mr_cases.py, tests/_preempt_cases.py; one forked c
   inside the training step. DDP (a Checkpointer over a RankStore): mid-forward, with the program's
   own handler chained after the flush; DeepSpeed ZeRO-2 (``asymcheck.deepspeed.attach``): inside
   ``engine.step()``, with SIGTERM's default action. The ranks agree through the key-value store on
-  the step to flush (asymcheck/agreement.py: the one after the step in flight), train to it, seal it
+  the step to flush (asymcheck/policy/agreement.py: the one after the step in flight), train to it, seal it
   at the same iteration boundary, commit their shards, the two-phase global commit completes, and the
   process ends killed by SIGTERM. fsck then checks the root;
 - ``resume``: a fresh job resumes collectively from the newest global version and trains to the end:

@@ -14,8 +14,8 @@ import torch
 from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
 from asymstore import AsymStore, StepCommittedError
-from asymstore.tiers.remote import RemoteTier, open_filesystem
-from asymstore.tiers.retry import PermanentRemoteError, RemoteUnavailableError, RetryPolicy, is_transient
+from asymstore.tiers.remote.retry import PermanentRemoteError, RemoteUnavailableError, RetryPolicy, is_transient
+from asymstore.tiers.remote.tier import RemoteTier, open_filesystem
 
 QUICK = RetryPolicy(attempts=4, deadline_s=5.0, initial_s=0.01, max_backoff_s=0.05)
 

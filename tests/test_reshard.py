@@ -19,9 +19,9 @@ import torch.distributed as dist
 from test_multirank import run_ranks, store
 
 from asymstore import AsymStore, LayoutError, LocalTier
-from asymstore.multirank.reshardread import read_range
-from asymstore.reshard import plan_piece
-from asymstore.tensorlayout import LAYOUT_KEY, MeshInfo, TensorLayout, layout_meta, parse_layout_meta, read_layouts
+from asymstore.format.pieces import LAYOUT_KEY, MeshInfo, TensorLayout, layout_meta, parse_layout_meta, read_layouts
+from asymstore.multirank.reshard import read_range
+from asymstore.read.reshardplan import plan_piece
 
 GLOBAL = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asymstore import AsymStore, HostTier, LocalTier
-from asymstore.checksum import checksum
-from asymstore.manifest import MANIFEST_NAME, Manifest
+from asymstore.format.checksum import checksum
+from asymstore.format.manifest import MANIFEST_NAME, Manifest
 
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from asymstore.errors import CorruptVersionError
-from asymstore.layout import LATEST
-from asymstore.smallfiles import read_small
+from asymstore.format.names import LATEST
+from asymstore.io.smallfiles import read_small
 from asymstore.tiers.local import LocalTier
 
 

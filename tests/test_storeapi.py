@@ -11,7 +11,7 @@ from _asymcheck_train import data, equal_state, make_model, make_opt, tensors_of
 from torch import nn
 
 from asymcheck import Checkpointer
-from asymcheck.storespec import make_store
+from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, CheckpointStore, LocalTier
 from asymstore.multirank import RankStore
 

@@ -18,7 +18,7 @@ from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
 from asymstore import AsymStore, LocalTier
 from asymstore.fsck import check, repair
-from asymstore.tiers.remote import RemoteTier
+from asymstore.tiers.remote.tier import RemoteTier
 
 STEPS = [1, 2, 3, 4, 5]
 

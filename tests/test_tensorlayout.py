@@ -1,4 +1,4 @@
-"""Global tensor metadata (asymstore.tensorlayout): torch.chunk pieces, strict JSON, hostile layouts refused."""
+"""Global tensor metadata (asymstore.format.pieces): torch.chunk pieces, strict JSON, hostile layouts refused."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from asymstore import LayoutError
-from asymstore.manifest import Manifest, TensorEntry
-from asymstore.tensorlayout import (
+from asymstore.format.manifest import Manifest, TensorEntry
+from asymstore.format.pieces import (
     MeshInfo,
     TensorLayout,
     chunk_piece,

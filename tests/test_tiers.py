@@ -25,7 +25,7 @@ from asymstore import (
 )
 from asymstore.fsck import check
 from asymstore.tiers.nvme import NVMeTier
-from asymstore.tiers.remote import RemoteTier
+from asymstore.tiers.remote.tier import RemoteTier
 
 TIERS = ["local", "host-memory", "host-shm", "gpu", "nvme-posix", "nvme-kvikio", "remote-file", "remote-s3"]
 
@@ -155,7 +155,7 @@ import asyncio, os, signal, sys
 import torch
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.tiers.nvme import NVMeTier
-from asymstore.tiers.remote import RemoteTier
+from asymstore.tiers.remote.tier import RemoteTier
 
 kind, where = sys.argv[1], sys.argv[2]
 if kind == "host-shm":

@@ -12,9 +12,9 @@ from asymcheck.deepspeed.hooks import DeepSpeedHooks, inner_optimizer
 from asymcheck.deepspeed.state import DeepSpeedState
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
-from asymcheck.state import Stateful
+from asymcheck.state.trainstate import Stateful
 from asymstore.multirank import RankStore
-from asymstore.tiers.base import Tier
+from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
             SIGTERM is handled as by the Checkpointer: the ranks agree through the key-value store
             on one step (the one after the step in flight), every rank trains to it and commits it
             at the same iteration boundary, the global commit completes, then the signal is handed
-            on (see :mod:`asymcheck.agreement`).
+            on (see :mod:`asymcheck.policy.agreement`).
 
     Raises:
         UnsupportedConfigError: the engine uses a setting whose state the capture would miss

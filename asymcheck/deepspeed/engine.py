@@ -41,10 +41,10 @@ from asymcheck.deepspeed.files import (
 )
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
-from asymcheck.storeloop import StoreLoop
-from asymstore.fileio import atomic_write
+from asymcheck.versions.storeloop import StoreLoop
+from asymstore.io.files import atomic_write
 from asymstore.multirank import GlobalManifest, RankStore, WorldSizeMismatchError
-from asymstore.restore import Checkpoint
+from asymstore.read.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from asymcheck.deepspeed.files import META_KEY, decode_file, file_keys
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import AsymcheckError
 from asymstore import AsymStore, AsymstoreError, CorruptVersionError, LocalTier
-from asymstore.multirank import layout
-from asymstore.multirank.globalmanifest import shard_digest
-from asymstore.restore import Checkpoint
+from asymstore.format.globalmanifest import shard_digest
+from asymstore.multirank import globaldir
+from asymstore.read.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +56,13 @@ class DeepSpeedExportError(AsymcheckError):
 def find_root(location: str) -> str:
     """The multi-rank root under ``location`` (itself, or its ``asymstore/``)."""
     for root in (location, os.path.join(location, STORE_DIR)):
-        if layout.is_multirank(root):
+        if globaldir.is_multirank(root):
             return root
     raise DeepSpeedExportError(f"{location} holds no multi-rank asymstore root (attach() or install() writes one)")
 
 
 async def _shard(root: str, rank: int, step: int) -> Checkpoint:
-    tier = LocalTier(os.path.join(root, layout.rank_dirname(rank)), fsync=False)
+    tier = LocalTier(os.path.join(root, globaldir.rank_dirname(rank)), fsync=False)
     async with AsymStore([tier], read_only=True) as store:
         return await store.restore(step=step)
 
@@ -76,15 +76,15 @@ async def read_version(root: str, step: int | None = None) -> tuple[int, str, li
     Raises:
         DeepSpeedExportError: no global version, or none whose every shard verifies and holds DeepSpeed files.
     """
-    gdir = os.path.join(root, layout.GLOBAL_DIR)
-    steps = layout.list_global_steps(gdir)
+    gdir = os.path.join(root, globaldir.GLOBAL_DIR)
+    steps = globaldir.list_global_steps(gdir)
     if step is not None:
         if step not in steps:
             raise DeepSpeedExportError(f"global step {step} is not published under {gdir} (have {steps[-5:]})")
         steps = [step]
     reasons = []
     for s in reversed(steps):
-        g = layout.read_global(gdir, s)
+        g = globaldir.read_global(gdir, s)
         try:
             shards = []
             for shard in sorted(g.shards, key=lambda x: x.rank):

@@ -2,7 +2,7 @@
 
 A DeepSpeed checkpoint is a set of files (``mp_rank_00_model_states.pt``,
 ``zero_pp_rank_0_mp_rank_00_optim_states.pt``, …), each one state dict. Here
-a file is a JSON tree (:mod:`asymcheck.encode`) in the shard's meta under
+a file is a JSON tree (:mod:`asymcheck.state.encode`) in the shard's meta under
 ``meta["deepspeed"]["files"][key]`` and its tensors under names
 ``ds/<key>/…``; ``key`` is the file's path relative to the checkpoint
 directory (``global_step10/mp_rank_00_model_states.pt``).
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from asymcheck.encode import decode, encode
 from asymcheck.errors import AsymcheckError
+from asymcheck.state.encode import decode, encode
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from asymcheck.errors import UnsupportedStateError
-from asymcheck.hooks import Callback, ForwardCallback, HookSet
+from asymcheck.snapshot.hooks import Callback, ForwardCallback, HookSet
 
 logger = logging.getLogger(__name__)
 

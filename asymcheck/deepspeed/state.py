@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 import deepspeed
 import torch
 
-from asymcheck import rng
 from asymcheck.deepspeed.files import (
     META_KEY,
     CapturingEngine,
@@ -46,13 +45,14 @@ from asymcheck.deepspeed.files import (
 )
 from asymcheck.deepspeed.hooks import inner_optimizer
 from asymcheck.deepspeed.types import register_deepspeed_types
-from asymcheck.encode import decode, encode
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
-from asymcheck.state import Capture, Moment, Stateful, TrainingState
+from asymcheck.state import rng
+from asymcheck.state.encode import decode, encode
+from asymcheck.state.trainstate import Capture, Moment, Stateful, TrainingState
 from asymstore.errors import AsymstoreError
+from asymstore.format.tensors import host_copy
 from asymstore.multirank import RankStore
-from asymstore.restore import Checkpoint
-from asymstore.tensorbytes import host_copy
+from asymstore.read.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
 

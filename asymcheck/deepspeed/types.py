@@ -3,7 +3,7 @@
 DeepSpeed's checkpoint state dicts hold a few plain objects besides dicts,
 lists, tuples, ``torch.Size``, dtypes, numbers, strings and tensors: the loss
 scaler, ZeRO's stage enum and the parameter fragment addresses. They are
-encoded by their attributes (:func:`asymcheck.encode.register_type`); nothing
+encoded by their attributes (:func:`asymcheck.state.encode.register_type`); nothing
 is pickled, and decoding only rebuilds these classes.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from asymcheck.encode import register_type
+from asymcheck.state.encode import register_type
 
 logger = logging.getLogger(__name__)
 

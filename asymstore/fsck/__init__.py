@@ -30,8 +30,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from asymstore.fileio import atomic_write, read_whole
-from asymstore.layout import (
+from asymstore.format.manifest import MANIFEST_NAME
+from asymstore.format.names import (
     LATEST,
     QUARANTINE,
     TMP_PREFIX,
@@ -41,11 +41,11 @@ from asymstore.layout import (
     retention_leftover,
     version_dirname,
 )
-from asymstore.manifest import MANIFEST_NAME
-from asymstore.rootlock import DirLock, is_leftover_name
-from asymstore.tiers.base import Tier
+from asymstore.io.files import atomic_write, read_whole
+from asymstore.io.rootlock import DirLock, is_leftover_name
+from asymstore.read.verify import check_version
 from asymstore.tiers.local import LocalTier
-from asymstore.verify import check_version
+from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 async def _check_version(tier: Tier, path: str, name: str, step: int, deep: bool,
                          progress: Progress | None, committed: list[int]) -> VersionReport:
-    """One version directory, through the verification path restore uses (:mod:`asymstore.verify`)."""
+    """One version directory, through the verification path restore uses (:mod:`asymstore.read.verify`)."""
     report = VersionReport(name, "committed", step)
     if os.path.isdir(path) and not os.path.islink(path) and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
         if retention_leftover(step, committed):

@@ -4,7 +4,7 @@ A multi-rank version is a global manifest ``global/v….json``; its shards live
 on the ranks' tiers, which need not be under the root: a shared-memory tier
 and a disk local to each node, a peer's memory, a remote store. Every global
 manifest names the placement record it was committed under
-(:mod:`asymstore.multirank.placement`), which lists every rank's tier locations
+(:mod:`asymstore.format.placement`), which lists every rank's tier locations
 and host; a version 1 manifest (or a root without records) has its shards in
 ``ROOT/rank-NNNNN/``. Rank directories under the root are always checked.
 
@@ -50,17 +50,18 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from asymstore.errors import AsymstoreError, ManifestError
-from asymstore.fileio import atomic_write, read_whole
+from asymstore.format import placement
+from asymstore.format.globalmanifest import GlobalManifest, shard_digest
+from asymstore.format.manifest import MANIFEST_NAME, Manifest
+from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, version_dirname
+from asymstore.format.placement import Placement
 from asymstore.fsck import FsckReport, Progress, VersionReport, _check_latest, _quarantine, is_uri, run_sync
 from asymstore.fsck import check as check_tier
 from asymstore.fsck import repair as repair_tier
-from asymstore.layout import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, version_dirname
-from asymstore.manifest import MANIFEST_NAME, Manifest
-from asymstore.multirank import layout, placement
+from asymstore.io.files import atomic_write, read_whole
+from asymstore.io.rootlock import DirLock
+from asymstore.multirank import globaldir
 from asymstore.multirank.errors import GlobalManifestError
-from asymstore.multirank.globalmanifest import GlobalManifest, shard_digest
-from asymstore.multirank.placement import Placement
-from asymstore.rootlock import DirLock
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ class _Locations:
     def _manifest(self, loc: str, step: int) -> Manifest:
         if not is_uri(loc):
             return Manifest.from_json(read_whole(os.path.join(loc, version_dirname(step), MANIFEST_NAME)))
-        from asymstore.tiers.remote import RemoteTier
+        from asymstore.tiers.remote.tier import RemoteTier
 
         async def read() -> bytes:
             return await RemoteTier(loc).read_manifest(step)
@@ -192,7 +193,7 @@ class _Locations:
 def _holders(root: str, g: GlobalManifest, places: dict[str, Placement | GlobalManifestError],
              rank: int) -> list[_Holder] | str:
     """Every place holding ``rank``'s shards of ``g``, or why they cannot be known."""
-    in_root = _Holder(os.path.join(root, layout.rank_dirname(rank)), "", f"rank {rank}'s directory")
+    in_root = _Holder(os.path.join(root, globaldir.rank_dirname(rank)), "", f"rank {rank}'s directory")
     if g.placement is None:
         return [in_root]
     found = places.get(g.placement)
@@ -210,7 +211,7 @@ def _read_placements(gdir: str, globals_: list[GlobalManifest]) -> dict[str, Pla
     for g in globals_:
         if g.placement is not None and g.placement not in out:
             try:
-                out[g.placement] = layout.read_placement(gdir, g.placement)
+                out[g.placement] = globaldir.read_placement(gdir, g.placement)
             except FileNotFoundError:
                 out[g.placement] = GlobalManifestError("missing")
             except (GlobalManifestError, OSError) as exc:
@@ -267,9 +268,9 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
         node_local: a per-node check: examine only the shard locations under these paths.
     """
     root = os.path.abspath(root)
-    gdir = os.path.join(root, layout.GLOBAL_DIR)
+    gdir = os.path.join(root, globaldir.GLOBAL_DIR)
     locs = _Locations(root, deep, progress, node_local)
-    dirs = {} if node_local else layout.rank_dirs(root)
+    dirs = {} if node_local else globaldir.rank_dirs(root)
     ranks = {r: check_tier(d, deep=deep, progress=progress) for r, d in dirs.items()}
     for r, d in dirs.items():
         locs.reports[d] = ranks[r]
@@ -279,25 +280,25 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
     extra: list[VersionReport] = []
     for name in sorted(os.listdir(gdir)):
         path = os.path.join(gdir, name)
-        step = layout.parse_global_filename(name)
+        step = globaldir.parse_global_filename(name)
         if step is not None:
-            report = VersionReport(f"{layout.GLOBAL_DIR}/{name}", "committed", step)
+            report = VersionReport(f"{globaldir.GLOBAL_DIR}/{name}", "committed", step)
             try:
-                g: GlobalManifest | None = layout.read_global(gdir, step)
+                g: GlobalManifest | None = globaldir.read_global(gdir, step)
             except (GlobalManifestError, OSError) as exc:
                 report.status, g = "corrupt", None
                 report.problems.append(f"bad global manifest: {exc}")
             globals_.append((name, step, g, report))
         elif name.startswith(TMP_PREFIX) and not node_local:
-            vstep = layout.parse_global_filename(name[len(TMP_PREFIX):].rsplit("-", 1)[0])
-            extra.append(VersionReport(f"{layout.GLOBAL_DIR}/{name}", "partial", vstep,
+            vstep = globaldir.parse_global_filename(name[len(TMP_PREFIX):].rsplit("-", 1)[0])
+            extra.append(VersionReport(f"{globaldir.GLOBAL_DIR}/{name}", "partial", vstep,
                                        problems=["a global manifest that was never published"]))
         elif name.startswith(f".{LATEST}.") and name.endswith(".tmp") and not node_local:
-            extra.append(VersionReport(f"{layout.GLOBAL_DIR}/{name}", "orphaned", None,
+            extra.append(VersionReport(f"{globaldir.GLOBAL_DIR}/{name}", "orphaned", None,
                                        problems=["leftover of a LATEST update"]))
         elif name == QUARANTINE and os.path.isdir(path):
-            extra += [VersionReport(f"{layout.GLOBAL_DIR}/{QUARANTINE}/{q}", "quarantined",
-                                    layout.parse_global_filename(q.split("-")[0]))
+            extra += [VersionReport(f"{globaldir.GLOBAL_DIR}/{QUARANTINE}/{q}", "quarantined",
+                                    globaldir.parse_global_filename(q.split("-")[0]))
                       for q in sorted(os.listdir(path))]
     places = _read_placements(gdir, [g for _, _, g, _ in globals_ if g is not None])
     used: set[tuple[int, int]] = set()
@@ -342,7 +343,7 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
         entries += [replace(e, name=f"{_label(root, loc)}/{e.name}") for e in rep.entries
                     if e.status != "committed" or e.problems]
     for r, rep in ranks.items():
-        entries += [replace(e, name=f"{layout.rank_dirname(r)}/{e.name}") for e in rep.entries]
+        entries += [replace(e, name=f"{globaldir.rank_dirname(r)}/{e.name}") for e in rep.entries]
     unused: dict[int, list[int]] = {}
     shard_dirs: dict[tuple[int, int], list[str]] = {}
     for (r, step), where in sorted(copies.items()):
@@ -358,21 +359,21 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
     for step, have in sorted(partial.items()):
         lacking = [r for r in range(world) if r not in have]
         entries.append(VersionReport(
-            f"{layout.GLOBAL_DIR}/{layout.global_filename(step)}", "partial", step,
+            f"{globaldir.GLOBAL_DIR}/{globaldir.global_filename(step)}", "partial", step,
             problems=[f"rank shard(s) of rank(s) {have} committed but no global manifest: a multi-rank commit "
                       f"that did not complete" + (f" (rank(s) {lacking} have no shard)" if lacking else "")]))
     for step, have in sorted(stale.items()):
         entries.append(VersionReport(
-            f"{layout.GLOBAL_DIR}/{layout.global_filename(step)}", "orphaned", step,
+            f"{globaldir.GLOBAL_DIR}/{globaldir.global_filename(step)}", "orphaned", step,
             problems=[f"shard(s) of rank(s) {have} that no global version uses, older than the newest "
                       f"one: left by retention on a rank that stopped early, or by an incomplete commit"]))
     entries += extra
     listed: set[int | None] = set(good | unreachable)
     latest, latest_problem = (None, None) if node_local else _check_latest(gdir, top, listed)
-    rank_latest = [f"{layout.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
+    rank_latest = [f"{globaldir.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
                    for r, rep in ranks.items() if rep.latest_problem]
     if latest_problem:
-        latest_problem = f"{layout.GLOBAL_DIR}/{LATEST}: {latest_problem}"
+        latest_problem = f"{globaldir.GLOBAL_DIR}/{LATEST}: {latest_problem}"
     if rank_latest:
         latest_problem = "; ".join([*([latest_problem] if latest_problem else []), *rank_latest])
     refused = [f"{e.name}: not touched, a shard cannot be seen from here: {'; '.join(e.problems)}"
@@ -397,7 +398,7 @@ def repair_multirank(report: MultiRankFsckReport) -> list[str]:
     Raises:
         RootLockedError: a live job holds ``global/`` or a shard location.
     """
-    gdir = os.path.join(report.root, layout.GLOBAL_DIR)
+    gdir = os.path.join(report.root, globaldir.GLOBAL_DIR)
     if report.node_local:
         return _repair_locations(report)
     lock = DirLock(gdir)
@@ -435,7 +436,7 @@ def _repair(report: MultiRankFsckReport, gdir: str) -> list[str]:
     root = report.root
     actions = _repair_locations(report)
     for e in report.entries:
-        if not e.name.startswith(f"{layout.GLOBAL_DIR}/"):
+        if not e.name.startswith(f"{globaldir.GLOBAL_DIR}/"):
             continue
         path = os.path.join(root, e.name)
         if e.status == "corrupt" and os.path.exists(path):
@@ -450,10 +451,10 @@ def _repair(report: MultiRankFsckReport, gdir: str) -> list[str]:
     elif report.newest_restorable is None:
         if os.path.exists(latest):
             os.unlink(latest)
-            actions.append(f"removed {layout.GLOBAL_DIR}/{LATEST} (no restorable version)")
+            actions.append(f"removed {globaldir.GLOBAL_DIR}/{LATEST} (no restorable version)")
     elif report.latest != report.newest_restorable:
         atomic_write(latest, f"{report.newest_restorable}\n".encode())
-        actions.append(f"set {layout.GLOBAL_DIR}/{LATEST} to {report.newest_restorable}")
+        actions.append(f"set {globaldir.GLOBAL_DIR}/{LATEST} to {report.newest_restorable}")
     fsync_dir(gdir)
     for line in actions:
         logger.info("fsck repair: %s", line)

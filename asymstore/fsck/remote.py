@@ -1,6 +1,6 @@
 """fsck on a remote tier location (``file://``, ``s3://``, ``hdfs://``): the checks and repairs of a directory tier.
 
-Versions are verified through :mod:`asymstore.verify`, exactly as restore
+Versions are verified through :mod:`asymstore.read.verify`, exactly as restore
 reads them. Statuses are those of :mod:`asymstore.fsck`; on an object store a
 version prefix without a manifest is ``orphaned`` (an upload cut short), or
 ``in_progress`` while a live writer holds the root's lease. Repair takes the
@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 import pyarrow.fs as pafs
 
+from asymstore.format.manifest import MANIFEST_NAME
+from asymstore.format.names import LATEST, QUARANTINE, parse_version_dirname, retention_leftover
 from asymstore.fsck import FsckReport, Progress, VersionReport, run_sync
-from asymstore.layout import LATEST, QUARANTINE, parse_version_dirname, retention_leftover
-from asymstore.manifest import MANIFEST_NAME
-from asymstore.rootlock import LOCK_NAME, is_leftover_name
-from asymstore.tiers.remote import RemoteTier
-from asymstore.verify import check_version
+from asymstore.io.rootlock import LOCK_NAME, is_leftover_name
+from asymstore.read.verify import check_version
+from asymstore.tiers.remote.tier import RemoteTier
 
 logger = logging.getLogger(__name__)
 

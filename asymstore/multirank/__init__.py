@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asymstore.lazy import lazy_getattr
 from asymstore.multirank.errors import (
     CoordinationTimeoutError,
     GlobalCommitError,
@@ -26,23 +25,24 @@ from asymstore.multirank.errors import (
     GlobalVersionDroppedError,
     WorldSizeMismatchError,
 )
+from asymstore.runtime.lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
-    from asymstore.multirank.kv import KV, MemoryStore, store_from_env
-    from asymstore.multirank.layout import is_multirank, rank_dirname
+    from asymstore.dist.kv import KV, MemoryStore, store_from_env
+    from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
+    from asymstore.multirank.globaldir import is_multirank, rank_dirname
     from asymstore.multirank.store import RankStore
 
 _LAZY = {
-    "KV": "asymstore.multirank.kv",
-    "GlobalManifest": "asymstore.multirank.globalmanifest",
-    "MemoryStore": "asymstore.multirank.kv",
+    "KV": "asymstore.dist.kv",
+    "GlobalManifest": "asymstore.format.globalmanifest",
+    "MemoryStore": "asymstore.dist.kv",
     "RankStore": "asymstore.multirank.store",
-    "ShardInfo": "asymstore.multirank.globalmanifest",
-    "is_multirank": "asymstore.multirank.layout",
-    "rank_dirname": "asymstore.multirank.layout",
-    "shard_digest": "asymstore.multirank.globalmanifest",
-    "store_from_env": "asymstore.multirank.kv",
+    "ShardInfo": "asymstore.format.globalmanifest",
+    "is_multirank": "asymstore.multirank.globaldir",
+    "rank_dirname": "asymstore.multirank.globaldir",
+    "shard_digest": "asymstore.format.globalmanifest",
+    "store_from_env": "asymstore.dist.kv",
 }
 
 

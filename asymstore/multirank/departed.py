@@ -15,10 +15,10 @@ import os
 from collections.abc import Callable, Sequence
 
 from asymstore.errors import AsymstoreError
-from asymstore.layout import LATEST, fsync_dir
-from asymstore.multirank import layout
-from asymstore.multirank.globalmanifest import GlobalManifest
-from asymstore.tiers.base import ExclusiveTier, Tier
+from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.names import LATEST, fsync_dir
+from asymstore.multirank import globaldir
+from asymstore.tiers.protocol import ExclusiveTier, Tier
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ async def retire_departed(root: str, world_size: int, kept: Sequence[GlobalManif
         One line per shard deleted (a rank whose tiers cannot be locked or read is logged and skipped).
     """
     done: list[str] = []
-    for rank in [r for r in layout.rank_dirs(root) if r >= world_size]:
+    for rank in [r for r in globaldir.rank_dirs(root) if r >= world_size]:
         needed = {g.shard(rank).step for g in kept if rank < g.world_size}
         for tier in tiers_of(rank):
             locked = False
@@ -63,7 +63,7 @@ async def retire_departed(root: str, world_size: int, kept: Sequence[GlobalManif
                 if left and len(left) < len(steps):
                     await tier.write_latest(max(left))
                 elif not left and steps:  # nothing left: LATEST must not name a shard that is gone
-                    _drop_latest(os.path.join(root, layout.rank_dirname(rank)))
+                    _drop_latest(os.path.join(root, globaldir.rank_dirname(rank)))
             except (AsymstoreError, OSError) as exc:
                 logger.info("shards of departed rank %d on %s left as they are: %s", rank, tier.name, exc)
             finally:

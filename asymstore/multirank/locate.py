@@ -1,4 +1,4 @@
-"""Describe a rank's open tiers as a :class:`~asymstore.multirank.placement.RankPlacement` for fsck."""
+"""Describe a rank's open tiers as a :class:`~asymstore.format.placement.RankPlacement` for fsck."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from asymstore.multirank.placement import RankPlacement, TierKind, TierPlace, this_host
-from asymstore.tiers.base import Tier
-from asymstore.tiers.host import HostTier
+from asymstore.format.placement import RankPlacement, TierKind, TierPlace, this_host
 from asymstore.tiers.local import LocalTier
+from asymstore.tiers.memory.host import HostTier
+from asymstore.tiers.protocol import Tier
 
 
 @runtime_checkable
@@ -39,7 +39,7 @@ def tier_place(tier: Tier, rank: int) -> TierPlace | None:
 
 
 def _is_remote(tier: Tier) -> bool:
-    remote = sys.modules.get("asymstore.tiers.remote")  # never imported: no tier can be a RemoteTier
+    remote = sys.modules.get("asymstore.tiers.remote.tier")  # never imported: no tier can be a RemoteTier
     return remote is not None and isinstance(tier, remote.RemoteTier)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from asymstore.errors import AsymstoreError, CorruptVersionError
-from asymstore.manifest import Manifest
-from asymstore.restore import Checkpoint, describe, load_version, read_manifest
-from asymstore.tiers.base import Tier
+from asymstore.format.manifest import Manifest
+from asymstore.read.restore import Checkpoint, describe, load_version, read_manifest
+from asymstore.tiers.protocol import Tier
 
 
 async def read_peer_shard(tiers: Sequence[Tier], rank: int, step: int) -> Checkpoint:

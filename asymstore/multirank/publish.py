@@ -15,7 +15,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from asymstore.multirank import layout
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.format.placement import Placement, RankPlacement
+from asymstore.multirank import globaldir
 from asymstore.multirank.errors import (
     CoordinationTimeoutError,
     GlobalCommitError,
@@ -23,12 +25,10 @@ from asymstore.multirank.errors import (
     GlobalManifestError,
     GlobalVersionDroppedError,
 )
-from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo
-from asymstore.multirank.placement import Placement, RankPlacement
 from asymstore.multirank.retention import retain_globals
 
 if TYPE_CHECKING:
-    from asymstore.multirank.kv import KV
+    from asymstore.dist.kv import KV
     from asymstore.multirank.store import RankStore
 
 logger = logging.getLogger(__name__)
@@ -76,11 +76,11 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
                               time.time(), record_placement(store, reports))
     for stale in [s for s in store.global_steps() if s >= step]:  # a history abandoned by an older restore
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
-        layout.delete_global(store.global_dir, stale, fsync=store.fsync)
+        globaldir.delete_global(store.global_dir, stale, fsync=store.fsync)
         store.global_cache.pop(stale, None)
-    layout.publish_global(store.global_dir, manifest, fsync=store.fsync)
+    globaldir.publish_global(store.global_dir, manifest, fsync=store.fsync)
     store.global_cache[step] = manifest
-    layout.write_global_latest(store.global_dir, step, fsync=store.fsync)
+    globaldir.write_global_latest(store.global_dir, step, fsync=store.fsync)
     retain_globals(store)
     kv.put(f"{key}/global", {"step": step})
     logger.debug("published global version %d (%d ranks, %d bytes)", step, store.world_size, manifest.nbytes)
@@ -108,7 +108,7 @@ def record_placement(store: RankStore, reports: list[dict[str, Any]]) -> str | N
     except GlobalManifestError as exc:
         logger.warning("not recording the tier placement: %s", exc)
         return None
-    digest = layout.write_placement(store.global_dir, placement, fsync=store.fsync)
+    digest = globaldir.write_placement(store.global_dir, placement, fsync=store.fsync)
     store.placement_cache = (docs, digest)
     return digest
 

@@ -18,13 +18,13 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from asymstore.multirank import layout
+from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.multirank import globaldir
 from asymstore.multirank.departed import retire_departed
 from asymstore.multirank.errors import GlobalManifestError
-from asymstore.multirank.globalmanifest import GlobalManifest
 
 if TYPE_CHECKING:
-    from asymstore.multirank.kv import KV
+    from asymstore.dist.kv import KV
     from asymstore.multirank.store import RankStore
     from asymstore.store import AsymStore
 
@@ -56,7 +56,7 @@ def retain_globals(store: RankStore) -> None:
         return
     steps = store.global_steps()
     for old in steps[:-store.global_keep_last]:
-        layout.delete_global(store.global_dir, old, fsync=store.fsync)
+        globaldir.delete_global(store.global_dir, old, fsync=store.fsync)
     kept = []
     for s in steps[-store.global_keep_last:]:
         try:
@@ -78,7 +78,7 @@ def retain_globals(store: RankStore) -> None:
 
 async def retire_departed_shards(store: RankStore) -> None:
     """Coordinator: drop shards of ranks no longer in the job (it shrank) that no kept version needs."""
-    if store.global_keep_last is None or not any(r >= store.world_size for r in layout.rank_dirs(store.root)):
+    if store.global_keep_last is None or not any(r >= store.world_size for r in globaldir.rank_dirs(store.root)):
         return
     kept = _kept_globals(store, store.global_keep_last)
     if kept is None:

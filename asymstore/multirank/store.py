@@ -1,6 +1,6 @@
 """RankStore: one rank's shard store of a multi-rank checkpoint, with a two-phase global commit.
 
-Protocol (see :mod:`asymstore.multirank.layout` for the directories):
+Protocol (see :mod:`asymstore.multirank.globaldir` for the directories):
 
 1. every rank commits its shard of step ``s`` to its own tiers (a commit of
    its own :class:`~asymstore.AsymStore`, ``RankStore.local``: durable before
@@ -35,30 +35,30 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from asymstore.checksum import checksum
-from asymstore.manifest import Manifest, validate_meta
-from asymstore.multirank import layout
+from asymstore.api import CheckpointStore
+from asymstore.dist.kv import KV, MemoryStore, store_from_env
+from asymstore.format.checksum import checksum
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
+from asymstore.format.manifest import Manifest, validate_meta
+from asymstore.format.placement import RankPlacement
+from asymstore.io.rootlock import DirLock, sweep_directory
+from asymstore.multirank import globaldir
 from asymstore.multirank.errors import CoordinationTimeoutError, GlobalManifestError, GlobalVersionDroppedError
-from asymstore.multirank.globalmanifest import GlobalManifest, ShardInfo, shard_digest
-from asymstore.multirank.kv import KV, MemoryStore, store_from_env
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
-from asymstore.multirank.placement import RankPlacement
 from asymstore.multirank.publish import await_global, publish_global
-from asymstore.multirank.rankrestore import restore_collective
-from asymstore.multirank.reshardread import Targets
+from asymstore.multirank.reshard import Targets
+from asymstore.multirank.restore import restore_collective
 from asymstore.multirank.retention import delete_shard, retain_shards, retire_departed_shards, roll_back
-from asymstore.restore import Checkpoint, describe
-from asymstore.rootlock import DirLock, sweep_directory
+from asymstore.read.restore import Checkpoint, describe
 from asymstore.store import AsymStore, CommitResult
-from asymstore.storeapi import CheckpointStore
-from asymstore.tiers.base import Tier
 from asymstore.tiers.local import LocalTier
+from asymstore.tiers.protocol import Tier
 
 if TYPE_CHECKING:
-    from asymstore.batcher import TierStatus
-    from asymstore.calibration import TierCalibration
-    from asymstore.load import Into
+    from asymstore.policy.calibration import TierCalibration
+    from asymstore.read.load import Into
+    from asymstore.write.segments import TierStatus
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class RankStore:
 
     It holds this rank's own :class:`~asymstore.AsymStore` (``local``, over
     ``tiers``) and adds the global commit and the collective restore; it is a
-    :class:`~asymstore.storeapi.CheckpointStore`, so it goes wherever the
+    :class:`~asymstore.api.CheckpointStore`, so it goes wherever the
     adapters take a store (e.g. as the store of :class:`asymcheck.Checkpointer`
     under DDP). Every rank must commit the same steps, and every rank must
     call ``restore``.
@@ -117,10 +117,10 @@ class RankStore:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep everything)")
         self.root = os.path.abspath(os.fspath(root))
-        self.global_dir = os.path.join(self.root, layout.GLOBAL_DIR)
+        self.global_dir = os.path.join(self.root, globaldir.GLOBAL_DIR)
         self._global_lock = DirLock(self.global_dir)
         self.fsync = fsync
-        self._peer_tiers = peer_tiers or (lambda r: [LocalTier(os.path.join(self.root, layout.rank_dirname(r)),
+        self._peer_tiers = peer_tiers or (lambda r: [LocalTier(os.path.join(self.root, globaldir.rank_dirname(r)),
                                                                fsync=fsync)])
         if tiers is None:
             tiers = self._peer_tiers(self.rank)
@@ -268,11 +268,11 @@ class RankStore:
 
     def global_steps(self) -> list[int]:
         """Published global steps, ascending (reads ``global/``: the coordinator, or a shared filesystem)."""
-        return layout.list_global_steps(self.global_dir)
+        return globaldir.list_global_steps(self.global_dir)
 
     def read_global(self, step: int) -> GlobalManifest:
         """Read the global manifest of ``step`` (see :meth:`global_steps`)."""
-        return layout.read_global(self.global_dir, step)
+        return globaldir.read_global(self.global_dir, step)
 
     def newest_global(self) -> GlobalManifest | None:
         """The newest global manifest that parses, or None."""

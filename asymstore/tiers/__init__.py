@@ -9,22 +9,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asymstore.lazy import lazy_getattr
-from asymstore.tiers.base import Tier, VersionWriter
+from asymstore.runtime.lazy import lazy_getattr
+from asymstore.tiers.protocol import Tier, VersionWriter
 
 if TYPE_CHECKING:
-    from asymstore.tiers.gpu import GPUTier
-    from asymstore.tiers.host import HostTier
     from asymstore.tiers.local import LocalTier
+    from asymstore.tiers.memory.gpu import GPUTier
+    from asymstore.tiers.memory.host import HostTier
     from asymstore.tiers.nvme import NVMeTier
-    from asymstore.tiers.remote import RemoteTier
+    from asymstore.tiers.remote.tier import RemoteTier
 
 _LAZY = {
-    "GPUTier": "asymstore.tiers.gpu",
-    "HostTier": "asymstore.tiers.host",
+    "GPUTier": "asymstore.tiers.memory.gpu",
+    "HostTier": "asymstore.tiers.memory.host",
     "LocalTier": "asymstore.tiers.local",
     "NVMeTier": "asymstore.tiers.nvme",
-    "RemoteTier": "asymstore.tiers.remote",
+    "RemoteTier": "asymstore.tiers.remote.tier",
 }
 
 

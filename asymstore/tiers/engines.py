@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from asymstore.fileio import address_of
-from asymstore.tiers.base import Buffer
+from asymstore.io.files import address_of
+from asymstore.tiers.protocol import Buffer
 
 logger = logging.getLogger(__name__)
 

@@ -14,17 +14,9 @@ from typing import TypeVar
 
 import aiofiles.os
 
-from asymstore.calibration import filesystem_key, probe_directory
 from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
-from asymstore.fileio import (
-    atomic_write,
-    check_directory,
-    check_regular,
-    read_large,
-    read_ranges,
-    write_parts,
-)
-from asymstore.layout import (
+from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
+from asymstore.format.names import (
     LATEST,
     QUARANTINE,
     TMP_PREFIX,
@@ -32,10 +24,18 @@ from asymstore.layout import (
     parse_version_dirname,
     version_dirname,
 )
-from asymstore.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
-from asymstore.rootlock import DirLock, sweep_directory
-from asymstore.smallfiles import read_small
-from asymstore.tiers.base import Buffer
+from asymstore.io.files import (
+    atomic_write,
+    check_directory,
+    check_regular,
+    read_large,
+    read_ranges,
+    write_parts,
+)
+from asymstore.io.rootlock import DirLock, sweep_directory
+from asymstore.io.smallfiles import read_small
+from asymstore.policy.calibration import filesystem_key, probe_directory
+from asymstore.tiers.protocol import Buffer
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ _LATEST_MAX_BYTES = 64  # a step number and a newline; anything longer is not a 
 
 
 class LocalTier:
-    """A directory on a local filesystem; see :mod:`asymstore.layout` for the layout.
+    """A directory on a local filesystem; see :mod:`asymstore.format.names` for the layout.
 
     Segments and the manifest are written into a temporary directory and
     fsynced; the version is published by renaming that directory to its final
@@ -85,7 +85,7 @@ class LocalTier:
         """Nothing to release (the root lock is the store's to give up: :meth:`unlock_root`)."""
 
     async def lock_root(self) -> None:
-        """Take the root's writer lock (see :mod:`asymstore.rootlock`)."""
+        """Take the root's writer lock (see :mod:`asymstore.io.rootlock`)."""
         await asyncio.to_thread(self._lock.acquire)
 
     async def unlock_root(self) -> None:
@@ -152,7 +152,7 @@ class LocalTier:
                                 ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
         """Read ranges of one segment straight into caller buffers, hashing them as they land.
 
-        See :func:`asymstore.fileio.read_ranges`; returns the ranges' digests.
+        See :func:`asymstore.io.files.read_ranges`; returns the ranges' digests.
         """
         path = os.path.join(self._vdir(step), validate_segment_name(name))
 

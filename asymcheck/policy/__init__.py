@@ -1,0 +1,1 @@
+"""What the Checkpointer decides: pacing, the failure budget, preemption and its agreement across ranks."""

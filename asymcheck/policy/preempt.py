@@ -1,0 +1,321 @@
+"""Preemption: on SIGTERM, finish the version in flight on the durable tier within a deadline, then exit.
+
+Schedulers (Slurm, Kubernetes, spot instances, torchrun) send SIGTERM and a
+grace period before SIGKILL. The signal handler only records the notice: a
+handler runs between any two bytecodes of the training thread, possibly in
+the middle of ``optimizer.step()``, where no consistent state exists. The
+Checkpointer acts at its next hook of the next iteration instead (a training
+forward, a gradient, the next optimizer step) — never in the step's own
+post-hook, before the loop ran its ``scheduler.step()`` — where the state
+after the newest completed step is whole. Within the deadline
+(``preempt_deadline_s``, counted from the signal) it waits for the commits
+still running, seals that version, copies what is left, commits it, waits
+for the commit and for a persistent tier to hold it (a memory durable tier's
+background copy to disk: :meth:`asymstore.AsymStore.flush`; under several
+ranks, for the global version too), records what it managed in
+``ckpt.preempted`` and then hands the signal on to whatever the program had
+installed before — the default action terminates the process with SIGTERM's
+usual status, a Python handler is called, an ignored signal stays ignored.
+When the deadline passes it stops waiting (what is still running goes on
+until the process ends), records that the deadline hit, and hands the signal
+on all the same: the scheduler's SIGKILL would come anyway. A process that
+reaches no hook within the grace period is killed as before, with the durable
+tier holding the versions committed until then.
+
+Under several ranks (DDP over a :class:`asymstore.multirank.RankStore`,
+DeepSpeed through :func:`asymcheck.deepspeed.attach`) the signal reaches the
+ranks milliseconds apart, so no rank acts alone: the first rank to see a
+notice publishes it through the job's key-value store with the step every
+rank must complete, every rank reads it once per iteration at its first
+training hook, and every rank flushes that same step at the same iteration
+boundary, after every collective of the step and before any of the next
+(:mod:`asymcheck.policy.agreement`). Each rank then waits, within the deadline, for
+the global commit of that step, records it and hands the signal on; a rank
+that only read the notice (no SIGTERM of its own yet) exits as if signalled
+when the notice came from a SIGTERM (``reason="peer"``). A rank whose peers
+are gone (the key-value store unreachable, or the global version never
+published in time) records ``peer_lost``.
+
+``Checkpointer.preempt(deadline_s)`` does the same on an explicit notice (a
+scheduler that announces preemption another way), from the training thread,
+without exiting; under several ranks every rank calls it after the same step
+(a collective, like ``close()``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Literal, TypeVar
+
+from asymcheck.policy.agreement import PreemptAgreement
+from asymcheck.versions.commits import CommitQueue
+from asymcheck.versions.storeloop import StoreLoop
+from asymstore import CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+PreemptOn = Literal["sigterm", "none"]
+PREEMPT_ON: tuple[PreemptOn, ...] = ("sigterm", "none")
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+T = TypeVar("T")
+DEFAULT_DEADLINE_S = 25.0  # under the usual grace periods (Kubernetes 30 s, Slurm's KillWait 30 s)
+Reason = Literal["SIGTERM", "explicit", "peer"]
+
+
+@dataclass(frozen=True)
+class PreemptionRecord:
+    """What a preemption flush managed.
+
+    Attributes:
+        reason: ``"SIGTERM"``, ``"explicit"``, or ``"peer"`` (under several ranks: only another rank's
+            notice, read through the key-value store, reached this rank before its flush).
+        step: the newest completed optimizer step at the flush.
+        durable: whether ``step`` itself survives the process: on a persistent tier and, under
+            several ranks, published as a global version.
+        seconds: time the flush took (for SIGTERM, counted from the signal).
+        versions: the store's committed steps per tier afterwards.
+        deadline_s: the deadline it ran under (None: none).
+        deadline_hit: a wait was cut short by the deadline (what was running goes on until the exit).
+        persistent_step: the newest step on a persistent tier (this rank's shard under several ranks).
+        global_step: under several ranks, the newest global version this rank knows was published.
+        error: why the final commit failed, if it did.
+        peer_lost: under several ranks, another rank did not take part: the key-value store was
+            unreachable, or this rank's shard of ``step`` is persistent but its global version was not
+            known published by the end.
+    """
+
+    reason: Reason
+    step: int
+    durable: bool
+    seconds: float
+    versions: dict[str, list[int]]
+    deadline_s: float | None = None
+    deadline_hit: bool = False
+    persistent_step: int | None = None
+    global_step: int | None = None
+    error: str | None = None
+    peer_lost: bool = False
+
+
+class SigtermNotice:
+    """Records a SIGTERM for the Checkpointer's next hook, and hands the signal on afterwards."""
+
+    def __init__(self, on: PreemptOn) -> None:
+        """Install the handler (``on="sigterm"``, from the main thread only; elsewhere Python cannot)."""
+        if on not in PREEMPT_ON:
+            raise ValueError(f"preempt_on must be one of {PREEMPT_ON}, got {on!r}")
+        self.received: float | None = None
+        self._previous: Handler = None
+        self._installed = False
+        if on == "sigterm":
+            if threading.current_thread() is threading.main_thread():
+                self._previous = signal.signal(signal.SIGTERM, self._handle)
+                self._installed = True
+            else:
+                logger.info("not on the main thread: no SIGTERM handler installed (call ckpt.preempt() on notice)")
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = time.monotonic()
+            logger.warning("SIGTERM: the version in flight is finished at the next hook, then the process exits")
+
+    @property
+    def pending(self) -> bool:
+        """True once a SIGTERM arrived and was not handed on yet."""
+        return self.received is not None and self._installed
+
+    def uninstall(self) -> Handler:
+        """Put the program's own handler back (main thread only); return it."""
+        previous = self._previous
+        if self._installed and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) == self._handle:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            self._installed = False
+        return previous
+
+    def hand_on(self) -> None:
+        """Give the received SIGTERM to what the program had: default (terminate), ignore, or its handler."""
+        previous = self.uninstall()
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+        elif previous in (None, signal.SIG_DFL):
+            if signal.getsignal(signal.SIGTERM) == self._handle:  # not the main thread: cannot restore the default
+                os._exit(128 + signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action now: terminated by SIGTERM, as without us
+
+
+class Deadline:
+    """Seconds left until ``origin + seconds`` (``seconds`` None or infinite: no deadline)."""
+
+    def __init__(self, seconds: float | None, origin: float | None = None) -> None:
+        """Start counting from ``origin`` (a ``time.monotonic()`` value; default now)."""
+        self.seconds = None if seconds is None or math.isinf(seconds) else float(seconds)
+        self.origin = time.monotonic() if origin is None else origin
+
+    def left(self) -> float | None:
+        """Seconds left (never negative), or None without a deadline."""
+        return None if self.seconds is None else max(0.0, self.origin + self.seconds - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        """True once no time is left."""
+        return self.left() == 0.0
+
+    def elapsed(self) -> float:
+        """Seconds since the origin."""
+        return time.monotonic() - self.origin
+
+
+def check_deadline(deadline_s: float | None) -> float | None:
+    """Validate a deadline option: positive seconds, or None for no limit."""
+    if deadline_s is not None and not deadline_s > 0:
+        raise ValueError(f"a preemption deadline must be > 0 seconds (or None), got {deadline_s!r}")
+    return deadline_s
+
+
+class Preemptible:
+    """The Checkpointer's preemption flush (a mixin of :class:`asymcheck.Checkpointer`; see the module docstring)."""
+
+    _commits: CommitQueue
+    _loop: StoreLoop
+    _notice: SigtermNotice
+    _agreement: PreemptAgreement | None  # under several ranks (asymcheck.policy.agreement)
+    _boundary: bool  # the next training hook is the first after an optimizer step (or the first of all)
+    _joined: bool  # this iteration's gradients (and the collectives they start) began
+    _closed: bool
+    _step: int
+    _saved_step: int | None
+    preempt_deadline_s: float | None
+    preempted: PreemptionRecord | None
+    final_versions: dict[str, list[int]] | None
+
+    def _settle(self) -> None:
+        raise NotImplementedError
+
+    def _seal_last(self, save: bool) -> None:
+        raise NotImplementedError
+
+    def _release(self, *, remove_hooks: bool, timeout: float | None = None) -> bool:
+        raise NotImplementedError
+
+    def _check_notice(self) -> None:
+        """At a hook: act on a SIGTERM received since (under several ranks, on the agreed notice)."""
+        if self._closed:
+            return
+        agreement = self._agreement
+        if agreement is None:  # one process: the state after the newest completed step is whole at any hook
+            if self._notice.pending:
+                self._flush_for_preemption("SIGTERM", Deadline(self.preempt_deadline_s, self._notice.received))
+                self._notice.hand_on()
+            return
+        boundary, self._boundary = self._boundary, False
+        notice = agreement.notice
+        if notice is None:
+            if self._notice.pending:  # no rank can be past step T (asymcheck.policy.agreement)
+                notice = agreement.publish(self._step + (2 if self._joined else 1), "SIGTERM")
+            elif boundary:
+                notice = agreement.poll()  # the one read of the iteration
+            if notice is None:
+                if agreement.lost is not None and self._notice.pending:  # no peers to agree with: flush now
+                    self._flush_for_preemption("SIGTERM", Deadline(self.preempt_deadline_s, self._notice.received),
+                                               lost=True)
+                    self._notice.hand_on()
+                return
+        if not boundary:
+            return
+        if self._step < notice.step:
+            return  # train on to the agreed step: the other ranks need this one in its collectives
+        if self._step > notice.step:
+            logger.error("preemption: every rank was to flush step %d, this rank is already at step %d "
+                         "(a rank that does not step in lockstep?): flushing step %d", notice.step, self._step,
+                         self._step)
+        origins = [t for t in (self._notice.received, agreement.seen) if t is not None]
+        self._flush_for_preemption("SIGTERM" if self._notice.pending else "peer",
+                                   Deadline(self.preempt_deadline_s, min(origins)))
+        if self._notice.pending or notice.reason == "SIGTERM":  # a peer's SIGTERM: exit as if signalled
+            self._notice.hand_on()
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T], deadline: Deadline, grace_s: float = 1.0) -> T:
+        """Run ``coro`` on the store's thread; give up ``grace_s`` after the deadline (TimeoutError)."""
+        fut = self._loop.submit(coro)
+        left = deadline.left()
+        try:
+            return fut.result(None if left is None else left + grace_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    def _flush_for_preemption(self, reason: Reason, deadline: Deadline, *, lost: bool = False) -> PreemptionRecord:
+        self._settle()  # DeepSpeed: the last step's version opens first
+        store = self._loop.store
+        error: str | None = None
+        hit = False
+        persistent: int | None = None
+        versions: dict[str, list[int]] = {}
+        try:
+            drained = self._commits.drain(deadline.left())  # earlier versions first: the store commits in order
+            self._closed = True
+            self._seal_last(drained)  # the newest completed step (dropped when the deadline passed already)
+            drained = drained and self._commits.drain(deadline.left())
+            hit = not drained
+            if drained:
+                persistent = self._on_loop(store.flush(deadline.left()), deadline)
+                newest = -1 if self._saved_step is None else self._saved_step
+                known = _published(store)
+                complete = _reached(persistent, newest) and (known is None or _reached(known[0], newest))
+                hit = deadline.expired and not complete
+            versions, held = self._on_loop(_versions(store), deadline)
+            persistent = held if persistent is None else persistent
+        except Exception as exc:  # recorded and logged: the process is about to exit
+            hit = hit or isinstance(exc, TimeoutError)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._closed = True
+            if not self._release(remove_hooks=False, timeout=deadline.left()):  # hooks stay (no-ops) in a hook
+                logger.warning("preemption: the store goes on closing after the deadline")
+        failed = self._commits.take_error()
+        if failed is not None and error is None:
+            error = f"{type(failed).__name__}: {failed}"
+        multirank = _published(store)
+        published = None if multirank is None else multirank[0]
+        durable = persistent == self._step and (multirank is None or published == self._step)
+        lost = lost or (multirank is not None and persistent == self._step and published != self._step)
+        record = PreemptionRecord(reason, self._step, durable, deadline.elapsed(), versions, deadline.seconds,
+                                  hit, persistent, published, error, lost)
+        self.final_versions = versions
+        self.preempted = record
+        logger.warning("preemption (%s): step %d %s in %.2f s (deadline %s%s); persistent %s, global %s; "
+                       "versions %s%s%s", reason, record.step, "durable" if durable else "NOT durable",
+                       record.seconds, deadline.seconds, ", hit" if hit else "", persistent, published,
+                       versions, "; peer lost" if lost else "", f"; {error}" if error else "",
+                       extra={"preemption": record})  # a logging handler gets the record itself
+        return record
+
+
+def _reached(step: int | None, newest: int) -> bool:
+    return newest < 0 or (step is not None and step >= newest)
+
+
+async def _versions(store: CheckpointStore) -> tuple[dict[str, list[int]], int | None]:
+    return store.versions(), store.newest_persistent_step
+
+
+def _published(store: CheckpointStore) -> tuple[int | None] | None:
+    """Under several ranks, (the newest global version known published,); None for a single-process store."""
+    from asymstore.multirank import RankStore
+
+    if not isinstance(store, RankStore):
+        return None
+    known = [store.published_step, store.restored_global.step if store.restored_global else None]
+    return (max((s for s in known if s is not None), default=None),)

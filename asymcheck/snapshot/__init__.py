@@ -1,0 +1,1 @@
+"""Taking one version's snapshot: the pure partition planner, hooks, the copy engine, host slots, edits."""

@@ -1,0 +1,159 @@
+"""One version being captured: its flat state, plan, host slot and issue cursor.
+
+When a version opens, every source's version counter, data address and
+storage need are recorded (the copy engine checks them right before and after
+each copy), and a sparse byte sample of every contiguous CPU parameter is taken:
+``p.data.mul_()`` and other edits through ``.data`` do not move the version
+counter PyTorch keeps, but a whole-tensor edit changes the sampled bytes.
+:meth:`Snapshot.verify` names the tensors that changed before their copy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from asymcheck.snapshot.copyengine import CopyEngine, CopyJob
+from asymcheck.snapshot.hostpool import HostSlot
+from asymcheck.snapshot.partition import Extent, Partition, Plan
+from asymcheck.state.dtensors import address_of
+from asymcheck.state.trainstate import Capture
+
+logger = logging.getLogger(__name__)
+
+
+SAMPLE_BYTES = 16  # bytes sampled per tensor for the fingerprint
+
+
+def _sample_view(flat: torch.Tensor) -> torch.Tensor:
+    """Every k-th byte of a flat byte view, about ``SAMPLE_BYTES`` of them."""
+    return flat[::max(1, flat.numel() // SAMPLE_BYTES)]
+
+
+def _sampled(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0
+
+
+def _need(t: torch.Tensor) -> int:
+    """Bytes of its storage a tensor reaches into (offset plus its furthest element)."""
+    if t.numel() == 0:
+        return 0
+    if t.is_contiguous():
+        return int((t.storage_offset() + t.numel()) * t.element_size())
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return int((t.storage_offset() + last + 1) * t.element_size())
+
+
+def extents_of(sources: list[torch.Tensor]) -> list[Extent]:
+    """Describe live tensors for the planner (non-contiguous ones are never split)."""
+    return [Extent(t.numel() * t.element_size(), t.element_size(), t.is_contiguous()) for t in sources]
+
+
+class Snapshot:
+    """Copies one version's flat state into a host slot, partition by partition.
+
+    Args:
+        step: the version (optimizer steps completed).
+        capture: the state captured right after the step.
+        plan: the partitions to issue.
+        slot: the host slot the flat state is copied into (already arranged).
+    """
+
+    def __init__(self, step: int, capture: Capture, plan: Plan, slot: HostSlot) -> None:
+        """Prepare; nothing is copied yet."""
+        self.step = step
+        self.capture = capture
+        self.plan = plan
+        self.slot = slot
+        self.next_pending = True  # param groups and stateful objects not captured yet
+        self._issued = [False] * len(plan.partitions)
+        self.issued_bytes = 0
+        self.verified = False  # every copy done and checked (by editing() or the seal)
+        self.dirty: list[str] = []  # tensors found changed before their copy
+        self.ready: object = None  # the CUDA event of the copies when they finished early
+        srcs = capture.sources
+        self.versions = [t._version for t in capture.versioned]  # a DTensor's, not its local tensor's
+        self.ptrs = [t.data_ptr() for t in srcs]
+        self.needs = [_need(t) for t in srcs]
+        self._sampled = [i for i, (t, owner) in enumerate(zip(srcs, capture.owners, strict=False))
+                         if owner is not None and _sampled(t)]  # parameters: what ``p.data`` edits reach
+        self._sample = (torch.cat([_sample_view(srcs[i].reshape(-1).view(torch.uint8)) for i in self._sampled])
+                        if self._sampled else None)
+
+    def _job(self, i: int, start: int, stop: int) -> CopyJob:
+        return CopyJob(self.capture.sources[i], self.slot.region(i), start, stop, self.versions[i], self.ptrs[i],
+                       self.needs[i], i, self.capture.versioned[i])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat state."""
+        return self.plan.total_bytes
+
+    @property
+    def complete(self) -> bool:
+        """Whether every partition was issued."""
+        return all(self._issued)
+
+    def issue(self, part: Partition, engine: CopyEngine) -> int:
+        """Issue one partition (once); return its bytes."""
+        if self._issued[part.index]:
+            return 0
+        self._issued[part.index] = True
+        jobs = [self._job(s.tensor, s.start, s.stop) for s in part.spans]
+        engine.submit(jobs)
+        self.issued_bytes += part.nbytes
+        return part.nbytes
+
+    def issue_event(self, ordinal: int, engine: CopyEngine) -> int:
+        """Issue the partition planned for hook event ``ordinal``, if any."""
+        part = self.plan.for_event(ordinal)
+        return self.issue(part, engine) if part is not None else 0
+
+    def issue_rest(self, engine: CopyEngine) -> int:
+        """Issue every partition not issued yet (the drain); return their bytes."""
+        total = 0
+        pending = [p for p in self.plan.partitions if not self._issued[p.index]]
+        if pending:  # one batch, so the copy thread sees one job list
+            jobs = [self._job(s.tensor, s.start, s.stop) for p in pending for s in p.spans]
+            for p in pending:
+                self._issued[p.index] = True
+                total += p.nbytes
+            engine.submit(jobs)
+        self.issued_bytes += total
+        return total
+
+    def verify(self, bad: set[int]) -> list[str]:
+        """After every copy finished: name the tensors that changed before (or while) they were copied.
+
+        Args:
+            bad: indices the copy engine reported (counter, address or size changed).
+
+        Returns:
+            The names found changed (also kept in ``dirty``); empty for a clean version.
+        """
+        idx = set(bad)
+        if self._sample is not None:
+            copied = torch.cat([_sample_view(self.slot.region(i)) for i in self._sampled])
+            if not torch.equal(copied, self._sample):  # find which (rare)
+                at = 0
+                for i in self._sampled:
+                    n = _sample_view(self.slot.region(i)).numel()
+                    if not torch.equal(_sample_view(self.slot.region(i)), self._sample[at:at + n]):
+                        idx.add(i)
+                    at += n
+        for i, owner in enumerate(self.capture.owners):
+            if owner is not None and address_of(owner) != self.ptrs[i]:  # ``p.data = other`` since the step
+                idx.add(i)
+        self.verified = True
+        self.dirty = [self.capture.names[i] for i in sorted(idx)]
+        return self.dirty
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the version: eager copies plus typed views into the slot."""
+        if not self.complete:
+            raise RuntimeError(f"version {self.step} sealed with partitions not issued")
+        out = dict(self.capture.eager)
+        for i, (name, src) in enumerate(zip(self.capture.names, self.capture.sources, strict=True)):
+            out[name] = self.slot.view(i, src)
+        return out

@@ -1,0 +1,66 @@
+"""Where the Checkpointer's versions go: building the store from what the user passed, and restore info."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asymstore import AsymStore, LocalTier, Tier
+from asymstore.api import CheckpointStore
+from asymstore.write.segments import TierStatus
+
+StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class RestoreInfo:
+    """Where ``resume()`` found its version.
+
+    Attributes:
+        step: the version restored (optimizer steps completed).
+        tier: the tier it was read from.
+        fallbacks: newer versions or faster copies that failed verification first.
+    """
+
+    step: int
+    tier: str
+    fallbacks: tuple[str, ...]
+
+
+def make_store(spec: StoreSpec, keep_last: int | None) -> CheckpointStore:
+    """The store for ``spec``: itself, an AsymStore over a list of tiers, or one over a directory.
+
+    ``spec`` itself is any :class:`~asymstore.api.CheckpointStore`. A directory is a
+    :class:`~asymstore.multirank.RankStore` in a job of several ranks, or when it already
+    holds a multi-rank checkpoint.
+    """
+    if isinstance(spec, CheckpointStore):  # AsymStore, RankStore
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        from asymstore.multirank import RankStore, is_multirank
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:  # DDP, FSDP2: one shard per rank, a global commit
+            return RankStore(spec, keep_last=keep_last)
+        if is_multirank(os.fspath(spec)):  # one process resuming a multi-rank job's root (resharded)
+            return RankStore(spec, keep_last=keep_last, rank=0, world_size=1)
+        return AsymStore([LocalTier(spec)], keep_last=keep_last)
+    return AsymStore(list(spec), keep_last=keep_last)
+
+
+def on_cuda(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` lives on a CUDA device."""
+    return any(p.is_cuda for p in model.parameters())
+
+
+async def versions_of(store: CheckpointStore) -> dict[str, list[int]]:
+    """``store.versions()`` (run on the store's loop)."""
+    return store.versions()
+
+
+async def status_of(store: CheckpointStore) -> dict[str, TierStatus]:
+    """``store.status()`` (run on the store's loop)."""
+    return store.status()

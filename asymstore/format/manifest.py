@@ -1,0 +1,271 @@
+"""The manifest: the JSON description of one checkpoint version (pure data, no I/O).
+
+A version exists on a tier only once its manifest is published there. The
+manifest lists every tensor (dtype, shape, chunks), every segment file (size,
+checksum) and the user's JSON metadata. Schema (format version 2)::
+
+    {
+      "format": "asymstore.manifest", "format_version": 2,
+      "step": 12, "created": 1763776000.5, "checksum_algorithm": "xxh3_64",
+      "meta": {...user JSON...},
+      "segments": [{"name": "seg-000000.bin", "size": 4096, "checksum": "hex"}],
+      "tensors": {
+        "layers.0.weight": {
+          "dtype": "bfloat16", "shape": [4, 4], "nbytes": 32,
+          "chunks": [{"segment": "seg-000000.bin", "offset": 0, "length": 32,
+                      "raw_length": 32, "codec": "raw", "checksum": "hex",
+                      "raw_checksum": "hex"}]
+        }
+      },
+      "extra": {...asymstore-internal JSON, e.g. rank layout...},
+      "manifest_checksum": "hex"
+    }
+
+``checksum`` covers the stored bytes of a chunk, ``raw_checksum`` the bytes
+after decoding (equal for the ``raw`` codec).
+
+Format version 2 (written since asymstore 0.2) ends with a checksum of the
+manifest itself: the text is ``<body>,"manifest_checksum":"<16 hex>"}`` where
+the xxh3-64 digest covers ``<body>``, every byte before that suffix. It is
+verified before any field is read, so a flipped bit anywhere in the file is
+a :class:`ManifestError`, never a wrong name, dtype or offset. Version 1
+manifests (no self-checksum) are still read, with every structural check.
+
+Every manifest read is untrusted input: at most :data:`MAX_MANIFEST_BYTES`
+and :data:`MAX_JSON_DEPTH` levels, only the dtypes of :data:`DTYPE_SIZES`,
+``prod(shape) * itemsize == nbytes``, chunks inside their segment and not
+overlapping, and no chunk declaring more than :data:`MAX_CHUNK_RAW_BYTES`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
+from typing import Any
+
+from asymstore.errors import InvalidMetaError, InvalidNameError, ManifestError
+from asymstore.format.checksum import ALGORITHM, checksum
+
+FORMAT = "asymstore.manifest"
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+MANIFEST_NAME = "MANIFEST.json"
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest read (about 200,000 single-chunk tensors); a larger file is refused unread."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of JSON arrays and objects accepted (user ``meta`` included)."""
+MAX_CHUNK_RAW_BYTES = 1 << 30
+"""Largest raw length one chunk may declare (the store never writes chunks larger)."""
+MAX_DIMS = 64
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8,
+    "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex32": 4, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    **{f"{kind}{bits}": 1 for kind in ("int", "uint") for bits in range(1, 8)},
+}
+"""Storable dtypes (torch names) and their item sizes; quantized and opaque ``bits`` dtypes are not storable."""
+CODEC_NAME = re.compile(r"^(raw|zstd-planes:[1248])$")
+HEX_DIGEST = re.compile(r"[0-9a-f]{1,64}")
+_DRIVE = re.compile(r"[A-Za-z]:[\\/]")
+_SEPARATORS = re.compile(r"[\\/]")
+CHECKSUM_SUFFIX = re.compile(rb',"manifest_checksum":"([0-9a-f]{16})"\}\s*$')
+_jstr = encode_basestring_ascii  # a str as a JSON string literal, as json.dumps writes it
+_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+
+
+def seal(body: bytes) -> bytes:
+    """Close the JSON object text ``body`` (all of it but the final ``}``) with its self-checksum."""
+    return body + b',"manifest_checksum":"' + checksum(body).encode() + b'"}'
+
+
+def seal_document(doc: dict[str, Any]) -> bytes:
+    """Serialize a manifest document (as parsed JSON) and seal it; a ``manifest_checksum`` key in it is replaced.
+
+    For tools and fault-injection tests that edit a manifest on purpose; the
+    store itself writes through :meth:`Manifest.to_json`.
+    """
+    body = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+    return seal(json.dumps(body, allow_nan=False, separators=(",", ":")).encode()[:-1])
+
+
+def validate_name(name: object) -> str:
+    """Check a tensor name and return it.
+
+    Names are manifest keys, never file names, but they are still held to the
+    rules users expect of paths: non-empty str, not absolute, no ``..``
+    component, no NUL.
+
+    Raises:
+        InvalidNameError: the name breaks one of the rules.
+    """
+    if not isinstance(name, str):
+        raise InvalidNameError(f"tensor name must be a str, got {type(name).__name__}")
+    if not name:
+        raise InvalidNameError("tensor name is empty")
+    if "\x00" in name:
+        raise InvalidNameError(f"tensor name contains NUL: {name!r}")
+    if name[0] in "/\\" or (len(name) > 2 and name[1] == ":" and _DRIVE.match(name)):
+        raise InvalidNameError(f"tensor name is absolute: {name!r}")
+    if ".." in name and ".." in _SEPARATORS.split(name):
+        raise InvalidNameError(f"tensor name contains '..': {name!r}")
+    return name
+
+
+def validate_segment_name(name: object) -> str:
+    """Check a segment file name (a plain file name inside one version)."""
+    if not isinstance(name, str) or not _SEGMENT_NAME.match(name) or name == MANIFEST_NAME:
+        raise ManifestError(f"bad segment name {name!r}")
+    return name
+
+
+def validate_meta(meta: object) -> dict[str, Any]:
+    """Return ``meta`` if it is strict JSON (a dict with str keys, finite numbers).
+
+    Raises:
+        InvalidMetaError: it is not.
+    """
+    if meta is None:
+        return {}
+    if isinstance(meta, Mapping) and not isinstance(meta, dict):
+        meta = dict(meta)
+    if not isinstance(meta, dict):
+        raise InvalidMetaError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+        text = json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidMetaError(f"meta is not strict JSON: {exc}") from exc
+    result: dict[str, Any] = json.loads(text)
+    if result != meta:
+        raise InvalidMetaError("meta does not survive a JSON round trip (non-str keys or tuples?)")
+    return result
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A contiguous piece of one tensor's bytes inside one segment."""
+
+    segment: str
+    offset: int
+    length: int
+    raw_length: int
+    checksum: str
+    codec: str = "raw"
+    raw_checksum: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the JSON object for this chunk."""
+        return {
+            "segment": self.segment,
+            "offset": self.offset,
+            "length": self.length,
+            "raw_length": self.raw_length,
+            "codec": self.codec,
+            "checksum": self.checksum,
+            "raw_checksum": self.raw_checksum or self.checksum,
+        }
+
+    def json_text(self) -> str:
+        """Return :meth:`to_json` serialized (compact), without building the dict."""
+        return (f'{{"segment":{_jstr(self.segment)},"offset":{int(self.offset)},"length":{int(self.length)},'
+                f'"raw_length":{int(self.raw_length)},"codec":{_jstr(self.codec)},'
+                f'"checksum":{_jstr(self.checksum)},"raw_checksum":{_jstr(self.raw_checksum or self.checksum)}}}')
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One stored tensor: dtype name, shape and its chunks in byte order."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: tuple[Chunk, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the JSON object for this tensor."""
+        return {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+
+    def json_text(self) -> str:
+        """Return :meth:`to_json` serialized (compact), without building the dict."""
+        shape = ",".join(str(int(d)) for d in self.shape)
+        chunks = ",".join(c.json_text() for c in self.chunks)
+        return f'{{"dtype":{_jstr(self.dtype)},"shape":[{shape}],"nbytes":{int(self.nbytes)},"chunks":[{chunks}]}}'
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentEntry:
+    """One segment file of a version."""
+
+    name: str
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the JSON object for this segment."""
+        return {"name": self.name, "size": self.size, "checksum": self.checksum}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The complete description of one version."""
+
+    step: int
+    tensors: dict[str, TensorEntry]
+    segments: tuple[SegmentEntry, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Raw bytes of all tensors."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of all segment files."""
+        return sum(s.size for s in self.segments)
+
+    def to_json(self) -> bytes:
+        """Serialize to UTF-8 JSON bytes.
+
+        The tensors, which can number tens of thousands, are written straight
+        to text (no intermediate dicts for the garbage collector to scan).
+        """
+        doc = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "created": self.created,
+            "checksum_algorithm": ALGORITHM,
+            "meta": self.meta,
+            "segments": [s.to_json() for s in self.segments],
+        }
+        head = json.dumps(doc, allow_nan=False, separators=(",", ":"))
+        tensors = ",".join(f"{_jstr(name)}:{t.json_text()}" for name, t in self.tensors.items())
+        extra = json.dumps(self.extra, allow_nan=False, separators=(",", ":"))
+        return seal(f'{head[:-1]},"tensors":{{{tensors}}},"extra":{extra}'.encode())
+
+
+    @classmethod
+    def from_json(cls, data: bytes | bytearray | memoryview) -> Manifest:
+        """Parse and validate manifest bytes.
+
+        The self-checksum (format 2) is verified before anything is parsed;
+        sizes, depth, dtypes, shapes and chunk bounds are checked before
+        anything is allocated from them.
+
+        Raises:
+            ManifestError: the bytes are not a valid, intact manifest of a readable format version.
+        """
+        from asymstore.format.parse import parse_manifest
+
+        return parse_manifest(bytes(data))

@@ -1,0 +1,190 @@
+"""Parsing a manifest read from storage: untrusted input, checked before anything is built from it.
+
+See :mod:`asymstore.format.manifest` for the format and the rules; this module is
+what :meth:`~asymstore.format.manifest.Manifest.from_json` runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from typing import Any
+
+from asymstore.errors import InvalidNameError, ManifestError
+from asymstore.format.checksum import ALGORITHM, checksum
+from asymstore.format.manifest import (
+    CHECKSUM_SUFFIX,
+    CODEC_NAME,
+    DTYPE_SIZES,
+    FORMAT,
+    HEX_DIGEST,
+    MAX_CHUNK_RAW_BYTES,
+    MAX_DIMS,
+    MAX_JSON_DEPTH,
+    MAX_MANIFEST_BYTES,
+    READABLE_FORMAT_VERSIONS,
+    Chunk,
+    Manifest,
+    SegmentEntry,
+    TensorEntry,
+    validate_name,
+    validate_segment_name,
+)
+from asymstore.runtime.gcpause import gc_paused
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    """Verify the self-checksum, then parse and check every field (see :meth:`Manifest.from_json`).
+
+    Raises:
+        ManifestError: the bytes are not a valid, intact manifest of a readable format version.
+    """
+    data = bytes(data)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest of {len(data)} bytes exceeds the {MAX_MANIFEST_BYTES}-byte limit")
+    match = CHECKSUM_SUFFIX.search(data, max(0, len(data) - 64))
+    if match is not None:
+        body = data[:match.start()]
+        if checksum(body) != match.group(1).decode():
+            raise ManifestError("manifest checksum mismatch: the manifest is damaged")
+    with gc_paused():  # tens of thousands of fresh objects would run the cyclic GC over all of them, repeatedly
+        try:  # the C decoder raises RecursionError on deep nesting at once; the schema bounds the rest
+            doc = json.loads(data, parse_constant=_refuse_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as exc:
+            raise ManifestError(f"manifest is not strict JSON: {type(exc).__name__}: {str(exc)[:200]}") from exc
+        try:
+            return _parse(doc, checksummed=match is not None)
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise ManifestError(f"malformed manifest: {type(exc).__name__}: {str(exc)[:200]}") from exc
+
+
+_INT_MAX = 1 << 62
+
+
+def _refuse_constant(name: str) -> None:
+    raise ManifestError(f"manifest holds {name}, which strict JSON has not")
+
+
+def _check_depth(value: object, what: str) -> None:
+    """Refuse free-form JSON (``meta``, ``extra``) nested deeper than MAX_JSON_DEPTH (an iterative walk)."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise ManifestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+
+
+def _int(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _INT_MAX:
+        raise ManifestError(f"{what} must be a non-negative int below 2**62, got {str(value)[:40]}")
+    return value
+
+
+def _str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ManifestError(f"{what} must be a str, got {value!r}")
+    return value
+
+
+def _parse_tensor(name: str, entry: Any, segments: dict[str, SegmentEntry],
+                  spans: dict[str, list[tuple[int, int, str]]]) -> TensorEntry:
+    dtype = _str(entry["dtype"], "dtype")
+    itemsize = DTYPE_SIZES.get(dtype)
+    if itemsize is None:
+        raise ManifestError(f"{name!r}: dtype {dtype[:40]!r} is not a storable dtype")
+    if not isinstance(entry["shape"], list) or len(entry["shape"]) > MAX_DIMS:
+        raise ManifestError(f"{name!r}: shape must be a list of at most {MAX_DIMS} dims")
+    shape = tuple(_int(d, "shape dim") for d in entry["shape"])
+    nbytes = _int(entry["nbytes"], "nbytes")
+    if math.prod(shape) * itemsize != nbytes:
+        raise ManifestError(f"{name!r}: shape {list(shape)} of {dtype} is not {nbytes} bytes")
+    chunks = []
+    for c in entry["chunks"]:
+        seg_name = _str(c["segment"], "chunk segment")
+        if seg_name not in segments:
+            raise ManifestError(f"chunk of {name!r} names unknown segment {seg_name[:140]!r}")
+        chunk = Chunk(
+            segment=seg_name,
+            offset=_int(c["offset"], "offset"),
+            length=_int(c["length"], "length"),
+            raw_length=_int(c["raw_length"], "raw_length"),
+            checksum=_hex(c["checksum"], "checksum"),
+            codec=_str(c.get("codec", "raw"), "codec"),
+            raw_checksum=_hex(c.get("raw_checksum", c["checksum"]), "raw_checksum"),
+        )
+        if not CODEC_NAME.match(chunk.codec):
+            raise ManifestError(f"chunk of {name!r} names unknown codec {chunk.codec[:40]!r}")
+        if chunk.codec == "raw" and chunk.length != chunk.raw_length:
+            raise ManifestError(f"raw chunk of {name!r}: length {chunk.length} != raw_length {chunk.raw_length}")
+        if chunk.raw_length > MAX_CHUNK_RAW_BYTES:
+            raise ManifestError(f"chunk of {name!r} declares {chunk.raw_length} raw bytes, "
+                                f"more than the {MAX_CHUNK_RAW_BYTES}-byte limit")
+        if chunk.offset + chunk.length > segments[seg_name].size:
+            raise ManifestError(f"chunk of {name!r} runs past the end of {seg_name}")
+        if chunk.length:
+            spans[seg_name].append((chunk.offset, chunk.length, name))
+        chunks.append(chunk)
+    if sum(c.raw_length for c in chunks) != nbytes:
+        raise ManifestError(f"chunks of {name!r} do not add up to {nbytes} bytes")
+    return TensorEntry(dtype, shape, nbytes, tuple(chunks))
+
+
+def _hex(value: object, what: str) -> str:
+    text = _str(value, what)
+    if not HEX_DIGEST.fullmatch(text):
+        raise ManifestError(f"{what} must be a hex digest, got {text[:40]!r}")
+    return text
+
+
+def _parse(doc: Any, *, checksummed: bool) -> Manifest:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ManifestError("not an asymstore manifest")
+    version = doc.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise ManifestError(f"unsupported manifest format_version {str(version)[:20]} (this asymstore reads "
+                            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
+    if version >= 2 and not checksummed:
+        raise ManifestError(f"format_version {version} manifest without its self-checksum: the manifest is damaged")
+    if doc.get("checksum_algorithm") != ALGORITHM:
+        raise ManifestError(f"unsupported checksum algorithm {doc.get('checksum_algorithm')!r}")
+    segments: dict[str, SegmentEntry] = {}
+    for seg in doc["segments"]:
+        name = validate_segment_name(seg["name"])
+        if name in segments:
+            raise ManifestError(f"segment {name} listed twice")
+        segments[name] = SegmentEntry(name, _int(seg["size"], "segment size"), _hex(seg["checksum"], "checksum"))
+    tensors: dict[str, TensorEntry] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {name: [] for name in segments}
+    for name, entry in doc["tensors"].items():
+        try:
+            validate_name(name)
+        except InvalidNameError as exc:
+            raise ManifestError(str(exc)) from exc
+        tensors[name] = _parse_tensor(name, entry, segments, spans)
+    for seg_name, used in spans.items():  # one stored byte belongs to at most one chunk
+        used.sort()
+        for (a_off, a_len, a_name), (b_off, _, b_name) in itertools.pairwise(used):
+            if b_off < a_off + a_len:
+                raise ManifestError(f"chunks of {a_name!r} and {b_name!r} overlap in {seg_name} at {b_off}")
+    meta = doc.get("meta", {})
+    extra = doc.get("extra", {})
+    if not isinstance(meta, dict) or not isinstance(extra, dict):
+        raise ManifestError("meta and extra must be JSON objects")
+    _check_depth(meta, "meta")
+    _check_depth(extra, "extra")
+    created = doc.get("created", 0.0)
+    if not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise ManifestError("created must be a number")
+    return Manifest(
+        step=_int(doc["step"], "step"),
+        tensors=tensors,
+        segments=tuple(segments.values()),
+        meta=meta,
+        created=float(created),
+        extra=extra,
+    )

@@ -1,0 +1,1 @@
+"""Blocking I/O helpers: durable files, small metadata files, the root lock."""

@@ -1,0 +1,180 @@
+"""The collective restore of a :class:`~asymstore.multirank.RankStore`: every rank loads the same global version.
+
+Through keys of the job's coordination store (``{key}/...``, ``key`` fresh
+per restore):
+
+1. every rank lists the shard steps its tiers hold (``have/<rank>``);
+2. the coordinator (rank 0) lists the candidates: published global versions,
+   newest first (or only the step asked for), whose shards every rank holds,
+   or, with ``reshard`` set, versions of another world size (read from every
+   old rank's shard, :mod:`.reshardread`);
+3. for each candidate in turn it posts ``try/<k>``; every rank loads and
+   verifies its shard against the digest in the global manifest and reports
+   ``result/<k>/<rank>``; the first candidate that loads on every rank wins
+   (``try/<k+1>`` says ``done``), otherwise the next one is tried;
+4. an error the coordinator hits (nothing published, another world size) is
+   posted as ``try/<k>`` so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from asymstore.errors import (
+    AsymstoreError,
+    CorruptVersionError,
+    NoCheckpointError,
+    VersionNotFoundError,
+)
+from asymstore.format.globalmanifest import GlobalManifest, shard_digest
+from asymstore.multirank.errors import GlobalManifestError, WorldSizeMismatchError
+from asymstore.multirank.reshard import restore_resharded
+from asymstore.read.restore import Checkpoint, describe
+
+if TYPE_CHECKING:
+    from asymstore.multirank.store import RankStore
+    from asymstore.read.load import Into
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[str, type[AsymstoreError]] = {
+    "NoCheckpointError": NoCheckpointError,
+    "VersionNotFoundError": VersionNotFoundError,
+    "WorldSizeMismatchError": WorldSizeMismatchError,
+    "CorruptVersionError": CorruptVersionError,
+}
+
+Restored = tuple[GlobalManifest, Checkpoint, list[str]]
+"""The global version chosen, this rank's checkpoint of it, and notes on the candidates skipped."""
+
+
+def own_steps(store: RankStore) -> list[int]:
+    """The shard steps any of ``store``'s own tiers holds, ascending."""
+    return sorted({v for vs in store.versions().values() for v in vs})
+
+
+async def restore_collective(store: RankStore, key: str, step: int | None, into: Into | None) -> Restored:
+    """Agree with every rank on a global version and load this rank's part of it (see the module docstring).
+
+    Args:
+        store: this rank's store (open, its versions refreshed).
+        key: the coordination key prefix of this restore (the same on every rank).
+        step: restore exactly this global step.
+        into: this rank's tensors to fill in place (see :meth:`asymstore.AsymStore.restore`).
+
+    Raises:
+        NoCheckpointError, VersionNotFoundError, WorldSizeMismatchError, CorruptVersionError,
+        CoordinationTimeoutError: see :meth:`asymstore.multirank.RankStore.restore`.
+    """
+    if store.is_coordinator:
+        haves = await asyncio.to_thread(_gather_haves, store, key)
+        return await _coordinate(store, key, haves, step, into)
+    await asyncio.to_thread(store.kv.put, f"{key}/have/{store.rank}", own_steps(store))
+    return await _follow(store, key, into)
+
+
+def _gather_haves(store: RankStore, key: str) -> dict[int, set[int]]:
+    kv = store.kv
+    kv.put(f"{key}/have/{store.rank}", own_steps(store))
+    keys = [f"{key}/have/{r}" for r in range(store.world_size)]
+    kv.wait(keys, store.restore_timeout_s, "ranks listing their shards for restore")
+    return {r: set(v) for r, v in enumerate(kv.get_many(keys))}
+
+
+def _candidates(store: RankStore, haves: dict[int, set[int]], step: int | None,
+                notes: list[str]) -> list[GlobalManifest]:
+    steps = sorted(store.global_steps(), reverse=True)
+    if step is not None:
+        if step not in steps:
+            raise VersionNotFoundError(f"global step {step} is not published under {store.global_dir}")
+        steps = [step]
+    if not steps:
+        raise NoCheckpointError(f"no global version under {store.global_dir}")
+    out: list[GlobalManifest] = []
+    for s in steps:
+        try:
+            g = store.read_global(s)
+        except (GlobalManifestError, OSError) as exc:
+            notes.append(f"global step {s}: {describe(exc)}")
+            continue
+        if g.world_size != store.world_size and store.reshard is not None:
+            out.append(g)  # read from every old rank's shard (reshardread), not from this rank's own
+            continue
+        if g.world_size != store.world_size:
+            if not out:
+                raise WorldSizeMismatchError(
+                    f"global step {s} was written by {g.world_size} rank(s); this job has {store.world_size}. "
+                    "Restore needs the same world size, or resharding (RankStore.reshard)")
+            continue
+        lacking = [r for r in range(store.world_size) if g.shard(r).step not in haves[r]]
+        if lacking:
+            notes.append(f"global step {s}: rank(s) {lacking} do not hold their shard")
+            continue
+        out.append(g)
+    return out
+
+
+async def _coordinate(store: RankStore, key: str, haves: dict[int, set[int]], step: int | None,
+                      into: Into | None) -> Restored:
+    kv = store.kv
+    notes: list[str] = []
+    try:
+        candidates = _candidates(store, haves, step, notes)
+    except (NoCheckpointError, WorldSizeMismatchError) as exc:
+        await asyncio.to_thread(kv.put, f"{key}/try/0", {"error": type(exc).__name__, "message": str(exc)})
+        raise
+    for k, g in enumerate(candidates):
+        await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
+        ckpt, reason = await _try_shard(store, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{store.rank}", {"ok": ckpt is not None, "reason": reason})
+        keys = [f"{key}/result/{k}/{r}" for r in range(store.world_size)]
+        await asyncio.to_thread(kv.wait, keys, store.restore_timeout_s, f"ranks loading global step {g.step}")
+        results = await asyncio.to_thread(kv.get_many, keys)
+        bad = {r: res["reason"] for r, res in enumerate(results) if not res["ok"]}
+        if not bad and ckpt is not None:
+            await asyncio.to_thread(kv.put, f"{key}/try/{k + 1}", {"done": g.step, "notes": notes})
+            return g, ckpt, notes
+        notes.append(f"global step {g.step}: failed on rank(s) {bad}")
+        logger.warning("restore: global step %d failed on rank(s) %s; trying the one before", g.step, sorted(bad))
+    msg = "no global version verified on every rank: " + "; ".join(notes)
+    await asyncio.to_thread(kv.put, f"{key}/try/{len(candidates)}",
+                            {"error": "CorruptVersionError", "message": msg})
+    raise CorruptVersionError(msg)
+
+
+async def _follow(store: RankStore, key: str, into: Into | None) -> Restored:
+    kv = store.kv
+    k = 0
+    ckpt: Checkpoint | None = None
+    g: GlobalManifest | None = None
+    while True:
+        await asyncio.to_thread(kv.wait, [f"{key}/try/{k}"], store.restore_timeout_s, "the coordinator's restore")
+        msg = await asyncio.to_thread(kv.get, f"{key}/try/{k}")
+        if "error" in msg:
+            raise _ERRORS.get(msg["error"], CorruptVersionError)(msg["message"])
+        if "done" in msg:
+            assert ckpt is not None and g is not None and g.step == msg["done"]
+            return g, ckpt, list(msg.get("notes", []))
+        g = GlobalManifest.from_json(msg["global"].encode())
+        ckpt, reason = await _try_shard(store, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{store.rank}", {"ok": ckpt is not None, "reason": reason})
+        k += 1
+
+
+async def _try_shard(store: RankStore, g: GlobalManifest, into: Into | None) -> tuple[Checkpoint | None, str]:
+    if g.world_size != store.world_size and store.reshard is not None:
+        try:
+            return await restore_resharded(store, g, store.reshard), ""
+        except (AsymstoreError, OSError) as exc:
+            return None, describe(exc)
+    shard = g.shard(store.rank)
+    try:
+        ckpt = await store.local.restore(step=shard.step, into=into)
+    except (AsymstoreError, OSError) as exc:
+        return None, describe(exc)
+    digest = shard_digest(ckpt.manifest)
+    if digest != shard.digest:
+        return None, f"shard {shard.step} digest {digest} != {shard.digest} in the global manifest"
+    return ckpt, ""

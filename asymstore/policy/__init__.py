@@ -1,0 +1,1 @@
+"""Policy: the write cost model and its calibration, compression and retention decisions."""

@@ -1,0 +1,204 @@
+"""Loading one verified version from one tier: into fresh tensors, or straight into the caller's.
+
+``load_version(tier, step, into=...)`` reads each chunk of a tensor named in
+``into`` straight into that tensor's memory (a contiguous CPU tensor of the
+stored dtype and shape): a tier that can read ranges into caller buffers
+(:class:`~asymstore.tiers.protocol.ReadIntoTier`: directory tiers, host memory)
+fills the destination from the file or the pool with one copy, and the
+chunk checksums are verified on the destination bytes; compressed chunks
+decode into the destination. Other destinations (non-contiguous, on a GPU)
+receive one copy from a decoded host tensor. Every check of
+:mod:`asymstore.read.verify` applies; names, dtypes and shapes of ``into`` are
+checked against the manifest before any byte is written
+(:class:`~asymstore.errors.DestinationMismatchError`).
+
+A load that fails verification part way has written some destinations: the
+caller (``AsymStore.restore``) then loads an older version into the same
+tensors, and if none verifies the destinations hold no version at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from asymstore.errors import CorruptVersionError, DestinationMismatchError
+from asymstore.format.manifest import Chunk, Manifest
+from asymstore.read.verify import READ_AHEAD, decode_one, physical_memory_bytes, read_manifest, verify_segment
+from asymstore.tiers.protocol import ReadIntoTier, Tier
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch
+
+    Into: TypeAlias = Mapping[str, torch.Tensor] | Callable[[Manifest], Mapping[str, torch.Tensor]]
+    """Destinations: name -> tensor, or a function of the candidate version's manifest that returns them."""
+
+
+def _targets(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, memoryview]:
+    """Writable byte views of the destinations that can be filled in place; check every destination."""
+    from asymstore.format.tensors import as_bytes, dtype_name
+
+    views = {}
+    for name, dest in into.items():
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            raise DestinationMismatchError(f"{name!r} is not stored in step {manifest.step}")
+        if dtype_name(dest.dtype) != entry.dtype or tuple(dest.shape) != entry.shape:
+            raise DestinationMismatchError(f"{name!r}: the destination is {dtype_name(dest.dtype)} "
+                                           f"{list(dest.shape)}, step {manifest.step} stores {entry.dtype} "
+                                           f"{list(entry.shape)}")
+        if dest.device.type == "cpu" and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg():
+            views[name] = as_bytes(dest.detach())
+    return views
+
+
+_Direct = list[tuple[str, Chunk, memoryview]]
+
+def resolve_into(manifest: Manifest, into: Into | None) -> dict[str, torch.Tensor]:
+    """The destinations for ``manifest``: ``into`` itself, or what ``into(manifest)`` returns.
+
+    Raises:
+        DestinationMismatchError: ``into(manifest)`` raised (the error is its cause); nothing was written.
+    """
+    if into is None:
+        return {}
+    if callable(into):
+        try:
+            return dict(into(manifest))
+        except Exception as exc:
+            raise DestinationMismatchError(f"step {manifest.step}: the destinations were refused: {exc}") from exc
+    return dict(into)
+
+
+def _fresh_destinations(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fresh tensors for the raw tensors ``into`` leaves out, so every segment can be read straight into place."""
+    import torch
+
+    from asymstore.format.codec import RAW
+    from asymstore.format.tensors import dtype_from_name
+
+    return {name: torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+            for name, entry in manifest.tensors.items()
+            if name not in into and entry.chunks and all(c.codec == RAW for c in entry.chunks)}
+
+
+def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dict[str, _Direct]:
+    """Segments whose every chunk is raw and lands in a destination: segment -> (tensor, chunk, destination slice)."""
+    ranges: dict[str, _Direct] = {s.name: [] for s in manifest.segments}
+    mixed: set[str] = set()
+    for name, entry in manifest.tensors.items():
+        dest = targets.get(name)
+        pos = 0
+        for c in entry.chunks:
+            if dest is None or c.codec != "raw":
+                mixed.add(c.segment)
+            else:
+                ranges[c.segment].append((name, c, dest[pos:pos + c.raw_length]))
+            pos += c.raw_length
+    return {seg: r for seg, r in ranges.items() if seg not in mixed}
+
+
+async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """Read, verify and decode every tensor of ``step`` from ``tier`` (named ones into ``into``).
+
+    ``into`` may also be a function of the manifest (checked before any byte
+    is read) that returns the destinations. With destinations given and a
+    tier that reads into caller buffers, the other raw tensors are read
+    straight into fresh tensors too, so no segment is staged whole and copied.
+
+    Returns:
+        The manifest, and name -> tensor: the destination tensor itself for names in ``into``.
+
+    Raises:
+        DestinationMismatchError: a name of ``into`` is not stored, or has another dtype or shape.
+        CorruptVersionError: the manifest, a segment or a chunk fails verification,
+            or the version declares more bytes than this machine has memory.
+        VersionNotFoundError: the tier does not hold ``step``.
+        TierError: the tier failed to read.
+    """
+    manifest = await read_manifest(tier, step)
+    dests = resolve_into(manifest, into)
+    fresh = manifest.nbytes - sum(manifest.tensors[n].nbytes for n in dests if n in manifest.tensors)
+    if fresh > physical_memory_bytes():
+        raise CorruptVersionError(f"step {step} on {tier.name} declares {manifest.nbytes} bytes of tensors, "
+                                  "more than this machine's memory")
+    targets = _targets(manifest, dests)  # every destination checked before any is allocated or written
+    if dests and isinstance(tier, ReadIntoTier):
+        fresh_dests = _fresh_destinations(manifest, dests)
+        targets.update(_targets(manifest, fresh_dests))
+        dests.update(fresh_dests)
+    direct = _direct_ranges(manifest, targets) if isinstance(tier, ReadIntoTier) else {}
+    sem = asyncio.Semaphore(READ_AHEAD)
+
+    async def fetch(name: str, size: int) -> tuple[str, memoryview | None]:
+        async with sem:
+            if name in direct:
+                assert isinstance(tier, ReadIntoTier)
+                digests = await tier.read_segment_into(step, name, size,
+                                                       [(c.offset, view) for _, c, view in direct[name]])
+                if digests is not None:  # hashed by the tier as the bytes landed
+                    _check_digests(direct[name], digests)
+                else:  # verified right away, while this segment's bytes are still warm, and beside the next reads
+                    await asyncio.to_thread(_verify_in_place, direct[name])
+                return name, None
+            data = await tier.read_segment(step, name, size)
+            verify_segment(manifest, name, data, deep=False)
+            return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
+
+    segments = dict(await asyncio.gather(*(fetch(s.name, s.size) for s in manifest.segments)))
+    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, dests)
+
+
+def _check_digests(items: _Direct, digests: list[str]) -> None:
+    if len(digests) != len(items):
+        raise CorruptVersionError(f"the tier returned {len(digests)} digests for {len(items)} chunks")
+    for (name, chunk, _), digest in zip(items, digests, strict=True):
+        if digest != chunk.checksum:  # raw chunks only here: the stored bytes are the raw bytes
+            raise CorruptVersionError(f"{name}: chunk in {chunk.segment} at {chunk.offset}: stored checksum mismatch")
+
+
+def _verify_in_place(items: _Direct) -> None:
+    for name, chunk, view in items:
+        decode_one(name, chunk, view, None)  # raw: checks the length and the checksum of the destination bytes
+
+
+def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None],
+                   targets: Mapping[str, memoryview] | None = None,
+                   into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Verify and decode every tensor of ``manifest`` from its segments (None: already verified in its destination)."""
+    import torch
+
+    from asymstore.format.codec import RAW
+    from asymstore.format.tensors import as_bytes, dtype_from_name, from_bytes
+
+    targets = targets or {}
+    into = into or {}
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in manifest.tensors.items():
+        dest = targets.get(name)
+        dtype = dtype_from_name(entry.dtype)
+        # one raw chunk and no destination: the tensor is a view of the segment; else decode every chunk into place
+        single = dest is None and len(entry.chunks) == 1 and entry.chunks[0].codec == RAW
+        # torch.empty, not bytearray: no zero-fill pass over fresh memory before the chunks land
+        buf: memoryview = dest if dest is not None else as_bytes(
+            torch.empty(0 if single else entry.nbytes, dtype=torch.uint8))
+        pos = 0
+        for chunk in entry.chunks:
+            target = buf[pos:pos + chunk.raw_length]
+            stored = segments[chunk.segment]
+            if stored is not None:  # None: read straight into the destination and verified there already
+                raw = decode_one(name, chunk, stored[chunk.offset:chunk.offset + chunk.length],
+                                 None if single else target)
+                if single:
+                    buf = raw
+            pos += chunk.raw_length
+        if name in into:
+            if dest is None:  # not fillable in place (GPU, non-contiguous): one copy from the decoded bytes
+                into[name].copy_(from_bytes(buf, dtype, list(entry.shape)))
+            out[name] = into[name]
+        else:
+            out[name] = from_bytes(buf, dtype, list(entry.shape))
+    return out

@@ -1,0 +1,1 @@
+"""Memory tiers: process memory, shared-memory files, device memory, over one capacity helper."""

@@ -1,0 +1,169 @@
+"""ShmTier: the :class:`HostTier` that keeps versions as shared-memory files.
+
+``HostTier(capacity_bytes, path=...)`` constructs one over a tmpfs directory
+(for example ``/dev/shm/asym-job42``). The files are laid out, written,
+published and read exactly as :class:`LocalTier` does it (a LocalTier with
+fsync off does the file work), so a training process that was killed can be
+restarted on the same node and restore without touching disk, and fsck
+checks the directory like any other root. Capacity, eviction, holds and
+back-pressure are :class:`~asymstore.tiers.memory.host.HostTier`'s; the files a dead
+writer left count against the capacity until they are swept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+from asymstore.io.rootlock import is_leftover_name
+from asymstore.tiers.local import LocalTier
+from asymstore.tiers.memory.host import HostTier, Reservation
+from asymstore.tiers.protocol import Buffer, VersionWriter
+
+logger = logging.getLogger(__name__)
+
+
+class ShmTier(HostTier):
+    """Bounded tier of shared-memory files (what ``HostTier(capacity_bytes, path=...)`` returns).
+
+    Args:
+        capacity_bytes: most bytes held at once (committed, in flight and dead writers' leftovers).
+        path: the tmpfs directory (created if missing).
+        name: the tier's name in reports (default: ``"host:<path>"``).
+        keep_last: this tier's retention; None uses the store's.
+        policy: back-pressure when full: ``"wait"`` or ``"skip"``.
+        wait_timeout_s: longest wait under ``"wait"`` (None: no limit), then CapacityError.
+        pin: ignored (files are not pooled); accepted so that ``HostTier``'s arguments fit.
+    """
+
+    def __init__(self, capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | None = None,
+                 name: str | None = None, keep_last: int | None = None, policy: str = "wait",
+                 wait_timeout_s: float | None = None, pin: bool | None = None) -> None:
+        """Create the tier; nothing touches the directory before ``open``."""
+        if path is None:
+            raise ValueError("a shared-memory tier needs a path (HostTier() without one keeps process memory)")
+        files = LocalTier(path, fsync=False)  # tmpfs: fsync is a no-op there, and nothing survives a reboot
+        super().__init__(capacity_bytes, name=name or f"host:{files.root}", keep_last=keep_last, policy=policy,
+                         wait_timeout_s=wait_timeout_s)
+        self._files = files
+
+    def __repr__(self) -> str:
+        """Return a short description."""
+        return f"HostTier({self._files.root!r}, capacity_bytes={self.capacity_bytes})"
+
+    @property
+    def path(self) -> str:
+        """The shared-memory directory."""
+        return self._files.root
+
+    async def open(self) -> None:
+        """Open the directory and account for the versions already in it."""
+        await self._files.open()
+        for step in await self._files.list_versions():
+            self._sizes[step] = await asyncio.to_thread(_dir_size, self._files._vdir(step))
+
+    async def close(self) -> None:
+        """Nothing to release: the files stay for a restart."""
+
+    async def lock_root(self) -> None:
+        """Take the directory's writer lock."""
+        await self._files.lock_root()
+
+    async def unlock_root(self) -> None:
+        """Give the writer lock up."""
+        await self._files.unlock_root()
+
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove dead writers' files; what cannot be removed counts against the capacity."""
+        removed = await self._files.sweep_leftovers()
+        self._leftover_bytes = await asyncio.to_thread(_leftover_size, self._files.root, set(self._files._active))
+        return removed
+
+    async def list_versions(self) -> list[int]:
+        """Return the published steps, ascending (forgetting any removed behind this tier's back)."""
+        steps = await self._files.list_versions()
+        for gone in set(self._sizes) - set(steps):
+            del self._sizes[gone]
+        return steps
+
+    async def _writer(self, step: int, nbytes: int) -> _ShmWriter:
+        inner = await self._files.begin(step, nbytes)
+        return _ShmWriter(inner, Reservation(self, step, nbytes))
+
+    async def _drop(self, step: int) -> None:
+        await self._files.delete_version(step)
+        self._forget(step)
+
+    async def read_manifest(self, step: int) -> bytes:
+        """Return the manifest of ``step`` (checked and bounded as :meth:`LocalTier.read_manifest` does)."""
+        return await self._files.read_manifest(step)
+
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
+        """Return a private copy of one segment (of ``size`` bytes when given)."""
+        return await self._files.read_segment(step, name, size)
+
+    async def read_segment_into(self, step: int, name: str, size: int,
+                                ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
+        """Copy ranges of one segment straight into caller buffers (one copy out of the shm file, hashed as read)."""
+        return await self._files.read_segment_into(step, name, size, ranges)
+
+    async def quarantine(self, step: int) -> None:
+        """Move a corrupt version aside (``.quarantine/`` under the directory)."""
+        await self._files.quarantine(step)
+        self._sizes.pop(step, None)
+        await self._notify()
+
+    def calibration_key(self) -> str:
+        """Identify the tmpfs of ``path`` for the calibration cache."""
+        return "host-" + self._files.calibration_key()
+
+    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
+        """Time one segment-like write per size, as a file on the tmpfs."""
+        return await self._files.probe_writes(sizes)
+
+    async def write_latest(self, step: int) -> None:
+        """Record the LATEST hint."""
+        await self._files.write_latest(step)
+
+    async def read_latest(self) -> int | None:
+        """Return the LATEST hint."""
+        return await self._files.read_latest()
+
+
+class _ShmWriter:
+    """A LocalTier writer whose version is counted against the capacity once published."""
+
+    def __init__(self, inner: VersionWriter, reservation: Reservation) -> None:
+        self.inner = inner
+        self.reservation = reservation
+
+    async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        await self.inner.write_segment(name, parts)  # checks the name
+
+    async def publish(self, manifest: bytes) -> None:
+        await self.inner.publish(manifest)
+        await self.reservation.settle(self.reservation.nbytes)
+
+    async def abort(self) -> None:
+        await self.inner.abort()
+        await self.reservation.settle(None)
+
+
+def _leftover_size(root: str, active: set[str]) -> int:
+    """Bytes under ``root``'s temporary entries that are not this writer's own."""
+    total = 0
+    for entry in os.scandir(root):
+        if is_leftover_name(entry.name) and entry.name not in active:
+            total += _dir_size(entry.path) if entry.is_dir(follow_symlinks=False) else entry.stat(
+                follow_symlinks=False).st_size
+    return total
+
+
+def _dir_size(path: str) -> int:
+    total = 0
+    for entry in os.scandir(path):
+        if entry.is_file():
+            total += entry.stat().st_size
+    return total

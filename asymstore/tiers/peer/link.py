@@ -1,0 +1,412 @@
+"""The peer transport: a gloo process group of its own, framed messages, and waits off the event loop.
+
+Every rank of the job builds one ``ProcessGroupGloo`` for replication, over a
+prefix of the job's c10d store: never the training process group, and never a
+collective — only point-to-point ``send``/``recv`` between a rank and its ring
+neighbours, from the replication threads. Four tags keep the streams apart:
+``REPL`` (versions, src → dst), ``ACK`` (a replica verified and published or
+refused, dst → src), ``REQ`` (list / read / delete requests, src → dst) and
+``RESP`` (their answers, dst → src).
+
+A frame is one message of :data:`FRAME` bytes — magic, the JSON header's length,
+the inline payload's length, the JSON, and the payload when it fits — followed,
+for a larger payload (the JSON gives ``nbytes`` and the message sizes,
+``pieces``), by messages of at most :data:`CHUNK` bytes sent from the caller's
+memory where the parts are large (small parts are gathered into one copy), all
+posted at once so that they stream. Every gloo message costs a round
+trip (the receiver announces its buffer first), so a small request, answer or
+segment is a single message. A receiver checks the magic and the lengths
+against its own limits before it allocates anything, so a peer's bytes can
+never make it read without bound.
+
+gloo waits are blocking C++ calls: they run on daemon threads (a dead peer's
+wait must never keep the process from exiting). An idle ``recv`` of gloo times
+out after the group's timeout and then closes the connection, so the sending
+side sends a ``ping`` frame on both request streams every ``timeout / 4``.
+
+No single gloo wait can be interrupted (neither ``abort()`` nor ``shutdown()`` of
+the group ends a pending ``recv``), but a wait that times out closes every
+connection of the group and fails every operation pending on it. So
+:meth:`PeerLink.end` (on close, and at interpreter exit before it finalizes: a
+daemon thread coming back from a gloo wait during finalization dies in
+``std::terminate``, SIGABRT) refuses new operations, then waits 1 ms for a
+message nobody sends from each peer until no thread is left inside gloo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import datetime
+import json
+import logging
+import struct
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from asymstore.errors import PeerError, PeerProtocolError
+from asymstore.runtime.exiting import EXIT_WAIT_S, at_exit, cancel
+from asymstore.tiers.protocol import Buffer
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TAG_REPL, TAG_ACK, TAG_REQ, TAG_RESP = 101, 102, 103, 104
+TAG_POKE = 105
+"""Never sent: :meth:`PeerLink.end` waits for it, briefly, to fail the group's pending operations."""
+MAGIC = 0x4153594D50454552 & 0x7FFFFFFFFFFFFFFF  # "ASYMPEER"
+FRAME = 16 << 10
+"""Bytes of a frame's first message: three int64 (magic, JSON length, inline payload length), the JSON, and
+the payload itself when it fits; every gloo message costs a round trip, so a small frame is one message."""
+_PREFIX = 24
+CHUNK = 32 << 20
+"""Payload bytes per gloo message at most, when the payload does not fit in the first one."""
+DIRECT = 1 << 20
+"""Payload parts at least this large are sent from their own memory; smaller ones are gathered into a copy."""
+MAX_PIECES = 1024
+"""Payload messages a frame lists (``pieces``); a payload of more is cut into CHUNK-sized copies instead."""
+
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+_STUCK: list[Any] = []
+"""Groups a thread may still be blocked in (:meth:`PeerLink.end` could not fail its wait): never destroyed."""
+
+
+def in_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+    """Run ``fn`` on a new daemon thread; its result or exception lands in the returned future."""
+    fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():  # cancelled before it started
+            return
+        try:  # once running, the future cannot be cancelled: its outcome is always set, never raised here
+            result = fn()
+        except BaseException as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    threading.Thread(target=run, name="asymstore-peer-io", daemon=True).start()
+    return fut
+
+
+async def blocking(fn: Callable[[], T], timeout_s: float | None = None) -> T:
+    """Await ``fn()`` run on a daemon thread (at most ``timeout_s``: TimeoutError, the thread left behind)."""
+    return await asyncio.wait_for(asyncio.wrap_future(in_thread(fn)), timeout_s)
+
+
+def _as_tensor(buf: Buffer) -> torch.Tensor:
+    view = memoryview(buf).cast("B")
+    return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+
+
+class PeerLink:
+    """Framed point-to-point messages over the replication process group.
+
+    Args:
+        pg: the replication ``ProcessGroupGloo`` (see :func:`connect`).
+        rank: this rank.
+        timeout_s: the group's timeout (every single wait is bounded by it).
+    """
+
+    def __init__(self, pg: Any, rank: int, timeout_s: float) -> None:
+        """Wrap ``pg``."""
+        self.pg = pg
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self._send_lock = threading.Lock()  # one frame at a time to any peer: frames never interleave
+        self.broken: str | None = None
+        """Why the link is unusable (a wait timed out or a peer hung up), or None."""
+        self._cond = threading.Condition()
+        self._inflight = 0  # threads inside a gloo call of this group
+        self._peers: set[int] = set()  # every rank this link exchanged messages with
+        self._ended: str | None = None
+        self._exit_handle: int | None = at_exit(self._at_exit, phase=1)
+
+    @contextlib.contextmanager
+    def _io(self, peer: int) -> Iterator[None]:
+        """Around every gloo call: counted, so that :meth:`end` knows when none is left; refused once ended."""
+        with self._cond:
+            if self._ended is not None:
+                raise PeerError(f"peer link of rank {self.rank} is down: {self._ended}")
+            self._inflight += 1
+            self._peers.add(peer)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    def end(self, why: str, grace_s: float = 0.0, timeout_s: float = EXIT_WAIT_S) -> bool:
+        """Refuse new gloo operations, and fail those still in flight after ``grace_s`` (blocking).
+
+        A receive from each peer with a tag nobody sends, waited 1 ms, times out, and a gloo timeout
+        closes every connection of the group and fails every pending operation: the threads blocked in
+        one come back with an error (nothing else can interrupt a gloo wait).
+
+        Returns:
+            True when no thread is left inside gloo (within ``timeout_s``): the group can be dropped.
+            Otherwise the group is kept alive until the process ends (never destroyed under a thread).
+        """
+        with self._cond:
+            self._ended = self._ended or why
+            self.broken = self.broken or why
+            self._cond.wait_for(lambda: self._inflight == 0, grace_s)
+            peers = sorted(self._peers)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._cond:
+                if self._inflight == 0:
+                    cancel(self._exit_handle)
+                    self._exit_handle = None
+                    return True
+            if time.monotonic() > deadline:
+                break
+            for peer in peers:
+                try:
+                    self.pg.recv([torch.empty(1, dtype=torch.uint8)], peer, TAG_POKE).wait(
+                        datetime.timedelta(milliseconds=1))
+                except RuntimeError:
+                    pass  # the timeout (or the connection to a dead peer, already failed)
+            with self._cond:
+                self._cond.wait_for(lambda: self._inflight == 0, 0.05)
+        logger.warning("peer link of rank %d: %d gloo wait(s) still blocked %.0f s after ending it (%s); "
+                       "the group is kept until the process ends", self.rank, self._inflight, timeout_s, why)
+        _STUCK.append(self.pg)
+        return False
+
+    def _at_exit(self) -> None:
+        self.end("the process is exiting")
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise PeerError(f"peer link of rank {self.rank} is down: {self.broken}")
+
+    def _fail(self, what: str, exc: BaseException) -> PeerError:
+        self.broken = self.broken or f"{what}: {exc}"
+        return PeerError(f"rank {self.rank}: {what}: {exc}")
+
+    def send(self, to: int, tag: int, header: dict[str, Any], payload: Sequence[Buffer] = ()) -> None:
+        """Send one frame (blocking); ``header["nbytes"]`` is set to the payload's size.
+
+        Raises:
+            PeerError: the peer is gone or the link is down.
+            PeerProtocolError: the header does not fit in a frame.
+        """
+        self._check()
+        views = [memoryview(p).cast("B") for p in payload]
+        nbytes = sum(len(v) for v in views)
+        body = json.dumps({**header, "nbytes": nbytes}, separators=(",", ":")).encode()
+        if _PREFIX + len(body) > FRAME:
+            raise PeerProtocolError(f"frame header of {len(body)} bytes does not fit in {FRAME}")
+        inline = _PREFIX + len(body) + nbytes <= FRAME
+        first = bytearray(FRAME)
+        pieces = [] if inline else _pieces(views)
+        if not inline and len(pieces) <= MAX_PIECES:  # the receiver posts one receive per piece, where it lands
+            body = json.dumps({**header, "nbytes": nbytes, "pieces": [len(p) for p in pieces]},
+                              separators=(",", ":")).encode()
+        if not inline and (len(pieces) > MAX_PIECES or _PREFIX + len(body) > FRAME):
+            pieces = _cut(views)  # many small parts: copied into CHUNK-sized messages
+            body = json.dumps({**header, "nbytes": nbytes}, separators=(",", ":")).encode()
+        first[:_PREFIX] = struct.pack("<qqq", MAGIC, len(body), nbytes if inline else -1)
+        first[_PREFIX:_PREFIX + len(body)] = body
+        if inline:
+            pos = _PREFIX + len(body)
+            for v in views:
+                first[pos:pos + len(v)] = v
+                pos += len(v)
+        with self._send_lock, self._io(to):
+            try:
+                works = [self.pg.send([_as_tensor(first)], to, tag)]
+                works += [self.pg.send([_as_tensor(piece)], to, tag) for piece in pieces]
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                raise self._fail(f"sending to rank {to}", exc) from exc
+
+    def recv_header(self, frm: int, tag: int) -> tuple[dict[str, Any], bytes | None]:
+        """Receive one frame's first message: its header and, when it came inline, its payload.
+
+        A payload that did not come inline (None) must be read next: :meth:`payload`, :meth:`scatter`, :meth:`discard`.
+
+        Raises:
+            PeerError: the peer is gone, or the link is down.
+            PeerProtocolError: the bytes are not a frame.
+        """
+        self._check()
+        first = torch.empty(FRAME, dtype=torch.uint8)
+        try:
+            with self._io(frm):
+                self.pg.recv([first], frm, tag).wait()
+        except RuntimeError as exc:
+            raise self._fail(f"receiving from rank {frm}", exc) from exc
+        raw = memoryview(first.numpy().tobytes())
+        magic, size, inline = struct.unpack("<qqq", raw[:_PREFIX])
+        if magic != MAGIC or not 0 < size <= FRAME - _PREFIX or not -1 <= inline <= FRAME - _PREFIX - size:
+            self.broken = f"rank {frm} sent a malformed frame (magic {magic:#x}, header {size} bytes)"
+            raise PeerProtocolError(self.broken)
+        try:
+            header = json.loads(bytes(raw[_PREFIX:_PREFIX + size]))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self.broken = f"rank {frm} sent a frame header that is not JSON"
+            raise PeerProtocolError(self.broken) from exc
+        if not isinstance(header, dict) or not isinstance(header.get("nbytes"), int) or header["nbytes"] < 0 \
+                or inline not in (-1, header["nbytes"]):
+            self.broken = f"rank {frm} sent a frame header without a consistent payload size: {str(header)[:200]}"
+            raise PeerProtocolError(self.broken)
+        data = bytes(raw[_PREFIX + size:_PREFIX + size + inline]) if inline >= 0 else None
+        return header, data
+
+    def exchange(self, peer: int, tag: int, header: dict[str, Any], payload: Sequence[Buffer],
+                 answer_tag: int) -> tuple[dict[str, Any], bytes | None]:
+        """Send a frame to ``peer`` and receive the first message of its answer (one thread hop, not two)."""
+        self.send(peer, tag, header, payload)
+        return self.recv_header(peer, answer_tag)
+
+    def _sizes(self, frm: int, header: dict[str, Any]) -> list[int]:
+        """The sizes of a frame's payload messages: the header's ``pieces``, else :data:`CHUNK`-sized cuts."""
+        nbytes = int(header["nbytes"])
+        pieces = header.get("pieces")
+        if pieces is None:
+            return [min(CHUNK, nbytes - pos) for pos in range(0, nbytes, CHUNK)]
+        if not isinstance(pieces, list) or len(pieces) > MAX_PIECES or sum(pieces) != nbytes \
+                or not all(isinstance(n, int) and 0 < n <= CHUNK for n in pieces):
+            self.broken = f"rank {frm} sent a frame whose pieces do not add up to its {nbytes} bytes"
+            raise PeerProtocolError(self.broken)
+        return pieces
+
+    def payload(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None, out: memoryview) -> None:
+        """Fill ``out`` (exactly the payload's size, writable) with a frame's payload: inline, or received."""
+        self.scatter(frm, tag, header, inline, [out])
+
+    def scatter(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None,
+                views: Sequence[memoryview]) -> None:
+        """Fill ``views`` in order with a frame's payload (exactly their total size).
+
+        Each message is received straight into its view where it falls inside one, else through a scratch copy.
+        """
+        total = sum(len(v) for v in views)
+        if int(header["nbytes"]) != total:  # its messages cannot be matched any more: the link is down
+            self.broken = f"rank {frm} sent {header['nbytes']} bytes where {total} were asked for"
+            raise PeerProtocolError(self.broken)
+        if inline is not None:
+            pos = 0
+            for v in views:
+                v[:] = inline[pos:pos + len(v)]
+                pos += len(v)
+            return
+        self._check()
+        starts, pos = [], 0
+        for v in views:
+            starts.append(pos)
+            pos += len(v)
+        pending: list[tuple[Any, bytearray | None, int]] = []
+        try:
+            with self._io(frm):
+                pos, i = 0, 0
+                for n in self._sizes(frm, header):
+                    while i + 1 < len(views) and starts[i + 1] <= pos:
+                        i += 1
+                    inside = pos - starts[i]
+                    if inside + n <= len(views[i]):  # the message lands inside one view: no copy
+                        pending.append((self.pg.recv([_as_tensor(views[i][inside:inside + n])], frm, tag), None, pos))
+                    else:
+                        scratch = bytearray(n)
+                        pending.append((self.pg.recv([_as_tensor(scratch)], frm, tag), scratch, pos))
+                    pos += n
+                for work, copy, at in pending:
+                    work.wait()
+                    if copy is not None:
+                        _spread(copy, at, views, starts)
+        except RuntimeError as exc:
+            raise self._fail(f"receiving from rank {frm}", exc) from exc
+
+    def discard(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None) -> None:
+        """Drop a frame's payload (one this side refuses), receiving it one piece of memory at a time."""
+        if inline is not None:
+            return
+        sizes = self._sizes(frm, header)
+        scratch = memoryview(bytearray(max(sizes, default=0)))
+        try:
+            with self._io(frm):
+                for n in sizes:
+                    self.pg.recv([_as_tensor(scratch[:n])], frm, tag).wait()
+        except RuntimeError as exc:
+            raise self._fail(f"receiving from rank {frm}", exc) from exc
+
+
+def _pieces(views: list[memoryview]) -> list[memoryview]:
+    """The payload as messages, each at most :data:`CHUNK` bytes.
+
+    Parts of at least :data:`DIRECT` bytes are sent from where they are; smaller ones are gathered into
+    bounce copies between them.
+    """
+    out: list[memoryview] = []
+    bounce = bytearray()
+    for view in views:
+        if len(view) < DIRECT:
+            bounce += view
+            if len(bounce) >= CHUNK:
+                out.append(memoryview(bounce)[:CHUNK])
+                bounce = bounce[CHUNK:]
+            continue
+        if bounce:
+            out.append(memoryview(bounce))
+            bounce = bytearray()
+        out.extend(view[pos:pos + CHUNK] for pos in range(0, len(view), CHUNK))
+    if bounce:
+        out.append(memoryview(bounce))
+    return out
+
+
+def _spread(data: bytearray, at: int, views: Sequence[memoryview], starts: list[int]) -> None:
+    """Copy ``data``, which sits at ``at`` in the concatenation of ``views``, into them."""
+    end = at + len(data)
+    for v, start in zip(views, starts, strict=True):
+        lo, hi = max(at, start), min(end, start + len(v))
+        if lo < hi:
+            v[lo - start:hi - start] = data[lo - at:hi - at]
+
+
+def _cut(views: list[memoryview]) -> list[memoryview]:
+    """The payload copied into messages of :data:`CHUNK` bytes (the last one shorter)."""
+    out: list[memoryview] = []
+    bounce = bytearray()
+    for view in views:
+        pos = 0
+        while pos < len(view):
+            n = min(CHUNK - len(bounce), len(view) - pos)
+            bounce += view[pos:pos + n]
+            pos += n
+            if len(bounce) == CHUNK:
+                out.append(memoryview(bounce))
+                bounce = bytearray()
+    if bounce:
+        out.append(memoryview(bounce))
+    return out
+
+
+def connect(store: Any, rank: int, world_size: int, generation: int, timeout_s: float) -> PeerLink:
+    """Build this rank's end of the replication group (every rank of the job calls it; blocking).
+
+    Args:
+        store: the job's c10d store (a prefix of it is used).
+        rank: this rank.
+        world_size: the job's number of ranks.
+        generation: distinguishes successive groups built over the same store.
+        timeout_s: the group's timeout: connecting, and every single wait.
+    """
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"asymstore-peer/{generation}/", store)  # type: ignore[attr-defined]
+    pg = dist.ProcessGroupGloo(prefixed, rank, world_size,
+                               datetime.timedelta(seconds=timeout_s))
+    return PeerLink(pg, rank, timeout_s)

@@ -1,0 +1,310 @@
+"""The receiving end of a peer tier: replicas of one source rank, verified on arrival, served back on request.
+
+The service owns a thread running its own event loop, and on it the replica
+tier (a bounded :class:`~asymstore.tiers.memory.host.HostTier`: process memory, or
+shared memory that outlives the process). Two loops run there:
+
+- **receive** (``REPL`` from the source rank): ``begin`` reserves the version's
+  bytes in the replica tier (a version larger than its capacity is refused and
+  its bytes drained); each ``segment`` is received into memory, its checksum
+  taken and written to the tier's writer; ``manifest`` is parsed and checked
+  (step, and every segment's size and checksum against what arrived) before the
+  tier publishes it atomically; then an ``ACK`` says whether the replica is
+  there (with the steps now held, so the sender need not ask). ``delete`` drops a replica.
+  A version whose sender dies, aborts or sends anything that does not
+  verify is aborted, never published: no half replica is ever listed.
+- **serve** (``REQ`` from the source rank): ``list``, ``manifest``, ``segment`` and
+  ``ranges`` (parts of a segment, which the reader receives straight into its
+  tensors), answered on ``RESP``; what is served is verified again by the
+  reader (restore), like any tier's bytes.
+
+Both end on the source's ``bye`` or when the link fails (the source died). A
+failure of either (or of the service's thread) is logged and kept in
+:attr:`ReplicaService.last_error` (the peer tier's ``status()`` shows it), never
+left to the thread's excepthook; at interpreter exit the service is stopped
+before the interpreter finalizes (:mod:`asymstore.runtime.exiting`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, NoReturn
+
+from asymstore.errors import AsymstoreError, CorruptVersionError, PeerError, PeerProtocolError
+from asymstore.format.checksum import StreamingChecksum
+from asymstore.format.manifest import MAX_MANIFEST_BYTES, Manifest
+from asymstore.read.restore import describe
+from asymstore.runtime.exiting import EXIT_WAIT_S, at_exit, cancel
+from asymstore.tiers.peer.link import TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking
+from asymstore.tiers.protocol import Tier, VersionWriter
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaService:
+    """Holds ``src``'s replicas in ``tier`` and answers ``src``'s requests, on a thread of its own.
+
+    Args:
+        link: the replication link.
+        src: the rank whose versions this rank holds.
+        tier: where the replicas live (opened and used only by the service).
+        keep: replicas kept (older ones are deleted after each new one).
+    """
+
+    def __init__(self, link: PeerLink, src: int, tier: Tier, keep: int = 2) -> None:
+        """Configure; ``start`` runs it."""
+        self.link, self.src, self.tier, self.keep = link, src, tier, keep
+        self.received = 0
+        self.refused = 0
+        self.last_error: str | None = None
+        self._recv = bytearray()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"asymstore-replicas-of-{src}", daemon=True)
+        self._opened = threading.Event()
+        self._open_error: BaseException | None = None
+        self._done: asyncio.Future[Any] | None = None
+        self._exit_handle: int | None = None
+
+    # -- lifecycle -------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the replica tier and start receiving and serving (blocks until the tier is open)."""
+        self._exit_handle = at_exit(self._at_exit)
+        self._thread.start()
+        self._opened.wait()
+        if self._open_error is not None:
+            self._thread.join()
+            cancel(self._exit_handle)
+            self._exit_handle = None
+            raise self._open_error
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as exc:  # never the thread's excepthook: logged, and kept for status()
+            self.last_error = describe(exc)
+            logger.error("replicas of rank %d: the service stopped: %s", self.src, self.last_error, exc_info=exc)
+        finally:
+            self._opened.set()
+
+    async def _main(self) -> None:
+        try:
+            await self.tier.open()
+        except BaseException as exc:
+            self._open_error = exc
+            self._opened.set()
+            return
+        self._opened.set()
+        try:
+            self._done = asyncio.gather(self._guard("receive", self._receive),
+                                        self._guard("serve", self._serve))
+            await self._done
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await self.tier.close()
+
+    async def _guard(self, what: str, loop: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await loop()
+        except (PeerError, OSError) as exc:
+            self.last_error = describe(exc)
+            logger.warning("replicas of rank %d: %s loop ended: %s", self.src, what, exc)
+        except Exception as exc:
+            self.last_error = describe(exc)
+            logger.error("replicas of rank %d: %s loop failed: %s", self.src, what, self.last_error, exc_info=exc)
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the source's ``bye``, then stop (blocking; idempotent)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.info("replicas of rank %d: no bye from it in %g s; stopping", self.src, timeout_s)
+                self._cancel(10.0)
+        if not self._thread.is_alive():
+            cancel(self._exit_handle)
+            self._exit_handle = None
+
+    def _cancel(self, timeout_s: float) -> None:
+        done = self._done
+        if done is not None:
+            self._loop.call_soon_threadsafe(done.cancel)
+        self._thread.join(timeout_s)
+
+    def _at_exit(self) -> None:
+        """The interpreter exits: stop receiving and serving now (the replica tier is closed; bounded wait)."""
+        if self._thread.is_alive():
+            self._cancel(EXIT_WAIT_S)
+
+    # -- receiving -------------------------------------------------------
+
+    async def _header(self, tag: int) -> tuple[dict[str, Any], bytes | None]:
+        while True:
+            header, inline = await blocking(partial(self.link.recv_header, self.src, tag))
+            if header.get("op") != "ping":
+                return header, inline
+
+    async def _receive(self) -> None:
+        while True:
+            header, inline = await self._header(TAG_REPL)
+            if header.get("op") == "bye":
+                return
+            if header.get("op") == "delete":
+                await self._delete(header.get("step"))
+                continue
+            await self._receive_version(header, inline)
+
+    def _protocol(self, what: str) -> NoReturn:
+        self.link.broken = f"rank {self.src}: {what}"
+        raise PeerProtocolError(self.link.broken)
+
+    async def _receive_version(self, header: dict[str, Any], inline: bytes | None) -> None:
+        """Receive the frames of one version, ``header`` (with ``inline``) the first; every frame names the step."""
+        step, reserve = header.get("step"), header.get("reserve")
+        if not isinstance(step, int) or not isinstance(reserve, int) or reserve < 0:
+            self._protocol(f"a version frame without step and reservation: {str(header)[:200]}")
+        writer: VersionWriter | None = None
+        refusal: str | None = None
+        if header.get("op") != "abort":
+            try:
+                writer = await self.tier.begin(step, reserve)
+            except AsymstoreError as exc:
+                refusal = describe(exc)
+        digests: dict[str, tuple[int, str]] = {}
+        total = 0
+        try:
+            while True:
+                op, nbytes = header.get("op"), int(header["nbytes"])
+                if header.get("step") != step:
+                    self._protocol(f"frame of step {header.get('step')} inside version {step}")
+                if op == "segment":
+                    name = str(header.get("name"))
+                    total += nbytes
+                    if writer is None or total > reserve or name in digests:
+                        refusal = refusal or f"segment {name!r} of {nbytes} bytes does not fit the reservation"
+                        await blocking(partial(self.link.discard, self.src, TAG_REPL, header, inline))
+                    else:
+                        buf = self._buffer(nbytes)  # reused: fresh memory costs a page fault per page
+                        await blocking(partial(self.link.payload, self.src, TAG_REPL, header, inline, buf))
+                        digests[name] = (nbytes, StreamingChecksum([buf]).hexdigest())
+                        await writer.write_segment(name, [buf])
+                elif op == "manifest":
+                    if nbytes > MAX_MANIFEST_BYTES:
+                        self._protocol(f"manifest of {nbytes} bytes")
+                    body = memoryview(bytearray(nbytes))
+                    await blocking(partial(self.link.payload, self.src, TAG_REPL, header, inline, body))
+                    if writer is not None and refusal is None:
+                        refusal = await self._publish(writer, step, bytes(body), digests)
+                    break
+                elif op == "abort":
+                    refusal = refusal or "the sender aborted the version"
+                    break
+                else:
+                    self._protocol(f"unexpected {op!r} inside version {step}")
+                header, inline = await self._header(TAG_REPL)
+        except BaseException:
+            if writer is not None:
+                await asyncio.shield(writer.abort())
+            raise
+        if refusal is not None:
+            if writer is not None:
+                await writer.abort()
+            if op != "abort":
+                self.refused += 1
+                self.last_error = refusal
+                logger.warning("replica of rank %d step %d refused: %s", self.src, step, refusal)
+        else:
+            self.received += 1
+            await self._retain()
+        if op != "abort":
+            held = await self.tier.list_versions()
+            await blocking(partial(self.link.send, self.src, TAG_ACK, {"step": step, "ok": refusal is None,
+                                                                        "reason": refusal, "held": held}))
+
+    async def _delete(self, step: object) -> None:
+        if not isinstance(step, int):
+            self._protocol(f"delete of {step!r}")
+        try:
+            if step in await self.tier.list_versions():
+                await self.tier.delete_version(step)
+        except (AsymstoreError, OSError) as exc:
+            logger.warning("replicas of rank %d: deleting step %d: %s", self.src, step, exc)
+
+    def _buffer(self, nbytes: int) -> memoryview:
+        """The receive buffer, grown to ``nbytes`` (at most a reservation: the tier's capacity bounds it)."""
+        if len(self._recv) < nbytes:
+            self._recv = bytearray(nbytes)
+        return memoryview(self._recv)[:nbytes]
+
+    async def _publish(self, writer: VersionWriter, step: int, body: bytes,
+                       digests: dict[str, tuple[int, str]]) -> str | None:
+        """Check the manifest against what arrived, then publish; the reason it was refused, or None."""
+        try:
+            manifest = Manifest.from_json(body)
+            if manifest.step != step:
+                raise CorruptVersionError(f"manifest names step {manifest.step}")
+            want = {s.name: (s.size, s.checksum) for s in manifest.segments}
+            if want != digests:
+                bad = sorted(n for n in set(want) | set(digests) if want.get(n) != digests.get(n))
+                raise CorruptVersionError(f"segment(s) {bad} differ from the manifest (size or checksum)")
+        except AsymstoreError as exc:
+            return f"does not verify: {describe(exc)}"
+        await writer.publish(body)
+        return None
+
+    async def _ranges(self, header: dict[str, Any]) -> list[memoryview]:
+        """The byte ranges a ``ranges`` request names, of one segment of exactly the size it gives."""
+        data = memoryview(await self.tier.read_segment(int(header["step"]), str(header["name"]),
+                                                       int(header["size"]))).cast("B")
+        out = []
+        for offset, length in header["ranges"]:
+            if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
+                    and 0 <= length <= len(data) - offset):
+                raise ValueError(f"range {offset!r}+{length!r} is outside a segment of {len(data)} bytes")
+            out.append(data[offset:offset + length])
+        return out
+
+    async def _retain(self) -> None:
+        steps = await self.tier.list_versions()
+        for old in steps[:-self.keep]:
+            try:
+                await self.tier.delete_version(old)
+            except (AsymstoreError, OSError) as exc:
+                logger.warning("replicas of rank %d: deleting step %d: %s", self.src, old, exc)
+
+    # -- serving ---------------------------------------------------------
+
+    async def _serve(self) -> None:
+        while True:
+            header, _ = await self._header(TAG_REQ)
+            op = header.get("op")
+            if header["nbytes"]:
+                self._protocol(f"request {op!r} with a payload")
+            if op == "bye":
+                return
+            answer: dict[str, Any]
+            payload: list[Any] = []
+            try:
+                if op == "list":
+                    answer = {"steps": await self.tier.list_versions()}
+                elif op == "manifest":
+                    body = await self.tier.read_manifest(int(header["step"]))
+                    answer, payload = {}, [body]
+                elif op == "segment":
+                    size = header.get("size")
+                    data = await self.tier.read_segment(int(header["step"]), str(header["name"]),
+                                                        int(size) if size is not None else None)
+                    answer, payload = {}, [data]
+                elif op == "ranges":
+                    answer, payload = {}, await self._ranges(header)
+                else:
+                    self._protocol(f"unknown request {op!r}")
+                answer["ok"] = True
+            except (AsymstoreError, OSError, KeyError, ValueError) as exc:
+                answer, payload = {"ok": False, "error": type(exc).__name__, "message": describe(exc)}, []
+            await blocking(partial(self.link.send, self.src, TAG_RESP, answer, payload))

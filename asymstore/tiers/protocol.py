@@ -1,0 +1,205 @@
+"""The tier protocol: the small interface every storage tier implements.
+
+Call order, for one tier, driven by :class:`asymstore.AsymStore`:
+
+1. ``await tier.open()`` once, before anything else.
+2. Writing a version: ``w = await tier.begin(step, nbytes)``, then
+   ``await w.write_segment(name, parts)`` for each segment (any order, never
+   concurrently for one writer), then exactly one of ``await w.publish(manifest)``
+   (the atomic commit point: before it returns nothing of the version is
+   visible, after it the version is listed and restorable) or ``await w.abort()``
+   (removes everything the writer wrote). A step is begun only when the tier
+   does not list it.
+3. After a publish: ``await tier.write_latest(step)`` (a hint only) and, for
+   retention, ``await tier.delete_version(old_step)`` on older steps only.
+   Deletion removes the manifest first, so a crash mid-delete leaves an
+   unrestorable (orphaned) directory, never a half version that looks valid.
+4. Reading, at any time after ``open``: ``list_versions()``,
+   ``read_manifest(step)``, ``read_segment(step, name)``, ``read_latest()``.
+5. ``await tier.quarantine(step)`` moves a version that failed verification
+   out of the way (kept for inspection where the tier can).
+6. ``await tier.close()`` once, last.
+
+Optional capabilities are declared as protocols below and checked with
+``isinstance``, never discovered with ``getattr``: :class:`ExclusiveTier` (one
+writer per root, leftovers swept), :class:`StatTier` (a segment's presence
+and size checked without reading it), :class:`ProbeableTier` (timed probe
+writes for the cost model) and :class:`HoldingTier` (a bounded tier keeps
+versions the store still needs), :class:`ReadIntoTier` (segment ranges read
+straight into caller buffers).
+
+Buffers given to ``write_segment`` stay valid and unchanged until the call
+returns; a tier that keeps them longer must copy. Buffers returned by
+``read_segment`` belong to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+Buffer = memoryview | bytes | bytearray
+
+
+@runtime_checkable
+class VersionWriter(Protocol):
+    """Writes one version to one tier; see the module docstring for the call order."""
+
+    async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        """Write one segment file made of ``parts`` concatenated, durably."""
+        ...
+
+    async def publish(self, manifest: bytes) -> None:
+        """Write the manifest and make the version visible, atomically."""
+        ...
+
+    async def abort(self) -> None:
+        """Remove whatever this writer wrote; the version never becomes visible."""
+        ...
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A place that holds checkpoint versions; see the module docstring."""
+
+    name: str
+    persistent: bool
+    keep_last: int | None
+
+    async def open(self) -> None:
+        """Prepare the tier (create directories, connect)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the tier's resources."""
+        ...
+
+    async def list_versions(self) -> list[int]:
+        """Return the published steps, ascending."""
+        ...
+
+    async def begin(self, step: int, nbytes: int) -> VersionWriter:
+        """Start writing version ``step`` of about ``nbytes`` bytes."""
+        ...
+
+    async def read_manifest(self, step: int) -> bytes:
+        """Return the manifest bytes of ``step`` (VersionNotFoundError if absent).
+
+        Anything larger than :data:`~asymstore.format.manifest.MAX_MANIFEST_BYTES`
+        raises CorruptVersionError unread.
+        """
+        ...
+
+    async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
+        """Return the whole segment ``name`` of version ``step``.
+
+        With ``size`` (what the manifest says), a stored object of another
+        size raises CorruptVersionError before anything is read.
+        """
+        ...
+
+    async def delete_version(self, step: int) -> None:
+        """Delete version ``step``, manifest first."""
+        ...
+
+    async def quarantine(self, step: int) -> None:
+        """Move a version that failed verification out of the listing."""
+        ...
+
+    async def write_latest(self, step: int) -> None:
+        """Record ``step`` as the newest committed version (a hint)."""
+        ...
+
+    async def read_latest(self) -> int | None:
+        """Return the LATEST hint, or None when absent or unreadable."""
+        ...
+
+
+@runtime_checkable
+class ExclusiveTier(Protocol):
+    """A tier whose root one writer owns at a time (optional capability).
+
+    The store calls ``lock_root`` right after ``open`` (a second live writer
+    gets :class:`~asymstore.errors.RootLockedError`), then ``sweep_leftovers``;
+    it sweeps again after each publish and calls ``unlock_root`` after
+    ``close``. Holding the root, the tier may remove every temporary entry
+    it did not create itself: only a dead writer can have left it.
+    """
+
+    async def lock_root(self) -> None:
+        """Become the root's only writer, or raise RootLockedError naming the holder."""
+        ...
+
+    async def unlock_root(self) -> None:
+        """Give the root up (idempotent)."""
+        ...
+
+    async def sweep_leftovers(self) -> list[str]:
+        """Remove what dead writers left under the root; return the names removed."""
+        ...
+
+
+@runtime_checkable
+class StatTier(Protocol):
+    """A tier that can check a segment's presence and size without reading it (optional; fsck uses it)."""
+
+    async def stat_segment(self, step: int, name: str, size: int) -> None:
+        """Raise CorruptVersionError (wrong size, not a regular file) or TierError (missing) unless it is whole."""
+        ...
+
+
+@runtime_checkable
+class ProbeableTier(Protocol):
+    """A tier that can time real writes to a scratch area of itself (optional; see :mod:`asymstore.policy.calibration`)."""
+
+    def calibration_key(self) -> str | None:
+        """Identify where the tier writes (None: do not cache its calibration)."""
+        ...
+
+    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
+        """Write one scratch file per size, as a segment is written; return seconds per write."""
+        ...
+
+
+@runtime_checkable
+class HoldingTier(Protocol):
+    """A bounded tier that evicts old versions, except those the store holds (optional).
+
+    The store holds a version on its fast tiers while they keep the only
+    copies (a memory tier as the durable one) until every slower tier has it.
+    """
+
+    def hold(self, step: int) -> None:
+        """Keep ``step`` from eviction until :meth:`release`."""
+        ...
+
+    async def release(self, step: int) -> None:
+        """Let ``step`` be evicted again."""
+        ...
+
+
+@runtime_checkable
+class ReportingTier(Protocol):
+    """A tier with threads of its own (a connection, a service) whose latest failure ``status()`` shows."""
+
+    @property
+    def background_error(self) -> str | None:
+        """The latest failure of the tier's own threads, or None."""
+        ...
+
+
+@runtime_checkable
+class ReadIntoTier(Protocol):
+    """A tier that reads parts of a segment straight into caller buffers (optional; restore ``into=`` uses it)."""
+
+    async def read_segment_into(self, step: int, name: str, size: int,
+                                ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
+        """Fill each ``(offset, view)`` with the segment's bytes ``[offset, offset + len(view))``.
+
+        The segment must be ``size`` bytes (CorruptVersionError otherwise,
+        before anything is read). The bytes are not verified here: the caller
+        checks the chunk checksums on the filled buffers, or compares the
+        xxh3-64 digests of the ranges when the tier returns them (computed
+        while filling, in the order of ``ranges``; None: not computed).
+        """
+        ...

@@ -1,0 +1,250 @@
+"""The background cascade: one flusher per tier below the durable one.
+
+``commit`` returns once the durable tier has a version; each slower tier then
+gets it from its own :class:`Flusher`, so a slow or dead tier never blocks the
+tiers above it. A flusher's backlog is bounded: when a newer version arrives
+while ``backlog`` are already waiting, the oldest waiting one is skipped
+(never half-written), and a version that keeps failing is abandoned as soon
+as a newer one is waiting. Failures are retried with capped exponential
+backoff for as long as no newer version supersedes them, so a tier that comes
+back catches up with the newest version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from asymstore.errors import CapacityError, StepCommittedError
+from asymstore.tiers.protocol import HoldingTier
+from asymstore.write.segments import VersionPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FlusherStats:
+    """What a flusher did so far."""
+
+    written: int = 0
+    skipped: int = 0
+    retries: int = 0
+    bytes_written: int = 0
+    seconds_writing: float = 0.0
+    last_error: str | None = None
+
+    @property
+    def bytes_per_second(self) -> float:
+        """Raw bytes per second of writing, over all versions written."""
+        return self.bytes_written / self.seconds_writing if self.seconds_writing > 0 else 0.0
+
+
+class Flusher:
+    """Writes committed versions to one tier in the background, newest wins.
+
+    Args:
+        name: the tier's name (for logs).
+        write: writes one version to the tier (raises on failure).
+        backlog: versions kept waiting at most (older ones are skipped).
+        on_finished: called with each step once the flusher is done with it
+            (written, skipped or abandoned).
+        min_backoff_s, max_backoff_s: retry backoff bounds.
+    """
+
+    def __init__(self, name: str, write: Callable[[VersionPlan], Awaitable[object]], *, backlog: int = 1,
+                 on_finished: Callable[[int], None] | None = None, min_backoff_s: float = 0.2,
+                 max_backoff_s: float = 10.0) -> None:
+        """Start the flusher's task on the running loop."""
+        self.name = name
+        self._write = write
+        self.backlog = max(1, backlog)
+        self._on_finished = on_finished
+        self.min_backoff_s = min_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.queue: list[VersionPlan] = []
+        self.current: VersionPlan | None = None
+        self.newest: int | None = None  # newest step this flusher committed
+        self.stats = FlusherStats()
+        self._cond = asyncio.Condition()
+        self._wake = asyncio.Event()
+        self._task = asyncio.ensure_future(self._run())
+
+    @property
+    def depth(self) -> int:
+        """Versions waiting or being written."""
+        return len(self.queue) + (self.current is not None)
+
+    @property
+    def lag_bytes(self) -> int:
+        """Raw bytes of the versions waiting or being written."""
+        plans = [*self.queue, *([self.current] if self.current else [])]
+        return sum(p.raw_bytes for p in plans)
+
+    def submit(self, plan: VersionPlan) -> None:
+        """Queue ``plan``; skip the oldest waiting versions beyond the backlog."""
+        while len(self.queue) >= self.backlog:
+            old = self.queue.pop(0)
+            self.stats.skipped += 1
+            logger.warning("%s is behind: skipping step %d for newer step %d", self.name, old.step, plan.step)
+            self._finish(old)
+        self.queue.append(plan)
+        self._wake.set()
+
+    def _finish(self, plan: VersionPlan) -> None:
+        plan.tier_done()
+        if self._on_finished:
+            self._on_finished(plan.step)
+
+    async def _run(self) -> None:
+        while True:
+            while not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+            plan = self.current = self.queue.pop(0)
+            try:
+                await self._write_with_retries(plan)
+            finally:
+                self.current = None
+                self._finish(plan)
+                async with self._cond:
+                    self._cond.notify_all()
+
+    async def _write_with_retries(self, plan: VersionPlan) -> None:
+        backoff = self.min_backoff_s
+        while True:
+            started = time.perf_counter()
+            try:
+                await self._write(plan)
+            except StepCommittedError:
+                self._committed(plan.step)  # already there (an earlier run wrote it)
+                return
+            except CapacityError as exc:
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                self.stats.skipped += 1
+                logger.warning("%s: step %d skipped: %s", self.name, plan.step, exc)
+                return
+            except Exception as exc:  # a background tier never fails the training side
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                if self.queue:
+                    self.stats.skipped += 1
+                    logger.error("%s: giving up on step %d (a newer version is waiting): %s",
+                                 self.name, plan.step, exc)
+                    return
+                self.stats.retries += 1
+                logger.warning("%s: step %d failed, retrying in %.1f s: %s", self.name, plan.step, backoff, exc)
+                self._wake.clear()
+                try:  # a newer version cuts the wait short
+                    await asyncio.wait_for(self._wake.wait(), backoff * (0.5 + random.random()))
+                except TimeoutError:
+                    pass
+                backoff = min(self.max_backoff_s, backoff * 2)
+                continue
+            self.stats.seconds_writing += time.perf_counter() - started
+            self.stats.bytes_written += plan.raw_bytes
+            self.stats.written += 1
+            self._committed(plan.step)
+            return
+
+    def _committed(self, step: int) -> None:
+        self.newest = step if self.newest is None else max(self.newest, step)
+
+    def caught_up(self, step: int) -> bool:
+        """True once ``step`` (or a newer step) is on the tier, or nothing up to it is left to write."""
+        if self.newest is not None and self.newest >= step:
+            return True
+        return not any(p.step <= step for p in [*self.queue, *([self.current] if self.current else [])])
+
+    async def wait(self, step: int, timeout: float | None = None) -> None:
+        """Wait until :meth:`caught_up` holds for ``step``.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+        """
+        async def until() -> None:
+            async with self._cond:
+                await self._cond.wait_for(lambda: self.caught_up(step))
+        await asyncio.wait_for(until(), timeout)
+
+    async def stop(self) -> None:
+        """Cancel the flusher (what is still queued is dropped, never half-published)."""
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        for plan in self.queue:
+            self._finish(plan)
+        self.queue.clear()
+
+
+class Background:
+    """The store's slower tiers: one :class:`Flusher` each, and the fast-tier copies held for them.
+
+    When the durable tier is not persistent (a memory tier), the copies on the
+    tiers up to it are the only ones until every slower tier has the version:
+    those tiers *hold* it (:class:`~asymstore.tiers.protocol.HoldingTier`) until
+    each flusher has finished with it.
+    """
+
+    def __init__(self) -> None:
+        """Start with no background tier."""
+        self.flushers: dict[str, Flusher] = {}
+        self._holds: dict[int, tuple[int, list[HoldingTier]]] = {}  # step -> (flushers left, held tiers)
+        self._side_tasks: set[asyncio.Future[None]] = set()
+
+    def add(self, name: str, write: Callable[[VersionPlan], Awaitable[object]], backlog: int) -> None:
+        """Start a flusher for the tier ``name``."""
+        self.flushers[name] = Flusher(name, write, backlog=backlog, on_finished=self._finished)
+
+    def submit(self, plan: VersionPlan, held: Sequence[object]) -> None:
+        """Hand ``plan`` to every flusher; ``held`` tiers keep their copy until all of them are done."""
+        if not self.flushers:
+            return
+        holders = [t for t in held if isinstance(t, HoldingTier)]
+        if holders:
+            self._holds[plan.step] = (len(self.flushers), holders)
+            for tier in holders:
+                tier.hold(plan.step)
+        for f in self.flushers.values():
+            f.submit(plan)
+
+    def _finished(self, step: int) -> None:
+        """A flusher is done with ``step``: release the held copies once every flusher is."""
+        entry = self._holds.get(step)
+        if entry is None:
+            return
+        left, holders = entry
+        if left > 1:
+            self._holds[step] = (left - 1, holders)
+            return
+        del self._holds[step]
+        for tier in holders:
+            task = asyncio.ensure_future(tier.release(step))
+            self._side_tasks.add(task)
+            task.add_done_callback(self._side_tasks.discard)
+
+    async def wait(self, step: int, name: str | None = None, timeout: float | None = None) -> None:
+        """Wait until every flusher (or the one of tier ``name``) has ``step`` or a newer version.
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+        """
+        flushers = [f for f in self.flushers.values() if name is None or f.name == name]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in flushers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            await f.wait(step, left)
+
+    async def stop(self) -> None:
+        """Stop every flusher, reporting the versions each is still behind by."""
+        for name, f in self.flushers.items():
+            if f.depth:
+                logger.error("closing: %s is %d version(s) behind (newest there: %s; last error: %s); "
+                             "dropping them", name, f.depth, f.newest, f.stats.last_error)
+        for f in self.flushers.values():
+            await f.stop()
+        self.flushers.clear()

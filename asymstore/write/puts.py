@@ -1,0 +1,196 @@
+"""Staging a step's tensors in an :class:`~asymstore.AsymStore`: the copying ``put`` and the adopting ``adopt``.
+
+``put`` / ``put_many`` take a private copy: the caller may change its tensor
+as soon as the call returns. ``adopt`` / ``adopt_many`` take the caller's
+memory itself (a contiguous CPU tensor, for example a reused, page-locked
+staging buffer) and copy nothing. Ownership rules of an adopted tensor:
+
+* from the call until its ``release`` callback runs, the store reads the
+  memory and the caller must neither write nor free it;
+* ``release`` runs exactly once, on the store's event loop: when every tier
+  written by ``commit`` has the version (before ``commit`` returns), when the
+  step is abandoned or superseded by a newer commit, when the store closes,
+  or at once if ``adopt`` / ``adopt_many`` raises;
+* tiers written in the background after ``commit`` returns (those after the
+  durable tier) would otherwise keep the caller's memory for as long as they
+  take, so the store copies adopted tensors once into its own memory before
+  releasing them when such tiers exist;
+* a failed ``commit`` keeps the step's tensors for a retry; ``abandon``
+  releases them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+
+from asymstore.errors import InvalidStepError, ReadOnlyStoreError, StepCommittedError, StepOrderError
+from asymstore.write.staging import PendingStep, check_adoptable, stages_inline
+
+logger = logging.getLogger(__name__)
+
+Release = Callable[[], None]
+
+
+def check_step(step: object) -> int:
+    """Return ``step`` if it is a non-negative int.
+
+    Raises:
+        InvalidStepError: anything else.
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+class Puts:
+    """The staging half of :class:`~asymstore.AsymStore` (mixed in; see the module docstring)."""
+
+    _pending: dict[int, PendingStep]
+    chunk_bytes: int
+    read_only: bool
+
+    def _require_open(self) -> None:
+        raise NotImplementedError
+
+    def _committed_anywhere(self, step: int) -> bool:
+        raise NotImplementedError
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest committed step (the store's)."""
+        raise NotImplementedError
+
+    def _require_writer(self) -> None:
+        self._require_open()
+        if self.read_only:
+            raise ReadOnlyStoreError("the store was opened with read_only=True")
+
+    def _pending_for(self, step: int) -> PendingStep:
+        self._require_writer()
+        check_step(step)
+        if self._committed_anywhere(step):
+            raise StepCommittedError(f"step {step} is already committed")
+        newest = self.newest_step
+        if newest is not None and step < newest:
+            raise StepOrderError(f"step {step} is older than the newest committed step {newest}")
+        pending = self._pending.get(step)
+        if pending is None:
+            pending = self._pending[step] = PendingStep(step, self.chunk_bytes)
+        return pending
+
+    async def put(self, step: int, name: str, tensor: object) -> None:
+        """Stage a private copy of ``tensor`` under ``name`` for ``step``.
+
+        Safe to call concurrently, in any order of names. The tensor may be
+        changed by the caller as soon as this returns.
+
+        Raises:
+            InvalidNameError, DuplicateNameError, InvalidValueError,
+            StepCommittedError, StepOrderError, InvalidStepError.
+        """
+        await self._stage(step, name, tensor, adopted=False)
+
+    async def _stage(self, step: int, name: str, tensor: object,
+                     *, adopted: bool) -> None:
+        pending = self._pending_for(step)
+        task = asyncio.ensure_future(pending.put(name, tensor, adopted=adopted))
+        pending.inflight.add(task)
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                pending.inflight.discard(task)
+
+    async def put_many(self, step: int, tensors: Mapping[str, object]) -> None:
+        """Stage every ``name -> tensor`` of ``tensors`` for ``step``.
+
+        Small tensors are staged one after another on the event loop (no task
+        each: 10,000 of them cost no more scheduling than a few), yielding
+        every 1024; large ones concurrently in threads. On an error the rest
+        of the small ones are not staged.
+        """
+        await self._stage_many(step, tensors, adopted=False)
+
+    async def _stage_many(self, step: int, tensors: Mapping[str, object],
+                          *, adopted: bool) -> None:
+        pending = self._pending_for(step)
+        for name in tensors:  # check the whole batch before staging any of it
+            if name in pending.tensors:
+                await pending.put(name, tensors[name])  # raises DuplicateNameError
+        large = []
+        for i, (name, value) in enumerate(tensors.items()):
+            if stages_inline(value):
+                await pending.put(name, value, adopted=adopted)  # never suspends for an inline value
+                if i % 1024 == 1023:
+                    await asyncio.sleep(0)
+                    pending = self._pending_for(step)  # the step may have been committed meanwhile
+            else:
+                large.append((name, value))
+        results = await asyncio.gather(*(self._stage(step, name, value, adopted=adopted) for name, value in large),
+                                       return_exceptions=True)  # none still running when this returns or raises
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def adopt(self, step: int, name: str, tensor: object, *,
+                    release: Release | None = None) -> None:
+        """Stage ``tensor`` itself (no copy) under ``name`` for ``step``; ``release`` hands it back.
+
+        See the ownership rules in :mod:`asymstore.write.puts`: the caller must not
+        write or free the tensor until ``release`` has run.
+
+        Raises:
+            InvalidValueError: not a contiguous CPU tensor of a storable dtype.
+            Everything :meth:`put` raises. ``release`` has run when this raises.
+        """
+        await self.adopt_many(step, {name: tensor}, release=release)
+
+    async def adopt_many(self, step: int, tensors: Mapping[str, object], *,
+                         release: Release | None = None) -> None:
+        """Stage every tensor of ``tensors`` without copying; ``release`` runs once when the store is done with all.
+
+        Every tensor is checked before any is staged; their checksums are
+        computed in place (large ones in threads).
+
+        Raises:
+            InvalidValueError: a tensor is not a contiguous CPU tensor of a storable dtype.
+            Everything :meth:`put_many` raises. ``release`` has run when this raises.
+        """
+        earlier = self._pending.get(step)
+        staged_before = set(earlier.tensors) if earlier is not None else set()
+        try:
+            for value in tensors.values():
+                check_adoptable(value)
+            await self._stage_many(step, tensors, adopted=True)
+        except BaseException:
+            pending = self._pending.get(step)
+            if pending is not None:  # what this call staged must not outlive the caller's memory
+                for name in tensors:
+                    st = pending.tensors.get(name)
+                    if name not in staged_before and st is not None and st.adopted:
+                        del pending.tensors[name]
+            if release is not None:
+                _call(release, step)
+            raise
+        if release is None:
+            return
+        pending = self._pending.get(step)
+        if pending is None or not any(pending.tensors.get(n) is not None for n in tensors):
+            _call(release, step)  # abandoned or committed while the checksums ran: nothing reads it now
+        else:
+            pending.releases.append(release)
+
+    def abandon(self, step: int) -> None:
+        """Drop everything put for an uncommitted ``step`` (adopted tensors are released)."""
+        pending = self._pending.pop(step, None)
+        if pending is not None:
+            pending.release_all()
+
+
+def _call(release: Release, step: int) -> None:
+    try:
+        release()
+    except Exception:
+        logger.exception("a release callback of step %d failed", step)

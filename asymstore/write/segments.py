@@ -1,0 +1,534 @@
+"""Batched flushing: per tier, decide which chunks to compress and pack them into segments of size B.
+
+One committed step becomes one :class:`VersionPlan` (the staged chunks, in
+order). For each tier it is written to, :meth:`VersionPlan.plan_tier` makes
+a :class:`TierPlan` from that tier's :class:`~asymstore.policy.calibration.TierCalibration`:
+
+* **compression**, per chunk of ``s`` raw bytes: compress only when
+  ``t_compress(s) + t_write(s/r) < t_write(s)``, where ``r`` is the ratio
+  measured by compressing the chunk's first 64 KiB (:func:`asymstore.format.codec.sample`),
+  ``t_compress`` comes from the same sample (plus the codec's fixed
+  per-chunk overhead) and ``t_write(x) = a + b·x`` is the tier's calibrated
+  write cost. ``a`` cancels, so this is ``t_compress(s) < b·s·(1 - 1/r)``:
+  compression pays when the write time it saves exceeds the time it takes.
+  A chunk so small that the codec's fixed overhead alone exceeds ``b·s`` is
+  stored raw without sampling;
+* **segment size**: ``B* = sqrt(a·N/c)`` (:func:`~asymstore.policy.calibration.optimal_segment_bytes`),
+  where ``N`` is the bytes the tier will store and ``c`` the calibration's
+  exposed cost per byte plus the estimated compression time per stored byte,
+  capped by half the flush memory budget (two segments are in flight: one
+  being written, the next being filled). ``AsymStore(segment_bytes=...)``
+  overrides ``B``.
+
+A :class:`SegmentBuilder` then produces that tier's segments one at a time
+(the store writes segment ``k`` while the builder fills ``k+1``): raw chunks
+are views of the staged tensors (no copy), compressed chunks are encoded as
+their segment is filled, so host memory beyond the staged tensors stays
+around two segments however large the version. Compressed chunks are shared
+between tiers that both compress them, within a byte budget.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from asymstore.format.checksum import StreamingChecksum
+from asymstore.format.codec import (
+    RAW,
+    Encoded,
+    PlaneCodec,
+    Sample,
+    codec_name,
+    encode,
+    fixed_overhead_seconds,
+    plane_width,
+    sample,
+)
+from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
+from asymstore.format.tensors import as_bytes, dtype_name, host_copy
+from asymstore.policy.calibration import TierCalibration, optimal_segment_bytes, predicted_seconds
+from asymstore.runtime.gcpause import gc_paused
+from asymstore.tiers.protocol import Buffer
+from asymstore.write.staging import StagedTensor
+
+logger = logging.getLogger(__name__)
+
+SMALL_CHUNK_BYTES = 64 << 10
+"""Raw chunks smaller than this are copied together into one buffer per run (bounded by the segment size),
+so 10,000 small tensors are a few large writes, not 10,000 tiny buffers to gather and checksum."""
+
+SEGMENT_ALIGN = 4096
+"""Larger raw chunks start at a multiple of this in their segment (zero padding before them), so a chunk
+that sits in page-aligned memory can be written with O_DIRECT straight from that memory, and read back
+straight into an aligned destination."""
+_ZEROS = memoryview(bytes(SEGMENT_ALIGN))
+
+Compression = Literal["auto", "never", "always"]
+COMPRESSION_POLICIES: tuple[str, ...] = ("auto", "never", "always")
+
+
+@dataclass
+class Segment:
+    """One segment to write: its name, the buffers that form it, and its checksum."""
+
+    name: str
+    parts: list[Buffer]
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One staged chunk of one tensor, in version order."""
+
+    index: int
+    tensor: str
+    view: memoryview
+    raw_checksum: str
+    width: int
+
+
+@dataclass
+class FlushStats:
+    """What writing one version to one tier did.
+
+    Attributes:
+        tier: the tier's name.
+        step: the version.
+        segment_bytes: the segment size ``B`` used.
+        segment_bytes_source: ``"override"`` (``AsymStore(segment_bytes=...)``) or ``"cost-model"``.
+        segments: segment files written.
+        chunks_compressed: chunks stored with the byte-plane codec.
+        chunks_raw: chunks stored raw.
+        raw_bytes: the version's tensor bytes.
+        stored_bytes: bytes of the segment files.
+        sample_seconds: time spent sampling chunks to decide (this tier's share).
+        compress_seconds: time spent compressing for this tier (chunks shared with
+            an earlier tier cost nothing here).
+        write_seconds: time the tier spent in ``write_segment`` calls.
+        predicted_seconds: the model's ``T(B)`` plus the estimated compression time.
+        calibration: the tier calibration the decisions used.
+    """
+
+    tier: str
+    step: int
+    segment_bytes: int
+    segment_bytes_source: str
+    calibration: TierCalibration
+    segments: int = 0
+    chunks_compressed: int = 0
+    chunks_raw: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    sample_seconds: float = 0.0
+    compress_seconds: float = 0.0
+    write_seconds: float = 0.0
+    predicted_seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Raw bytes per stored byte."""
+        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        """Return a JSON-ready dict."""
+        return {
+            "tier": self.tier, "step": self.step, "segment_bytes": self.segment_bytes,
+            "segment_bytes_source": self.segment_bytes_source, "segments": self.segments,
+            "chunks_compressed": self.chunks_compressed, "chunks_raw": self.chunks_raw,
+            "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "ratio": self.ratio,
+            "sample_seconds": self.sample_seconds, "compress_seconds": self.compress_seconds,
+            "write_seconds": self.write_seconds, "predicted_seconds": self.predicted_seconds,
+            "calibration": self.calibration.to_json(),
+        }
+
+
+@dataclass
+class TierPlan:
+    """How one version goes to one tier: per-chunk codec choice and the segment size."""
+
+    tier: str
+    calibration: TierCalibration
+    masks: list[tuple[bool, ...] | None]  # per chunk: planes to compress, or None for raw
+    segment_bytes: int
+    segment_bytes_source: str
+    est_stored_bytes: int
+    est_compress_seconds: float
+    sample_seconds: float
+    reserve_bytes: int
+    predicted_seconds: float
+
+    @property
+    def compressed_chunks(self) -> int:
+        """Chunks planned to be compressed."""
+        return sum(m is not None for m in self.masks)
+
+
+@dataclass
+class _Stored:
+    parts: list[Buffer]
+    nbytes: int
+    codec: str
+    checksum: str
+
+
+class VersionPlan:
+    """One step's staged chunks in version order, with the samples and encodings shared between tiers.
+
+    Args:
+        step: the version.
+        staged: name -> staged tensor, in manifest order.
+        meta: the user's JSON metadata.
+        created: UNIX time of the commit.
+        codec: the codec's settings.
+        share_bytes: most bytes of compressed chunks kept for the next tier.
+        tiers: how many tiers the version will be written to (the last one
+            keeps nothing for later).
+    """
+
+    def __init__(self, step: int, staged: Mapping[str, StagedTensor], meta: dict[str, Any], created: float, *,
+                 codec: PlaneCodec, share_bytes: int = 64 << 20, tiers: int = 1) -> None:
+        """Index the chunks of ``staged``; nothing is sampled or compressed yet."""
+        self.step = step
+        self.meta = dict(meta)
+        self.created = created
+        self.codec = codec
+        self.share_bytes = share_bytes
+        # name -> (dtype name, shape, raw bytes, number of chunks); chunks in parallel lists, in
+        # version order (no object per chunk: tens of thousands of them would wake the GC)
+        self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        self.views: list[memoryview] = []
+        self.digests: list[str] = []
+        self.widths: list[int] = []
+        self.owners: list[str] = []
+        kinds: dict[torch.dtype, tuple[str, int]] = {}
+        with gc_paused():
+            self._index(staged, kinds)
+        self.raw_bytes = sum(t[2] for t in self.tensors.values())
+        self._lock = threading.Lock()
+        self._samples: dict[int, Sample] = {}
+        self._shared: dict[int, tuple[tuple[bool, ...], Encoded]] = {}
+        self._shared_bytes = 0
+        self._tiers_left = tiers
+
+    def _index(self, staged: Mapping[str, StagedTensor], kinds: dict[torch.dtype, tuple[str, int]]) -> None:
+        for name, st in staged.items():
+            t = st.tensor
+            kind = kinds.get(t.dtype)
+            if kind is None:
+                kind = kinds[t.dtype] = (dtype_name(t.dtype), plane_width(t.dtype))
+            nbytes = 0
+            for view, digest in st.chunks:
+                self.views.append(view)
+                self.digests.append(digest)
+                nbytes += len(view)
+            count = len(st.chunks)
+            self.widths.extend([kind[1]] * count)
+            self.owners.extend([name] * count)
+            self.tensors[name] = (kind[0], tuple(t.shape), nbytes, count)
+
+    def detach(self, staged: Mapping[str, StagedTensor]) -> int:
+        """Point the chunks of adopted tensors at private copies (the owner gets its memory back); return bytes copied.
+
+        ``staged`` is the mapping the plan was made from. Call it before any
+        background tier reads the plan.
+        """
+        pos = copied = 0
+        for name, st in staged.items():
+            count = self.tensors[name][3]
+            if st.adopted:
+                data = as_bytes(host_copy(st.tensor))
+                at = 0
+                for k in range(pos, pos + count):
+                    n = len(self.views[k])
+                    self.views[k] = data[at:at + n]
+                    at += n
+                copied += at
+            pos += count
+        return copied
+
+    def chunk(self, index: int) -> ChunkRef:
+        """Return chunk ``index`` (in version order)."""
+        return ChunkRef(index, self.owners[index], self.views[index], self.digests[index], self.widths[index])
+
+    # -- decisions ---------------------------------------------------------
+
+    def _sample(self, ref: ChunkRef) -> tuple[Sample, float]:
+        with self._lock:
+            hit = self._samples.get(ref.index)
+        if hit is not None:
+            return hit, 0.0
+        t0 = time.perf_counter()
+        result = sample(ref.view, ref.width, self.codec)
+        spent = time.perf_counter() - t0
+        with self._lock:
+            if result.encoded is not None:
+                if self._tiers_left > 0 and self._shared_bytes + result.encoded.nbytes <= self.share_bytes:
+                    self._shared_bytes += result.encoded.nbytes
+                else:
+                    result = Sample(result.width, result.nbytes, result.stored, result.seconds, result.mask)
+            self._samples[ref.index] = result
+        return result, spent
+
+    def plan_tier(self, tier: str, cal: TierCalibration, *, policy: str = "auto", segment_bytes: int | None = None,
+                  memory_bytes: int = 256 << 20) -> TierPlan:
+        """Decide every chunk's codec and the segment size for one tier (runs in a worker thread).
+
+        Args:
+            tier: the tier's name (for reports).
+            cal: the tier's calibration.
+            policy: ``"auto"`` (the cost model), ``"never"`` or ``"always"``.
+            segment_bytes: a fixed ``B`` (the user's override), or None for ``B*``.
+            memory_bytes: the flush memory budget; ``B`` is at most half of it.
+        """
+        max_b = max(memory_bytes // 2, 4096)
+        per_byte = cal.seconds_per_byte  # t_write(s) - t_write(s/r) = b·(s - s/r): the per-write ``a`` cancels
+        overhead = fixed_overhead_seconds() if policy == "auto" else 0.0
+        masks: list[tuple[bool, ...] | None] = []
+        stored = 0.0
+        compress_s = 0.0
+        sample_s = 0.0
+        for index, view in enumerate(self.views):
+            n = len(view)
+            mask: tuple[bool, ...] | None = None
+            if n == 0 or policy == "never":
+                pass
+            elif policy == "always":
+                mask = (True,) * self.widths[index]
+                stored += n
+            elif overhead < per_byte * n:  # compression could pay at all: measure the ratio
+                smp, spent = self._sample(self.chunk(index))
+                sample_s += spent
+                if any(smp.mask):
+                    t_c = smp.compress_seconds(n)
+                    n_stored = n / smp.ratio
+                    if t_c + per_byte * n_stored < per_byte * n:
+                        mask = smp.mask
+                        stored += n_stored
+                        compress_s += t_c
+            masks.append(mask)
+            if mask is None:
+                stored += n
+        n_stored = max(int(stored), 0)
+        exposed = cal.exposed_seconds_per_byte + (compress_s / n_stored if n_stored else 0.0)
+        if segment_bytes:
+            seg, source = segment_bytes, "override"
+        else:
+            seg, source = optimal_segment_bytes(cal.latency_s, exposed, n_stored, max_b), "cost-model"
+        predicted = predicted_seconds(cal.latency_s, cal.seconds_per_byte, exposed, n_stored, seg) + compress_s
+        plan = TierPlan(tier, cal, masks, seg, source, n_stored, compress_s, sample_s,
+                        self.raw_bytes + self.manifest_bound(seg), predicted)
+        logger.debug("step %d on %s: B=%d (%s), %d/%d chunks compressed, ~%d of %d bytes stored",
+                     self.step, tier, seg, source, plan.compressed_chunks, len(masks), n_stored, self.raw_bytes)
+        return plan
+
+    def manifest_bound(self, segment_bytes: int) -> int:
+        """An upper bound on the manifest's size in bytes for segments of ``segment_bytes``."""
+        segments = min(len(self.views), 2 * math.ceil(self.raw_bytes / max(segment_bytes, 1)) + 1) + 1
+        tensors = sum(len(json.dumps(name)) + 128 + 21 * len(t[1]) for name, t in self.tensors.items())
+        return 512 + len(json.dumps(self.meta)) + tensors + 240 * len(self.views) + 160 * segments
+
+    # -- encoding ----------------------------------------------------------
+
+    def encoded(self, ref: ChunkRef, mask: tuple[bool, ...]) -> tuple[Encoded, bool]:
+        """Return the chunk's stored form for ``mask`` and whether it was computed now (not shared)."""
+        with self._lock:
+            shared = self._shared.get(ref.index)
+            smp = self._samples.get(ref.index)
+        if shared is not None and shared[0] == mask:
+            return shared[1], False
+        if smp is not None and smp.encoded is not None and smp.mask == mask:
+            return smp.encoded, False
+        enc = encode(ref.view, ref.width, self.codec, mask)
+        with self._lock:
+            if self._tiers_left > 1 and self._shared_bytes + enc.nbytes <= self.share_bytes:
+                self._shared[ref.index] = (mask, enc)
+                self._shared_bytes += enc.nbytes
+        return enc, True
+
+    def tier_done(self) -> None:
+        """Record that one tier finished with this version; the last one drops everything shared."""
+        with self._lock:
+            self._tiers_left -= 1
+            if self._tiers_left <= 0:
+                self._shared.clear()
+                self._samples.clear()
+                self._shared_bytes = 0
+
+
+class SegmentBuilder:
+    """Produces one tier's segments in order, then its manifest.
+
+    Call :meth:`next_segment` until it returns None (each call may run in a
+    worker thread, one at a time), then :meth:`manifest`.
+    """
+
+    def __init__(self, plan: VersionPlan, tier_plan: TierPlan) -> None:
+        """Start before the first chunk."""
+        self.plan = plan
+        self.tier_plan = tier_plan
+        self._pos = 0
+        self._carry: _Stored | None = None  # a chunk that did not fit in the previous segment
+        self._segments: list[SegmentEntry] = []
+        self._chunks: list[Chunk] = []  # version order
+        self._done = False
+        self.stats = FlushStats(tier_plan.tier, plan.step, tier_plan.segment_bytes, tier_plan.segment_bytes_source,
+                                tier_plan.calibration, raw_bytes=plan.raw_bytes,
+                                sample_seconds=tier_plan.sample_seconds,
+                                predicted_seconds=tier_plan.predicted_seconds)
+
+    def _compressed(self, index: int, mask: tuple[bool, ...]) -> _Stored | None:
+        ref = self.plan.chunk(index)
+        enc, fresh = self.plan.encoded(ref, mask)
+        if fresh:
+            self.stats.compress_seconds += enc.seconds
+        if enc.nbytes >= len(ref.view):
+            return None
+        return _Stored(enc.parts, enc.nbytes, codec_name(ref.width), enc.checksum)
+
+    def next_segment(self) -> Segment | None:
+        """Fill and return the next segment (about ``B`` bytes, at least one chunk), or None at the end."""
+        if self._done:
+            return None
+        plan = self.plan
+        views, digests, masks, total = plan.views, plan.digests, self.tier_plan.masks, len(plan.views)
+        limit = self.tier_plan.segment_bytes
+        name = f"seg-{len(self._segments):06d}.bin"
+        parts: list[Buffer] = []
+        small: list[memoryview] = []  # consecutive small raw chunks, joined into one buffer
+        digest = StreamingChecksum()
+        size = 0
+        count = 0
+        raw_count = 0
+
+        def flush_small() -> None:
+            if small:
+                blob = b"".join(small)
+                parts.append(blob)
+                digest.update(blob)
+                small.clear()
+
+        def pad_to_alignment(at: int) -> int:
+            pad = -at % SEGMENT_ALIGN
+            if pad:
+                parts.append(_ZEROS[:pad])
+                digest.update(_ZEROS[:pad])
+            return at + pad
+
+        out = self._chunks
+        while self._carry is not None or self._pos < total:
+            st = self._carry
+            if st is None:
+                index = self._pos
+                view = views[index]
+                mask = masks[index]
+                n = len(view)
+                if mask is not None and n:
+                    st = self._compressed(index, mask)
+                if st is None:  # raw: the staged bytes themselves, no copy (the common case: kept lean)
+                    if size and size + n > limit:
+                        self._carry = _Stored([view], n, RAW, digests[index])
+                        self.stats.chunks_raw += 1
+                        break
+                    self._pos += 1
+                    if n < SMALL_CHUNK_BYTES:
+                        small.append(view)
+                    else:
+                        flush_small()
+                        size = pad_to_alignment(size)
+                        parts.append(view)
+                        digest.update(view)
+                    out.append(Chunk(name, size, n, n, digests[index], RAW, digests[index]))
+                    size += n
+                    count += 1
+                    raw_count += 1
+                    continue
+                self.stats.chunks_compressed += 1
+            if size and size + st.nbytes > limit:
+                self._carry = st
+                break
+            self._carry = None
+            index = self._pos
+            self._pos += 1
+            if st.codec == RAW and st.nbytes < SMALL_CHUNK_BYTES:
+                small.append(views[index])
+            else:
+                flush_small()
+                if st.codec == RAW:
+                    size = pad_to_alignment(size)
+            out.append(Chunk(name, size, st.nbytes, len(views[index]), st.checksum, st.codec, digests[index]))
+            if st.codec != RAW or st.nbytes >= SMALL_CHUNK_BYTES:
+                for part in st.parts:
+                    if len(part):
+                        parts.append(part)
+                        digest.update(part)
+            size += st.nbytes
+            count += 1
+        self.stats.chunks_raw += raw_count
+        flush_small()
+        if self._carry is None and self._pos >= total:
+            self._done = True
+        if not count:
+            return None
+        seg = Segment(name, parts, size, digest.hexdigest())
+        self._segments.append(SegmentEntry(name, size, seg.checksum))
+        self.stats.segments += 1
+        self.stats.stored_bytes += size
+        return seg
+
+    def manifest(self) -> Manifest:
+        """Return the version's manifest for this tier (after the last segment)."""
+        if not self._done:
+            raise RuntimeError("manifest() before the last segment was built")
+        entries = {}
+        pos = 0
+        with gc_paused():
+            for name, (dtype, shape, nbytes, count) in self.plan.tensors.items():
+                entries[name] = TensorEntry(dtype, shape, nbytes, tuple(self._chunks[pos:pos + count]))
+                pos += count
+        return Manifest(step=self.plan.step, tensors=entries, segments=tuple(self._segments),
+                        meta=dict(self.plan.meta), created=self.plan.created)
+
+
+@dataclass
+class TierStatus:
+    """One tier as the store sees it (see ``AsymStore.status``).
+
+    Attributes:
+        name: the tier's name.
+        versions: committed steps, ascending.
+        calibration: the write cost model in use (None before ``open``).
+        last_flush: what the latest write of a version to this tier did.
+        last_error: the latest failure on this tier, if any.
+        pending_steps: committed steps still being written to it in the background.
+        newest: newest committed step on the tier.
+        lag_versions: versions committed through this store that the tier does not have yet.
+        lag_bytes: raw bytes waiting for (or being written to) the tier.
+        bytes_per_second: raw bytes per second of the tier's background writes.
+        queue_depth: versions waiting for or being written to the tier.
+        retries: background write attempts that failed and were retried.
+        skipped: versions the tier skipped (superseded while behind, or no room).
+    """
+
+    name: str
+    versions: list[int]
+    calibration: TierCalibration | None
+    last_flush: FlushStats | None
+    last_error: str | None
+    pending_steps: list[int] = field(default_factory=list)
+    newest: int | None = None
+    lag_versions: int = 0
+    lag_bytes: int = 0
+    bytes_per_second: float = 0.0
+    queue_depth: int = 0
+    retries: int = 0
+    skipped: int = 0

@@ -1,0 +1,104 @@
+"""Writing one version to one tier: plan, stream segments, publish, then the tier's housekeeping."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from asymstore.errors import AsymstoreError, TierError
+from asymstore.format.manifest import Manifest
+from asymstore.policy.calibration import TierCalibration, assumed_calibration
+from asymstore.read.restore import describe
+from asymstore.tiers.protocol import ExclusiveTier, Tier, VersionWriter
+from asymstore.write.segments import Compression, FlushStats, SegmentBuilder, VersionPlan
+
+logger = logging.getLogger(__name__)
+
+
+class TierState:
+    """What a store knows of one of its tiers: versions, copies that failed, lock, calibration, last flush."""
+
+    def __init__(self, tier: Tier) -> None:
+        """Start with nothing known (``AsymStore.refresh`` lists the versions)."""
+        self.tier = tier
+        self.versions: set[int] = set()
+        self.bad: set[int] = set()  # steps that failed verification here
+        self.lock = asyncio.Lock()  # one version written at a time, in step order
+        self.last_error: str | None = None
+        self.calibration: TierCalibration | None = None
+        self.last_flush: FlushStats | None = None
+
+
+async def write_version(state: TierState, plan: VersionPlan, *, compression: Compression,
+                        segment_bytes: int | None, memory_bytes: int,
+                        keep_last: int | None) -> tuple[Manifest, FlushStats]:
+    """Write ``plan``'s version to ``state.tier`` (the caller holds ``state.lock``) and publish it.
+
+    After the publish: ``LATEST``, retention (the tier's ``keep_last``, else
+    ``keep_last``) and the sweep of dead writers' leftovers; their failures
+    are logged, never raised (the version is committed).
+
+    Raises:
+        AsymstoreError: the tier refused the version (it was aborted there).
+        TierError: any other failure of the tier (aborted).
+    """
+    step, tier = plan.step, state.tier
+    if step in state.bad:
+        await tier.quarantine(step)
+        state.bad.discard(step)
+        state.versions.discard(step)
+    tier_plan = await asyncio.to_thread(
+        plan.plan_tier, tier.name, state.calibration or assumed_calibration(), policy=compression,
+        segment_bytes=segment_bytes, memory_bytes=memory_bytes)
+    builder = SegmentBuilder(plan, tier_plan)
+    writer = await tier.begin(step, tier_plan.reserve_bytes)
+    try:
+        await _stream_segments(builder, writer)
+        manifest = builder.manifest()
+        await writer.publish(manifest.to_json())
+    except BaseException as exc:
+        await asyncio.shield(writer.abort())
+        state.last_error = describe(exc)
+        if isinstance(exc, AsymstoreError) or not isinstance(exc, Exception):
+            raise
+        raise TierError(f"{tier.name}: {exc}") from exc
+    state.versions.add(step)
+    try:
+        await tier.write_latest(max(state.versions))
+        await _retain(state, keep_last)  # retries a delete that failed earlier, so reconcile after it
+        if isinstance(tier, ExclusiveTier):
+            await tier.sweep_leftovers()
+        # a bounded tier (HostTier) evicts old versions on its own in ``begin``
+        state.versions &= set(await tier.list_versions()) | {step}
+    except Exception as exc:  # the version is committed; housekeeping can wait
+        state.last_error = describe(exc)
+        logger.error("after committing step %d on %s: %s", step, tier.name, exc)
+    state.last_flush = builder.stats
+    return manifest, builder.stats
+
+
+async def _stream_segments(builder: SegmentBuilder, writer: VersionWriter) -> None:
+    """Write the builder's segments in order, filling segment k+1 in a thread while k is written."""
+    nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
+    try:
+        while (seg := await nxt) is not None:
+            nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
+            t0 = time.perf_counter()
+            await writer.write_segment(seg.name, seg.parts)
+            builder.stats.write_seconds += time.perf_counter() - t0
+    finally:
+        if not nxt.done():
+            nxt.cancel()  # its thread runs to the end on its own; that segment is dropped
+        elif not nxt.cancelled():
+            nxt.exception()  # retrieved: the error that matters is already propagating
+
+
+async def _retain(state: TierState, store_keep_last: int | None) -> None:
+    keep = state.tier.keep_last if state.tier.keep_last is not None else store_keep_last
+    if keep is None:
+        return
+    for old in sorted(state.versions)[:-keep]:
+        await state.tier.delete_version(old)
+        state.versions.discard(old)
+        state.bad.discard(old)

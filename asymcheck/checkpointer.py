@@ -41,8 +41,7 @@ from asymcheck.versions.cycle import VersionCycle
 from asymcheck.versions.storeloop import StoreLoop
 from asymcheck.versions.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, status_of, versions_of
 from asymstore import CorruptVersionError, NoCheckpointError
-from asymstore.api import CheckpointStore
-from asymstore.write.segments import TierStatus
+from asymstore.api import CheckpointStore, TierStatus
 
 logger = logging.getLogger(__name__)
 

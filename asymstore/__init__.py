@@ -44,21 +44,18 @@ from asymstore.errors import (
 from asymstore.runtime.lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from asymstore.api import CheckpointStore
+    from asymstore.api import Checkpoint, CheckpointStore, CommitResult, FlushStats, TierCalibration, TierStatus
     from asymstore.format.codec import PlaneCodec
     from asymstore.format.manifest import Manifest
-    from asymstore.policy.calibration import TierCalibration
-    from asymstore.read.restore import Checkpoint
-    from asymstore.store import AsymStore, CommitResult
+    from asymstore.store import AsymStore
     from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
-    from asymstore.write.segments import FlushStats, TierStatus
 
 _LAZY = {
     "AsymStore": "asymstore.store",
-    "Checkpoint": "asymstore.read.restore",
+    "Checkpoint": "asymstore.api",
     "CheckpointStore": "asymstore.api",
-    "CommitResult": "asymstore.store",
-    "FlushStats": "asymstore.write.segments",
+    "CommitResult": "asymstore.api",
+    "FlushStats": "asymstore.api",
     "GPUTier": "asymstore.tiers",
     "HostTier": "asymstore.tiers",
     "LocalTier": "asymstore.tiers",
@@ -67,8 +64,8 @@ _LAZY = {
     "PlaneCodec": "asymstore.format.codec",
     "RemoteTier": "asymstore.tiers",
     "Tier": "asymstore.tiers",
-    "TierCalibration": "asymstore.policy.calibration",
-    "TierStatus": "asymstore.write.segments",
+    "TierCalibration": "asymstore.api",
+    "TierStatus": "asymstore.api",
     "VersionWriter": "asymstore.tiers",
 }
 

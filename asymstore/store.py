@@ -8,11 +8,10 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from asymstore.api import CheckpointStore
+from asymstore.api import Checkpoint, CheckpointStore, CommitResult, FlushStats, TierCalibration, TierStatus
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
@@ -21,27 +20,23 @@ from asymstore.errors import (
     StepOrderError,
     StoreClosedError,
     TierError,
+    describe,
 )
 from asymstore.format.codec import PlaneCodec
 from asymstore.format.manifest import Manifest, validate_meta
-from asymstore.policy.calibration import CalibrationCache, TierCalibration, assumed_calibration, calibrate
-from asymstore.read.restore import Checkpoint, describe, restore_newest
+from asymstore.policy.calibration import CalibrationCache, calibrate
+from asymstore.policy.costmodel import assumed_calibration
+from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
 from asymstore.write.puts import Puts, check_step
-from asymstore.write.segments import (
-    COMPRESSION_POLICIES,
-    Compression,
-    FlushStats,
-    TierStatus,
-    VersionPlan,
-)
+from asymstore.write.segments import COMPRESSION_POLICIES, Compression, VersionPlan
 from asymstore.write.staging import PendingStep
 from asymstore.write.tierwrite import TierState, write_version
 
 if TYPE_CHECKING:
 
-    from asymstore.read.load import Into
+    from asymstore.api import Into
 
 logger = logging.getLogger(__name__)
 
@@ -50,21 +45,6 @@ DEFAULT_FLUSH_MEMORY_BYTES = 256 << 20
 DEFAULT_SHARE_BYTES = 64 << 20  # compressed chunks kept for a later tier that compresses them too
 
 
-@dataclass
-class CommitResult:
-    """What ``commit`` did: the manifest, and the tiers that hold the version so far."""
-
-    step: int
-    manifest: Manifest
-    tiers: list[str]
-    seconds: float
-    flush: dict[str, FlushStats] = field(default_factory=dict)
-    """Per tier written so far: the segment size chosen, compression decisions, bytes raw vs stored."""
-
-    @property
-    def nbytes(self) -> int:
-        """Raw bytes of the version."""
-        return self.manifest.nbytes
 
 
 class AsymStore(Puts):

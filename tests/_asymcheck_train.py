@@ -15,7 +15,7 @@ from torch import nn
 from asymcheck import Checkpointer
 from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
-from asymstore.read.restore import Checkpoint
+from asymstore.api import Checkpoint
 
 
 def make_model(seed: int = 0, hidden: int = 64) -> nn.Sequential:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from asymstore import AsymStore, LocalTier
-from asymstore.read.restore import Checkpoint
+from asymstore.api import Checkpoint
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

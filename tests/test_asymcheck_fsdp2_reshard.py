@@ -22,8 +22,8 @@ import torch
 from _fsdp2_cases import global_tensors
 from _mr_harness import Case, assert_same_state, run_cases
 
+from asymstore.api import Checkpoint
 from asymstore.format.pieces import TensorLayout, read_layouts
-from asymstore.read.restore import Checkpoint
 
 pytestmark = pytest.mark.slow
 

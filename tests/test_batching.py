@@ -19,15 +19,8 @@ from asymstore.format.codec import RAW, PlaneCodec
 from asymstore.format.manifest import MANIFEST_NAME, seal_document
 from asymstore.format.names import version_dirname
 from asymstore.fsck import check
-from asymstore.policy.calibration import (
-    CACHE_ENV,
-    MIN_SEGMENT_BYTES,
-    CalibrationCache,
-    calibrate,
-    default_cache_path,
-    fit,
-    optimal_segment_bytes,
-)
+from asymstore.policy.calibration import CACHE_ENV, CalibrationCache, calibrate, default_cache_path
+from asymstore.policy.costmodel import MIN_SEGMENT_BYTES, fit, optimal_segment_bytes
 from asymstore.write.segments import SegmentBuilder, VersionPlan
 from asymstore.write.staging import stage
 

@@ -11,9 +11,10 @@ import pytest
 from _store_child import fsck_json, make_state, same_state, store_kw
 
 from asymstore import AsymStore, HostTier, LocalTier, StepCommittedError
-from asymstore.format.manifest import MANIFEST_NAME, Manifest
+from asymstore.api import Checkpoint
+from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, QUARANTINE, version_dirname
-from asymstore.read.restore import Checkpoint
+from asymstore.format.parse import parse_manifest
 
 STEPS = (10, 20, 30)
 
@@ -43,7 +44,7 @@ def by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def last_segment(root: Path, step: int) -> tuple[Path, int]:
     """The last segment the manifest of ``step`` lists, and its size there."""
     vdir = root / version_dirname(step)
-    seg = Manifest.from_json((vdir / MANIFEST_NAME).read_bytes()).segments[-1]
+    seg = parse_manifest((vdir / MANIFEST_NAME).read_bytes()).segments[-1]
     assert (vdir / seg.name).stat().st_size == seg.size > 100
     return vdir / seg.name, seg.size
 

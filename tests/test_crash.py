@@ -32,11 +32,12 @@ from _store_child import (
 )
 
 from asymstore import AsymStore, LocalTier, TierError
+from asymstore.api import Checkpoint
 from asymstore.errors import ManifestError
-from asymstore.format.manifest import MANIFEST_NAME, Manifest
+from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, TMP_PREFIX, version_dirname
+from asymstore.format.parse import parse_manifest
 from asymstore.io.rootlock import LOCK_NAME
-from asymstore.read.restore import Checkpoint
 from asymstore.testing import PHASES, CrashingLocalTier, FailingLocalTier
 
 KILLED = -signal.SIGKILL
@@ -180,7 +181,7 @@ async def test_sigkill_at_phase(children: Children, phase: str, after: int, comp
             good = (root / version_dirname(exp.restorable) / MANIFEST_NAME).stat().st_size
             assert 0 < manifest.stat().st_size < good
             with pytest.raises(ManifestError):
-                Manifest.from_json(manifest.read_bytes())
+                parse_manifest(manifest.read_bytes())
     if phase == "retention":
         orphan = root / version_dirname(exp.orphaned[0])
         assert not (orphan / MANIFEST_NAME).exists()

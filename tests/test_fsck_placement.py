@@ -21,13 +21,13 @@ import pytest
 from _mr_harness import Case, run_cases
 from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
+from asymstore.errors import GlobalManifestError
 from asymstore.format import placement
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.format.placement import Placement
 from asymstore.fsck import check, repair
 from asymstore.fsck.__main__ import main as fsck_main
 from asymstore.multirank import globaldir
-from asymstore.multirank.errors import GlobalManifestError
 
 WORLD, PER_NODE, N = 4, 2, 8
 

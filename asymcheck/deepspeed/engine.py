@@ -42,9 +42,9 @@ from asymcheck.deepspeed.files import (
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.versions.storeloop import StoreLoop
+from asymstore.api import Checkpoint
 from asymstore.io.files import atomic_write
 from asymstore.multirank import GlobalManifest, RankStore, WorldSizeMismatchError
-from asymstore.read.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from asymcheck.deepspeed.files import META_KEY, decode_file, file_keys
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import AsymcheckError
 from asymstore import AsymStore, AsymstoreError, CorruptVersionError, LocalTier
+from asymstore.api import Checkpoint
 from asymstore.format.globalmanifest import shard_digest
 from asymstore.multirank import globaldir
-from asymstore.read.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -49,10 +49,10 @@ from asymcheck.errors import StateMismatchError, UnsupportedStateError
 from asymcheck.state import rng
 from asymcheck.state.encode import decode, encode
 from asymcheck.state.trainstate import Capture, Moment, Stateful, TrainingState
+from asymstore.api import Checkpoint
 from asymstore.errors import AsymstoreError
 from asymstore.format.tensors import host_copy
 from asymstore.multirank import RankStore
-from asymstore.read.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
 

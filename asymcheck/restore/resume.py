@@ -33,11 +33,10 @@ import torch
 
 from asymcheck.errors import StateMismatchError
 from asymcheck.state.trainstate import TrainingState
-from asymstore.api import CheckpointStore
+from asymstore.api import Checkpoint, CheckpointStore
 from asymstore.errors import DestinationMismatchError
 from asymstore.format.manifest import Manifest
 from asymstore.format.tensors import dtype_from_name
-from asymstore.read.restore import Checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from asymcheck.stats import StatsRecorder
 from asymcheck.versions.storeloop import StoreLoop
 from asymstore import CommitResult
 from asymstore.api import DropReportingStore
-from asymstore.multirank.errors import GlobalVersionDroppedError
+from asymstore.errors import GlobalVersionDroppedError
 
 logger = logging.getLogger(__name__)
 

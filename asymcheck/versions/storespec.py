@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from asymstore import AsymStore, LocalTier, Tier
-from asymstore.api import CheckpointStore
-from asymstore.write.segments import TierStatus
+from asymstore.api import CheckpointStore, TierStatus
 
 StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
 

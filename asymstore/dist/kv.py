@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asymstore.runtime.exiting import exiting
-from asymstore.multirank.errors import CoordinationTimeoutError
+from asymstore.errors import CoordinationTimeoutError
 
 logger = logging.getLogger(__name__)
 

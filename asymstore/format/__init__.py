@@ -1,1 +1,1 @@
-"""The on-disk format: names, manifests and their parser, checksums, the codec, tensor bytes, placements (pure data, no I/O)."""
+"""The on-disk format: names, manifests and their parser, checksums, the codec, tensor bytes, placements."""

@@ -40,10 +40,9 @@ import torch
 import zstandard
 
 from asymstore.errors import CodecError, CorruptVersionError
-from asymstore.format.checksum import StreamingChecksum, checksum
+from asymstore.format.checksum import Buffer, StreamingChecksum, checksum
 from asymstore.format.manifest import Chunk
 from asymstore.format.tensors import as_bytes
-from asymstore.tiers.protocol import Buffer
 
 logger = logging.getLogger(__name__)
 

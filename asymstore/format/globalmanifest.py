@@ -36,9 +36,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from asymstore.errors import GlobalManifestError
 from asymstore.format.checksum import checksum
 from asymstore.format.manifest import CHECKSUM_SUFFIX, Manifest, seal_document
-from asymstore.multirank.errors import GlobalManifestError
 
 FORMAT = "asymstore.global"
 FORMAT_VERSION = 2

@@ -253,19 +253,3 @@ class Manifest:
         tensors = ",".join(f"{_jstr(name)}:{t.json_text()}" for name, t in self.tensors.items())
         extra = json.dumps(self.extra, allow_nan=False, separators=(",", ":"))
         return seal(f'{head[:-1]},"tensors":{{{tensors}}},"extra":{extra}'.encode())
-
-
-    @classmethod
-    def from_json(cls, data: bytes | bytearray | memoryview) -> Manifest:
-        """Parse and validate manifest bytes.
-
-        The self-checksum (format 2) is verified before anything is parsed;
-        sizes, depth, dtypes, shapes and chunk bounds are checked before
-        anything is allocated from them.
-
-        Raises:
-            ManifestError: the bytes are not a valid, intact manifest of a readable format version.
-        """
-        from asymstore.format.parse import parse_manifest
-
-        return parse_manifest(bytes(data))

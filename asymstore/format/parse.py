@@ -1,7 +1,8 @@
 """Parsing a manifest read from storage: untrusted input, checked before anything is built from it.
 
-See :mod:`asymstore.format.manifest` for the format and the rules; this module is
-what :meth:`~asymstore.format.manifest.Manifest.from_json` runs.
+See :mod:`asymstore.format.manifest` for the format and the rules (and
+``Manifest.to_json`` for the writing side); :func:`parse_manifest` is the one
+way from bytes to a :class:`~asymstore.format.manifest.Manifest`.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ from asymstore.format.manifest import (
 from asymstore.runtime.gcpause import gc_paused
 
 
-def parse_manifest(data: bytes) -> Manifest:
-    """Verify the self-checksum, then parse and check every field (see :meth:`Manifest.from_json`).
+def parse_manifest(data: bytes | bytearray | memoryview) -> Manifest:
+    """Verify the self-checksum, then parse and check every field of manifest bytes.
+
+    The self-checksum (format 2) is verified before anything is parsed; sizes,
+    depth, dtypes, shapes and chunk bounds are checked before anything is
+    allocated from them.
 
     Raises:
         ManifestError: the bytes are not a valid, intact manifest of a readable format version.

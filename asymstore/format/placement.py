@@ -34,10 +34,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from asymstore.errors import ManifestError
+from asymstore.errors import GlobalManifestError, ManifestError
 from asymstore.format.checksum import checksum
 from asymstore.format.manifest import CHECKSUM_SUFFIX, seal_document
-from asymstore.multirank.errors import GlobalManifestError
 
 FORMAT = "asymstore.placement"
 FORMAT_VERSION = 1

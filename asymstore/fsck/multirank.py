@@ -49,11 +49,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from asymstore.errors import AsymstoreError, ManifestError
+from asymstore.errors import AsymstoreError, GlobalManifestError, ManifestError
 from asymstore.format import placement
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, Manifest
 from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, version_dirname
+from asymstore.format.parse import parse_manifest
 from asymstore.format.placement import Placement
 from asymstore.fsck import FsckReport, Progress, VersionReport, _check_latest, _quarantine, is_uri, run_sync
 from asymstore.fsck import check as check_tier
@@ -61,7 +62,6 @@ from asymstore.fsck import repair as repair_tier
 from asymstore.io.files import atomic_write, read_whole
 from asymstore.io.rootlock import DirLock
 from asymstore.multirank import globaldir
-from asymstore.multirank.errors import GlobalManifestError
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +181,13 @@ class _Locations:
 
     def _manifest(self, loc: str, step: int) -> Manifest:
         if not is_uri(loc):
-            return Manifest.from_json(read_whole(os.path.join(loc, version_dirname(step), MANIFEST_NAME)))
+            return parse_manifest(read_whole(os.path.join(loc, version_dirname(step), MANIFEST_NAME)))
         from asymstore.tiers.remote.tier import RemoteTier
 
         async def read() -> bytes:
             return await RemoteTier(loc).read_manifest(step)
 
-        return Manifest.from_json(run_sync(read()))
+        return parse_manifest(run_sync(read()))
 
 
 def _holders(root: str, g: GlobalManifest, places: dict[str, Placement | GlobalManifestError],

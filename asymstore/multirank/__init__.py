@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from asymstore.multirank.errors import (
+from asymstore.errors import (
     CoordinationTimeoutError,
     GlobalCommitError,
     GlobalCommitTimeoutError,

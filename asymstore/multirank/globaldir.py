@@ -25,13 +25,12 @@ import os
 import re
 import uuid
 
-from asymstore.errors import CorruptVersionError
+from asymstore.errors import CorruptVersionError, GlobalManifestError
 from asymstore.format.checksum import checksum
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.format.names import LATEST, TMP_PREFIX, fsync_dir
 from asymstore.format.placement import MAX_PLACEMENT_BYTES, Placement, placement_filename
 from asymstore.io.files import atomic_write, check_regular, read_whole, write_parts
-from asymstore.multirank.errors import GlobalManifestError
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from asymstore.errors import AsymstoreError, CorruptVersionError
+from asymstore.api import Checkpoint
+from asymstore.errors import AsymstoreError, CorruptVersionError, describe
 from asymstore.format.manifest import Manifest
-from asymstore.read.restore import Checkpoint, describe, load_version, read_manifest
+from asymstore.read.load import load_version
+from asymstore.read.verify import read_manifest
 from asymstore.tiers.protocol import Tier
 
 

@@ -15,16 +15,16 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
-from asymstore.format.placement import Placement, RankPlacement
-from asymstore.multirank import globaldir
-from asymstore.multirank.errors import (
+from asymstore.errors import (
     CoordinationTimeoutError,
     GlobalCommitError,
     GlobalCommitTimeoutError,
     GlobalManifestError,
     GlobalVersionDroppedError,
 )
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.format.placement import Placement, RankPlacement
+from asymstore.multirank import globaldir
 from asymstore.multirank.retention import retain_globals
 
 if TYPE_CHECKING:

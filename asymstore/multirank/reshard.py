@@ -27,12 +27,12 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError
+from asymstore.api import Checkpoint
+from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, describe
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import Chunk, Manifest
 from asymstore.format.pieces import LAYOUT_KEY, TensorLayout, layout_meta, read_layouts
 from asymstore.read.reshardplan import plan_piece, strides
-from asymstore.read.restore import Checkpoint, describe
 from asymstore.read.verify import decode_one, read_manifest, verify_segment
 from asymstore.tiers.protocol import ReadIntoTier, Tier
 

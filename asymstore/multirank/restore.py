@@ -22,20 +22,22 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from asymstore.api import Checkpoint
 from asymstore.errors import (
     AsymstoreError,
     CorruptVersionError,
+    GlobalManifestError,
     NoCheckpointError,
     VersionNotFoundError,
+    WorldSizeMismatchError,
+    describe,
 )
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
-from asymstore.multirank.errors import GlobalManifestError, WorldSizeMismatchError
 from asymstore.multirank.reshard import restore_resharded
-from asymstore.read.restore import Checkpoint, describe
 
 if TYPE_CHECKING:
+    from asymstore.api import Into
     from asymstore.multirank.store import RankStore
-    from asymstore.read.load import Into
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from asymstore.errors import GlobalManifestError
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.multirank import globaldir
 from asymstore.multirank.departed import retire_departed
-from asymstore.multirank.errors import GlobalManifestError
 
 if TYPE_CHECKING:
     from asymstore.dist.kv import KV

@@ -35,45 +35,31 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from asymstore.api import CheckpointStore
+from asymstore.api import Checkpoint, CheckpointStore, CommitResult
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
+from asymstore.errors import CoordinationTimeoutError, GlobalManifestError, GlobalVersionDroppedError, describe
 from asymstore.format.checksum import checksum
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.format.placement import RankPlacement
 from asymstore.io.rootlock import DirLock, sweep_directory
 from asymstore.multirank import globaldir
-from asymstore.multirank.errors import CoordinationTimeoutError, GlobalManifestError, GlobalVersionDroppedError
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
 from asymstore.multirank.reshard import Targets
 from asymstore.multirank.restore import restore_collective
 from asymstore.multirank.retention import delete_shard, retain_shards, retire_departed_shards, roll_back
-from asymstore.read.restore import Checkpoint, describe
-from asymstore.store import AsymStore, CommitResult
+from asymstore.store import AsymStore
 from asymstore.tiers.local import LocalTier
 from asymstore.tiers.protocol import Tier
 
 if TYPE_CHECKING:
-    from asymstore.policy.calibration import TierCalibration
-    from asymstore.read.load import Into
-    from asymstore.write.segments import TierStatus
+    from asymstore.api import Into, TierCalibration, TierStatus
 
 logger = logging.getLogger(__name__)
 
 
-def env_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """This process's rank and the job's size: as given, else ``RANK``/``WORLD_SIZE``, else torch.distributed."""
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        env = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    else:
-        import torch.distributed as dist
-
-        env = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-    return (env[0] if rank is None else rank), (env[1] if world_size is None else world_size)
 
 
 class RankStore:

@@ -1,14 +1,17 @@
-"""What a restore returns; reading and verifying a version lives in :mod:`asymstore.read.verify`."""
+"""The restore of a store: the newest version that verifies, from the fastest tier that holds it.
+
+Reading and verifying one version on one tier lives in :mod:`asymstore.read.load`
+and :mod:`asymstore.read.verify`; what a restore returns is
+:class:`asymstore.api.Checkpoint`.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
+from asymstore.api import Checkpoint
 from asymstore.errors import (
     AsymstoreError,
     CorruptVersionError,
@@ -16,56 +19,29 @@ from asymstore.errors import (
     NoCheckpointError,
     TierError,
     VersionNotFoundError,
+    describe,
 )
-from asymstore.format.manifest import Manifest
 from asymstore.read.load import load_version
-from asymstore.read.verify import read_manifest
 
 if TYPE_CHECKING:
-    from asymstore.read.load import Into
-    from asymstore.write.tierwrite import TierState
-
-__all__ = ["Checkpoint", "describe", "load_version", "read_manifest", "restore_newest"]
+    from asymstore.api import Into
+    from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
 
 
+class TierCopies(Protocol):
+    """What a restore needs to know of one tier: the tier, its versions, and the copies that failed there.
 
-@dataclass
-class Checkpoint:
-    """A restored version.
-
-    Attributes:
-        step: the version's step.
-        tensors: name -> tensor, bit-exact with dtype and shape as put.
-        meta: the user's JSON metadata.
-        tier: name of the tier it was read from.
-        manifest: the version's parsed manifest.
-        fallbacks: one line per newer version or faster tier that was tried
-            and failed verification before this one; empty when none failed.
+    The store's per-tier record (``asymstore.write.tierwrite.TierState``) is one.
     """
 
-    step: int
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any]
-    tier: str
-    manifest: Manifest
-    fallbacks: list[str] = field(default_factory=list)
-
-    @property
-    def fell_back(self) -> bool:
-        """True when a newer or faster copy failed and this one was used instead."""
-        return bool(self.fallbacks)
+    tier: Tier
+    versions: set[int]
+    bad: set[int]
 
 
-def describe(exc: BaseException) -> str:
-    """Return a one-line reason for a failed load."""
-    if isinstance(exc, AsymstoreError):
-        return f"{type(exc).__name__}: {exc}"
-    return f"{type(exc).__name__}: {exc!r}"
-
-
-async def restore_newest(states: Sequence[TierState], step: int | None,
+async def restore_newest(states: Sequence[TierCopies], step: int | None,
                          into: Into | None = None) -> Checkpoint:
     """Return the newest version that verifies (or ``step``) from the fastest tier holding it.
 
@@ -81,7 +57,7 @@ async def restore_newest(states: Sequence[TierState], step: int | None,
         VersionNotFoundError: ``step`` is on no tier.
         CorruptVersionError: no copy of any candidate verifies.
     """
-    holders: dict[int, list[TierState]] = {}
+    holders: dict[int, list[TierCopies]] = {}
     for state in states:
         for v in state.versions:
             holders.setdefault(v, []).append(state)

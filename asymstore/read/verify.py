@@ -4,7 +4,7 @@ Everything read from a tier is untrusted input:
 
 1. the manifest: at most :data:`~asymstore.format.manifest.MAX_MANIFEST_BYTES`,
    self-checksum verified before any field is used, then every structural
-   rule of :meth:`~asymstore.format.manifest.Manifest.from_json` (dtypes, shapes,
+   rule of :func:`~asymstore.format.parse.parse_manifest` (dtypes, shapes,
    chunk bounds and overlaps, declared raw lengths), and the step it names;
 2. each segment: a regular file (or object) of exactly the size the manifest
    gives, checked before it is read; with ``deep``, its whole checksum;
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from asymstore.errors import CorruptVersionError
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.manifest import Chunk, Manifest
+from asymstore.format.parse import parse_manifest
 from asymstore.tiers.protocol import Buffer, StatTier, Tier
 
 READ_AHEAD = 4
@@ -40,7 +41,7 @@ async def read_manifest(tier: Tier, step: int) -> Manifest:
         ManifestError, CorruptVersionError: the manifest is damaged or names another step.
         TierError: the tier failed to read.
     """
-    manifest = Manifest.from_json(await tier.read_manifest(step))
+    manifest = parse_manifest(await tier.read_manifest(step))
     if manifest.step != step:
         raise CorruptVersionError(f"manifest of step {step} on {tier.name} says step {manifest.step}")
     return manifest

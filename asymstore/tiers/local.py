@@ -32,9 +32,9 @@ from asymstore.io.files import (
     read_ranges,
     write_parts,
 )
+from asymstore.io.probes import filesystem_key, probe_directory
 from asymstore.io.rootlock import DirLock, sweep_directory
 from asymstore.io.smallfiles import read_small
-from asymstore.policy.calibration import filesystem_key, probe_directory
 from asymstore.tiers.protocol import Buffer
 
 T = TypeVar("T")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from asymstore.policy.calibration import filesystem_key
+from asymstore.io.probes import filesystem_key
 from asymstore.tiers.engines import Engine, select_engine
 from asymstore.tiers.local import LocalTier
 from asymstore.tiers.protocol import Buffer

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-Buffer = memoryview | bytes | bytearray
+from asymstore.format.checksum import Buffer as Buffer  # the tier interface speaks in Buffers
 
 
 @runtime_checkable
@@ -150,7 +150,7 @@ class StatTier(Protocol):
 
 @runtime_checkable
 class ProbeableTier(Protocol):
-    """A tier that can time real writes to a scratch area of itself (optional; see :mod:`asymstore.policy.calibration`)."""
+    """A tier that can time real writes to a scratch area of itself (optional; see :mod:`asymstore.policy`)."""
 
     def calibration_key(self) -> str | None:
         """Identify where the tier writes (None: do not cache its calibration)."""

@@ -36,11 +36,12 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from asymstore.api import FlushStats, TierCalibration
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.codec import (
     RAW,
@@ -55,7 +56,7 @@ from asymstore.format.codec import (
 )
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.format.tensors import as_bytes, dtype_name, host_copy
-from asymstore.policy.calibration import TierCalibration, optimal_segment_bytes, predicted_seconds
+from asymstore.policy.costmodel import optimal_segment_bytes, predicted_seconds
 from asymstore.runtime.gcpause import gc_paused
 from asymstore.tiers.protocol import Buffer
 from asymstore.write.staging import StagedTensor
@@ -97,59 +98,6 @@ class ChunkRef:
     width: int
 
 
-@dataclass
-class FlushStats:
-    """What writing one version to one tier did.
-
-    Attributes:
-        tier: the tier's name.
-        step: the version.
-        segment_bytes: the segment size ``B`` used.
-        segment_bytes_source: ``"override"`` (``AsymStore(segment_bytes=...)``) or ``"cost-model"``.
-        segments: segment files written.
-        chunks_compressed: chunks stored with the byte-plane codec.
-        chunks_raw: chunks stored raw.
-        raw_bytes: the version's tensor bytes.
-        stored_bytes: bytes of the segment files.
-        sample_seconds: time spent sampling chunks to decide (this tier's share).
-        compress_seconds: time spent compressing for this tier (chunks shared with
-            an earlier tier cost nothing here).
-        write_seconds: time the tier spent in ``write_segment`` calls.
-        predicted_seconds: the model's ``T(B)`` plus the estimated compression time.
-        calibration: the tier calibration the decisions used.
-    """
-
-    tier: str
-    step: int
-    segment_bytes: int
-    segment_bytes_source: str
-    calibration: TierCalibration
-    segments: int = 0
-    chunks_compressed: int = 0
-    chunks_raw: int = 0
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    sample_seconds: float = 0.0
-    compress_seconds: float = 0.0
-    write_seconds: float = 0.0
-    predicted_seconds: float = 0.0
-
-    @property
-    def ratio(self) -> float:
-        """Raw bytes per stored byte."""
-        return self.raw_bytes / self.stored_bytes if self.stored_bytes else 1.0
-
-    def to_json(self) -> dict[str, Any]:
-        """Return a JSON-ready dict."""
-        return {
-            "tier": self.tier, "step": self.step, "segment_bytes": self.segment_bytes,
-            "segment_bytes_source": self.segment_bytes_source, "segments": self.segments,
-            "chunks_compressed": self.chunks_compressed, "chunks_raw": self.chunks_raw,
-            "raw_bytes": self.raw_bytes, "stored_bytes": self.stored_bytes, "ratio": self.ratio,
-            "sample_seconds": self.sample_seconds, "compress_seconds": self.compress_seconds,
-            "write_seconds": self.write_seconds, "predicted_seconds": self.predicted_seconds,
-            "calibration": self.calibration.to_json(),
-        }
 
 
 @dataclass
@@ -499,36 +447,3 @@ class SegmentBuilder:
                         meta=dict(self.plan.meta), created=self.plan.created)
 
 
-@dataclass
-class TierStatus:
-    """One tier as the store sees it (see ``AsymStore.status``).
-
-    Attributes:
-        name: the tier's name.
-        versions: committed steps, ascending.
-        calibration: the write cost model in use (None before ``open``).
-        last_flush: what the latest write of a version to this tier did.
-        last_error: the latest failure on this tier, if any.
-        pending_steps: committed steps still being written to it in the background.
-        newest: newest committed step on the tier.
-        lag_versions: versions committed through this store that the tier does not have yet.
-        lag_bytes: raw bytes waiting for (or being written to) the tier.
-        bytes_per_second: raw bytes per second of the tier's background writes.
-        queue_depth: versions waiting for or being written to the tier.
-        retries: background write attempts that failed and were retried.
-        skipped: versions the tier skipped (superseded while behind, or no room).
-    """
-
-    name: str
-    versions: list[int]
-    calibration: TierCalibration | None
-    last_flush: FlushStats | None
-    last_error: str | None
-    pending_steps: list[int] = field(default_factory=list)
-    newest: int | None = None
-    lag_versions: int = 0
-    lag_bytes: int = 0
-    bytes_per_second: float = 0.0
-    queue_depth: int = 0
-    retries: int = 0
-    skipped: int = 0

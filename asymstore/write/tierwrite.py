@@ -6,12 +6,12 @@ import asyncio
 import logging
 import time
 
-from asymstore.errors import AsymstoreError, TierError
+from asymstore.api import FlushStats, TierCalibration
+from asymstore.errors import AsymstoreError, TierError, describe
 from asymstore.format.manifest import Manifest
-from asymstore.policy.calibration import TierCalibration, assumed_calibration
-from asymstore.read.restore import describe
+from asymstore.policy.costmodel import assumed_calibration
 from asymstore.tiers.protocol import ExclusiveTier, Tier, VersionWriter
-from asymstore.write.segments import Compression, FlushStats, SegmentBuilder, VersionPlan
+from asymstore.write.segments import Compression, SegmentBuilder, VersionPlan
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from asymstore.errors import CorruptVersionError, TierError, VersionNotFoundError
 from asymstore.format.manifest import validate_segment_name
 from asymstore.format.tensors import as_bytes
-from asymstore.policy.calibration import probe_memory
+from asymstore.io.probes import probe_memory
 from asymstore.tiers.memory.host import HostTier, Reservation
 from asymstore.tiers.memory.pool import BufferPool
 from asymstore.tiers.protocol import Buffer

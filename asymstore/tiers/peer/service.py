@@ -34,10 +34,10 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, NoReturn
 
-from asymstore.errors import AsymstoreError, CorruptVersionError, PeerError, PeerProtocolError
+from asymstore.errors import AsymstoreError, CorruptVersionError, PeerError, PeerProtocolError, describe
 from asymstore.format.checksum import StreamingChecksum
-from asymstore.format.manifest import MAX_MANIFEST_BYTES, Manifest
-from asymstore.read.restore import describe
+from asymstore.format.manifest import MAX_MANIFEST_BYTES
+from asymstore.format.parse import parse_manifest
 from asymstore.runtime.exiting import EXIT_WAIT_S, at_exit, cancel
 from asymstore.tiers.peer.link import TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking
 from asymstore.tiers.protocol import Tier, VersionWriter
@@ -245,7 +245,7 @@ class ReplicaService:
                        digests: dict[str, tuple[int, str]]) -> str | None:
         """Check the manifest against what arrived, then publish; the reason it was refused, or None."""
         try:
-            manifest = Manifest.from_json(body)
+            manifest = parse_manifest(body)
             if manifest.step != step:
                 raise CorruptVersionError(f"manifest names step {manifest.step}")
             want = {s.name: (s.size, s.checksum) for s in manifest.segments}

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from asymstore.api import Checkpoint, CheckpointStore, CommitResult
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
+from asymstore.dist.world import env_rank_world
 from asymstore.errors import CoordinationTimeoutError, GlobalManifestError, GlobalVersionDroppedError, describe
 from asymstore.format.checksum import checksum
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest

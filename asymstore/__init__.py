@@ -48,9 +48,10 @@ if TYPE_CHECKING:
     from asymstore.format.codec import PlaneCodec
     from asymstore.format.manifest import Manifest
     from asymstore.store import AsymStore
-    from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
+    from asymstore.tiers import BoundedTier, GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
 
 _LAZY = {
+    "BoundedTier": "asymstore.tiers",
     "AsymStore": "asymstore.store",
     "Checkpoint": "asymstore.api",
     "CheckpointStore": "asymstore.api",
@@ -78,6 +79,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsymStore",
     "AsymstoreError",
+    "BoundedTier",
     "CapacityError",
     "Checkpoint",
     "CheckpointStore",

@@ -14,6 +14,7 @@ from _servers import s3_server, s3_uri, stub_libcuda  # noqa: F401  (fixtures)
 
 from asymstore import (
     AsymStore,
+    BoundedTier,
     DestinationMismatchError,
     GPUTier,
     HostTier,
@@ -78,7 +79,7 @@ async def test_round_trip_and_reopen(make_tier: Callable[[], Tier]) -> None:
         ckpt = await store.restore()
         assert ckpt.step == 2 and same(ckpt.tensors, state(2))
     tier = make_tier()
-    if isinstance(tier, HostTier) and tier.path is None:  # GPUTier too
+    if isinstance(tier, BoundedTier) and tier.path is None:  # GPUTier too
         return  # process memory is released when its store closes
     async with AsymStore([tier]) as store:
         assert list(store.versions().values()) == [[1, 2]]
@@ -183,7 +184,7 @@ asyncio.run(main())
 
 async def test_one_writer_per_root(make_tier: Callable[[], Tier]) -> None:
     first = make_tier()
-    if isinstance(first, HostTier) and first.path is None:
+    if isinstance(first, BoundedTier) and first.path is None:
         pytest.skip("process memory: nothing another writer could share")
     async with AsymStore([first]) as store:
         second = make_tier()
@@ -202,9 +203,9 @@ async def test_one_writer_per_root(make_tier: Callable[[], Tier]) -> None:
 async def test_killed_writer_leaves_nothing_after_the_next_publish(make_tier: Callable[[], Tier],
                                                                    request: pytest.FixtureRequest) -> None:
     tier = make_tier()
-    if isinstance(tier, HostTier) and tier.path is None:
+    if isinstance(tier, BoundedTier) and tier.path is None:
         pytest.skip("process memory dies with the writer")
-    where = tier.path if isinstance(tier, HostTier) else (
+    where = tier.path if isinstance(tier, BoundedTier) else (
         tier.root if isinstance(tier, LocalTier) else request.getfixturevalue("s3_uri")
         if tier.scheme == "s3" else f"file://{tier.root}")
     assert where is not None

@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 from asymstore.format.placement import RankPlacement, TierKind, TierPlace, this_host
 from asymstore.tiers.local import LocalTier
-from asymstore.tiers.memory.host import HostTier
+from asymstore.tiers.memory.capacity import BoundedTier
 from asymstore.tiers.protocol import Tier
 
 
@@ -26,7 +26,7 @@ def tier_place(tier: Tier, rank: int) -> TierPlace | None:
     location: str | None
     if isinstance(tier, LocalTier):
         kind, location = "local", tier.root
-    elif isinstance(tier, HostTier):
+    elif isinstance(tier, BoundedTier):
         location = tier.path
         kind = "memory" if location is None else "host"
     elif _is_remote(tier):

@@ -14,14 +14,16 @@ from asymstore.tiers.protocol import Tier, VersionWriter
 
 if TYPE_CHECKING:
     from asymstore.tiers.local import LocalTier
+    from asymstore.tiers.memory.capacity import BoundedTier
+    from asymstore.tiers.memory.factory import HostTier
     from asymstore.tiers.memory.gpu import GPUTier
-    from asymstore.tiers.memory.host import HostTier
     from asymstore.tiers.nvme import NVMeTier
     from asymstore.tiers.remote.tier import RemoteTier
 
 _LAZY = {
     "GPUTier": "asymstore.tiers.memory.gpu",
-    "HostTier": "asymstore.tiers.memory.host",
+    "HostTier": "asymstore.tiers.memory.factory",
+    "BoundedTier": "asymstore.tiers.memory.capacity",
     "LocalTier": "asymstore.tiers.local",
     "NVMeTier": "asymstore.tiers.nvme",
     "RemoteTier": "asymstore.tiers.remote.tier",
@@ -31,4 +33,4 @@ _LAZY = {
 __getattr__ = lazy_getattr(__name__, _LAZY)
 
 
-__all__ = ["GPUTier", "HostTier", "LocalTier", "NVMeTier", "RemoteTier", "Tier", "VersionWriter"]
+__all__ = ["BoundedTier", "GPUTier", "HostTier", "LocalTier", "NVMeTier", "RemoteTier", "Tier", "VersionWriter"]

@@ -1,6 +1,6 @@
 """GPUTier: snapshot buffers in device memory, for when a device-to-device copy beats going to host.
 
-It is the in-memory :class:`HostTier` (:class:`MemoryTier`: bounded, evicting,
+It is the in-memory bounded tier (:class:`MemoryTier`: bounded, evicting,
 with the same back-pressure policies) with its pool on the CUDA device. On a
 machine without CUDA it runs on the CPU device, so the same tests cover it.
 Device memory does not survive the process: the tier is not persistent.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from asymstore.tiers.memory.capacity import BackPressure
 from asymstore.tiers.memory.process import MemoryTier
 
 
@@ -26,7 +27,7 @@ class GPUTier(MemoryTier):
     """
 
     def __init__(self, capacity_bytes: int = 1 << 30, *, device: str | torch.device | None = None,
-                 name: str | None = None, keep_last: int | None = None, policy: str = "wait",
+                 name: str | None = None, keep_last: int | None = None, policy: BackPressure = "wait",
                  wait_timeout_s: float | None = None) -> None:
         """Create the tier; device memory is allocated on first use."""
         self._dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

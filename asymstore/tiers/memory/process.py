@@ -4,14 +4,13 @@
 :class:`BufferPool` of page-locked buffers (when CUDA is present; plain
 memory otherwise) reused from version to version; versions die with the
 process. Capacity, eviction, holds and back-pressure are
-:class:`~asymstore.tiers.memory.host.HostTier`'s.
+:class:`~asymstore.tiers.memory.capacity.BoundedTier`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from asymstore.errors import CorruptVersionError, TierError, VersionNotFoundErro
 from asymstore.format.manifest import validate_segment_name
 from asymstore.format.tensors import as_bytes
 from asymstore.io.probes import probe_memory
-from asymstore.tiers.memory.host import HostTier, Reservation
+from asymstore.tiers.memory.capacity import BackPressure, BoundedTier, Reservation
 from asymstore.tiers.memory.pool import BufferPool
 from asymstore.tiers.protocol import Buffer
 
@@ -39,12 +38,11 @@ class _MemVersion:
         return len(self.manifest) + sum(s.numel() for s in self.segments.values())
 
 
-class MemoryTier(HostTier):
+class MemoryTier(BoundedTier):
     """Bounded tier in process memory (what ``HostTier(capacity_bytes)`` returns).
 
     Args:
         capacity_bytes: most bytes held at once (committed plus in flight).
-        path: must be None (a path makes a :class:`~asymstore.tiers.memory.shm.ShmTier`).
         name: the tier's name in reports.
         keep_last: this tier's retention; None uses the store's.
         policy: back-pressure when full: ``"wait"`` or ``"skip"``.
@@ -52,12 +50,9 @@ class MemoryTier(HostTier):
         pin: page-lock the pool's buffers; None pins when CUDA is available.
     """
 
-    def __init__(self, capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | None = None,
-                 name: str | None = None, keep_last: int | None = None, policy: str = "wait",
-                 wait_timeout_s: float | None = None, pin: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int = 2 << 30, *, name: str | None = None, keep_last: int | None = None,
+                 policy: BackPressure = "wait", wait_timeout_s: float | None = None, pin: bool | None = None) -> None:
         """Create the tier; the pool allocates nothing before use."""
-        if path is not None:
-            raise ValueError("a memory tier has no path; HostTier(path=...) keeps versions in shared-memory files")
         super().__init__(capacity_bytes, name=name or "host:memory", keep_last=keep_last, policy=policy,
                          wait_timeout_s=wait_timeout_s)
         # size classes round each buffer up by < 1 MiB; the slack keeps rounding from refusing a version

@@ -6,7 +6,7 @@ published and read exactly as :class:`LocalTier` does it (a LocalTier with
 fsync off does the file work), so a training process that was killed can be
 restarted on the same node and restore without touching disk, and fsck
 checks the directory like any other root. Capacity, eviction, holds and
-back-pressure are :class:`~asymstore.tiers.memory.host.HostTier`'s; the files a dead
+back-pressure are :class:`~asymstore.tiers.memory.capacity.BoundedTier`'s; the files a dead
 writer left count against the capacity until they are swept.
 """
 
@@ -19,13 +19,13 @@ from collections.abc import Sequence
 
 from asymstore.io.rootlock import is_leftover_name
 from asymstore.tiers.local import LocalTier
-from asymstore.tiers.memory.host import HostTier, Reservation
+from asymstore.tiers.memory.capacity import BackPressure, BoundedTier, Reservation
 from asymstore.tiers.protocol import Buffer, VersionWriter
 
 logger = logging.getLogger(__name__)
 
 
-class ShmTier(HostTier):
+class ShmTier(BoundedTier):
     """Bounded tier of shared-memory files (what ``HostTier(capacity_bytes, path=...)`` returns).
 
     Args:
@@ -35,15 +35,12 @@ class ShmTier(HostTier):
         keep_last: this tier's retention; None uses the store's.
         policy: back-pressure when full: ``"wait"`` or ``"skip"``.
         wait_timeout_s: longest wait under ``"wait"`` (None: no limit), then CapacityError.
-        pin: ignored (files are not pooled); accepted so that ``HostTier``'s arguments fit.
     """
 
-    def __init__(self, capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | None = None,
-                 name: str | None = None, keep_last: int | None = None, policy: str = "wait",
-                 wait_timeout_s: float | None = None, pin: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str], name: str | None = None,
+                 keep_last: int | None = None, policy: BackPressure = "wait",
+                 wait_timeout_s: float | None = None) -> None:
         """Create the tier; nothing touches the directory before ``open``."""
-        if path is None:
-            raise ValueError("a shared-memory tier needs a path (HostTier() without one keeps process memory)")
         files = LocalTier(path, fsync=False)  # tmpfs: fsync is a no-op there, and nothing survives a reboot
         super().__init__(capacity_bytes, name=name or f"host:{files.root}", keep_last=keep_last, policy=policy,
                          wait_timeout_s=wait_timeout_s)

@@ -1,7 +1,7 @@
 """The receiving end of a peer tier: replicas of one source rank, verified on arrival, served back on request.
 
 The service owns a thread running its own event loop, and on it the replica
-tier (a bounded :class:`~asymstore.tiers.memory.host.HostTier`: process memory, or
+tier (a bounded :func:`~asymstore.tiers.memory.factory.HostTier`: process memory, or
 shared memory that outlives the process). Two loops run there:
 
 - **receive** (``REPL`` from the source rank): ``begin`` reserves the version's

@@ -30,7 +30,7 @@ from asymstore.errors import (
     TierError,
     VersionNotFoundError,
 )
-from asymstore.tiers.memory.host import HostTier
+from asymstore.tiers.memory.factory import HostTier
 from asymstore.tiers.peer.link import FRAME, TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking, connect
 from asymstore.tiers.peer.ring import Ring, ring_of
 from asymstore.tiers.peer.service import ReplicaService

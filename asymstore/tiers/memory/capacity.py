@@ -1,17 +1,15 @@
-"""HostTier: a bounded tier in host memory, optionally in shared-memory files.
+"""The capacity of a bounded memory tier: accounting, eviction and back-pressure.
 
-``HostTier(capacity_bytes)`` keeps versions in process memory
-(:class:`~asymstore.tiers.memory.process.MemoryTier`); they die with the process.
-``HostTier(capacity_bytes, path=...)`` (for example ``/dev/shm/asym-job42``)
-keeps them as files on a tmpfs in the same layout as :class:`LocalTier`
-(:class:`~asymstore.tiers.memory.shm.ShmTier`), so a training process that was
-killed can be restarted on the same node and restore without touching disk.
-Both are :class:`HostTier` instances.
+:class:`BoundedTier` is the abstract base of the memory tiers
+(:class:`~asymstore.tiers.memory.process.MemoryTier`, its
+:class:`~asymstore.tiers.memory.gpu.GPUTier`, and
+:class:`~asymstore.tiers.memory.shm.ShmTier`); the factory
+:func:`~asymstore.tiers.memory.factory.HostTier` chooses between them.
 
-This module holds what both share: the capacity accounting, eviction and
+This module holds what they share: the capacity accounting, eviction and
 back-pressure. The bytes held never exceed ``capacity_bytes``. To make room
 the oldest versions are evicted, except those the store *holds* (versions not
-yet written to the tiers below, see :meth:`HostTier.hold`). When nothing more
+yet written to the tiers below, see :meth:`BoundedTier.hold`). When nothing more
 can be evicted the back-pressure ``policy`` applies: ``"wait"`` until a held
 version is released (up to ``wait_timeout_s``), or ``"skip"`` the new version
 (:class:`SnapshotSkippedError`). Memory never grows past the capacity.
@@ -19,54 +17,43 @@ version is released (up to ``wait_timeout_s``), or ``"skip"`` the new version
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Literal
 
 from asymstore.errors import CapacityError, SnapshotSkippedError, StepCommittedError
 from asymstore.tiers.protocol import Buffer, VersionWriter
 
 logger = logging.getLogger(__name__)
 
+BackPressure = Literal["wait", "skip"]
+"""What a full memory tier does with a new version: wait for room, or skip the version."""
 
-class HostTier:
-    """Bounded host-memory tier: process memory, or shared-memory files under ``path``.
 
-    Constructing ``HostTier`` itself returns the kind ``path`` chooses: a
-    :class:`~asymstore.tiers.memory.process.MemoryTier` when it is None, a
-    :class:`~asymstore.tiers.memory.shm.ShmTier` otherwise.
+class BoundedTier(abc.ABC):
+    """A tier in host (or device) memory that never holds more than ``capacity_bytes``.
+
+    Subclasses implement the storage (the Tier protocol and the ReadIntoTier
+    and ProbeableTier capabilities) and the two hooks ``_drop`` and
+    ``_writer``; this class admits versions (:meth:`begin`), evicts and
+    applies back-pressure.
 
     Args:
         capacity_bytes: most bytes held at once (committed plus in flight).
-        path: a tmpfs directory for shared-memory files; None keeps versions
-            in process memory.
         name: the tier's name in reports.
         keep_last: this tier's retention; None uses the store's.
         policy: back-pressure when full: ``"wait"`` or ``"skip"``.
         wait_timeout_s: longest wait under ``"wait"`` (None: no limit), then CapacityError.
-        pin: page-lock the memory pool's buffers; None pins when CUDA is
-            available (process memory only: shared-memory files are not pooled).
     """
 
     persistent = False
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> HostTier:
-        """Return the concrete tier: shared-memory files when ``path`` is given, process memory otherwise."""
-        if cls is HostTier:
-            if kwargs.get("path") is None:
-                from asymstore.tiers.memory.process import MemoryTier
-                return super().__new__(MemoryTier)
-            from asymstore.tiers.memory.shm import ShmTier
-            return super().__new__(ShmTier)
-        return super().__new__(cls)
-
-    def __init__(self, capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | None = None,
-                 name: str | None = None, keep_last: int | None = None, policy: str = "wait",
-                 wait_timeout_s: float | None = None, pin: bool | None = None) -> None:
-        """Check the settings and start the accounting (``path`` and ``pin`` are the subclass's to use)."""
+    def __init__(self, capacity_bytes: int = 2 << 30, *, name: str | None = None, keep_last: int | None = None,
+                 policy: BackPressure = "wait", wait_timeout_s: float | None = None) -> None:
+        """Check the settings and start the accounting."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         if policy not in ("wait", "skip"):
@@ -85,9 +72,9 @@ class HostTier:
         self.skipped = 0
 
     @property
+    @abc.abstractmethod
     def path(self) -> str | None:
         """The shared-memory directory, or None for process memory."""
-        raise NotImplementedError
 
     @property
     def used_bytes(self) -> int:
@@ -97,58 +84,58 @@ class HostTier:
     # What each kind implements: the storage itself (the Tier protocol and the
     # ReadIntoTier and ProbeableTier capabilities), and the two hooks below.
 
+    @abc.abstractmethod
     async def _drop(self, step: int) -> None:
         """Remove ``step``'s bytes and stop counting them (callers wake waiters)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def _writer(self, step: int, nbytes: int) -> VersionWriter:
         """Return the writer of ``step`` once ``nbytes`` are reserved."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def open(self) -> None:
         """Prepare the tier (the shared-memory kind accounts for the versions already there)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def close(self) -> None:
         """Release the tier (process memory is given back; shared-memory files stay)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def list_versions(self) -> list[int]:
         """Return the held steps, ascending."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def read_manifest(self, step: int) -> bytes:
         """Return the manifest of ``step`` (VersionNotFoundError if absent)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
         """Return a private copy of one segment (of ``size`` bytes when given)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def read_segment_into(self, step: int, name: str, size: int,
                                 ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
         """Copy ranges of one segment straight into caller buffers (digests of the ranges, or None)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def quarantine(self, step: int) -> None:
         """Drop a corrupt version, or move it aside where there are files."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def calibration_key(self) -> str | None:
         """Identify where the tier writes for the calibration cache (None: measure each time)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
         """Time one segment-like write per size."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def write_latest(self, step: int) -> None:
         """Record the LATEST hint (where there are files)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def read_latest(self) -> int | None:
         """Return the LATEST hint, or None."""
-        raise NotImplementedError
 
     async def begin(self, step: int, nbytes: int) -> VersionWriter:
         """Reserve ``nbytes``: evict unheld old versions, then wait or skip by policy."""
@@ -206,7 +193,7 @@ class HostTier:
 
 
 class Reservation:
-    """The bytes one writer reserved in :meth:`HostTier.begin`, given back exactly once.
+    """The bytes one writer reserved in :meth:`BoundedTier.begin`, given back exactly once.
 
     Args:
         tier: the tier the bytes were reserved on.
@@ -214,7 +201,7 @@ class Reservation:
         nbytes: the bytes reserved.
     """
 
-    def __init__(self, tier: HostTier, step: int, nbytes: int) -> None:
+    def __init__(self, tier: BoundedTier, step: int, nbytes: int) -> None:
         self.tier = tier
         self.step = step
         self.nbytes = nbytes

@@ -65,3 +65,8 @@ def retention_leftover(step: int, committed: list[int]) -> bool:
     disk, a tool — holds data that may be the only copy: quarantine it.
     """
     return bool(committed) and step < min(committed)
+
+
+def is_uri(location: str) -> bool:
+    """True for a tier URI (``file://``, ``s3://``, ``hdfs://`` ...), False for a plain directory path."""
+    return "://" in location

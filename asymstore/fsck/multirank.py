@@ -53,15 +53,16 @@ from asymstore.errors import AsymstoreError, GlobalManifestError, ManifestError
 from asymstore.format import placement
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, Manifest
-from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, version_dirname
+from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, is_uri, version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.format.placement import Placement
-from asymstore.fsck import FsckReport, Progress, VersionReport, _check_latest, _quarantine, is_uri, run_sync
-from asymstore.fsck import check as check_tier
-from asymstore.fsck import repair as repair_tier
+from asymstore.fsck.directory import check_latest, quarantine
+from asymstore.fsck.report import FsckReport, Progress, VersionReport
+from asymstore.fsck.tier import check_tier, repair_tier
 from asymstore.io.files import atomic_write, read_whole
 from asymstore.io.rootlock import DirLock
 from asymstore.multirank import globaldir
+from asymstore.runtime.sync import run_sync
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +370,7 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
                       f"one: left by retention on a rank that stopped early, or by an incomplete commit"]))
     entries += extra
     listed: set[int | None] = set(good | unreachable)
-    latest, latest_problem = (None, None) if node_local else _check_latest(gdir, top, listed)
+    latest, latest_problem = (None, None) if node_local else check_latest(gdir, top, listed)
     rank_latest = [f"{globaldir.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
                    for r, rep in ranks.items() if rep.latest_problem]
     if latest_problem:
@@ -440,7 +441,7 @@ def _repair(report: MultiRankFsckReport, gdir: str) -> list[str]:
             continue
         path = os.path.join(root, e.name)
         if e.status == "corrupt" and os.path.exists(path):
-            dest = _quarantine(gdir, path, os.path.basename(e.name))
+            dest = quarantine(gdir, path, os.path.basename(e.name))
             actions.append(f"moved corrupt {e.name} to {dest}")
         elif e.status in ("partial", "orphaned") and os.path.isfile(path):
             os.unlink(path)

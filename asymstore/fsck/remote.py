@@ -16,9 +16,10 @@ import pyarrow.fs as pafs
 
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, QUARANTINE, parse_version_dirname, retention_leftover
-from asymstore.fsck import FsckReport, Progress, VersionReport, run_sync
+from asymstore.fsck.report import FsckReport, Progress, VersionReport
 from asymstore.io.rootlock import LOCK_NAME, is_leftover_name
 from asymstore.read.verify import check_version
+from asymstore.runtime.sync import run_sync
 from asymstore.tiers.remote.tier import RemoteTier
 
 logger = logging.getLogger(__name__)

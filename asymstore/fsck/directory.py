@@ -1,0 +1,179 @@
+"""fsck of a directory-backed tier (``LocalTier`` or ``HostTier(path=...)``): check every entry, repair what is safe."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+
+from asymstore.format.manifest import MANIFEST_NAME
+from asymstore.format.names import (
+    LATEST,
+    QUARANTINE,
+    TMP_PREFIX,
+    fsync_dir,
+    parse_version_dirname,
+    quarantine_entry,
+    retention_leftover,
+    version_dirname,
+)
+from asymstore.fsck.report import FsckReport, Progress, VersionReport
+from asymstore.io.files import atomic_write, read_whole
+from asymstore.io.rootlock import DirLock, is_leftover_name
+from asymstore.read.verify import check_version
+from asymstore.runtime.sync import run_sync
+from asymstore.tiers.local import LocalTier
+from asymstore.tiers.protocol import Tier
+
+logger = logging.getLogger(__name__)
+
+
+def check_directory(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None) -> FsckReport:
+    """Examine every entry of the directory tier at ``root`` (see :func:`asymstore.fsck.check`).
+
+    Raises:
+        FileNotFoundError: ``root`` is not a directory.
+    """
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root} is not a directory")
+    return run_sync(_check_dir(root, deep, progress))
+
+
+def repair_directory(report: FsckReport) -> list[str]:
+    """Fix what ``report`` found on a directory tier, under its writer lock (see :func:`asymstore.fsck.repair`).
+
+    Raises:
+        RootLockedError: a live writer holds the root.
+    """
+    lock = DirLock(report.root)
+    lock.acquire()  # never repair under a live writer: its commit in progress would look partial
+    try:
+        return _repair_dir(report)
+    finally:
+        lock.release()
+
+
+async def check_version_dir(tier: Tier, path: str, name: str, step: int, deep: bool,
+                         progress: Progress | None, committed: list[int]) -> VersionReport:
+    """One version directory, through the verification path restore uses (:mod:`asymstore.read.verify`)."""
+    report = VersionReport(name, "committed", step)
+    if os.path.isdir(path) and not os.path.islink(path) and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+        if retention_leftover(step, committed):
+            report.status = "orphaned"
+            report.problems.append("no manifest: a retention delete that was interrupted")
+        else:
+            report.status = "corrupt"
+            report.problems.append("no manifest, yet older versions are committed: not a retention leftover but a "
+                                   "version that lost its manifest (repair moves it to .quarantine/)")
+        return report
+    manifest, problems = await check_version(tier, step, deep=deep, progress=progress)
+    if problems:
+        report.status = "corrupt"
+        report.problems += problems
+    if manifest is None:
+        return report
+    report.nbytes = manifest.stored_bytes
+    if os.path.isdir(path) and not os.path.islink(path):
+        listed = {s.name for s in manifest.segments}
+        report.unreferenced = sorted(set(os.listdir(path)) - listed - {MANIFEST_NAME})
+        for f in report.unreferenced:
+            report.problems.append(f"unreferenced file {f}")
+    return report
+
+
+def _deep_total(root: str, names: list[str]) -> int:
+    total = 0
+    for name in names:
+        path = os.path.join(root, name)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        for entry in os.scandir(path):
+            if entry.is_file(follow_symlinks=False) and entry.name != MANIFEST_NAME:
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] | None) -> FsckReport:
+    names = sorted(os.listdir(root))
+    versions = [n for n in names if parse_version_dirname(n) is not None and os.path.lexists(os.path.join(root, n))]
+    tick = progress(_deep_total(root, versions)) if deep and progress else None
+    holder = DirLock(root).holder()  # a live writer: its temporary entries are work in progress
+    tier = LocalTier(root, fsync=False)
+    with_manifest = sorted(s for s in (parse_version_dirname(n) for n in versions)
+                           if s is not None and os.path.lexists(os.path.join(root, version_dirname(s), MANIFEST_NAME)))
+    entries: list[VersionReport] = []
+    for name in names:
+        path = os.path.join(root, name)
+        step = parse_version_dirname(name)
+        if name in versions and step is not None:
+            entries.append(await check_version_dir(tier, path, name, step, deep, tick, with_manifest))
+        elif is_leftover_name(name) and holder is not None:
+            entries.append(VersionReport(name, "in_progress", None, problems=[]))
+        elif name.startswith(TMP_PREFIX):
+            vstep = parse_version_dirname(name[len(TMP_PREFIX):].split("-")[0])
+            entries.append(VersionReport(name, "partial", vstep, problems=["a commit that never published"]))
+        elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
+            entries.append(VersionReport(name, "orphaned", None, problems=["leftover of a LATEST update"]))
+        elif name == QUARANTINE and os.path.isdir(path):
+            for q in sorted(os.listdir(path)):
+                entries.append(VersionReport(f"{QUARANTINE}/{q}", "quarantined", parse_version_dirname(q[:13])))
+    good = [e.step for e in entries if e.status == "committed" and e.step is not None]
+    newest = max(good) if good else None
+    latest, latest_problem = check_latest(root, newest, {e.step for e in entries if e.status == "committed"})
+    return FsckReport(root, deep, entries, latest, latest_problem, newest, writer=holder)
+
+
+def check_latest(root: str, newest: int | None, committed: set[int | None]) -> tuple[int | None, str | None]:
+    """Check the ``LATEST`` hint of ``root`` against the committed versions: ``(its step, the problem or None)``."""
+    path = os.path.join(root, LATEST)
+    if not os.path.exists(path):
+        return None, (f"missing; newest restorable version is {newest}" if newest is not None else None)
+    try:
+        latest = int(read_whole(path).decode().strip())
+    except (ValueError, UnicodeDecodeError):
+        return None, "unreadable (not a step number)"
+    if latest not in committed:
+        return latest, f"points to step {latest}, which is not a committed version"
+    if latest != newest:
+        return latest, f"says {latest}, newest restorable version is {newest}"
+    return latest, None
+
+
+def quarantine(root: str, path: str, label: str) -> str:
+    """Move ``path`` aside into ``root``'s ``.quarantine/`` under ``label``; return where it went."""
+    return quarantine_entry(root, path, label, fsync=False)
+
+
+def _repair_dir(report: FsckReport) -> list[str]:
+    root = report.root
+    actions: list[str] = []
+    for e in report.entries:
+        path = os.path.join(root, e.name)
+        if e.status in ("partial", "orphaned"):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.unlink(path)
+            actions.append(f"removed {e.status} {e.name}")
+        elif e.status == "corrupt":
+            actions.append(f"moved corrupt {e.name} to {quarantine(root, path, e.name)}")
+        elif e.status == "committed" and e.unreferenced:
+            for f in e.unreferenced:
+                dest = quarantine(root, os.path.join(path, f), f"{e.name}-{f}")
+                actions.append(f"moved unreferenced {e.name}/{f} to {dest}")
+    if report.latest_problem:
+        latest = os.path.join(root, LATEST)
+        if report.newest_restorable is None:
+            if os.path.exists(latest):
+                os.unlink(latest)
+            actions.append("removed LATEST (no restorable version)")
+        else:
+            atomic_write(latest, f"{report.newest_restorable}\n".encode())
+            actions.append(f"set LATEST to {report.newest_restorable}")
+    if actions:
+        fsync_dir(root)
+    for line in actions:
+        logger.info("fsck repair: %s", line)
+    return actions

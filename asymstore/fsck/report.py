@@ -1,0 +1,79 @@
+"""What fsck says: the verdict on each entry of a root (:class:`VersionReport`) and on the root (:class:`FsckReport`).
+
+``FsckReport.to_json()`` is the documented ``fsck --json`` schema
+(:data:`SCHEMA_VERSION`); a multi-rank root's report
+(:class:`~asymstore.fsck.multirank.MultiRankFsckReport`) extends it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from asymstore.format.names import LATEST
+
+SCHEMA_VERSION = 1
+Progress = Callable[[int], None]
+"""Called with the bytes verified as they are."""
+
+
+@dataclass
+class VersionReport:
+    """The verdict on one entry of the root."""
+
+    name: str
+    status: str
+    step: int | None
+    nbytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    unreferenced: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True for a committed version without problems, a quarantined entry, or a live writer's work."""
+        return self.status in ("committed", "quarantined", "in_progress") and not self.problems
+
+
+@dataclass
+class FsckReport:
+    """The verdict on a whole root; ``to_json()`` gives the documented schema."""
+
+    root: str
+    deep: bool
+    entries: list[VersionReport]
+    latest: int | None
+    latest_problem: str | None
+    newest_restorable: int | None
+    repaired: list[str] = field(default_factory=list)
+    writer: str | None = None
+    """The live writer holding the root while it was checked (None: nobody)."""
+
+    @property
+    def ok(self) -> bool:
+        """True when every entry verifies and LATEST is right."""
+        return self.latest_problem is None and all(e.ok for e in self.entries)
+
+    @property
+    def problems(self) -> list[str]:
+        """Every problem, one line each."""
+        lines = [f"{e.name}: {e.status}: {p}" for e in self.entries for p in e.problems]
+        if self.latest_problem:
+            lines.append(f"{LATEST}: {self.latest_problem}")
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the report as a JSON-ready dict (see README, 'fsck --json')."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "root": self.root,
+            "deep": self.deep,
+            "ok": self.ok,
+            "latest": self.latest,
+            "latest_problem": self.latest_problem,
+            "newest_restorable": self.newest_restorable,
+            "versions": [asdict(e) | {"ok": e.ok} for e in self.entries],
+            "problems": self.problems,
+            "repaired": self.repaired,
+            "writer": self.writer,
+        }

@@ -25,20 +25,20 @@ from asymstore.errors import (
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
 from asymstore.format.placement import Placement, RankPlacement
 from asymstore.multirank import globaldir
+from asymstore.multirank.job import Job
 from asymstore.multirank.retention import retain_globals
 
 if TYPE_CHECKING:
     from asymstore.dist.kv import KV
-    from asymstore.multirank.store import RankStore
 
 logger = logging.getLogger(__name__)
 
 
-def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) -> GlobalManifest:
+def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> GlobalManifest:
     """Coordinator: wait for every rank's report of ``step``, then publish its global manifest.
 
     Args:
-        store: the coordinator's store.
+        job: the coordinator's job.
         key: the coordination key prefix of this commit.
         step: the step.
         meta: the global manifest's JSON metadata (validated).
@@ -47,17 +47,17 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
         The global manifest published.
 
     Raises:
-        GlobalCommitTimeoutError: not every rank reported within ``store.timeout_s``.
+        GlobalCommitTimeoutError: not every rank reported within ``job.timeout_s``.
         GlobalCommitError: a rank reported that its shard failed.
     """
-    kv = store.kv
-    keys = [f"{key}/rank/{r}" for r in range(store.world_size)]
+    kv = job.kv
+    keys = [f"{key}/rank/{r}" for r in range(job.world_size)]
     try:
-        kv.wait(keys, store.timeout_s, f"global commit of step {step}")
+        kv.wait(keys, job.timeout_s, f"global commit of step {step}")
     except CoordinationTimeoutError as exc:
         missing = [r for r, k in enumerate(keys) if not kv.has(k)]
-        msg = (f"step {step}: rank(s) {missing} did not report a committed shard within {store.timeout_s:g} s; "
-               f"the global version is not published (newest stays {max(store.global_steps(), default=None)})")
+        msg = (f"step {step}: rank(s) {missing} did not report a committed shard within {job.timeout_s:g} s; "
+               f"the global version is not published (newest stays {max(job.global_steps(), default=None)})")
         kv.put(f"{key}/global", {"failed": msg})
         raise GlobalCommitTimeoutError(msg) from exc
     reports = kv.get_many(keys)
@@ -72,22 +72,22 @@ def publish_global(store: RankStore, key: str, step: int, meta: dict[str, Any]) 
         msg = f"step {step}: shard commit failed on rank(s) {failed}; the global version is not published"
         kv.put(f"{key}/global", {"failed": msg})
         raise GlobalCommitError(msg)
-    manifest = GlobalManifest(step, store.world_size, tuple(ShardInfo.from_json(r) for r in reports), meta,
-                              time.time(), record_placement(store, reports))
-    for stale in [s for s in store.global_steps() if s >= step]:  # a history abandoned by an older restore
+    manifest = GlobalManifest(step, job.world_size, tuple(ShardInfo.from_json(r) for r in reports), meta,
+                              time.time(), record_placement(job, reports))
+    for stale in [s for s in job.global_steps() if s >= step]:  # a history abandoned by an older restore
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
-        globaldir.delete_global(store.global_dir, stale, fsync=store.fsync)
-        store.global_cache.pop(stale, None)
-    globaldir.publish_global(store.global_dir, manifest, fsync=store.fsync)
-    store.global_cache[step] = manifest
-    globaldir.write_global_latest(store.global_dir, step, fsync=store.fsync)
-    retain_globals(store)
+        globaldir.delete_global(job.global_dir, stale, fsync=job.fsync)
+        job.global_cache.pop(stale, None)
+    globaldir.publish_global(job.global_dir, manifest, fsync=job.fsync)
+    job.global_cache[step] = manifest
+    globaldir.write_global_latest(job.global_dir, step, fsync=job.fsync)
+    retain_globals(job)
     kv.put(f"{key}/global", {"step": step})
-    logger.debug("published global version %d (%d ranks, %d bytes)", step, store.world_size, manifest.nbytes)
+    logger.debug("published global version %d (%d ranks, %d bytes)", step, job.world_size, manifest.nbytes)
     return manifest
 
 
-def record_placement(store: RankStore, reports: list[dict[str, Any]]) -> str | None:
+def record_placement(job: Job, reports: list[dict[str, Any]]) -> str | None:
     """Write the placement the ranks reported with their shards (once per distinct placement); return its digest.
 
     None when a rank reported none (an older peer) or a malformed one: the
@@ -95,21 +95,21 @@ def record_placement(store: RankStore, reports: list[dict[str, Any]]) -> str | N
     ``ROOT/rank-NNNNN/``.
     """
     docs = [rep.get("placement") for rep in reports]
-    cached = store.placement_cache
+    cached = job.placement_cache
     if cached is not None and cached[0] == docs:
         return cached[1]
     if any(d is None for d in docs):
         logger.warning("a rank reported no tier placement: fsck will look for its shards under the root")
         return None
     try:
-        placement = Placement(store.world_size, tuple(RankPlacement.from_json(d) for d in docs))
-        if [r.rank for r in placement.ranks] != list(range(store.world_size)):
+        placement = Placement(job.world_size, tuple(RankPlacement.from_json(d) for d in docs))
+        if [r.rank for r in placement.ranks] != list(range(job.world_size)):
             raise GlobalManifestError("ranks reported placements out of order")
     except GlobalManifestError as exc:
         logger.warning("not recording the tier placement: %s", exc)
         return None
-    digest = globaldir.write_placement(store.global_dir, placement, fsync=store.fsync)
-    store.placement_cache = (docs, digest)
+    digest = globaldir.write_placement(job.global_dir, placement, fsync=job.fsync)
+    job.placement_cache = (docs, digest)
     return digest
 
 

@@ -39,7 +39,7 @@ from asymstore.tiers.protocol import ReadIntoTier, Tier
 if TYPE_CHECKING:
     import torch
 
-    from asymstore.multirank.store import RankStore
+    from asymstore.multirank.job import Job
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,9 @@ class ShardSet:
         self._opened: list[Tier] = []
 
     @classmethod
-    def of_store(cls, store: RankStore, g: GlobalManifest) -> ShardSet:
-        """The shards as ``store``'s rank sees them: its own tiers (open already), the others' peer tiers."""
-        return cls(g, lambda r: (store.tiers, False) if r == store.rank else (store.peer_tiers(r), True))
+    def of_job(cls, job: Job, tiers: Sequence[Tier], g: GlobalManifest) -> ShardSet:
+        """The shards as ``job``'s rank sees them: its own ``tiers`` (open already), the others' peer tiers."""
+        return cls(g, lambda r: (tiers, False) if r == job.rank else (job.peer_tiers(r), True))
 
     @classmethod
     def of_root(cls, root: str, g: GlobalManifest) -> ShardSet:
@@ -173,17 +173,17 @@ class ShardSet:
         return out
 
 
-async def restore_resharded(store: RankStore, g: GlobalManifest, targets: Targets) -> Checkpoint:
+async def restore_resharded(job: Job, tiers: Sequence[Tier], g: GlobalManifest, targets: Targets) -> Checkpoint:
     """This rank's state of global version ``g`` (written by another number of ranks); see the module docstring.
 
     Raises:
         CorruptVersionError: an old shard is missing, differs from its digest, or fails verification.
         LayoutError: the old pieces do not fit together, or ``targets`` refused them.
     """
-    shards = ShardSet.of_store(store, g)
+    shards = ShardSet.of_job(job, tiers, g)
     try:
         await shards.open()
-        source = store.rank % g.world_size
+        source = job.rank % g.world_size
         unplaced = [r for r, m in shards.manifests.items() if LAYOUT_KEY not in m.meta]
         if unplaced:  # e.g. DeepSpeed's flat ZeRO partitions: taking them whole would be wrong
             raise LayoutError(f"the shards of rank(s) {unplaced[:8]} of global step {g.step} record no tensor "
@@ -205,7 +205,7 @@ async def restore_resharded(store: RankStore, g: GlobalManifest, targets: Target
         meta[LAYOUT_KEY] = layout_meta(new_layouts)
         nbytes = sum(m.nbytes for m in shards.manifests.values())
         logger.info("rank %d: global step %d of %d rank(s) resharded for %d rank(s) (%d tensor(s) re-cut, "
-                    "%d byte(s) in the old shards)", store.rank, g.step, g.world_size, store.world_size,
+                    "%d byte(s) in the old shards)", job.rank, g.step, g.world_size, job.world_size,
                     len(wanted), nbytes)
         return Checkpoint(manifest.step, tensors, meta, f"resharded from {g.world_size} rank(s)", manifest, [])
     finally:

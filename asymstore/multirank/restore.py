@@ -37,7 +37,9 @@ from asymstore.multirank.reshard import restore_resharded
 
 if TYPE_CHECKING:
     from asymstore.api import Into
-    from asymstore.multirank.store import RankStore
+    from asymstore.multirank.job import Job
+    from asymstore.multirank.reshard import Targets
+    from asymstore.store import AsymStore
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +54,19 @@ Restored = tuple[GlobalManifest, Checkpoint, list[str]]
 """The global version chosen, this rank's checkpoint of it, and notes on the candidates skipped."""
 
 
-def own_steps(store: RankStore) -> list[int]:
-    """The shard steps any of ``store``'s own tiers holds, ascending."""
-    return sorted({v for vs in store.versions().values() for v in vs})
+def own_steps(local: AsymStore) -> list[int]:
+    """The shard steps any of this rank's own tiers (``local``) holds, ascending."""
+    return sorted({v for vs in local.versions().values() for v in vs})
 
 
-async def restore_collective(store: RankStore, key: str, step: int | None, into: Into | None) -> Restored:
+async def restore_collective(job: Job, local: AsymStore, reshard: Targets | None, key: str, step: int | None,
+                             into: Into | None) -> Restored:
     """Agree with every rank on a global version and load this rank's part of it (see the module docstring).
 
     Args:
-        store: this rank's store (open, its versions refreshed).
+        job: this rank's job.
+        local: this rank's own store (open, its versions refreshed).
+        reshard: restore versions of another world size through these targets (None: refuse them).
         key: the coordination key prefix of this restore (the same on every rank).
         step: restore exactly this global step.
         into: this rank's tensors to fill in place (see :meth:`asymstore.AsymStore.restore`).
@@ -70,47 +75,47 @@ async def restore_collective(store: RankStore, key: str, step: int | None, into:
         NoCheckpointError, VersionNotFoundError, WorldSizeMismatchError, CorruptVersionError,
         CoordinationTimeoutError: see :meth:`asymstore.multirank.RankStore.restore`.
     """
-    if store.is_coordinator:
-        haves = await asyncio.to_thread(_gather_haves, store, key)
-        return await _coordinate(store, key, haves, step, into)
-    await asyncio.to_thread(store.kv.put, f"{key}/have/{store.rank}", own_steps(store))
-    return await _follow(store, key, into)
+    if job.is_coordinator:
+        haves = await asyncio.to_thread(_gather_haves, job, local, key)
+        return await _coordinate(job, local, reshard, key, haves, step, into)
+    await asyncio.to_thread(job.kv.put, f"{key}/have/{job.rank}", own_steps(local))
+    return await _follow(job, local, reshard, key, into)
 
 
-def _gather_haves(store: RankStore, key: str) -> dict[int, set[int]]:
-    kv = store.kv
-    kv.put(f"{key}/have/{store.rank}", own_steps(store))
-    keys = [f"{key}/have/{r}" for r in range(store.world_size)]
-    kv.wait(keys, store.restore_timeout_s, "ranks listing their shards for restore")
+def _gather_haves(job: Job, local: AsymStore, key: str) -> dict[int, set[int]]:
+    kv = job.kv
+    kv.put(f"{key}/have/{job.rank}", own_steps(local))
+    keys = [f"{key}/have/{r}" for r in range(job.world_size)]
+    kv.wait(keys, job.restore_timeout_s, "ranks listing their shards for restore")
     return {r: set(v) for r, v in enumerate(kv.get_many(keys))}
 
 
-def _candidates(store: RankStore, haves: dict[int, set[int]], step: int | None,
+def _candidates(job: Job, reshard: Targets | None, haves: dict[int, set[int]], step: int | None,
                 notes: list[str]) -> list[GlobalManifest]:
-    steps = sorted(store.global_steps(), reverse=True)
+    steps = sorted(job.global_steps(), reverse=True)
     if step is not None:
         if step not in steps:
-            raise VersionNotFoundError(f"global step {step} is not published under {store.global_dir}")
+            raise VersionNotFoundError(f"global step {step} is not published under {job.global_dir}")
         steps = [step]
     if not steps:
-        raise NoCheckpointError(f"no global version under {store.global_dir}")
+        raise NoCheckpointError(f"no global version under {job.global_dir}")
     out: list[GlobalManifest] = []
     for s in steps:
         try:
-            g = store.read_global(s)
+            g = job.read_global(s)
         except (GlobalManifestError, OSError) as exc:
             notes.append(f"global step {s}: {describe(exc)}")
             continue
-        if g.world_size != store.world_size and store.reshard is not None:
+        if g.world_size != job.world_size and reshard is not None:
             out.append(g)  # read from every old rank's shard (reshardread), not from this rank's own
             continue
-        if g.world_size != store.world_size:
+        if g.world_size != job.world_size:
             if not out:
                 raise WorldSizeMismatchError(
-                    f"global step {s} was written by {g.world_size} rank(s); this job has {store.world_size}. "
+                    f"global step {s} was written by {g.world_size} rank(s); this job has {job.world_size}. "
                     "Restore needs the same world size, or resharding (RankStore.reshard)")
             continue
-        lacking = [r for r in range(store.world_size) if g.shard(r).step not in haves[r]]
+        lacking = [r for r in range(job.world_size) if g.shard(r).step not in haves[r]]
         if lacking:
             notes.append(f"global step {s}: rank(s) {lacking} do not hold their shard")
             continue
@@ -118,21 +123,21 @@ def _candidates(store: RankStore, haves: dict[int, set[int]], step: int | None,
     return out
 
 
-async def _coordinate(store: RankStore, key: str, haves: dict[int, set[int]], step: int | None,
-                      into: Into | None) -> Restored:
-    kv = store.kv
+async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, key: str, haves: dict[int, set[int]],
+                      step: int | None, into: Into | None) -> Restored:
+    kv = job.kv
     notes: list[str] = []
     try:
-        candidates = _candidates(store, haves, step, notes)
+        candidates = _candidates(job, reshard, haves, step, notes)
     except (NoCheckpointError, WorldSizeMismatchError) as exc:
         await asyncio.to_thread(kv.put, f"{key}/try/0", {"error": type(exc).__name__, "message": str(exc)})
         raise
     for k, g in enumerate(candidates):
         await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
-        ckpt, reason = await _try_shard(store, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{store.rank}", {"ok": ckpt is not None, "reason": reason})
-        keys = [f"{key}/result/{k}/{r}" for r in range(store.world_size)]
-        await asyncio.to_thread(kv.wait, keys, store.restore_timeout_s, f"ranks loading global step {g.step}")
+        ckpt, reason = await _try_shard(job, local, reshard, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", {"ok": ckpt is not None, "reason": reason})
+        keys = [f"{key}/result/{k}/{r}" for r in range(job.world_size)]
+        await asyncio.to_thread(kv.wait, keys, job.restore_timeout_s, f"ranks loading global step {g.step}")
         results = await asyncio.to_thread(kv.get_many, keys)
         bad = {r: res["reason"] for r, res in enumerate(results) if not res["ok"]}
         if not bad and ckpt is not None:
@@ -146,13 +151,13 @@ async def _coordinate(store: RankStore, key: str, haves: dict[int, set[int]], st
     raise CorruptVersionError(msg)
 
 
-async def _follow(store: RankStore, key: str, into: Into | None) -> Restored:
-    kv = store.kv
+async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str, into: Into | None) -> Restored:
+    kv = job.kv
     k = 0
     ckpt: Checkpoint | None = None
     g: GlobalManifest | None = None
     while True:
-        await asyncio.to_thread(kv.wait, [f"{key}/try/{k}"], store.restore_timeout_s, "the coordinator's restore")
+        await asyncio.to_thread(kv.wait, [f"{key}/try/{k}"], job.restore_timeout_s, "the coordinator's restore")
         msg = await asyncio.to_thread(kv.get, f"{key}/try/{k}")
         if "error" in msg:
             raise _ERRORS.get(msg["error"], CorruptVersionError)(msg["message"])
@@ -160,20 +165,21 @@ async def _follow(store: RankStore, key: str, into: Into | None) -> Restored:
             assert ckpt is not None and g is not None and g.step == msg["done"]
             return g, ckpt, list(msg.get("notes", []))
         g = GlobalManifest.from_json(msg["global"].encode())
-        ckpt, reason = await _try_shard(store, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{store.rank}", {"ok": ckpt is not None, "reason": reason})
+        ckpt, reason = await _try_shard(job, local, reshard, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", {"ok": ckpt is not None, "reason": reason})
         k += 1
 
 
-async def _try_shard(store: RankStore, g: GlobalManifest, into: Into | None) -> tuple[Checkpoint | None, str]:
-    if g.world_size != store.world_size and store.reshard is not None:
+async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: GlobalManifest,
+                     into: Into | None) -> tuple[Checkpoint | None, str]:
+    if g.world_size != job.world_size and reshard is not None:
         try:
-            return await restore_resharded(store, g, store.reshard), ""
+            return await restore_resharded(job, local.tiers, g, reshard), ""
         except (AsymstoreError, OSError) as exc:
             return None, describe(exc)
-    shard = g.shard(store.rank)
+    shard = g.shard(job.rank)
     try:
-        ckpt = await store.local.restore(step=shard.step, into=into)
+        ckpt = await local.restore(step=shard.step, into=into)
     except (AsymstoreError, OSError) as exc:
         return None, describe(exc)
     digest = shard_digest(ckpt.manifest)

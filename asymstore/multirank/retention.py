@@ -25,65 +25,65 @@ from asymstore.multirank.departed import retire_departed
 
 if TYPE_CHECKING:
     from asymstore.dist.kv import KV
-    from asymstore.multirank.store import RankStore
+    from asymstore.multirank.job import Job
     from asymstore.store import AsymStore
 
 logger = logging.getLogger(__name__)
 
 
-def _kept_globals(store: RankStore, keep_last: int) -> list[GlobalManifest] | None:
+def _kept_globals(job: Job, keep_last: int) -> list[GlobalManifest] | None:
     """The newest ``keep_last`` global versions, or None if one of them does not parse."""
     kept = []
-    for s in store.global_steps()[-keep_last:]:
+    for s in job.global_steps()[-keep_last:]:
         try:
-            kept.append(_global(store, s))
+            kept.append(_global(job, s))
         except (GlobalManifestError, OSError):
             return None
     return kept
 
 
-def _global(store: RankStore, step: int) -> GlobalManifest:
+def _global(job: Job, step: int) -> GlobalManifest:
     """A kept global manifest: as the coordinator published it, else read (once) from ``global/``."""
-    g = store.global_cache.get(step)
+    g = job.global_cache.get(step)
     if g is None:
-        g = store.global_cache[step] = store.read_global(step)
+        g = job.global_cache[step] = job.read_global(step)
     return g
 
 
-def retain_globals(store: RankStore) -> None:
+def retain_globals(job: Job) -> None:
     """Coordinator: drop global versions beyond ``keep_last``; tell each rank which shards are still needed."""
-    if store.global_keep_last is None:
+    if job.global_keep_last is None:
         return
-    steps = store.global_steps()
-    for old in steps[:-store.global_keep_last]:
-        globaldir.delete_global(store.global_dir, old, fsync=store.fsync)
+    steps = job.global_steps()
+    for old in steps[:-job.global_keep_last]:
+        globaldir.delete_global(job.global_dir, old, fsync=job.fsync)
     kept = []
-    for s in steps[-store.global_keep_last:]:
+    for s in steps[-job.global_keep_last:]:
         try:
-            kept.append(_global(store, s))
+            kept.append(_global(job, s))
         except (GlobalManifestError, OSError):
             continue
-    for s in set(store.global_cache) - {g.step for g in kept}:  # only what retention keeps
-        del store.global_cache[s]
+    for s in set(job.global_cache) - {g.step for g in kept}:  # only what retention keeps
+        del job.global_cache[s]
     if not kept:
         return
-    needed = {r: min(steps_r) for r in range(store.world_size)
+    needed = {r: min(steps_r) for r in range(job.world_size)
               if (steps_r := [g.shard(r).step for g in kept if r < g.world_size])}
-    if len(set(needed.values())) == 1 and len(needed) == store.world_size:  # the usual case: one request
-        store.kv.raise_int("retain/all", next(iter(needed.values())) + 1)
+    if len(set(needed.values())) == 1 and len(needed) == job.world_size:  # the usual case: one request
+        job.kv.raise_int("retain/all", next(iter(needed.values())) + 1)
         return
     for r, step in needed.items():  # a kept version of another world size may need rank r's older shards
-        store.kv.raise_int(f"retain/{r}", step + 1)
+        job.kv.raise_int(f"retain/{r}", step + 1)
 
 
-async def retire_departed_shards(store: RankStore) -> None:
+async def retire_departed_shards(job: Job) -> None:
     """Coordinator: drop shards of ranks no longer in the job (it shrank) that no kept version needs."""
-    if store.global_keep_last is None or not any(r >= store.world_size for r in globaldir.rank_dirs(store.root)):
+    if job.global_keep_last is None or not any(r >= job.world_size for r in globaldir.rank_dirs(job.root)):
         return
-    kept = _kept_globals(store, store.global_keep_last)
+    kept = _kept_globals(job, job.global_keep_last)
     if kept is None:
         return  # an unreadable kept version: delete nothing it might need
-    await retire_departed(store.root, store.world_size, kept, store.peer_tiers)
+    await retire_departed(job.root, job.world_size, kept, job.peer_tiers)
 
 
 async def delete_shard(local: AsymStore, step: int) -> None:
@@ -110,7 +110,7 @@ async def roll_back(local: AsymStore, rank: int, floor: int | None, step: int) -
     """Delete ``rank``'s own shards at or above ``step`` that no global version can use (after a restore).
 
     Args:
-        local: the rank's own store.
+        local: the rank's own job.
         rank: the rank (for the log).
         floor: the newest global step when this rank last agreed on a step, or its shard's step
             in the version it restored (None: nothing is rolled back); only shards above it go.

@@ -45,6 +45,7 @@ from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.format.placement import RankPlacement
 from asymstore.io.rootlock import DirLock, sweep_directory
 from asymstore.multirank import globaldir
+from asymstore.multirank.job import Job
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
@@ -98,28 +99,26 @@ class RankStore:
                  restore_timeout_s: float = 1800.0, wait_global: bool = False, namespace: str | None = None,
                  fsync: bool = True, **store_kwargs: Any) -> None:
         """Configure; nothing is opened before ``open``."""
-        self.rank, self.world_size = env_rank_world(rank, world_size)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in a world of {self.world_size}")
+        rank, world_size = env_rank_world(rank, world_size)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep everything)")
-        self.root = os.path.abspath(os.fspath(root))
-        self.global_dir = os.path.join(self.root, globaldir.GLOBAL_DIR)
-        self._global_lock = DirLock(self.global_dir)
-        self.fsync = fsync
-        self._peer_tiers = peer_tiers or (lambda r: [LocalTier(os.path.join(self.root, globaldir.rank_dirname(r)),
-                                                               fsync=fsync)])
+        abs_root = os.path.abspath(os.fspath(root))
+        self.job = Job(
+            root=abs_root, global_dir=os.path.join(abs_root, globaldir.GLOBAL_DIR), rank=rank, world_size=world_size,
+            fsync=fsync, timeout_s=timeout_s, restore_timeout_s=restore_timeout_s, global_keep_last=keep_last,
+            peer_tiers=peer_tiers or (lambda r: [LocalTier(os.path.join(abs_root, globaldir.rank_dirname(r)),
+                                                           fsync=fsync)]))
+        """What the multi-rank helpers use of this store (rank, world, global directory, coordination, timeouts)."""
+        self._global_lock = DirLock(self.job.global_dir)
         if tiers is None:
-            tiers = self._peer_tiers(self.rank)
+            tiers = self.job.peer_tiers(rank)
         self.local = AsymStore(tiers, keep_last=None, **store_kwargs)
         """This rank's own shards (retention follows the global versions, so it keeps everything itself)."""
-        self.global_keep_last = keep_last
-        self.timeout_s = timeout_s
-        self.restore_timeout_s = restore_timeout_s
         self.wait_global = wait_global
         self.namespace = namespace or checksum(self.root.encode())[:12]
         self._kv_given = kv
-        self._kv: KV | None = None
         self._session = 0
         self._counters: dict[str, int] = {}
         self._floor: int | None = None  # own shards above this step may be rolled back
@@ -135,19 +134,47 @@ class RankStore:
         """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
         self.placement: RankPlacement | None = None
         """Where this rank's tiers are (after ``open``): reported with every shard, recorded in ``global/``."""
-        self.global_cache: dict[int, GlobalManifest] = {}
-        """The coordinator's kept global manifests as it published them (retention reads them, not the files)."""
-        self.placement_cache: tuple[list[Any], str] | None = None
-        """The coordinator's last recorded placement: the ranks' reports and the record's digest."""
+
+    # -- the job (see :class:`~asymstore.multirank.job.Job`) ---------------
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.job.rank
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks."""
+        return self.job.world_size
+
+    @property
+    def root(self) -> str:
+        """The multi-rank root (absolute)."""
+        return self.job.root
+
+    @property
+    def global_dir(self) -> str:
+        """``root/global``: global manifests and placement records."""
+        return self.job.global_dir
+
+    @property
+    def fsync(self) -> bool:
+        """Whether files and directories of the global directory are flushed."""
+        return self.job.fsync
+
+    @property
+    def timeout_s(self) -> float:
+        """Longest wait of a global commit for every rank's report."""
+        return self.job.timeout_s
 
     def peer_tiers(self, rank: int) -> Sequence[Tier]:
         """Unopened tiers to read ``rank``'s shards from."""
-        return self._peer_tiers(rank)
+        return self.job.peer_tiers(rank)
 
     @property
     def is_coordinator(self) -> bool:
         """True on rank 0, which publishes global manifests."""
-        return self.rank == 0
+        return self.job.is_coordinator
 
     # -- this rank's own store -------------------------------------------
 
@@ -191,14 +218,14 @@ class RankStore:
 
     async def open(self) -> RankStore:
         """Open the tiers, connect to the coordination store, and create ``global/`` (coordinator)."""
-        if self._kv is None:
+        if self.job.client is None:
             if self._kv_given is not None:
-                self._kv = KV(self._kv_given)
+                self.job.client = KV(self._kv_given)
             elif self.world_size == 1:
-                self._kv = KV(MemoryStore())
+                self.job.client = KV(MemoryStore())
             else:
-                self._kv = KV(await asyncio.to_thread(store_from_env, self.namespace, timeout_s=self.timeout_s))
-        self._session = await asyncio.to_thread(self._kv.store.add, f"session/{self.rank}", 1)
+                self.job.client = KV(await asyncio.to_thread(store_from_env, self.namespace, timeout_s=self.timeout_s))
+        self._session = await asyncio.to_thread(self.job.kv.store.add, f"session/{self.rank}", 1)
         if self.is_coordinator:  # the only writer of global/: lock it, then sweep what a dead coordinator left
             await asyncio.to_thread(os.makedirs, self.global_dir, exist_ok=True)
             await asyncio.to_thread(self._global_lock.acquire)
@@ -222,11 +249,11 @@ class RankStore:
 
     async def close(self) -> None:
         """Close; a non-coordinator first waits briefly for its last global commit and drops shards it made obsolete."""
-        if self._kv is not None and self._last_commit_key is not None and not self.is_coordinator:
+        if self.job.client is not None and self._last_commit_key is not None and not self.is_coordinator:
             try:
-                await asyncio.to_thread(self._kv.wait, [f"{self._last_commit_key}/global"],
+                await asyncio.to_thread(self.job.kv.wait, [f"{self._last_commit_key}/global"],
                                         min(self.timeout_s, 30.0), "the last global commit")
-                await retain_shards(self.local, self._kv, self.rank)
+                await retain_shards(self.local, self.job.kv, self.rank)
             except (CoordinationTimeoutError, RuntimeError) as exc:
                 logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
             self._last_commit_key = None
@@ -246,20 +273,18 @@ class RankStore:
 
     @property
     def kv(self) -> KV:
-        """The coordination store (after ``open``)."""
-        if self._kv is None:
-            raise RuntimeError("the RankStore is not open")
-        return self._kv
+        """The coordination store (after ``open``; StoreClosedError before)."""
+        return self.job.kv
 
     # -- global versions -------------------------------------------------
 
     def global_steps(self) -> list[int]:
         """Published global steps, ascending (reads ``global/``: the coordinator, or a shared filesystem)."""
-        return globaldir.list_global_steps(self.global_dir)
+        return self.job.global_steps()
 
     def read_global(self, step: int) -> GlobalManifest:
         """Read the global manifest of ``step`` (see :meth:`global_steps`)."""
-        return globaldir.read_global(self.global_dir, step)
+        return self.job.read_global(step)
 
     def newest_global(self) -> GlobalManifest | None:
         """The newest global manifest that parses, or None."""
@@ -379,9 +404,9 @@ class RankStore:
         self._last_commit_key = key
         try:
             if self.is_coordinator:
-                self.last_global = await asyncio.to_thread(publish_global, self, key, step, clean_global)
+                self.last_global = await asyncio.to_thread(publish_global, self.job, key, step, clean_global)
                 self.published_step = step
-                await retire_departed_shards(self)
+                await retire_departed_shards(self.job)
             elif self.wait_global:
                 await asyncio.to_thread(await_global, kv, key, step, self.timeout_s)
                 self.last_global = None  # published; the manifest itself lives with the coordinator
@@ -459,7 +484,7 @@ class RankStore:
             CoordinationTimeoutError: a rank did not answer in time.
         """
         await self.local.refresh()
-        g, ckpt, notes = await restore_collective(self, self._key("restore"), step, into)
+        g, ckpt, notes = await restore_collective(self.job, self.local, self.reshard, self._key("restore"), step, into)
         self.restored_global = g
         self._floor = g.shard(self.rank).step if self.rank < g.world_size else g.step
         if notes:
@@ -470,13 +495,13 @@ class RankStore:
         """Read and verify another rank's shard (through ``peer_tiers``; own shards through this store)."""
         if rank == self.rank:
             return await self.local.restore(step=step)
-        return await read_peer_shard(self._peer_tiers(rank), rank, step)
+        return await read_peer_shard(self.job.peer_tiers(rank), rank, step)
 
     async def read_shard_manifest(self, rank: int, step: int) -> Manifest:
         """Read another rank's shard manifest (its meta tells what the shard holds)."""
         if rank == self.rank:
             return await read_shard_manifest(self.tiers, rank, step, opened=True)
-        return await read_shard_manifest(self._peer_tiers(rank), rank, step, opened=False)
+        return await read_shard_manifest(self.job.peer_tiers(rank), rank, step, opened=False)
 
 
 _SATISFIES: type[CheckpointStore] = RankStore  # mypy checks that RankStore satisfies the adapters' protocol

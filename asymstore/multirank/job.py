@@ -1,0 +1,78 @@
+"""The job as the multi-rank helpers see it: this rank, the global directory, coordination, timeouts.
+
+:class:`~asymstore.multirank.store.RankStore` owns one :class:`Job` and hands
+it to the helpers (publish, retention, restore, reshard), which use nothing
+else of the store: a small record instead of the whole store, so the helpers
+never import the store that composes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from asymstore.dist.kv import KV
+from asymstore.errors import StoreClosedError
+from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.multirank import globaldir
+from asymstore.tiers.protocol import Tier
+
+
+@dataclass
+class Job:
+    """What one rank knows of its multi-rank job (see the module docstring).
+
+    Attributes:
+        root: the multi-rank root (absolute).
+        global_dir: ``root/global``: global manifests and placement records.
+        rank: this process's rank.
+        world_size: the job's number of ranks.
+        fsync: flush files and directories of the global directory.
+        timeout_s: longest wait of a global commit for every rank's report.
+        restore_timeout_s: longest wait of the collective restore for the ranks.
+        global_keep_last: global versions retention keeps (None: all).
+        peer_tiers: unopened tiers to read another rank's shards from, by rank.
+        global_cache: the coordinator's kept global manifests as it published them
+            (retention reads them, not the files).
+        placement_cache: the coordinator's last recorded placement: the ranks'
+            reports and the record's digest.
+    """
+
+    root: str
+    global_dir: str
+    rank: int
+    world_size: int
+    fsync: bool
+    timeout_s: float
+    restore_timeout_s: float
+    global_keep_last: int | None
+    peer_tiers: Callable[[int], Sequence[Tier]]
+    global_cache: dict[int, GlobalManifest] = field(default_factory=dict)
+    placement_cache: tuple[list[Any], str] | None = None
+    client: KV | None = None
+    """The coordination store client, set when the store opens."""
+
+    @property
+    def kv(self) -> KV:
+        """The coordination store client.
+
+        Raises:
+            StoreClosedError: the store is not open.
+        """
+        if self.client is None:
+            raise StoreClosedError("the multi-rank store is not open: no coordination store yet")
+        return self.client
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on rank 0, which publishes global manifests."""
+        return self.rank == 0
+
+    def global_steps(self) -> list[int]:
+        """Published global steps, ascending (reads ``global/``: the coordinator, or a shared filesystem)."""
+        return globaldir.list_global_steps(self.global_dir)
+
+    def read_global(self, step: int) -> GlobalManifest:
+        """Read the global manifest of ``step`` (see :meth:`global_steps`)."""
+        return globaldir.read_global(self.global_dir, step)

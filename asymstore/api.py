@@ -32,15 +32,22 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 from asymstore.format.checksum import host_fill_seconds_per_byte
+from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.format.manifest import Manifest
+from asymstore.format.pieces import TensorLayout
 
 if TYPE_CHECKING:
     from typing import TypeAlias
 
     import torch
 
+    from asymstore.dist.kv import KV
+
     Into: TypeAlias = Mapping[str, torch.Tensor] | Callable[[Manifest], Mapping[str, torch.Tensor]]
     """Restore destinations: name -> tensor, or a function of the candidate version's manifest that returns them."""
+
+Targets = Callable[[Mapping[str, TensorLayout]], Mapping[str, TensorLayout]]
+"""Resharding: given the old layouts of the sharded tensors, the piece of each this rank holds now (same names)."""
 
 
 # -- value types ---------------------------------------------------------------
@@ -320,3 +327,76 @@ class DropReportingStore(Protocol):
     async def report_dropped(self, step: int, reason: str) -> None:
         """Say that ``step`` will not be committed by this process, and why."""
         ...
+
+
+@runtime_checkable
+class CollectiveStore(CheckpointStore, Protocol):
+    """A store that is one rank's part of a multi-rank checkpoint (:class:`~asymstore.multirank.RankStore` is one).
+
+    Its versions are global: every rank commits the same steps, the
+    coordinator (rank 0) publishes a global manifest once all did, and
+    ``restore`` is collective (every rank loads the same global version, into
+    fresh tensors). The adapters check for it with ``isinstance`` to agree on
+    preemption through the job's key-value store, to restore collectively, and
+    to know which global version a rank is on; the DeepSpeed adapter reads
+    other ranks' shards through it.
+    """
+
+    published_step: int | None
+    """The newest global step this rank saw published."""
+    restored_global: GlobalManifest | None
+    """The global version ``restore`` chose."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks."""
+        ...
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on the rank that publishes global manifests."""
+        ...
+
+    def coordination(self) -> KV:
+        """The job's coordination client, never a collective (after ``open``; ``StoreClosedError`` before)."""
+        ...
+
+    def session_key(self, name: str) -> str:
+        """A coordination key of this session, the same on every rank."""
+        ...
+
+    def global_steps(self) -> list[int]:
+        """Published global steps, ascending."""
+        ...
+
+    def read_global(self, step: int) -> GlobalManifest:
+        """The global manifest of ``step``."""
+        ...
+
+    def newest_global(self) -> GlobalManifest | None:
+        """The newest global manifest that parses, or None."""
+        ...
+
+    async def read_shard(self, rank: int, step: int) -> Checkpoint:
+        """Read and verify ``rank``'s shard ``step``."""
+        ...
+
+    async def read_shard_manifest(self, rank: int, step: int) -> Manifest:
+        """Read ``rank``'s shard manifest ``step``."""
+        ...
+
+
+@runtime_checkable
+class ReshardingStore(Protocol):
+    """A store that can restore versions written by another number of ranks, given the pieces this rank holds now.
+
+    ``reshard`` is None (refuse such versions: ``WorldSizeMismatchError``) or
+    the :data:`Targets` function; the Checkpointer sets it for its model.
+    """
+
+    reshard: Targets | None

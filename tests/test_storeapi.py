@@ -13,6 +13,7 @@ from torch import nn
 from asymcheck import Checkpointer
 from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, CheckpointStore, LocalTier
+from asymstore.api import CollectiveStore, ReshardingStore
 from asymstore.multirank import RankStore
 
 
@@ -31,6 +32,9 @@ def test_both_stores_satisfy_the_protocol_and_nothing_else_passes_for_a_store(tm
         assert make_store(s, keep_last=1) is s
     assert isinstance(ranked.local, AsymStore) and not isinstance(ranked, AsymStore)  # held, not inherited
     assert ranked.tiers == ranked.local.tiers
+    # the capabilities the adapters check for: only the multi-rank store has them
+    assert isinstance(ranked, CollectiveStore) and isinstance(ranked, ReshardingStore)
+    assert not isinstance(plain, CollectiveStore) and not isinstance(plain, ReshardingStore)
     for other in ([LocalTier(tmp_path / "t")], str(tmp_path), tmp_path):
         assert not isinstance(other, CheckpointStore)
 

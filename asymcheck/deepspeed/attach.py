@@ -13,12 +13,13 @@ from asymcheck.deepspeed.state import DeepSpeedState
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.state.trainstate import Stateful
+from asymstore.api import CollectiveStore, ReshardingStore
 from asymstore.multirank import RankStore
 from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
 
-StoreSpec = RankStore | str | os.PathLike[str] | Sequence[Tier]
+StoreSpec = CollectiveStore | str | os.PathLike[str] | Sequence[Tier]
 
 
 class DeepSpeedCheckpointer(Checkpointer):
@@ -31,7 +32,7 @@ class DeepSpeedCheckpointer(Checkpointer):
     did. ``resume()`` is collective and loads through ``engine.load_checkpoint``.
     """
 
-    def __init__(self, engine: Any, store: RankStore, *, stateful: Mapping[str, Stateful] | None = None,
+    def __init__(self, engine: Any, store: CollectiveStore, *, stateful: Mapping[str, Stateful] | None = None,
                  data: Mapping[str, Stateful] | None = None, every: int = 1, **kwargs: Any) -> None:
         """Hook ``engine``; see :func:`attach` for the arguments."""
         check_engine(engine, "attach")
@@ -39,7 +40,8 @@ class DeepSpeedCheckpointer(Checkpointer):
         super().__init__(engine.module, inner_optimizer(engine), store, stateful=stateful, data=data, every=every,
                          **kwargs)
         self._hooks.remove()  # the plain adapter's optimizer hooks do not fit DeepSpeed's step
-        store.reshard = None  # ZeRO partitions carry no layout: another world size stays WorldSizeMismatchError
+        if isinstance(store, ReshardingStore):  # ZeRO partitions carry no layout: another world size stays
+            store.reshard = None  # WorldSizeMismatchError
         self.engine = engine
         self.state = DeepSpeedState(engine, store, self._loop.run, stateful, data)
         self._hooks = self._ds_hooks = DeepSpeedHooks(
@@ -54,10 +56,10 @@ class DeepSpeedCheckpointer(Checkpointer):
         self._ds_hooks.settle()
 
     @property
-    def rank_store(self) -> RankStore:
+    def rank_store(self) -> CollectiveStore:
         """The multi-rank store."""
         store = self.store
-        assert isinstance(store, RankStore)
+        assert isinstance(store, CollectiveStore)  # attach() only makes this adapter over one
         return store
 
     def _close(self, *, save: bool, remove_hooks: bool = True) -> None:
@@ -109,7 +111,7 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
             :mod:`asymcheck.deepspeed.support`) or an untested DeepSpeed version.
     """
     check_engine(engine, "attach")
-    if isinstance(store_or_tiers, RankStore):
+    if isinstance(store_or_tiers, CollectiveStore):
         store = store_or_tiers
     elif isinstance(store_or_tiers, (str, os.PathLike)):
         store = RankStore(store_or_tiers, keep_last=keep_last, timeout_s=timeout_s)

@@ -86,6 +86,7 @@ class AsymCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.timeout_s = timeout_s
         self.store_kwargs = store_kwargs
         self._loops: dict[str, StoreLoop] = {}
+        self._stores: dict[str, RankStore] = {}  # the store each loop owns, as this engine made it
         self._current: _Save | None = None
         self._shards: dict[tuple[str, int, int], Checkpoint] = {}
 
@@ -99,19 +100,20 @@ class AsymCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             store = RankStore(os.path.join(key, STORE_DIR), keep_last=self.keep_last, timeout_s=self.timeout_s,
                               wait_global=True, **self.store_kwargs)
             loop = self._loops[key] = StoreLoop(store)
+            self._stores[key] = store
         return loop
 
     def store(self, save_dir: str) -> RankStore:
-        """The RankStore of ``save_dir``."""
-        store = self.loop(save_dir).store
-        assert isinstance(store, RankStore)
-        return store
+        """The multi-rank store of ``save_dir`` (opened on first use)."""
+        self.loop(save_dir)
+        return self._stores[os.path.abspath(save_dir)]
 
     def close(self) -> None:
         """Close every store (call once training is done)."""
         for loop in self._loops.values():
             loop.close()
         self._loops.clear()
+        self._stores.clear()
         self._shards.clear()
 
     # -- saving ----------------------------------------------------------

@@ -49,10 +49,9 @@ from asymcheck.errors import StateMismatchError, UnsupportedStateError
 from asymcheck.state import rng
 from asymcheck.state.encode import decode, encode
 from asymcheck.state.trainstate import Capture, Moment, Stateful, TrainingState
-from asymstore.api import Checkpoint
+from asymstore.api import Checkpoint, CollectiveStore
 from asymstore.errors import AsymstoreError
 from asymstore.format.tensors import host_copy
-from asymstore.multirank import RankStore
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ class DeepSpeedState(TrainingState):
         stateful: name -> object with ``state_dict``/``load_state_dict`` (data position, sampler).
     """
 
-    def __init__(self, engine: Any, store: RankStore | None = None, run: Runner | None = None,
+    def __init__(self, engine: Any, store: CollectiveStore | None = None, run: Runner | None = None,
                  stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None) -> None:
         """Keep references to the live objects."""
         if getattr(engine, "has_moe_layers", False):

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from asymstore.api import CollectiveStore
 from asymstore.dist.kv import KV
 
 logger = logging.getLogger(__name__)
@@ -143,9 +144,7 @@ class PreemptAgreement:
 
 
 def agreement_for(store: object) -> PreemptAgreement | None:
-    """The agreement of a RankStore of several ranks (opened); None for any other store."""
-    from asymstore.multirank import RankStore
-
-    if not isinstance(store, RankStore) or store.world_size < 2:
+    """The agreement of a collective store of several ranks (opened); None for any other store."""
+    if not isinstance(store, CollectiveStore) or store.world_size < 2:
         return None
-    return PreemptAgreement(store.kv, store.session_key("preempt"), store.rank)
+    return PreemptAgreement(store.coordination(), store.session_key("preempt"), store.rank)

@@ -59,7 +59,7 @@ from typing import Any, Literal, TypeVar
 from asymcheck.policy.agreement import PreemptAgreement
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.storeloop import StoreLoop
-from asymstore import CheckpointStore
+from asymstore.api import CheckpointStore, CollectiveStore
 
 logger = logging.getLogger(__name__)
 
@@ -313,9 +313,7 @@ async def _versions(store: CheckpointStore) -> tuple[dict[str, list[int]], int |
 
 def _published(store: CheckpointStore) -> tuple[int | None] | None:
     """Under several ranks, (the newest global version known published,); None for a single-process store."""
-    from asymstore.multirank import RankStore
-
-    if not isinstance(store, RankStore):
+    if not isinstance(store, CollectiveStore):
         return None
     known = [store.published_step, store.restored_global.step if store.restored_global else None]
     return (max((s for s in known if s is not None), default=None),)

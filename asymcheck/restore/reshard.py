@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from asymcheck.errors import StateMismatchError
 from asymcheck.state import dtensors
 from asymcheck.state.trainstate import TrainingState
-from asymstore.api import CheckpointStore
+from asymstore.api import CheckpointStore, ReshardingStore
 from asymstore.format.pieces import MeshInfo, TensorLayout
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,6 @@ def new_pieces(state: TrainingState, old: Mapping[str, TensorLayout]) -> dict[st
 
 
 def enable_resharding(store: CheckpointStore, state: TrainingState) -> None:
-    """Let a RankStore restore versions of another world size into ``state`` (no-op for other stores)."""
-    from asymstore.multirank import RankStore
-
-    if isinstance(store, RankStore):
+    """Let a resharding store restore versions of another world size into ``state`` (no-op for other stores)."""
+    if isinstance(store, ReshardingStore):
         store.reshard = lambda old: new_pieces(state, old)

@@ -33,7 +33,7 @@ import torch
 
 from asymcheck.errors import StateMismatchError
 from asymcheck.state.trainstate import TrainingState
-from asymstore.api import Checkpoint, CheckpointStore
+from asymstore.api import Checkpoint, CheckpointStore, CollectiveStore
 from asymstore.errors import DestinationMismatchError
 from asymstore.format.manifest import Manifest
 from asymstore.format.tensors import dtype_from_name
@@ -69,9 +69,7 @@ async def restore_live(store: CheckpointStore, state: TrainingState) -> tuple[Ch
         StateMismatchError: the newest version does not fit (nothing was written).
         Everything :meth:`asymstore.AsymStore.restore` raises.
     """
-    from asymstore.multirank import RankStore
-
-    if isinstance(store, RankStore):
+    if isinstance(store, CollectiveStore):  # collective: every rank loads the same global version, fresh tensors
         return await store.restore(), False
     try:
         return await store.restore(into=live_destinations(state)), True

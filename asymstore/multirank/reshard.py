@@ -24,10 +24,10 @@ were recorded) is refused: where its pieces belong is unknown.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from asymstore.api import Checkpoint
+from asymstore.api import Checkpoint, Targets
 from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, describe
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import Chunk, Manifest
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Targets = Callable[[Mapping[str, TensorLayout]], Mapping[str, TensorLayout]]
-"""Given the old layouts of the sharded tensors, the piece of each this rank holds now (same names)."""
 
 
 async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop: int) -> bytearray:

@@ -36,9 +36,8 @@ from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.multirank.reshard import restore_resharded
 
 if TYPE_CHECKING:
-    from asymstore.api import Into
+    from asymstore.api import Into, Targets
     from asymstore.multirank.job import Job
-    from asymstore.multirank.reshard import Targets
     from asymstore.store import AsymStore
 
 logger = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from asymstore.api import Checkpoint, CheckpointStore, CommitResult
+from asymstore.api import Checkpoint, CheckpointStore, CommitResult, Targets
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
 from asymstore.dist.world import env_rank_world
 from asymstore.errors import CoordinationTimeoutError, GlobalManifestError, GlobalVersionDroppedError, describe
@@ -49,7 +49,6 @@ from asymstore.multirank.job import Job
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
-from asymstore.multirank.reshard import Targets
 from asymstore.multirank.restore import restore_collective
 from asymstore.multirank.retention import delete_shard, retain_shards, retire_departed_shards, roll_back
 from asymstore.store import AsymStore
@@ -274,6 +273,10 @@ class RankStore:
     @property
     def kv(self) -> KV:
         """The coordination store (after ``open``; StoreClosedError before)."""
+        return self.job.kv
+
+    def coordination(self) -> KV:
+        """The job's coordination client (see :attr:`kv`): how the adapters agree across ranks, never a collective."""
         return self.job.kv
 
     # -- global versions -------------------------------------------------

@@ -18,8 +18,7 @@ from asymcheck.policy.failures import FailureBudget, OnError
 from asymcheck.policy.pacing import Pacer
 from asymcheck.policy.preempt import (
     DEFAULT_DEADLINE_S,
-    Deadline,
-    Preemptible,
+    Preemption,
     PreemptionRecord,
     PreemptOn,
     SigtermNotice,
@@ -32,12 +31,12 @@ from asymcheck.snapshot.edits import EditTracker
 from asymcheck.snapshot.hooks import HookSet
 from asymcheck.snapshot.hostpool import HostPool
 from asymcheck.snapshot.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
-from asymcheck.snapshot.version import Snapshot
 from asymcheck.state.dtensors import check_tensors
 from asymcheck.state.trainstate import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.cycle import VersionCycle
+from asymcheck.versions.progress import Progress
 from asymcheck.versions.storeloop import StoreLoop
 from asymcheck.versions.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, status_of, versions_of
 from asymstore import CorruptVersionError, NoCheckpointError
@@ -51,7 +50,7 @@ WhenBusy = Literal["wait", "skip"]
 CopyMode = Literal["thread", "inline"]
 
 
-class Checkpointer(VersionCycle, Preemptible):
+class Checkpointer:
     """Snapshots every ``every``-th optimizer step of an ordinary training loop.
 
     The state after step ``t`` is copied to host memory during the forward
@@ -155,12 +154,11 @@ class Checkpointer(VersionCycle, Preemptible):
         if every < 1:
             raise ValueError("every must be >= 1")
         check_tensors(model, optimizer)
-        self.preempt_deadline_s = check_deadline(preempt_deadline_s)
+        deadline_s = check_deadline(preempt_deadline_s)
         self.state = TrainingState(model, optimizer, stateful, data)
         self.every = every
         self._pacer = Pacer(max_overhead)
         self.on_error = on_error
-        self.save_on_close = save_on_close
         self._stats = StatsRecorder()
         self._budget = FailureBudget(self._stats, on_error, max_steps_without_durable, max_seconds_without_durable)
         self._edits = EditTracker()
@@ -183,15 +181,11 @@ class Checkpointer(VersionCycle, Preemptible):
         except BaseException:
             self._loop.close()
             raise
-        self._step = 0
-        self._saved_step: int | None = None  # newest step restored or handed to a commit
-        self._snap: Snapshot | None = None
-        self._moment: Moment | None = None  # RNG and data states taken when the step returned (DeepSpeed)
-        self._in_step = False
-        self._started = False
-        self._checked_store = False
-        self._conflict = False
-        self._closed = False
+        self._progress = Progress()
+        self._cycle = VersionCycle(self.state, self._progress, edits=self._edits, planner=self._planner,
+                                   pool=self._pool, engine=self._engine, commits=self._commits, stats=self._stats,
+                                   loop=self._loop, on_recapture=self._refresh_hooks,
+                                   save_on_close=save_on_close)
         self._hook_s = 0.0
         self._open_s = 0.0
         self._last_pre: float | None = None
@@ -201,18 +195,38 @@ class Checkpointer(VersionCycle, Preemptible):
         self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
         self.preempted: PreemptionRecord | None = None
         self._notice = SigtermNotice(preempt_on)
-        self._agreement = agreement_for(self._loop.store)  # several ranks: one notice, one step, one boundary
-        self._boundary = True
-        self._joined = False
+        self._preemption = Preemption(
+            self._progress, commits=self._commits, loop=self._loop, notice=self._notice,
+            agreement=agreement_for(self._loop.store),  # several ranks: one notice, one step, one boundary
+            deadline_s=deadline_s, settle=self._settle, seal_last=self._cycle.seal_last, release=self._release,
+            finished=self._preempted)
         self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
                               on_step_pre=self._on_step_pre, on_step_post=self._on_step_post)
 
     # -- public ----------------------------------------------------------
 
     @property
+    def save_on_close(self) -> bool:
+        """Seal the newest completed step on close if no version of it is open (the constructor's option)."""
+        return self._cycle.save_on_close
+
+    @save_on_close.setter
+    def save_on_close(self, value: bool) -> None:
+        self._cycle.save_on_close = value
+
+    @property
+    def preempt_deadline_s(self) -> float | None:
+        """The default deadline of a preemption flush, in seconds (None: no limit)."""
+        return self._preemption.deadline_s
+
+    @preempt_deadline_s.setter
+    def preempt_deadline_s(self, value: float | None) -> None:
+        self._preemption.deadline_s = check_deadline(value)
+
+    @property
     def step(self) -> int:
         """Optimizer steps completed (including those before a resume)."""
-        return self._step
+        return self._progress.step
 
     @property
     def plan(self) -> Plan | None:
@@ -269,13 +283,13 @@ class Checkpointer(VersionCycle, Preemptible):
             CheckpointerStateError: training already started, or closed.
         """
         self._require_open()
-        if self._started:
+        if self._progress.started:
             raise CheckpointerStateError("resume() must be called before the first optimizer step")
         try:
             ckpt, in_place = self._loop.run(restore_live(self._loop.store, self.state))
         except NoCheckpointError:
             logger.info("no checkpoint in the store: starting fresh")
-            self._checked_store = True
+            self._cycle.checked_store = True
             return None
         except CorruptVersionError as exc:
             self._unusable = f"resume() found no version that verifies and the live model may hold parts of one: {exc}"
@@ -286,9 +300,9 @@ class Checkpointer(VersionCycle, Preemptible):
             if in_place:
                 self._unusable = f"resume() failed after reading into the live model: {exc!r}"
             raise
-        self._step = self._saved_step = ckpt.step
+        self._progress.step = self._progress.saved_step = ckpt.step
         self._budget.restart(ckpt.step)
-        self._checked_store = True
+        self._cycle.checked_store = True
         self.restored = RestoreInfo(ckpt.step, ckpt.tier, tuple(ckpt.fallbacks))
         logger.info("resumed step %d from %s%s", ckpt.step, ckpt.tier,
                     f" after {len(ckpt.fallbacks)} fallback(s)" if ckpt.fallbacks else "")
@@ -307,8 +321,8 @@ class Checkpointer(VersionCycle, Preemptible):
         tensors keep their values of the step). A no-op when no version is open.
         """
         self._settle()
-        snap = self._snap
-        if self._closed or snap is None:
+        snap = self._cycle.snap
+        if self._progress.closed or snap is None:
             return
         fresh = self.state.capture_step(self.state.capture_moment())
         if [n for n in fresh.names if n not in self._edits.eager] == snap.capture.names:
@@ -318,7 +332,7 @@ class Checkpointer(VersionCycle, Preemptible):
             snap.next_pending = False
         elif snap.next_pending:  # parameters added since the step: re-capture (nothing was copied yet)
             Moment.of(fresh).apply(snap.capture)
-            self._snap = self._capture_next(snap)
+            self._cycle.snap = self._cycle.capture_next(snap)
 
     @contextlib.contextmanager
     def editing(self) -> Iterator[None]:
@@ -333,17 +347,17 @@ class Checkpointer(VersionCycle, Preemptible):
         version is dropped (see :mod:`asymcheck.snapshot.edits`).
         """
         self._settle()
-        snap = self._snap
-        if snap is not None and not self._closed and not snap.verified:
+        snap = self._cycle.snap
+        if snap is not None and not self._progress.closed and not snap.verified:
             started = time.perf_counter()
-            self._finish_copy(snap)
+            self._cycle.finish_copy(snap)
             self._hook_s += time.perf_counter() - started
         yield
 
     def flush(self) -> None:
         """Wait until every sealed version is committed (and apply the failure policy)."""
         self._commits.drain()
-        self._budget.check(self._step, self._commits.take_error())
+        self._budget.check(self._progress.step, self._commits.take_error())
 
     def close(self) -> None:
         """Capture the last step (if not saved), commit it, wait for every commit, release everything.
@@ -372,16 +386,7 @@ class Checkpointer(VersionCycle, Preemptible):
             deadline_s: seconds it may take (default: ``preempt_deadline_s``; ``math.inf``: no limit).
         """
         self._require_open()
-        limit = self.preempt_deadline_s if deadline_s is None else check_deadline(deadline_s)
-        deadline = Deadline(limit)
-        lost = False
-        if self._agreement is not None:
-            agreed = self._agreement.publish(self._step, "explicit")
-            lost = agreed is None
-            if agreed is not None and agreed.step != self._step:
-                logger.error("preempt(): the ranks agreed on step %d (%s from rank %d) and this rank is at step %d; "
-                             "flushing step %d", agreed.step, agreed.reason, agreed.rank, self._step, self._step)
-        return self._flush_for_preemption("explicit", deadline, lost=lost)
+        return self._preemption.explicit(deadline_s)
 
     def __enter__(self) -> Checkpointer:
         """Return self."""
@@ -408,19 +413,19 @@ class Checkpointer(VersionCycle, Preemptible):
             self._event(FORWARD)
 
     def _on_grad(self) -> None:
-        self._joined = True  # gradients started: their collectives may complete on the other ranks
+        self._preemption.joined = True  # gradients started: their collectives may complete on the other ranks
         self._event(BACKWARD)
 
     def _event(self, phase: str) -> None:
-        self._check_notice()
-        if self._closed:
+        self._preemption.check()
+        if self._progress.closed:
             return
         started = time.perf_counter()
         ordinal = self._recorder.enter(phase)
-        snap = self._snap
+        snap = self._cycle.snap
         if snap is not None:
             if snap.next_pending:
-                snap = self._snap = self._capture_next(snap)
+                snap = self._cycle.snap = self._cycle.capture_next(snap)
             if not snap.verified:
                 snap.issue_event(ordinal, self._engine)
         self._recorder.leave()
@@ -429,21 +434,21 @@ class Checkpointer(VersionCycle, Preemptible):
     def _on_step_pre(self) -> None:
         if self._unusable is not None:
             raise CheckpointerStateError(self._unusable + "; rebuild the model and optimizer (or start fresh)")
-        self._joined = True
-        self._check_notice()
-        if self._closed:
+        self._preemption.joined = True
+        self._preemption.check()
+        if self._progress.closed:
             return
         started = time.perf_counter()
         for windows in self._recorder.finish():
             self._planner.observe(windows)
-        self._budget.check(self._step, self._commits.take_error())
-        self._in_step = True
-        snap, self._snap = self._snap, None
+        self._budget.check(self._progress.step, self._commits.take_error())
+        self._progress.in_step = True
+        snap, self._cycle.snap = self._cycle.snap, None
         sealed = skipped = dropped = False
         waited = 0.0
         nbytes = 0
         if snap is not None:
-            submitted, waited, nbytes, dropped = self._seal(snap)
+            submitted, waited, nbytes, dropped = self._cycle.seal(snap)
             sealed, skipped = not dropped, not submitted and not dropped
         ended = time.perf_counter()
         iteration = started - self._last_pre if self._last_pre is not None else 0.0
@@ -451,45 +456,66 @@ class Checkpointer(VersionCycle, Preemptible):
         self._pacer.iteration(iteration)
         busy = self._engine.busy_seconds
         self._stats.add_step(StepRecord(
-            step=self._step, sealed=sealed, stall_s=ended - started, backpressure_s=waited, hook_s=self._hook_s,
-            open_s=self._open_s, copy_bytes=nbytes, iteration_s=iteration, skipped=skipped,
+            step=self._progress.step, sealed=sealed, stall_s=ended - started, backpressure_s=waited,
+            hook_s=self._hook_s, open_s=self._open_s, copy_bytes=nbytes, iteration_s=iteration, skipped=skipped,
             copy_s=busy - self._copy_mark, dropped=dropped))
         self._copy_mark = busy
         self._hook_s = self._open_s = 0.0
 
     def _on_step_post(self) -> None:
-        if self._closed:
+        if self._progress.closed:
             return
         started = time.perf_counter()
-        self._in_step = False
-        self._started = True
-        self._step += 1
-        self._boundary, self._joined = True, False  # the next training hook is an iteration boundary
+        self._progress.in_step = False
+        self._progress.started = True
+        self._progress.step += 1
+        self._preemption.boundary = True  # the next training hook is an iteration boundary
+        self._preemption.joined = False
         self._hooks.refresh()
-        if self._step % self.every == 0 and self._pacer.take(self._step):
-            self._open(self._step)
+        if self._progress.step % self.every == 0 and self._pacer.take(self._progress.step):
+            self._cycle.open(self._progress.step)
         self._recorder.start()
         self._open_s = time.perf_counter() - started
         # no notice check here: the loop's own scheduler.step() etc. of this step have not run yet
 
+    def _refresh_hooks(self) -> None:
+        """Follow parameters added since the hooks were registered (``self._hooks`` may be replaced: DeepSpeed)."""
+        self._hooks.refresh()
+
+    def _preempted(self, record: PreemptionRecord) -> None:
+        """Keep what a preemption flush recorded (``preempted``, ``final_versions``)."""
+        self.final_versions = dict(record.versions)
+        self.preempted = record
+
+    def _release(self, *, remove_hooks: bool, timeout: float | None = None) -> bool:
+        """Stop the copy thread and close the store (within ``timeout``); True when it closed in time."""
+        try:
+            if remove_hooks:
+                self._hooks.remove()
+                self._notice.uninstall()
+            self._engine.close()
+        finally:
+            closed = self._loop.close(timeout, after=self._commits.pending)  # commits in flight end first
+        return closed
+
     def _require_open(self) -> None:
-        if self._closed:
+        if self._progress.closed:
             raise CheckpointerStateError("the Checkpointer is closed")
 
     def _close(self, *, save: bool, remove_hooks: bool = True) -> None:
-        if self._closed:
+        if self._progress.closed:
             if remove_hooks:
                 self._hooks.remove()  # left registered by a preemption flush inside a hook
                 self._notice.uninstall()
             return
-        self._closed = True
+        self._progress.closed = True
         try:
-            self._seal_last(save)
+            self._cycle.seal_last(save)
             self._commits.drain()
             self.final_versions = self._loop.run(versions_of(self._loop.store))
         finally:
             self._release(remove_hooks=remove_hooks)
         error = self._commits.take_error()
         if self.on_error == "raise" and error is not None:
-            self._budget.check(self._step, error)
+            self._budget.check(self._progress.step, error)
         self._budget.check_final()

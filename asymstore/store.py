@@ -16,6 +16,7 @@ from asymstore.errors import (
     AsymstoreError,
     CapacityError,
     EmptyStepError,
+    ReadOnlyStoreError,
     StepCommittedError,
     StepOrderError,
     StoreClosedError,
@@ -29,7 +30,7 @@ from asymstore.policy.costmodel import assumed_calibration
 from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
-from asymstore.write.puts import Puts, check_step
+from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.segments import COMPRESSION_POLICIES, Compression, VersionPlan
 from asymstore.write.staging import PendingStep
 from asymstore.write.tierwrite import TierState, write_version
@@ -47,7 +48,7 @@ DEFAULT_SHARE_BYTES = 64 << 20  # compressed chunks kept for a later tier that c
 
 
 
-class AsymStore(Puts):
+class AsymStore:
     """Checkpoint versions over tiers ordered fastest first.
 
     ``commit`` writes the version to every tier up to the *durable* one (by
@@ -113,7 +114,9 @@ class AsymStore(Puts):
         self._tiers = [TierState(t) for t in tiers]
         self.keep_last = keep_last
         self.segment_bytes = segment_bytes
-        self.chunk_bytes = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
+        chunk = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
+        self._stager = Stager(chunk, self._admit)
+        """What is staged per uncommitted step (``put``, ``adopt``; :mod:`asymstore.write.puts`)."""
         self.compression: Compression = compression
         self.codec = codec or PlaneCodec()
         self.flush_memory_bytes = flush_memory_bytes
@@ -125,7 +128,6 @@ class AsymStore(Puts):
         else:
             self._cache = CalibrationCache(calibration_cache)
         self._durable = self._find_durable(durable)
-        self._pending: dict[int, PendingStep] = {}
         self._commit_lock = asyncio.Lock()
         self._committed_steps: set[int] = set()  # committed through this store object
         self._background = Background()
@@ -226,10 +228,10 @@ class AsymStore(Puts):
             pass  # stop() reports what is left behind
         finally:
             await self._background.stop()
-            for step, pending in list(self._pending.items()):
+            for step, pending in list(self._stager.pending.items()):
                 logger.warning("closing with step %d put but never committed; dropping it", step)
                 pending.release_all()
-            self._pending.clear()
+            self._stager.pending.clear()
             self._open = False
             for state in self._tiers:
                 await self._close_tier(state.tier)
@@ -262,6 +264,48 @@ class AsymStore(Puts):
     def _require_open(self) -> None:
         if not self._open:
             raise StoreClosedError("the store is not open; use 'async with AsymStore(...)'")
+
+    def _require_writer(self) -> None:
+        self._require_open()
+        if self.read_only:
+            raise ReadOnlyStoreError("the store was opened with read_only=True")
+
+    def _admit(self, step: int) -> None:
+        """Refuse to stage for ``step`` unless this store could still commit it (the Stager asks first)."""
+        self._require_writer()
+        check_step(step)
+        if self._committed_anywhere(step):
+            raise StepCommittedError(f"step {step} is already committed")
+        newest = self.newest_step
+        if newest is not None and step < newest:
+            raise StepOrderError(f"step {step} is older than the newest committed step {newest}")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The largest chunk of one tensor (one checksum, one codec decision)."""
+        return self._stager.chunk_bytes
+
+    # -- staging (see :mod:`asymstore.write.puts` for the ownership rules of adopted tensors) ------------
+
+    async def put(self, step: int, name: str, tensor: object) -> None:
+        """Stage a private copy of ``tensor`` under ``name`` for ``step`` (see :meth:`Stager.put`)."""
+        await self._stager.put(step, name, tensor)
+
+    async def put_many(self, step: int, tensors: Mapping[str, object]) -> None:
+        """Stage a private copy of every ``name -> tensor`` for ``step`` (see :meth:`Stager.put_many`)."""
+        await self._stager.put_many(step, tensors)
+
+    async def adopt(self, step: int, name: str, tensor: object, *, release: Release | None = None) -> None:
+        """Stage ``tensor`` itself (no copy) under ``name`` for ``step`` (see :meth:`Stager.adopt`)."""
+        await self._stager.adopt(step, name, tensor, release=release)
+
+    async def adopt_many(self, step: int, tensors: Mapping[str, object], *, release: Release | None = None) -> None:
+        """Stage every tensor of ``tensors`` without copying (see :meth:`Stager.adopt_many`)."""
+        await self._stager.adopt_many(step, tensors, release=release)
+
+    def abandon(self, step: int) -> None:
+        """Drop everything staged for an uncommitted ``step``; adopted tensors are released."""
+        self._stager.abandon(step)
 
     # -- queries ---------------------------------------------------------
 
@@ -321,7 +365,7 @@ class AsymStore(Puts):
         clean_meta = validate_meta(meta)
         async with self._commit_lock:  # one commit at a time: step order is checked where it is decided
             self._check_commit_order(step)
-            pending = self._pending.get(step)
+            pending = self._stager.pending.get(step)
             if pending is None or not pending.tensors:
                 raise EmptyStepError(f"nothing was put for step {step}")
             return await self._commit_locked(step, pending, clean_meta)
@@ -363,10 +407,10 @@ class AsymStore(Puts):
         except BaseException:
             pending.sealed = False
             raise
-        del self._pending[step]
-        for older in [s for s in self._pending if s < step]:
+        del self._stager.pending[step]
+        for older in [s for s in self._stager.pending if s < step]:
             logger.warning("step %d was put but never committed before step %d; dropping it", older, step)
-            self._pending.pop(older).release_all()
+            self._stager.pending.pop(older).release_all()
         self._committed_steps.add(step)
         background = bool(self._background.flushers)
         if background and pending.releases:  # adopted memory goes back now: slower tiers get a private copy

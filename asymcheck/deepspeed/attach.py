@@ -49,8 +49,8 @@ class DeepSpeedCheckpointer(Checkpointer):
             on_step_post=self._on_step_post, on_step_done=self._on_step_done)
 
     def _on_step_done(self) -> None:
-        if not self._closed and (self._step + 1) % self.every == 0:
-            self._moment = self.state.capture_moment()  # before the next batch is drawn
+        if not self._progress.closed and (self._progress.step + 1) % self.every == 0:
+            self._cycle.moment = self.state.capture_moment()  # before the next batch is drawn
 
     def _settle(self) -> None:
         self._ds_hooks.settle()
@@ -63,7 +63,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         return store
 
     def _close(self, *, save: bool, remove_hooks: bool = True) -> None:
-        if not self._closed:
+        if not self._progress.closed:
             self._ds_hooks.settle()  # the last step's version opens before close() seals it
         super()._close(save=save, remove_hooks=remove_hooks)
 

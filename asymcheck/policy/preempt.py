@@ -58,6 +58,7 @@ from typing import Any, Literal, TypeVar
 
 from asymcheck.policy.agreement import PreemptAgreement
 from asymcheck.versions.commits import CommitQueue
+from asymcheck.versions.progress import Progress
 from asymcheck.versions.storeloop import StoreLoop
 from asymstore.api import CheckpointStore, CollectiveStore
 
@@ -184,71 +185,96 @@ def check_deadline(deadline_s: float | None) -> float | None:
     return deadline_s
 
 
-class Preemptible:
-    """The Checkpointer's preemption flush (a mixin of :class:`asymcheck.Checkpointer`; see the module docstring)."""
+class Preemption:
+    """The preemption of one :class:`asymcheck.Checkpointer`: notice, agreement, flush (see the module docstring).
 
-    _commits: CommitQueue
-    _loop: StoreLoop
-    _notice: SigtermNotice
-    _agreement: PreemptAgreement | None  # under several ranks (asymcheck.policy.agreement)
-    _boundary: bool  # the next training hook is the first after an optimizer step (or the first of all)
-    _joined: bool  # this iteration's gradients (and the collectives they start) began
-    _closed: bool
-    _step: int
-    _saved_step: int | None
-    preempt_deadline_s: float | None
-    preempted: PreemptionRecord | None
-    final_versions: dict[str, list[int]] | None
+    Args:
+        progress: the loop's position, shared with the Checkpointer.
+        commits: the Checkpointer's commit queue.
+        loop: the store's loop.
+        notice: the SIGTERM notice.
+        agreement: the agreement across ranks (None in a single process).
+        deadline_s: the default deadline of a flush (None: no limit).
+        settle: opens a version whose step finished but was not delivered yet (DeepSpeed).
+        seal_last: seals the newest completed step (``seal_last(save)``).
+        release: stops the copy thread and closes the store
+            (``release(remove_hooks=..., timeout=...)``; True when it closed in time).
+        finished: told the record once a flush ended (the Checkpointer keeps it).
+    """
 
-    def _settle(self) -> None:
-        raise NotImplementedError
+    def __init__(self, progress: Progress, *, commits: CommitQueue, loop: StoreLoop, notice: SigtermNotice,
+                 agreement: PreemptAgreement | None, deadline_s: float | None, settle: Callable[[], None],
+                 seal_last: Callable[[bool], None], release: Callable[..., bool],
+                 finished: Callable[[PreemptionRecord], None]) -> None:
+        self.progress = progress
+        self.commits = commits
+        self.loop = loop
+        self.notice = notice
+        self.agreement = agreement
+        self.deadline_s = deadline_s
+        self.settle = settle
+        self.seal_last = seal_last
+        self.release = release
+        self.finished = finished
+        self.boundary = True
+        """The next training hook is the first after an optimizer step (or the first of all)."""
+        self.joined = False
+        """This iteration's gradients (and the collectives they start) began."""
 
-    def _seal_last(self, save: bool) -> None:
-        raise NotImplementedError
+    def explicit(self, deadline_s: float | None) -> PreemptionRecord:
+        """``Checkpointer.preempt()``: publish the notice under several ranks, then flush within the deadline."""
+        limit = self.deadline_s if deadline_s is None else check_deadline(deadline_s)
+        deadline = Deadline(limit)
+        lost = False
+        step = self.progress.step
+        if self.agreement is not None:
+            agreed = self.agreement.publish(step, "explicit")
+            lost = agreed is None
+            if agreed is not None and agreed.step != step:
+                logger.error("preempt(): the ranks agreed on step %d (%s from rank %d) and this rank is at step %d; "
+                             "flushing step %d", agreed.step, agreed.reason, agreed.rank, step, step)
+        return self.flush("explicit", deadline, lost=lost)
 
-    def _release(self, *, remove_hooks: bool, timeout: float | None = None) -> bool:
-        raise NotImplementedError
-
-    def _check_notice(self) -> None:
+    def check(self) -> None:
         """At a hook: act on a SIGTERM received since (under several ranks, on the agreed notice)."""
-        if self._closed:
+        if self.progress.closed:
             return
-        agreement = self._agreement
+        agreement = self.agreement
         if agreement is None:  # one process: the state after the newest completed step is whole at any hook
-            if self._notice.pending:
-                self._flush_for_preemption("SIGTERM", Deadline(self.preempt_deadline_s, self._notice.received))
-                self._notice.hand_on()
+            if self.notice.pending:
+                self.flush("SIGTERM", Deadline(self.deadline_s, self.notice.received))
+                self.notice.hand_on()
             return
-        boundary, self._boundary = self._boundary, False
+        boundary, self.boundary = self.boundary, False
         notice = agreement.notice
         if notice is None:
-            if self._notice.pending:  # no rank can be past step T (asymcheck.policy.agreement)
-                notice = agreement.publish(self._step + (2 if self._joined else 1), "SIGTERM")
+            if self.notice.pending:  # no rank can be past step T (asymcheck.policy.agreement)
+                notice = agreement.publish(self.progress.step + (2 if self.joined else 1), "SIGTERM")
             elif boundary:
                 notice = agreement.poll()  # the one read of the iteration
             if notice is None:
-                if agreement.lost is not None and self._notice.pending:  # no peers to agree with: flush now
-                    self._flush_for_preemption("SIGTERM", Deadline(self.preempt_deadline_s, self._notice.received),
+                if agreement.lost is not None and self.notice.pending:  # no peers to agree with: flush now
+                    self.flush("SIGTERM", Deadline(self.deadline_s, self.notice.received),
                                                lost=True)
-                    self._notice.hand_on()
+                    self.notice.hand_on()
                 return
         if not boundary:
             return
-        if self._step < notice.step:
+        if self.progress.step < notice.step:
             return  # train on to the agreed step: the other ranks need this one in its collectives
-        if self._step > notice.step:
+        if self.progress.step > notice.step:
             logger.error("preemption: every rank was to flush step %d, this rank is already at step %d "
-                         "(a rank that does not step in lockstep?): flushing step %d", notice.step, self._step,
-                         self._step)
-        origins = [t for t in (self._notice.received, agreement.seen) if t is not None]
-        self._flush_for_preemption("SIGTERM" if self._notice.pending else "peer",
-                                   Deadline(self.preempt_deadline_s, min(origins)))
-        if self._notice.pending or notice.reason == "SIGTERM":  # a peer's SIGTERM: exit as if signalled
-            self._notice.hand_on()
+                         "(a rank that does not step in lockstep?): flushing step %d", notice.step, self.progress.step,
+                         self.progress.step)
+        origins = [t for t in (self.notice.received, agreement.seen) if t is not None]
+        self.flush("SIGTERM" if self.notice.pending else "peer",
+                                   Deadline(self.deadline_s, min(origins)))
+        if self.notice.pending or notice.reason == "SIGTERM":  # a peer's SIGTERM: exit as if signalled
+            self.notice.hand_on()
 
     def _on_loop(self, coro: Coroutine[Any, Any, T], deadline: Deadline, grace_s: float = 1.0) -> T:
         """Run ``coro`` on the store's thread; give up ``grace_s`` after the deadline (TimeoutError)."""
-        fut = self._loop.submit(coro)
+        fut = self.loop.submit(coro)
         left = deadline.left()
         try:
             return fut.result(None if left is None else left + grace_s)
@@ -256,22 +282,23 @@ class Preemptible:
             fut.cancel()
             raise
 
-    def _flush_for_preemption(self, reason: Reason, deadline: Deadline, *, lost: bool = False) -> PreemptionRecord:
-        self._settle()  # DeepSpeed: the last step's version opens first
-        store = self._loop.store
+    def flush(self, reason: Reason, deadline: Deadline, *, lost: bool = False) -> PreemptionRecord:
+        """Commit the newest completed step durably within ``deadline``, close, and record what it managed."""
+        self.settle()  # DeepSpeed: the last step's version opens first
+        store = self.loop.store
         error: str | None = None
         hit = False
         persistent: int | None = None
         versions: dict[str, list[int]] = {}
         try:
-            drained = self._commits.drain(deadline.left())  # earlier versions first: the store commits in order
-            self._closed = True
-            self._seal_last(drained)  # the newest completed step (dropped when the deadline passed already)
-            drained = drained and self._commits.drain(deadline.left())
+            drained = self.commits.drain(deadline.left())  # earlier versions first: the store commits in order
+            self.progress.closed = True
+            self.seal_last(drained)  # the newest completed step (dropped when the deadline passed already)
+            drained = drained and self.commits.drain(deadline.left())
             hit = not drained
             if drained:
                 persistent = self._on_loop(store.flush(deadline.left()), deadline)
-                newest = -1 if self._saved_step is None else self._saved_step
+                newest = -1 if self.progress.saved_step is None else self.progress.saved_step
                 known = _published(store)
                 complete = _reached(persistent, newest) and (known is None or _reached(known[0], newest))
                 hit = deadline.expired and not complete
@@ -281,20 +308,19 @@ class Preemptible:
             hit = hit or isinstance(exc, TimeoutError)
             error = f"{type(exc).__name__}: {exc}"
         finally:
-            self._closed = True
-            if not self._release(remove_hooks=False, timeout=deadline.left()):  # hooks stay (no-ops) in a hook
+            self.progress.closed = True
+            if not self.release(remove_hooks=False, timeout=deadline.left()):  # hooks stay (no-ops) in a hook
                 logger.warning("preemption: the store goes on closing after the deadline")
-        failed = self._commits.take_error()
+        failed = self.commits.take_error()
         if failed is not None and error is None:
             error = f"{type(failed).__name__}: {failed}"
         multirank = _published(store)
         published = None if multirank is None else multirank[0]
-        durable = persistent == self._step and (multirank is None or published == self._step)
-        lost = lost or (multirank is not None and persistent == self._step and published != self._step)
-        record = PreemptionRecord(reason, self._step, durable, deadline.elapsed(), versions, deadline.seconds,
+        durable = persistent == self.progress.step and (multirank is None or published == self.progress.step)
+        lost = lost or (multirank is not None and persistent == self.progress.step and published != self.progress.step)
+        record = PreemptionRecord(reason, self.progress.step, durable, deadline.elapsed(), versions, deadline.seconds,
                                   hit, persistent, published, error, lost)
-        self.final_versions = versions
-        self.preempted = record
+        self.finished(record)
         logger.warning("preemption (%s): step %d %s in %.2f s (deadline %s%s); persistent %s, global %s; "
                        "versions %s%s%s", reason, record.step, "durable" if durable else "NOT durable",
                        record.seconds, deadline.seconds, ", hit" if hit else "", persistent, published,

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
-from asymstore.errors import InvalidStepError, ReadOnlyStoreError, StepCommittedError, StepOrderError
+from asymstore.errors import InvalidStepError
 from asymstore.write.staging import PendingStep, check_adoptable, stages_inline
 
 logger = logging.getLogger(__name__)
@@ -44,40 +44,27 @@ def check_step(step: object) -> int:
     return step
 
 
-class Puts:
-    """The staging half of :class:`~asymstore.AsymStore` (mixed in; see the module docstring)."""
+class Stager:
+    """The steps being staged in one :class:`~asymstore.AsymStore` (it owns one; see the module docstring).
 
-    _pending: dict[int, PendingStep]
-    chunk_bytes: int
-    read_only: bool
+    Args:
+        chunk_bytes: largest chunk of one tensor.
+        admit: called with a step before anything is staged for it; raises
+            when the store cannot take it (closed, read-only, already
+            committed, older than the newest committed step).
+    """
 
-    def _require_open(self) -> None:
-        raise NotImplementedError
-
-    def _committed_anywhere(self, step: int) -> bool:
-        raise NotImplementedError
-
-    @property
-    def newest_step(self) -> int | None:
-        """The newest committed step (the store's)."""
-        raise NotImplementedError
-
-    def _require_writer(self) -> None:
-        self._require_open()
-        if self.read_only:
-            raise ReadOnlyStoreError("the store was opened with read_only=True")
+    def __init__(self, chunk_bytes: int, admit: Callable[[int], None]) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.admit = admit
+        self.pending: dict[int, PendingStep] = {}
+        """What is staged per uncommitted step (the store's commit takes it from here)."""
 
     def _pending_for(self, step: int) -> PendingStep:
-        self._require_writer()
-        check_step(step)
-        if self._committed_anywhere(step):
-            raise StepCommittedError(f"step {step} is already committed")
-        newest = self.newest_step
-        if newest is not None and step < newest:
-            raise StepOrderError(f"step {step} is older than the newest committed step {newest}")
-        pending = self._pending.get(step)
+        self.admit(step)
+        pending = self.pending.get(step)
         if pending is None:
-            pending = self._pending[step] = PendingStep(step, self.chunk_bytes)
+            pending = self.pending[step] = PendingStep(step, self.chunk_bytes)
         return pending
 
     async def put(self, step: int, name: str, tensor: object) -> None:
@@ -158,14 +145,14 @@ class Puts:
             InvalidValueError: a tensor is not a contiguous CPU tensor of a storable dtype.
             Everything :meth:`put_many` raises. ``release`` has run when this raises.
         """
-        earlier = self._pending.get(step)
+        earlier = self.pending.get(step)
         staged_before = set(earlier.tensors) if earlier is not None else set()
         try:
             for value in tensors.values():
                 check_adoptable(value)
             await self._stage_many(step, tensors, adopted=True)
         except BaseException:
-            pending = self._pending.get(step)
+            pending = self.pending.get(step)
             if pending is not None:  # what this call staged must not outlive the caller's memory
                 for name in tensors:
                     st = pending.tensors.get(name)
@@ -176,7 +163,7 @@ class Puts:
             raise
         if release is None:
             return
-        pending = self._pending.get(step)
+        pending = self.pending.get(step)
         if pending is None or not any(pending.tensors.get(n) is not None for n in tensors):
             _call(release, step)  # abandoned or committed while the checksums ran: nothing reads it now
         else:
@@ -184,7 +171,7 @@ class Puts:
 
     def abandon(self, step: int) -> None:
         """Drop everything put for an uncommitted ``step`` (adopted tensors are released)."""
-        pending = self._pending.pop(step, None)
+        pending = self.pending.pop(step, None)
         if pending is not None:
             pending.release_all()
 

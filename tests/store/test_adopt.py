@@ -36,7 +36,7 @@ async def test_adopted_tensors_are_committed_without_a_copy_and_released_once(tm
     rel = Releases()
     async with AsymStore([LocalTier(os.path.join(str(tmp_path), "a"))], **FAST) as store:  # type: ignore[arg-type]
         await store.adopt_many(1, data, release=rel)
-        staged = store._pending[1].tensors
+        staged = store._stager.pending[1].tensors
         assert all(staged[k] is not None and staged[k].tensor.data_ptr() == data[k].data_ptr()  # type: ignore[union-attr]
                    for k in data)  # the caller's memory itself, no private copy
         assert rel.calls == 0

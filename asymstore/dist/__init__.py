@@ -1,0 +1,1 @@
+"""Distributed plumbing: the job's key-value store client (never a collective)."""

@@ -40,8 +40,7 @@ from typing import Any, Literal, NoReturn, get_args
 
 from asymstore.errors import TierError
 from asymstore.format.manifest import MANIFEST_NAME
-from asymstore.format.names import fsync_dir
-from asymstore.io.files import write_parts
+from asymstore.io.files import fsync_dir, write_parts
 from asymstore.tiers.local import LocalTier, _DirWriter
 from asymstore.tiers.peer.tier import PeerTier
 

@@ -1,4 +1,4 @@
-"""Names of things inside a directory-backed tier (LocalTier, HostTier on /dev/shm).
+"""Names of things inside a tier's root (directory tiers, shared memory, object-store prefixes) and of tier locations.
 
 ::
 
@@ -13,10 +13,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import time
-import uuid
 
 LATEST = "LATEST"
 TMP_PREFIX = ".tmp-"
@@ -29,31 +26,19 @@ def version_dirname(step: int) -> str:
     return f"v{step:012d}"
 
 
+def segment_filename(index: int) -> str:
+    """Return the file name of a version's ``index``-th segment (zero padded so names sort by index)."""
+    return f"seg-{index:06d}.bin"
+
+
 def parse_version_dirname(name: str) -> int | None:
     """Return the step of a version directory name, or None if it is not one."""
     match = _VERSION.match(name)
     return int(match.group(1)) if match else None
 
 
-def fsync_dir(path: str) -> None:
-    """Flush a directory's entries (new, renamed, removed names) to stable storage."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
-def quarantine_entry(root: str, path: str, label: str, *, fsync: bool = True) -> str:
-    """Move ``path`` (an entry of the tier ``root``) to ``root/.quarantine/<label>-<time>-<id>``; return where."""
-    qdir = os.path.join(root, QUARANTINE)
-    os.makedirs(qdir, exist_ok=True)
-    dest = os.path.join(qdir, f"{label}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
-    os.rename(path, dest)
-    if fsync:
-        fsync_dir(qdir)
-        fsync_dir(root)
-    return dest
 
 
 def retention_leftover(step: int, committed: list[int]) -> bool:

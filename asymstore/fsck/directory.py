@@ -12,14 +12,12 @@ from asymstore.format.names import (
     LATEST,
     QUARANTINE,
     TMP_PREFIX,
-    fsync_dir,
     parse_version_dirname,
-    quarantine_entry,
     retention_leftover,
     version_dirname,
 )
 from asymstore.fsck.report import FsckReport, Progress, VersionReport
-from asymstore.io.files import atomic_write, read_whole
+from asymstore.io.files import atomic_write, fsync_dir, quarantine_entry, read_whole
 from asymstore.io.rootlock import DirLock, is_leftover_name
 from asymstore.read.verify import check_version
 from asymstore.runtime.sync import run_sync

@@ -53,13 +53,13 @@ from asymstore.errors import AsymstoreError, GlobalManifestError, ManifestError
 from asymstore.format import placement
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, Manifest
-from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, fsync_dir, is_uri, version_dirname
+from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, is_uri, version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.format.placement import Placement
 from asymstore.fsck.directory import check_latest, quarantine
 from asymstore.fsck.report import FsckReport, Progress, VersionReport
 from asymstore.fsck.tier import check_tier, repair_tier
-from asymstore.io.files import atomic_write, read_whole
+from asymstore.io.files import atomic_write, fsync_dir, read_whole
 from asymstore.io.rootlock import DirLock
 from asymstore.multirank import globaldir
 from asymstore.runtime.sync import run_sync

@@ -9,13 +9,14 @@ import mmap
 import os
 import stat
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 
 import xxhash
 
 from asymstore.errors import CorruptVersionError
-from asymstore.format.names import fsync_dir
+from asymstore.format.names import QUARANTINE
 
 _IOV_MAX = 1024
 _DIRECT_MIN_BYTES = 8 << 20  # durable files at least this large bypass the page cache
@@ -364,3 +365,24 @@ def atomic_write(path: str, data: bytes, *, fsync: bool = True) -> None:
         raise
     if fsync:
         fsync_dir(directory)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (new, renamed, removed names) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def quarantine_entry(root: str, path: str, label: str, *, fsync: bool = True) -> str:
+    """Move ``path`` (an entry of the tier ``root``) to ``root/.quarantine/<label>-<time>-<id>``; return where."""
+    qdir = os.path.join(root, QUARANTINE)
+    os.makedirs(qdir, exist_ok=True)
+    dest = os.path.join(qdir, f"{label}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+    os.rename(path, dest)
+    if fsync:
+        fsync_dir(qdir)
+        fsync_dir(root)
+    return dest

@@ -13,8 +13,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 
-from asymstore.format.names import TMP_PREFIX, fsync_dir
-from asymstore.io.files import write_parts
+from asymstore.format.names import TMP_PREFIX
+from asymstore.io.files import fsync_dir, write_parts
 
 
 def probe_directory(root: str, sizes: Sequence[int], *, fsync: bool,

@@ -32,14 +32,8 @@ from collections.abc import Collection
 
 from asymstore.errors import RootLockedError
 from asymstore.format.manifest import MANIFEST_NAME
-from asymstore.format.names import (
-    LATEST,
-    TMP_PREFIX,
-    fsync_dir,
-    parse_version_dirname,
-    quarantine_entry,
-    retention_leftover,
-)
+from asymstore.format.names import LATEST, TMP_PREFIX, parse_version_dirname, retention_leftover
+from asymstore.io.files import fsync_dir, quarantine_entry
 
 logger = logging.getLogger(__name__)
 

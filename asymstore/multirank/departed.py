@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 
 from asymstore.errors import AsymstoreError
 from asymstore.format.globalmanifest import GlobalManifest
-from asymstore.format.names import LATEST, fsync_dir
+from asymstore.format.names import LATEST
+from asymstore.io.files import fsync_dir
 from asymstore.multirank import globaldir
 from asymstore.tiers.protocol import ExclusiveTier, Tier
 

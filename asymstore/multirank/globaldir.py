@@ -28,9 +28,9 @@ import uuid
 from asymstore.errors import CorruptVersionError, GlobalManifestError
 from asymstore.format.checksum import checksum
 from asymstore.format.globalmanifest import GlobalManifest
-from asymstore.format.names import LATEST, TMP_PREFIX, fsync_dir
+from asymstore.format.names import LATEST, TMP_PREFIX
 from asymstore.format.placement import MAX_PLACEMENT_BYTES, Placement, placement_filename
-from asymstore.io.files import atomic_write, check_regular, read_whole, write_parts
+from asymstore.io.files import atomic_write, check_regular, fsync_dir, read_whole, write_parts
 
 logger = logging.getLogger(__name__)
 

@@ -16,18 +16,12 @@ import aiofiles.os
 
 from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
-from asymstore.format.names import (
-    LATEST,
-    QUARANTINE,
-    TMP_PREFIX,
-    fsync_dir,
-    parse_version_dirname,
-    version_dirname,
-)
+from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, parse_version_dirname, version_dirname
 from asymstore.io.files import (
     atomic_write,
     check_directory,
     check_regular,
+    fsync_dir,
     read_large,
     read_ranges,
     write_parts,

@@ -55,6 +55,7 @@ from asymstore.format.codec import (
     sample,
 )
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
+from asymstore.format.names import segment_filename
 from asymstore.format.tensors import as_bytes, dtype_name, host_copy
 from asymstore.policy.costmodel import optimal_segment_bytes, predicted_seconds
 from asymstore.runtime.gcpause import gc_paused
@@ -350,7 +351,7 @@ class SegmentBuilder:
         plan = self.plan
         views, digests, masks, total = plan.views, plan.digests, self.tier_plan.masks, len(plan.views)
         limit = self.tier_plan.segment_bytes
-        name = f"seg-{len(self._segments):06d}.bin"
+        name = segment_filename(len(self._segments))
         parts: list[Buffer] = []
         small: list[memoryview] = []  # consecutive small raw chunks, joined into one buffer
         digest = StreamingChecksum()

@@ -39,11 +39,13 @@ model = make_model()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5)
 with Checkpointer(model, optimizer, "ckpt-mark", stateful={"sched": scheduler}) as ckpt:
+    # --8<-- [start:mark]
     for _step in range(ckpt.resume() or 0, 12):
         train_step(model, optimizer)                  # forward, backward, optimizer.step()
         val_loss = model(torch.randn(8, 16)).square().mean()  # training mode, grad enabled: looks like t+1
         scheduler.step()
         ckpt.mark()                                   # buffers, RNG, data, stateful, param groups taken here
+    # --8<-- [end:mark]
     assert ckpt.stats().versions_dropped == 0
 
 # 2. EMA evaluation with the EMA weights swapped in between steps: inside editing().
@@ -51,6 +53,7 @@ model = make_model()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99))
 with Checkpointer(model, optimizer, "ckpt-ema", stateful={"ema": ema}) as ckpt:
+    # --8<-- [start:editing]
     for _step in range(ckpt.resume() or 0, 12):
         train_step(model, optimizer)
         ema.update_parameters(model)                  # ema is in stateful=
@@ -61,5 +64,6 @@ with Checkpointer(model, optimizer, "ckpt-ema", stateful={"ema": ema}) as ckpt:
             evaluate(model)                           # no_grad + eval() forward
             for p, original in zip(model.parameters(), originals, strict=True):
                 p.copy_(original)                     # originals back
+    # --8<-- [end:editing]
     assert ckpt.stats().versions_dropped == 0
 print("mark() and editing(): no version dropped: OK")

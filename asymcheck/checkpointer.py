@@ -155,7 +155,7 @@ class Checkpointer:
             raise ValueError("every must be >= 1")
         check_tensors(model, optimizer)
         deadline_s = check_deadline(preempt_deadline_s)
-        self.state = TrainingState(model, optimizer, stateful, data)
+        state = TrainingState(model, optimizer, stateful, data)
         self.every = every
         self._pacer = Pacer(max_overhead)
         self.on_error = on_error
@@ -174,7 +174,7 @@ class Checkpointer:
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
         self._loop = StoreLoop(make_store(store_or_tiers, keep_last))
-        enable_resharding(self._loop.store, self.state)  # a RankStore resumes versions of another world size
+        enable_resharding(self._loop.store, state)  # a RankStore resumes versions of another world size
         try:
             self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
             self._engine = CopyEngine(copy)
@@ -182,7 +182,7 @@ class Checkpointer:
             self._loop.close()
             raise
         self._progress = Progress()
-        self._cycle = VersionCycle(self.state, self._progress, edits=self._edits, planner=self._planner,
+        self._cycle = VersionCycle(state, self._progress, edits=self._edits, planner=self._planner,
                                    pool=self._pool, engine=self._engine, commits=self._commits, stats=self._stats,
                                    loop=self._loop, on_recapture=self._refresh_hooks,
                                    save_on_close=save_on_close)
@@ -204,6 +204,15 @@ class Checkpointer:
                               on_step_pre=self._on_step_pre, on_step_post=self._on_step_post)
 
     # -- public ----------------------------------------------------------
+
+    @property
+    def state(self) -> TrainingState:
+        """What one step's training state is, how it is captured and loaded back (the version cycle's)."""
+        return self._cycle.state
+
+    @state.setter
+    def state(self, state: TrainingState) -> None:
+        self._cycle.state = state  # an adapter's own kind of state (DeepSpeed's engine files)
 
     @property
     def save_on_close(self) -> bool:

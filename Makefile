@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: demo example test setup lint typecheck bench-store bench-deepspeed gpu-test clean
+.PHONY: demo example test imports docs setup lint typecheck bench-store bench-deepspeed gpu-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(PY):
 # (DS_BUILD_OPS=0) and runs on the CPU accelerator in the tests.
 $(VENV)/.setup-done: pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed]"
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed,docs]"
 	$(PIP) install -q libkvikio-cu12 && $(PIP) install -q --no-deps kvikio-cu12
 	touch $@
 
@@ -34,6 +34,17 @@ test: setup
 	$(PY) -m pytest -q
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(MAKE) --no-print-directory imports docs
+
+# the layers contract (pyproject.toml [tool.importlinter]) and no import cycle, hidden ones included
+imports: setup
+	$(VENV)/bin/lint-imports
+	$(PY) tools/import_cycles.py
+
+# the docs site, strictly (every page, link and reference resolves), and every snippet runs
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --quiet
+	$(PY) examples/check_snippets.py
 
 lint: setup
 	$(PY) -m ruff check .

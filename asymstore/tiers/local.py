@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -193,11 +194,18 @@ class LocalTier:
         await asyncio.to_thread(self._delete_sync, self._vdir(step))
 
     def _delete_sync(self, vdir: str) -> None:
+        # Idempotent: another deleter may race this one (a retention of the multi-rank layer beside the
+        # sweep after a publish, which removes a version directory once its manifest is gone); a version
+        # that is gone is deleted, never an error.
         manifest = os.path.join(vdir, MANIFEST_NAME)
-        if os.path.exists(manifest):
+        try:
             os.unlink(manifest)
+        except FileNotFoundError:
+            pass
+        else:
             if self.fsync:
-                fsync_dir(vdir)
+                with contextlib.suppress(FileNotFoundError):  # the sweep took the directory meanwhile
+                    fsync_dir(vdir)
         shutil.rmtree(vdir, ignore_errors=True)
         if self.fsync:
             fsync_dir(self.root)

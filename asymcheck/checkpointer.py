@@ -72,7 +72,7 @@ class Checkpointer:
                 sched.step()
                 opt.zero_grad(set_to_none=True)
 
-    When each kind of state is taken (README, "Capture points"): parameters
+    When each kind of state is taken (docs/guides/checkpointer.md, "Capture points"): parameters
     and optimizer tensors hold their values when ``optimizer.step()``
     returns (read lazily, checked for edits); buffers, RNG states and the
     ``data`` objects are copied when the step returns; param groups and the

@@ -55,3 +55,14 @@ class NoDurableVersionError(CommitFailedError):
     Raised at the next optimizer step (or ``close()``); see ``Checkpointer(max_steps_without_durable=...,
     max_seconds_without_durable=...)``.
     """
+
+
+# -- DeepSpeed -------------------------------------------------------------------
+
+
+class DeepSpeedExportError(AsymcheckError):
+    """The location holds no exportable DeepSpeed version, or a file name would leave the output directory."""
+
+
+class NotInStoreError(AsymcheckError, FileNotFoundError):
+    """A DeepSpeed checkpoint file asked for is not in any committed version of the store."""

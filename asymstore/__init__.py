@@ -21,10 +21,16 @@ from asymstore.errors import (
     AsymstoreError,
     CapacityError,
     CodecError,
+    CoordinationTimeoutError,
     CorruptVersionError,
     DestinationMismatchError,
     DuplicateNameError,
     EmptyStepError,
+    ExportError,
+    GlobalCommitError,
+    GlobalCommitTimeoutError,
+    GlobalManifestError,
+    GlobalVersionDroppedError,
     InvalidMetaError,
     InvalidNameError,
     InvalidStepError,
@@ -32,7 +38,11 @@ from asymstore.errors import (
     LayoutError,
     ManifestError,
     NoCheckpointError,
+    PeerError,
+    PeerProtocolError,
+    PermanentRemoteError,
     ReadOnlyStoreError,
+    RemoteUnavailableError,
     RootLockedError,
     SnapshotSkippedError,
     StepCommittedError,
@@ -40,6 +50,7 @@ from asymstore.errors import (
     StoreClosedError,
     TierError,
     VersionNotFoundError,
+    WorldSizeMismatchError,
 )
 from asymstore.runtime.lazy import lazy_getattr
 
@@ -48,7 +59,17 @@ if TYPE_CHECKING:
     from asymstore.format.codec import PlaneCodec
     from asymstore.format.manifest import Manifest
     from asymstore.store import AsymStore
-    from asymstore.tiers import BoundedTier, GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier, VersionWriter
+    from asymstore.tiers import (
+        BoundedTier,
+        GPUTier,
+        HostTier,
+        LocalTier,
+        NVMeTier,
+        PeerTier,
+        RemoteTier,
+        Tier,
+        VersionWriter,
+    )
 
 _LAZY = {
     "BoundedTier": "asymstore.tiers",
@@ -62,6 +83,7 @@ _LAZY = {
     "LocalTier": "asymstore.tiers",
     "Manifest": "asymstore.format.manifest",
     "NVMeTier": "asymstore.tiers",
+    "PeerTier": "asymstore.tiers",
     "PlaneCodec": "asymstore.format.codec",
     "RemoteTier": "asymstore.tiers",
     "Tier": "asymstore.tiers",
@@ -85,12 +107,18 @@ __all__ = [
     "CheckpointStore",
     "CodecError",
     "CommitResult",
+    "CoordinationTimeoutError",
     "CorruptVersionError",
     "DestinationMismatchError",
     "DuplicateNameError",
     "EmptyStepError",
+    "ExportError",
     "FlushStats",
     "GPUTier",
+    "GlobalCommitError",
+    "GlobalCommitTimeoutError",
+    "GlobalManifestError",
+    "GlobalVersionDroppedError",
     "HostTier",
     "InvalidMetaError",
     "InvalidNameError",
@@ -102,9 +130,14 @@ __all__ = [
     "ManifestError",
     "NVMeTier",
     "NoCheckpointError",
+    "PeerError",
+    "PeerProtocolError",
+    "PeerTier",
+    "PermanentRemoteError",
     "PlaneCodec",
     "ReadOnlyStoreError",
     "RemoteTier",
+    "RemoteUnavailableError",
     "RootLockedError",
     "SnapshotSkippedError",
     "StepCommittedError",
@@ -116,4 +149,5 @@ __all__ = [
     "TierStatus",
     "VersionNotFoundError",
     "VersionWriter",
+    "WorldSizeMismatchError",
 ]

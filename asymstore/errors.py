@@ -149,3 +149,18 @@ class WorldSizeMismatchError(AsymstoreError, ValueError):
 
 class GlobalManifestError(CorruptVersionError):
     """A global manifest is not valid JSON of a known format version."""
+
+
+# -- remote tiers and export ---------------------------------------------------
+
+
+class PermanentRemoteError(TierError):
+    """A remote operation failed in a way retrying cannot fix (credentials, missing bucket)."""
+
+
+class RemoteUnavailableError(TierError):
+    """A remote operation kept failing with transient errors until its deadline."""
+
+
+class ExportError(AsymstoreError):
+    """A version cannot be exported as asked (nothing matches, a dtype the format lacks, a sharded version)."""

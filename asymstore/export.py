@@ -43,7 +43,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from asymstore.errors import AsymstoreError, NoCheckpointError, VersionNotFoundError
+from asymstore.errors import AsymstoreError, ExportError, NoCheckpointError, VersionNotFoundError
 from asymstore.format.manifest import Manifest, TensorEntry
 from asymstore.format.pieces import TensorLayout
 from asymstore.multirank.reshard import ShardSet
@@ -60,8 +60,6 @@ SAFETENSORS_DTYPES = {
 }
 
 
-class ExportError(AsymstoreError):
-    """A version cannot be exported as asked (nothing matches, a dtype the format lacks, a sharded version)."""
 
 
 def open_tier(location: str) -> tuple[Tier, str]:

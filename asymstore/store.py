@@ -285,22 +285,63 @@ class AsymStore:
         """The largest chunk of one tensor (one checksum, one codec decision)."""
         return self._stager.chunk_bytes
 
-    # -- staging (see :mod:`asymstore.write.puts` for the ownership rules of adopted tensors) ------------
+    # -- staging (the ownership rules of adopted tensors: :mod:`asymstore.write.puts`) ----------
 
     async def put(self, step: int, name: str, tensor: object) -> None:
-        """Stage a private copy of ``tensor`` under ``name`` for ``step`` (see :meth:`Stager.put`)."""
+        """Stage a private copy of ``tensor`` under ``name`` for ``step``.
+
+        Safe to call concurrently, in any order of names. The tensor may be
+        changed by the caller as soon as this returns.
+
+        Raises:
+            InvalidNameError: ``name`` is not a valid tensor name.
+            DuplicateNameError: ``name`` was already put for ``step``.
+            InvalidValueError: ``tensor`` is not a tensor of a storable dtype.
+            StepCommittedError: ``step`` is already committed.
+            StepOrderError: ``step`` is older than the newest committed step.
+            InvalidStepError: ``step`` is not a non-negative int.
+            StoreClosedError: the store is not open.
+            ReadOnlyStoreError: the store was opened ``read_only``.
+        """
         await self._stager.put(step, name, tensor)
 
     async def put_many(self, step: int, tensors: Mapping[str, object]) -> None:
-        """Stage a private copy of every ``name -> tensor`` for ``step`` (see :meth:`Stager.put_many`)."""
+        """Stage a private copy of every ``name -> tensor`` of ``tensors`` for ``step``.
+
+        Small tensors are staged one after another on the event loop (no task
+        each: 10,000 of them cost no more scheduling than a few), yielding
+        every 1024; large ones concurrently in threads. On an error the rest
+        of the small ones are not staged.
+
+        Raises:
+            DuplicateNameError: a name of ``tensors`` was already put for ``step``
+                (checked for the whole batch before any is staged).
+            Everything :meth:`put` raises.
+        """
         await self._stager.put_many(step, tensors)
 
     async def adopt(self, step: int, name: str, tensor: object, *, release: Release | None = None) -> None:
-        """Stage ``tensor`` itself (no copy) under ``name`` for ``step`` (see :meth:`Stager.adopt`)."""
+        """Stage ``tensor`` itself (no copy) under ``name`` for ``step``; ``release`` hands it back.
+
+        The caller must neither write nor free the tensor until ``release`` has
+        run (the ownership rules: :mod:`asymstore.write.puts`).
+
+        Raises:
+            InvalidValueError: not a contiguous CPU tensor of a storable dtype.
+            Everything :meth:`put` raises. ``release`` has run when this raises.
+        """
         await self._stager.adopt(step, name, tensor, release=release)
 
     async def adopt_many(self, step: int, tensors: Mapping[str, object], *, release: Release | None = None) -> None:
-        """Stage every tensor of ``tensors`` without copying (see :meth:`Stager.adopt_many`)."""
+        """Stage every tensor of ``tensors`` without copying; ``release`` runs once when the store is done with all.
+
+        Every tensor is checked before any is staged; their checksums are
+        computed in place (large ones in threads).
+
+        Raises:
+            InvalidValueError: a tensor is not a contiguous CPU tensor of a storable dtype.
+            Everything :meth:`put_many` raises. ``release`` has run when this raises.
+        """
         await self._stager.adopt_many(step, tensors, release=release)
 
     def abandon(self, step: int) -> None:

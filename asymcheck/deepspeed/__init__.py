@@ -16,14 +16,15 @@ Importing this package imports DeepSpeed.
 
 from asymcheck.deepspeed.attach import DeepSpeedCheckpointer, attach
 from asymcheck.deepspeed.engine import AsymCheckpointEngine, install, load_checkpoint
-from asymcheck.deepspeed.files import NotInStoreError
 from asymcheck.deepspeed.hooks import DeepSpeedHooks, inner_optimizer
 from asymcheck.deepspeed.state import DeepSpeedState
 from asymcheck.deepspeed.types import register_deepspeed_types
+from asymcheck.errors import DeepSpeedExportError, NotInStoreError
 
 __all__ = [
     "AsymCheckpointEngine",
     "DeepSpeedCheckpointer",
+    "DeepSpeedExportError",
     "DeepSpeedHooks",
     "DeepSpeedState",
     "NotInStoreError",

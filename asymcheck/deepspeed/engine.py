@@ -31,16 +31,10 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from asymcheck.deepspeed.files import (
-    META_KEY,
-    NotInStoreError,
-    decode_file,
-    encode_files,
-    file_keys,
-    write_stubs,
-)
+from asymcheck.deepspeed.files import META_KEY, decode_file, encode_files, file_keys, write_stubs
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
+from asymcheck.errors import NotInStoreError
 from asymcheck.versions.storeloop import StoreLoop
 from asymstore.api import Checkpoint
 from asymstore.io.files import atomic_write

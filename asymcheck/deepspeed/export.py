@@ -38,7 +38,7 @@ import torch
 
 from asymcheck.deepspeed.files import META_KEY, decode_file, file_keys
 from asymcheck.deepspeed.types import register_deepspeed_types
-from asymcheck.errors import AsymcheckError
+from asymcheck.errors import DeepSpeedExportError
 from asymstore import AsymStore, AsymstoreError, CorruptVersionError, LocalTier
 from asymstore.api import Checkpoint
 from asymstore.format.globalmanifest import shard_digest
@@ -49,8 +49,6 @@ logger = logging.getLogger(__name__)
 STORE_DIR = "asymstore"  # where install()'s AsymCheckpointEngine keeps its store under the checkpoint directory
 
 
-class DeepSpeedExportError(AsymcheckError):
-    """The location holds no exportable DeepSpeed version, or a file name would leave the output directory."""
 
 
 def find_root(location: str) -> str:

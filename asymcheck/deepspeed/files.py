@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-from asymcheck.errors import AsymcheckError
+from asymcheck.errors import NotInStoreError
 from asymcheck.state.encode import decode, encode
 
 logger = logging.getLogger(__name__)
@@ -28,8 +28,6 @@ META_KEY = "deepspeed"
 STUB_FORMAT = "asymcheck.deepspeed.stub"
 
 
-class NotInStoreError(AsymcheckError, FileNotFoundError):
-    """A DeepSpeed checkpoint file asked for is not in any committed version of the store."""
 
 
 def encode_files(files: Mapping[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--deep", action="store_true", help="verify every checksum (reads all data)")
     parser.add_argument("--repair", action="store_true", help="(implies --deep) remove partial/orphaned data, "
                         "quarantine corrupt versions, fix LATEST; never touches a committed version that verifies")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON (schema in README)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (schema in docs/guides/fsck.md)")
     parser.add_argument("--node-local", nargs="+", default=[], metavar="PATH",
                         help="multi-rank root: check only the shards this node holds under these paths")
     args = parser.parse_args(argv)

@@ -94,7 +94,7 @@ class MultiRankFsckReport(FsckReport):
     node_local: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """Return the single-tier schema plus the multi-rank fields (see the README)."""
+        """Return the single-tier schema plus the multi-rank fields (see docs/guides/fsck.md)."""
         return super().to_json() | {
             "layout": "multirank", "ranks": sorted(self.ranks), "node_local": self.node_local,
             "partial_steps": {str(k): v for k, v in sorted(self.partial_steps.items())},

@@ -63,7 +63,7 @@ class FsckReport:
         return lines
 
     def to_json(self) -> dict[str, Any]:
-        """Return the report as a JSON-ready dict (see README, 'fsck --json')."""
+        """Return the report as a JSON-ready dict (see docs/guides/fsck.md, 'fsck --json')."""
         return {
             "schema": SCHEMA_VERSION,
             "root": self.root,

@@ -4,7 +4,7 @@ These are plain, bounded reads where an async file object is all that is
 needed. The data path (segment files) does not use aiofiles: it needs
 O_DIRECT with aligned buffers, ``writev`` over many buffers, a strict fsync
 order and the caller's own buffers, which :mod:`asymstore.io.files` gives it
-(see the README's dependency section). Writes of small files stay on
+(see docs/dependencies.md). Writes of small files stay on
 :func:`asymstore.io.files.atomic_write` as well: aiofiles has no fsync.
 
 Every file read here is untrusted: :func:`~asymstore.io.files.check_regular`

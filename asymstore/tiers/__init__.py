@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from asymstore.tiers.memory.factory import HostTier
     from asymstore.tiers.memory.gpu import GPUTier
     from asymstore.tiers.nvme import NVMeTier
+    from asymstore.tiers.peer.tier import PeerTier
     from asymstore.tiers.remote.tier import RemoteTier
 
 _LAZY = {
@@ -26,6 +27,7 @@ _LAZY = {
     "BoundedTier": "asymstore.tiers.memory.capacity",
     "LocalTier": "asymstore.tiers.local",
     "NVMeTier": "asymstore.tiers.nvme",
+    "PeerTier": "asymstore.tiers.peer.tier",
     "RemoteTier": "asymstore.tiers.remote.tier",
 }
 
@@ -33,4 +35,6 @@ _LAZY = {
 __getattr__ = lazy_getattr(__name__, _LAZY)
 
 
-__all__ = ["BoundedTier", "GPUTier", "HostTier", "LocalTier", "NVMeTier", "RemoteTier", "Tier", "VersionWriter"]
+__all__ = [
+    "BoundedTier", "GPUTier", "HostTier", "LocalTier", "NVMeTier", "PeerTier", "RemoteTier", "Tier", "VersionWriter",
+]

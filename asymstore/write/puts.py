@@ -74,8 +74,7 @@ class Stager:
         changed by the caller as soon as this returns.
 
         Raises:
-            InvalidNameError, DuplicateNameError, InvalidValueError,
-            StepCommittedError, StepOrderError, InvalidStepError.
+            AsymstoreError: see :meth:`asymstore.AsymStore.put`.
         """
         await self._stage(step, name, tensor, adopted=False)
 

@@ -49,9 +49,11 @@ class PeerTier:
         capacity_bytes: memory for the replicas this rank holds for its source rank.
         path: a shared-memory directory for those replicas (they outlive this process,
             so a restarted job can still serve them); None keeps them in process memory.
-        rank, world_size: default ``RANK`` / ``WORLD_SIZE`` (or torch.distributed).
-        node_of, local_world_size: the rank-to-node mapping (see :func:`~asymstore.tiers.peer.ring.ring_of`;
-            default ``LOCAL_WORLD_SIZE`` ranks per node, numbered node by node).
+        rank: this rank; default ``RANK`` (or torch.distributed).
+        world_size: the job's ranks; default ``WORLD_SIZE`` (or torch.distributed).
+        node_of: the node of each rank (see :func:`~asymstore.tiers.peer.ring.ring_of`); default
+            ``local_world_size`` ranks per node, numbered node by node.
+        local_world_size: ranks per node; default ``LOCAL_WORLD_SIZE``.
         keep: replicas held per source rank.
         timeout_s: the replication group's timeout: connecting, and any single wait (an
             acknowledgement, an answer).

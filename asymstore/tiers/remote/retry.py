@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
 
-from asymstore.errors import AsymstoreError, TierError
+from asymstore.errors import AsymstoreError, PermanentRemoteError, RemoteUnavailableError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -20,12 +20,8 @@ _PERMANENT = (
 )
 
 
-class PermanentRemoteError(TierError):
-    """A remote operation failed in a way retrying cannot fix (credentials, missing bucket)."""
 
 
-class RemoteUnavailableError(TierError):
-    """A remote operation kept failing with transient errors until its deadline."""
 
 
 def is_transient(exc: BaseException) -> bool:

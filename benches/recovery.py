@@ -50,9 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from common import REPO, build_gpt2, evict, files_under, git_state, odirect_read, same_bytes, write_json
 
 METHODS = ["local", "shm", "torch.load", "dcp.load", "checkpointer"]

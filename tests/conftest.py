@@ -1,4 +1,9 @@
-"""Shared fixtures of the store tests (helpers shared with child processes live in _store_child.py)."""
+"""Fixtures of every test; the S3 server and stub libcuda ones come from tests/support/servers.py.
+
+Layout: tests/<area>/test_*.py are the tests, tests/support/ the helpers they import
+(``from tests.support.x import ...``), tests/procs/ the scripts they run as child processes
+(``python -m tests.procs.NAME``, see tests/support/launch.py).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+
+pytest_plugins = ["tests.support.servers"]
 
 SHM = "/dev/shm"
 

@@ -2,7 +2,7 @@
 saw when that step returned (parameters, optimizer state) and after its own bookkeeping (param groups,
 scheduler, stateful objects) — or be dropped and reported. Never a wrong version.
 
-The kill tests (tests/test_asymcheck_kill.py) run the same shapes across a SIGKILL and a resume.
+The kill tests (tests/asymcheck/test_asymcheck_kill.py) run the same shapes across a SIGKILL and a resume.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from _asymcheck_train import Recorder, check_version, data, make_model, make_opt, open_ckpt, read_versions
 from torch import nn
 
 from asymcheck import Checkpointer, DroppedVersionWarning
+from tests.support.asymcheck_train import Recorder, check_version, data, make_model, make_opt, open_ckpt, read_versions
 
 Edit = Callable[[nn.Module, Checkpointer, int], None]
 

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _asymcheck_train import equal_state
 
 from asymcheck import UnsupportedStateError
 from asymcheck.state.encode import decode, encode, register_type
 from asymstore.format.manifest import validate_meta, validate_name
+from tests.support.asymcheck_train import equal_state
 
 
 def roundtrip(value: Any) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -6,11 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from _asymcheck_train import equal_state, make_model, make_opt, open_ckpt
-from test_asymcheck_resume import corrupt_newest_segment, step_once, train
 
 from asymcheck import CheckpointerStateError
 from asymstore import CorruptVersionError
+from tests.support.asymcheck_train import (
+    corrupt_newest_segment,
+    equal_state,
+    make_model,
+    make_opt,
+    open_ckpt,
+    step_once,
+    train,
+)
 
 
 def test_resume_fills_the_live_parameters_themselves(tmp_path: Path) -> None:

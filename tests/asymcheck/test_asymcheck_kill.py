@@ -1,6 +1,6 @@
 """Kill tests: a training child dies by SIGKILL, a fresh child resumes, and the result is bit-exact.
 
-Every case trains with per-iteration checkpoints (tests/_asymcheck_child.py),
+Every case trains with per-iteration checkpoints (tests/procs/asymcheck_child.py),
 dies by a real SIGKILL at a chosen point (inside forward, inside backward,
 inside the step pre-hook's drain, inside a background commit) or after a
 random delay from the parent, then a fresh process resumes from the newest
@@ -26,7 +26,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,11 +34,10 @@ import pytest
 import torch
 
 from asymstore import AsymStore, LocalTier
+from tests.support.launch import proc_argv, proc_env
 
 pytestmark = pytest.mark.slow
 
-CHILD = Path(__file__).with_name("_asymcheck_child.py")
-ROOT = Path(__file__).resolve().parent.parent
 KILLED = -signal.SIGKILL
 ITERATIONS = {"plain": 16, "accum": 10, "scaler": 14, "val": 12, "rngbatch": 12, "loader": 12, "ema": 12,
               "emaraw": 12, "edits": 12}
@@ -66,9 +64,8 @@ CASES = [
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(proc_argv("asymcheck_child", *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=proc_env())
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, list[dict[str, Any]], str]:

@@ -6,10 +6,9 @@ import itertools
 from pathlib import Path
 
 import pytest
-from _asymcheck_train import equal_state, make_model, make_opt, open_ckpt, tensors_of
-from test_asymcheck_resume import step_once
 
 from asymcheck.policy.pacing import Pacer
+from tests.support.asymcheck_train import equal_state, make_model, make_opt, open_ckpt, step_once, tensors_of
 
 
 def simulate(pacer: Pacer, steps: int, cost: float, base: float = 1.0) -> list[bool]:

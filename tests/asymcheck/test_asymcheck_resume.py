@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _asymcheck_train import data, equal_state, make_model, make_opt, open_ckpt, read_versions, tensors_of
 from torch import nn
 
 from asymcheck import (
@@ -23,27 +21,18 @@ from asymcheck import (
     UnsupportedStateError,
 )
 from asymstore import AsymStore, AsymstoreError, LocalTier, TierError
-from asymstore.format.names import version_dirname
-
-
-def step_once(model: nn.Module, opt: torch.optim.Optimizer, it: int, sched: Any = None) -> None:
-    x, y = data(it)
-    nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    if sched is not None:
-        sched.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def train(root: Path | str | list[Any], steps: int, **kwargs: Any) -> tuple[nn.Module, Any, dict[int, Any]]:
-    model = make_model()
-    opt, sched = make_opt(model)
-    states: dict[int, Any] = {}
-    with open_ckpt(model, opt, root, stateful={"sched": sched}, **kwargs) as ckpt:
-        for it in range(steps):
-            step_once(model, opt, it, sched)
-            states[ckpt.step] = tensors_of(model.state_dict())
-    return model, opt, states
+from tests.support.asymcheck_train import (
+    corrupt_newest_segment,
+    data,
+    equal_state,
+    make_model,
+    make_opt,
+    open_ckpt,
+    read_versions,
+    step_once,
+    tensors_of,
+    train,
+)
 
 
 def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -74,16 +63,6 @@ def test_resume_restores_the_newest_version_and_continues(tmp_path: Path) -> Non
         step_once(model, opt, 5, sched)
     assert ckpt.final_versions is not None
     assert list(ckpt.final_versions.values()) == [[4, 5, 6]]
-
-
-def corrupt_newest_segment(root: Path, step: int) -> None:
-    vdir = root / version_dirname(step)
-    segment = sorted(p for p in vdir.iterdir() if p.name.startswith("seg-"))[0]
-    with open(segment, "r+b") as f:
-        f.seek(os.path.getsize(segment) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_corrupt_newest_version_falls_back_to_the_previous_one(tmp_path: Path) -> None:

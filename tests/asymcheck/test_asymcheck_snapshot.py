@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 import torch
-from _asymcheck_train import (
+from torch import nn
+
+from tests.support.asymcheck_train import (
     Recorder,
     check_version,
     data,
@@ -27,7 +29,6 @@ from _asymcheck_train import (
     read_versions,
     tensors_of,
 )
-from torch import nn
 
 
 def train(root: Path, iterations: int, *, accum: int = 1, every: int = 1, freeze: bool = False,

@@ -2,7 +2,7 @@
 save_checkpoint/load_checkpoint round trips through AsymCheckpointEngine.
 
 Per world size, one driver process per rank imports torch and DeepSpeed once and runs every case in a
-forked child (tests/_mr_driver.py, tests/_mr_cases.py); the ranks of a case rendezvous on their own
+forked child (tests/procs/mr_driver.py, tests/support/mr_cases.py); the ranks of a case rendezvous on their own
 port. Per stage:
 
 - ``ref``: 7 iterations without checkpoints (the uninterrupted run);
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _mr_harness import Case, assert_same_state, run_cases
+
+from tests.support.mr_harness import Case, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")

@@ -1,6 +1,6 @@
 """The DeepSpeed settings attach() and install() refuse, read from real DeepSpeedConfig objects.
 
-A real engine with optimizer offload is refused in tests/test_deepspeed_multirank.py; NVMe offload,
+A real engine with optimizer offload is refused in tests/deepspeed/test_deepspeed_multirank.py; NVMe offload,
 parameter offload, ZeRO++ hpZ and AutoTP cannot be built on this CPU machine, so their refusal is
 checked on the configuration DeepSpeed parses for them.
 """

@@ -6,7 +6,6 @@ import struct
 
 import pytest
 import torch
-from test_roundtrip import DTYPES, SHAPES, assert_same, random_tensor
 
 from asymstore import AsymStore, CodecError, CorruptVersionError, LocalTier
 from asymstore.format.checksum import checksum
@@ -24,6 +23,7 @@ from asymstore.format.codec import (
 )
 from asymstore.format.manifest import Chunk
 from asymstore.format.tensors import as_bytes
+from tests.support.tensors import DTYPES, SHAPES, assert_same, random_tensor
 
 CODEC = PlaneCodec(level=1, threads=0)
 MASKS = ["all", "none", "sampled"]  # compress every plane / store every plane raw / what the sample says

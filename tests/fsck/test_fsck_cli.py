@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
-from _store_child import fsck, fsck_json, make_state, same_state, store_kw
 
 from asymstore import AsymStore, LocalTier
 from asymstore.format.names import LATEST, QUARANTINE, version_dirname
 from asymstore.fsck.__main__ import main
 from asymstore.io.rootlock import LOCK_NAME
+from tests.support.store import fsck, fsck_json, make_state, same_state, store_kw
 
 TOP_KEYS = {"schema", "root", "deep", "ok", "latest", "latest_problem", "newest_restorable", "versions",
             "problems", "repaired", "writer"}

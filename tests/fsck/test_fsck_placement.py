@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _mr_harness import Case, run_cases
-from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
 from asymstore.errors import GlobalManifestError
 from asymstore.format import placement
@@ -28,6 +26,7 @@ from asymstore.format.placement import Placement
 from asymstore.fsck import check, repair
 from asymstore.fsck.__main__ import main as fsck_main
 from asymstore.multirank import globaldir
+from tests.support.mr_harness import Case, run_cases
 
 WORLD, PER_NODE, N = 4, 2, 8
 
@@ -210,17 +209,17 @@ def test_placement_and_global_manifests_are_sealed() -> None:
         GlobalManifest.from_json(bytes(bad))
 
 
-def test_shards_on_remote_tiers_are_verified_there(tmp_path: Path, s3_uri: str,  # noqa: F811
+def test_shards_on_remote_tiers_are_verified_there(tmp_path: Path, s3_uri: str,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Each rank's disk outside the root plus a remote tier (rank 0 on S3, rank 1 on file://): fsck reads them there."""
     import torch
     import torch.distributed as dist
-    from test_multirank import run_ranks
 
     from asymstore import LocalTier
     from asymstore.multirank import RankStore
     from asymstore.tiers.remote.tier import RemoteTier
+    from tests.support.ranks import run_ranks
 
     for key, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")):
         monkeypatch.setenv(key, value)  # fsck's credentials: the placement record never holds any

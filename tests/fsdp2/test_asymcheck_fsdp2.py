@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) on 2 real processes (gloo, CPU) under the Checkpointer: per-iteration snapshots of the
 local shards, SIGKILL, bit-exact resume, and the two-phase global commit.
 
-Cases (tests/_fsdp2_cases.py, one forked child per rank and case), for two configurations: fp32 with
+Cases (tests/support/fsdp2_cases.py, one forked child per rank and case), for two configurations: fp32 with
 ``reshard_after_forward=True``, and a bf16/fp32 ``MixedPrecisionPolicy`` with ``reshard_after_forward=False``
 and gradient accumulation over two micro-batches (no gradient sync or reshard after the first).
 ``ref`` trains 7 iterations without checkpoints; ``kill`` checkpoints every iteration and every rank SIGKILLs
@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 import torch
-from _mr_harness import Case, assert_same_state, run_cases
 
 from asymstore.format.pieces import TensorLayout, read_layouts
+from tests.support.mr_harness import Case, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
 

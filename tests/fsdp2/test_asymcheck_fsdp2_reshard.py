@@ -8,7 +8,7 @@ saved, bit for bit, and the tensors held whole (step counters, RNG states) come 
 ``four`` then resumes that on 4 ranks and trains to 10, and ``back`` resumes the 4-rank version on 2 and
 trains to 12, checked the same way. After each change of size, training goes on with losses (and ends in a
 state) bit-identical to a reference run of the new size that loaded the old job's final state through torch's
-own ``set_model_state_dict`` / ``set_optimizer_state_dict`` (mode ``"ref_from"`` of tests/_fsdp2_cases.py).
+own ``set_model_state_dict`` / ``set_optimizer_state_dict`` (mode ``"ref_from"`` of tests/support/fsdp2_cases.py).
 fsck finds the root clean at the end. And FSDP2 on a single rank (an ordinary store, resume reading
 straight into the local shards) stops after 3 iterations and resumes bit-exact.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fsdp2_cases import global_tensors
-from _mr_harness import Case, assert_same_state, run_cases
 
 from asymstore.api import Checkpoint
 from asymstore.format.pieces import TensorLayout, read_layouts
+from tests.support.fsdp2_cases import global_tensors
+from tests.support.mr_harness import Case, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
 

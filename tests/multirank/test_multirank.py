@@ -1,7 +1,7 @@
 """RankStore and multi-rank fsck, in one process: each rank is a thread with its own event loop.
 
 The ranks coordinate through a real c10d store (``torch.distributed.HashStore``),
-the same calls the TCPStore of a job gets; tests/test_multirank_ddp.py runs the
+the same calls the TCPStore of a job gets; tests/multirank/test_multirank_ddp.py runs the
 protocol across real processes with gloo and SIGKILL.
 """
 
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +24,7 @@ from asymstore.fsck.__main__ import main as fsck_main
 from asymstore.multirank import GlobalCommitError, RankStore, WorldSizeMismatchError
 from asymstore.multirank.globaldir import list_global_steps, read_global
 from asymstore.testing import FailingLocalTier
-
-
-def store(root: Path, rank: int, world: int, kv: Any, **kw: Any) -> RankStore:
-    kw.setdefault("timeout_s", 3.0)
-    kw.setdefault("restore_timeout_s", 10.0)
-    return RankStore(root, rank=rank, world_size=world, kv=kv, segment_bytes=1 << 20, compression="never", **kw)
-
-
-def run_ranks(world: int, fn: Callable[[int], Awaitable[Any]]) -> dict[int, Any]:
-    """Run ``fn(rank)`` for every rank on its own thread and event loop; exceptions are returned as values."""
-    out: dict[int, Any] = {}
-
-    def body(rank: int) -> None:
-        try:
-            out[rank] = asyncio.run(fn(rank))  # type: ignore[arg-type]
-        except BaseException as exc:
-            out[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
+from tests.support.ranks import run_ranks, store
 
 
 def value(step: int, rank: int) -> torch.Tensor:
@@ -318,9 +293,8 @@ def test_a_rank_dropping_a_version_does_not_stall_the_other_ranks_checkpointer(t
     rank 0's commit of step 3 gives up at once, so its next version does not wait for timeout_s."""
     import warnings
 
-    from _asymcheck_train import data, make_model, make_opt
-
     from asymcheck import Checkpointer
+    from tests.support.asymcheck_train import data, make_model, make_opt
 
     kv = dist.HashStore()
     step_s: dict[int, list[float]] = {0: [], 1: []}

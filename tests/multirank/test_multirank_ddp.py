@@ -1,6 +1,6 @@
 """DDP on 2 real processes (gloo) through the plain adapter: a Checkpointer over a RankStore per rank.
 
-Cases (tests/_mr_cases.py, one forked child per rank and case): ``ref`` trains 7 iterations without
+Cases (tests/support/mr_cases.py, one forked child per rank and case): ``ref`` trains 7 iterations without
 checkpoints; ``kill`` checkpoints every iteration and every rank SIGKILLs itself inside the forward pass
 of iteration 4; ``resume`` restores the newest global version (collectively) and trains to the end: its
 final parameters, optimizer state, scheduler, data position and RNG states equal ``ref``'s bit for bit.
@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _mr_harness import Case, assert_same_state, run_cases
+
+from tests.support.mr_harness import Case, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
 

@@ -1,8 +1,8 @@
 """Resharding: a multi-rank version written by N ranks restored on M ranks, reading only the overlapping chunks.
 
 In one process (ranks are threads with their own event loops, coordinating through a real c10d HashStore,
-as in tests/test_multirank.py): the pure overlap planner, the byte-range reader, and RankStore restores
-2 -> 3 and 3 -> 2 of uneven Shard(0) pieces. tests/test_asymcheck_fsdp2_reshard.py runs FSDP2 across
+as in tests/multirank/test_multirank.py): the pure overlap planner, the byte-range reader, and RankStore restores
+2 -> 3 and 3 -> 2 of uneven Shard(0) pieces. tests/fsdp2/test_asymcheck_fsdp2_reshard.py runs FSDP2 across
 real processes, 2 ranks -> 1 -> 2.
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_multirank import run_ranks, store
 
 from asymstore import AsymStore, LayoutError, LocalTier
 from asymstore.format.pieces import LAYOUT_KEY, MeshInfo, TensorLayout, layout_meta, parse_layout_meta, read_layouts
 from asymstore.multirank.reshard import read_range
 from asymstore.read.reshardplan import plan_piece
+from tests.support.ranks import run_ranks, store
 
 GLOBAL = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
 

@@ -3,7 +3,7 @@
 Two ranks are two threads, each with its own event loop and its own end of a real gloo process
 group (built over a shared ``torch.distributed.HashStore``). A segment changed in flight, a version
 larger than the receiver's capacity and a malformed frame must each leave no replica and raise a
-typed error; tests/test_peer_multirank.py kills real processes.
+typed error; tests/peer/test_peer_multirank.py kills real processes.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_multirank import run_ranks
 
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.errors import PeerError, PeerProtocolError
 from asymstore.read.load import load_version
 from asymstore.tiers.peer import PeerTier, ring_of
 from asymstore.tiers.peer.link import MAGIC, TAG_REPL, connect
+from tests.support.ranks import run_ranks
 
 
 def test_the_ring_sends_each_rank_to_the_same_local_rank_on_the_next_node() -> None:

@@ -4,7 +4,7 @@ Each node has its own shared-memory directory (its ranks' memory tiers, and the 
 the other node's ranks) and each rank its own disk directory. Real processes, gloo, a TCPStore, and the
 replication group the peer tiers build. Every run is compared with an uninterrupted reference run of
 the same 4 ranks: losses of the resumed iterations and the final state, bit for bit (gradients are
-averaged in rank order, ``ordered`` in tests/_mr_cases.py: gloo's ring allreduce over 4 ranks is not
+averaged in rank order, ``ordered`` in tests/support/mr_cases.py: gloo's ring allreduce over 4 ranks is not
 bit-reproducible across a restart, since DDP rebuilds its buckets after each process's first iteration).
 
 DDP through the plain Checkpointer, and DeepSpeed ZeRO-2 through ``asymcheck.deepspeed.attach()``: (a) the job
@@ -15,7 +15,7 @@ verifies, and the job resumes bit-exact; (c) a replica is corrupt: its rank fall
 rank is sent SIGTERM mid-training: each flushes the newest completed step to its disk before it dies, and
 the job resumes from the disks alone, bit-exact.
 
-Exit (tests/_peer_exit_script.py: each rank a user's script in a process of its own, as torchrun starts it):
+Exit (tests/procs/peer_exit_script.py: each rank a user's script in a process of its own, as torchrun starts it):
 (e) a node is SIGKILLed mid-training: each survivor's training fails, and its process ends within seconds of
 its program, with the program's own status, never SIGABRT, and no thread's traceback; (f) a rank whose program
 ends without closing the Checkpointer (its replica service blocked in a gloo receive from a live peer) exits
@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _mr_harness import Case, Script, assert_same_state, run_cases
 
 from asymstore import HostTier
 from asymstore.multirank.globaldir import rank_dirname
 from asymstore.read.load import load_version
+from tests.support.mr_harness import Case, Script, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Preemption of a multi-rank job: every rank gets SIGTERM mid-training (2 and 4 real processes, gloo, CPU).
 
-Per kind, three cases (tests/_mr_cases.py, tests/_preempt_cases.py; one forked child per rank and case):
+Per kind, three cases (tests/support/mr_cases.py, tests/support/preempt_cases.py; one forked child per rank and case):
 
 - ``ref``: 7 iterations without checkpoints (the uninterrupted run);
 - ``preempt``: checkpoints every iteration; in iteration K every rank sends itself SIGTERM from
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _mr_harness import Case, assert_same_state, run_cases
+
+from tests.support.mr_harness import Case, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Driver of the multi-rank tests (run as a script, one per rank; never imported by pytest).
 
-``python tests/_mr_driver.py --rank R --world W --cases CASES.json --out OUT``
+``python -m tests.procs.mr_driver --rank R --world W --cases CASES.json --out OUT``
 
 Importing torch and DeepSpeed costs seconds per process, so each rank starts
 one driver that imports them once and then runs every case of the list in a
@@ -11,7 +11,7 @@ case marked ``fsck``, rank 0's driver runs fsck on the case's checkpoint root
 and writes the report to ``OUT/<case>/fsck.json`` (before anything resumes
 from it). A child that outlives its case's deadline is SIGKILLed.
 
-Each case (a JSON object) says what the child does; see tests/_mr_cases.py.
+Each case (a JSON object) says what the child does; see tests/support/mr_cases.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def barrier(out: Path, name: str, rank: int, world: int, timeout: float = 600.0) -> None:
@@ -62,9 +60,9 @@ def main() -> int:
     cases: list[dict[str, Any]] = json.loads(Path(args.cases).read_text())
     out = Path(args.out)
 
-    import _mr_cases  # imports torch (and DeepSpeed when a case needs it) once, before forking
+    from tests.support import mr_cases  # imports torch (and DeepSpeed when a case needs it) once, before forking
 
-    _mr_cases.preload({c["kind"] for c in cases})
+    mr_cases.preload({c["kind"] for c in cases})
     for case in cases:
         cdir = out / case["name"]
         barrier(cdir, "start", args.rank, args.world)
@@ -73,7 +71,7 @@ def main() -> int:
         if pid == 0:
             code = 0
             try:
-                _mr_cases.run(case, args.rank, args.world, cdir)
+                mr_cases.run(case, args.rank, args.world, cdir)
             except BaseException:
                 traceback.print_exc()
                 code = 1

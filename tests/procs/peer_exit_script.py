@@ -1,6 +1,6 @@
-"""A user's training script on one rank, a process of its own as torchrun starts it (tests/test_peer_multirank.py).
+"""A user's training script on one rank, a process of its own as torchrun starts it (tests/peer/test_peer_multirank.py).
 
-``python tests/_peer_exit_script.py CASE.json RANK``
+``python -m tests.procs.peer_exit_script CASE.json RANK``
 
 The README's peer layout (a RankStore with the memory tier durable: [HostTier in shared memory, PeerTier,
 LocalTier]) under plain DDP (gloo), training ``iterations`` with a Checkpointer. Each iteration appends

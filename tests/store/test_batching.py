@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_roundtrip import assert_same
 
 from asymstore import AsymStore, HostTier, LocalTier, TierCalibration
 from asymstore.format.checksum import StreamingChecksum, checksum
@@ -23,6 +22,7 @@ from asymstore.policy.calibration import CACHE_ENV, CalibrationCache, calibrate,
 from asymstore.policy.costmodel import MIN_SEGMENT_BYTES, fit, optimal_segment_bytes
 from asymstore.write.segments import SegmentBuilder, VersionPlan
 from asymstore.write.staging import stage
+from tests.support.tensors import assert_same
 
 MIB = 1 << 20
 FAST = TierCalibration.from_throughput(1e12, 1e-6)  # memory-like: nothing is worth compressing

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _store_child import fsck_json, make_state, same_state, store_kw
 
 from asymstore import AsymStore, HostTier, LocalTier, StepCommittedError
 from asymstore.api import Checkpoint
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, QUARANTINE, version_dirname
 from asymstore.format.parse import parse_manifest
+from tests.support.store import fsck_json, make_state, same_state, store_kw
 
 STEPS = (10, 20, 30)
 

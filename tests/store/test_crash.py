@@ -1,6 +1,6 @@
 """Crash consistency: real child processes SIGKILLed at each commit phase, and at random moments.
 
-Each child (tests/_store_child.py) commits versions into a LocalTier with
+Each child (tests/procs/store_child.py) commits versions into a LocalTier with
 keep_last=2 and dies by SIGKILL. The parent then checks what the disk holds
 with fsck (--json), restores in a fresh store (bit-exact against the
 deterministic tensors of that step), repairs, checks again, and resumes.
@@ -21,15 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _store_child import (
-    committed_steps,
-    fsck_json,
-    make_state,
-    same_state,
-    spawn,
-    step_of,
-    store_kw,
-)
 
 from asymstore import AsymStore, LocalTier, TierError
 from asymstore.api import Checkpoint
@@ -39,6 +30,15 @@ from asymstore.format.names import LATEST, TMP_PREFIX, version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.io.rootlock import LOCK_NAME
 from asymstore.testing import PHASES, CrashingLocalTier, FailingLocalTier
+from tests.support.store import (
+    committed_steps,
+    fsck_json,
+    make_state,
+    same_state,
+    spawn,
+    step_of,
+    store_kw,
+)
 
 KILLED = -signal.SIGKILL
 

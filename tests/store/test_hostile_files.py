@@ -1,8 +1,8 @@
 """Hostile and damaged files: each ends in a typed error or a fallback to the previous version, fast, in bounded memory.
 
-The cases live in ``_hostile_cases.py`` and run in one child process (a
-thread stuck on a special file could not hang the test run); this module
-checks what each case got. Plus an exhaustive single-bit-flip test of the
+The cases live in tests/support/hostile_cases.py and run in one child process
+(tests/procs/hostile_child.py: a thread stuck on a special file could not hang
+the test run); this module checks what each case got. Plus an exhaustive single-bit-flip test of the
 manifest parser: every flipped bit is a ManifestError, never a manifest.
 """
 
@@ -11,19 +11,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _hostile_cases import CASE_TIMEOUT_S, CASES
 
 from asymstore.errors import ManifestError
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.format.parse import parse_manifest
+from tests.support.hostile_cases import CASE_TIMEOUT_S, CASES
+from tests.support.launch import ROOT, proc_argv, proc_env
 
-HERE = Path(__file__).resolve().parent
 RSS_BUDGET = 96 << 20  # the versions are a few KiB: anything near a claimed size is a failure
 # cases where version 20 is not even listed (its manifest is not a regular file in a real directory)
 UNLISTED = {"manifest_is_directory", "symlinked_huge_manifest", "symlinked_version"}
@@ -32,8 +31,8 @@ UNLISTED = {"manifest_is_directory", "symlinked_huge_manifest", "symlinked_versi
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("hostile") / "results.json"
-    proc = subprocess.run([sys.executable, str(HERE / "_hostile_cases.py"), str(out)], capture_output=True,
-                          text=True, timeout=60 + CASE_TIMEOUT_S * 3 * len(CASES), cwd=HERE)
+    proc = subprocess.run(proc_argv("hostile_child", str(out)), capture_output=True, text=True,
+                          timeout=60 + CASE_TIMEOUT_S * 3 * len(CASES), cwd=ROOT, env=proc_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     data: dict[str, dict[str, Any]] = json.loads(out.read_text())
     return data

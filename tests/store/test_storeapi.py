@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from _asymcheck_train import data, equal_state, make_model, make_opt, tensors_of
 from torch import nn
 
 from asymcheck import Checkpointer
@@ -15,6 +14,7 @@ from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, CheckpointStore, LocalTier
 from asymstore.api import CollectiveStore, ReshardingStore
 from asymstore.multirank import RankStore
+from tests.support.asymcheck_train import data, equal_state, make_model, make_opt, tensors_of
 
 
 def step_once(model: nn.Module, opt: torch.optim.Optimizer, it: int) -> None:

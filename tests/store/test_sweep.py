@@ -14,7 +14,6 @@ from typing import Any
 import pyarrow.fs as pafs
 import pytest
 import torch
-from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
 from asymstore import AsymStore, LocalTier
 from asymstore.fsck import check, repair
@@ -91,7 +90,7 @@ def _remote_files(tier: RemoteTier, prefix: str) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["file", "s3"])
-def test_remote_prefixes_get_the_same_judgment(tmp_path: Path, kind: str, s3_uri: str,  # noqa: F811
+def test_remote_prefixes_get_the_same_judgment(tmp_path: Path, kind: str, s3_uri: str,
                                                caplog: pytest.LogCaptureFixture) -> None:
     uri = (tmp_path / "remote").as_uri() if kind == "file" else s3_uri
     if kind == "file":

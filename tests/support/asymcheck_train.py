@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from asymcheck import Checkpointer
 from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
 from asymstore.api import Checkpoint
+from asymstore.format.names import version_dirname
 
 
 def make_model(seed: int = 0, hidden: int = 64) -> nn.Sequential:
@@ -107,3 +109,33 @@ def open_ckpt(model: nn.Module, opt: torch.optim.Optimizer, where: Any, **kwargs
     kwargs.setdefault("min_partition_bytes", 1024)
     kwargs.setdefault("keep_last", None)
     return Checkpointer(model, opt, where, **kwargs)
+
+
+def step_once(model: nn.Module, opt: torch.optim.Optimizer, it: int, sched: Any = None) -> None:
+    x, y = data(it)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def train(root: Path | str | list[Any], steps: int, **kwargs: Any) -> tuple[nn.Module, Any, dict[int, Any]]:
+    model = make_model()
+    opt, sched = make_opt(model)
+    states: dict[int, Any] = {}
+    with open_ckpt(model, opt, root, stateful={"sched": sched}, **kwargs) as ckpt:
+        for it in range(steps):
+            step_once(model, opt, it, sched)
+            states[ckpt.step] = tensors_of(model.state_dict())
+    return model, opt, states
+
+
+def corrupt_newest_segment(root: Path, step: int) -> None:
+    vdir = root / version_dirname(step)
+    segment = sorted(p for p in vdir.iterdir() if p.name.startswith("seg-"))[0]
+    with open(segment, "r+b") as f:
+        f.seek(os.path.getsize(segment) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))

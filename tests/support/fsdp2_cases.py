@@ -1,8 +1,8 @@
-"""What one rank does in an FSDP2 case of the multi-rank tests (kind ``"fsdp2"``; see tests/_mr_cases.py).
+"""What one rank does in an FSDP2 case of the multi-rank tests (kind ``"fsdp2"``; see tests/support/mr_cases.py).
 
 The model (dimensions chosen so that the shards are uneven, and the last layer's shards on rank 1 empty) has
 every Linear and the root sharded with ``fully_shard`` on gloo; the root owns the LayerNorm, so its parameters
-are unsharded at the first forward hook. Case fields beyond those of tests/_mr_cases.py:
+are unsharded at the first forward hook. Case fields beyond those of tests/support/mr_cases.py:
 
 - ``mp``: a ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
 - ``raf``: ``reshard_after_forward`` (default True);
@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from _mr_cases import TIMEOUT, DataPosition, Log, die, kill_spec, rank_tiers, save_final
 from torch import nn
+
+from tests.support.mr_cases import TIMEOUT, DataPosition, Log, die, kill_spec, rank_tiers, save_final
 
 WIDTH = 37  # 37 rows on 2 ranks: pieces of 19 and 18 rows
 

@@ -1,9 +1,9 @@
-"""What one rank does in one case of the multi-rank tests (imported by tests/_mr_driver.py, in its forked child).
+"""What one rank does in one case of the multi-rank tests (imported by tests/procs/mr_driver.py, in its forked child).
 
 Case fields:
 
 - ``kind``: ``"ds"`` (a DeepSpeed engine, ``stage`` 0-3), ``"ddp"`` (plain PyTorch DDP + Checkpointer) or
-  ``"fsdp2"`` (``fully_shard`` + Checkpointer: tests/_fsdp2_cases.py).
+  ``"fsdp2"`` (``fully_shard`` + Checkpointer: tests/support/fsdp2_cases.py).
 - ``mode``: ``"refuse"`` (DeepSpeed: an engine with optimizer offload; ``attach()`` and ``install()``
   must refuse it), ``"ref"`` (train ``iterations`` without checkpoints), ``"attach"`` (checkpoint every
   iteration into ``dir``: DeepSpeed ``attach()`` or a Checkpointer over a RankStore; resumes from
@@ -14,7 +14,7 @@ Case fields:
   the forward; ``"val"``: a validation forward (no_grad, eval()) runs after ``engine.step()``, before
   the data position (a ``stateful`` counter) is advanced; ``"accum"``: gradient accumulation over two
   micro-batches (``gradient_accumulation_steps: 2``, ``engine.step()`` after each).
-- ``preempt``: ``{"at": K, "deadline_s": D}``: every rank is SIGTERMed in iteration K (tests/_preempt_cases.py).
+- ``preempt``: ``{"at": K, "deadline_s": D}``: every rank is SIGTERMed in iteration K (tests/support/preempt_cases.py).
 - ``kill``: ``{"rank": r | null (every rank), "at": "forward:K" | "commit:N"}``: SIGKILL inside the
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
@@ -60,7 +60,7 @@ def preload(kinds: set[str]) -> None:
     if "fsdp2" in kinds:
         import importlib
 
-        for module in ("_fsdp2_cases", "torch.distributed.fsdp", "torch.distributed.tensor"):
+        for module in ("tests.support.fsdp2_cases", "torch.distributed.fsdp", "torch.distributed.tensor"):
             importlib.import_module(module)
     if "ds" in kinds:
         import importlib
@@ -192,14 +192,14 @@ def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     log = Log(cdir, rank)
-    if "preempt" in case:  # every rank SIGTERMed mid-training: tests/_preempt_cases.py
-        from _preempt_cases import run_preempt
+    if "preempt" in case:  # every rank SIGTERMed mid-training: tests/support/preempt_cases.py
+        from tests.support.preempt_cases import run_preempt
 
         run_preempt(case, rank, log)
     elif case["kind"] == "ds":
         run_ds(case, rank, log)
     elif case["kind"] == "fsdp2":
-        from _fsdp2_cases import run_fsdp2
+        from tests.support.fsdp2_cases import run_fsdp2
 
         run_fsdp2(case, rank, log)
     else:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,10 +14,7 @@ import torch
 
 from asymstore import AsymStore, LocalTier
 from asymstore.api import Checkpoint
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-DRIVER = HERE / "_mr_driver.py"
+from tests.support.launch import proc_argv, proc_env
 
 
 def free_ports(n: int) -> list[int]:
@@ -41,10 +36,9 @@ def run_cases(cases: list[dict[str, Any]], world: int, out: Path, timeout: float
         case.setdefault("port", port)
     spec = out / "cases.json"
     spec.write_text(json.dumps(cases))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(DRIVER), "--rank", str(r), "--world", str(world),
-                               "--cases", str(spec), "--out", str(out)],
+    env = proc_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(proc_argv("mr_driver", "--rank", str(r), "--world", str(world),
+                                        "--cases", str(spec), "--out", str(out)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for r in range(world)]
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -111,11 +105,8 @@ def assert_same_state(a: Checkpoint, b: Checkpoint, *, ignore_meta: tuple[str, .
     assert ma == mb
 
 
-SCRIPT = HERE / "_peer_exit_script.py"
-
-
 class Script:
-    """``world`` ranks of tests/_peer_exit_script.py, each a Python process of its own (as torchrun starts them).
+    """``world`` ranks of tests/procs/peer_exit_script.py, each a Python process of its own (as torchrun starts them).
 
     Each rank's stdout and stderr go to ``out/log-rankR``; :meth:`wait` records when each process ended.
     """
@@ -126,12 +117,11 @@ class Script:
         self.out = out
         spec = out / "case.json"
         spec.write_text(json.dumps(self.case))
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        env = proc_env(OMP_NUM_THREADS="1")
         self.procs = []
         for r in range(self.case["world"]):
             with open(out / f"log-rank{r}", "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, str(SCRIPT), str(spec), str(r)],
+                self.procs.append(subprocess.Popen(proc_argv("peer_exit_script", str(spec), str(r)),
                                                    stdout=log, stderr=subprocess.STDOUT, env=env))
         self.exited: dict[int, float] = {}
 

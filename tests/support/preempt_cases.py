@@ -1,4 +1,4 @@
-"""What one rank does in a preemption case of the multi-rank tests (run by tests/_mr_cases.py's ``run``).
+"""What one rank does in a preemption case of the multi-rank tests (run by tests/support/mr_cases.py's ``run``).
 
 A case with ``"preempt": {"at": K, "deadline_s": D}`` trains like the ``attach`` mode of its ``kind``
 (the same model, optimizer, scheduler, data, ``stateful`` objects and checkpoint settings, so that
@@ -6,7 +6,7 @@ the ``attach`` mode resumes from what it left) and, in iteration ``K``, every ra
 SIGTERM from inside the training step:
 
 - ``"ddp"`` (DDP + Checkpointer over a RankStore; with ``peer``, ``ordered`` and ``kill: commit:N`` as in
-  tests/_mr_cases.py,
+  tests/support/mr_cases.py,
   over [memory, peer, disk]): from a forward pre-hook of the middle of the
   model, in the forward pass of iteration K. The program has its own SIGTERM handler, installed
   before the Checkpointer: the Checkpointer chains to it after its flush, and it writes
@@ -38,7 +38,9 @@ from types import FrameType
 from typing import Any
 
 import torch
-from _mr_cases import (
+from torch import nn
+
+from tests.support.mr_cases import (
     TIMEOUT,
     DataPosition,
     Log,
@@ -50,7 +52,6 @@ from _mr_cases import (
     peer_tiers,
     rank_tiers,
 )
-from torch import nn
 
 
 def sigterm_self() -> None:
@@ -136,7 +137,7 @@ def preempt_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         model.register_forward_pre_hook(spread_trigger(case, rank, log, lambda: pos.iteration))
     else:
         model.module[4].register_forward_pre_hook(lambda m, a: sigterm_self() if pos.iteration == at else None)
-    for it in range(pos.iteration, n):  # the loop of _mr_cases.run_ddp
+    for it in range(pos.iteration, n):  # the loop of mr_cases.run_ddp
         x, y = batch(it, rank)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()

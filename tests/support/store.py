@@ -1,38 +1,25 @@
-"""Child process for the crash and shared-memory tests, and the helpers both sides share.
+"""What the store tests and their child process (tests/procs/store_child.py) share: states, options, fsck runners.
 
-Run as ``python tests/_store_child.py MODE ...``:
-
-- ``crash ROOT PHASE AFTER NSTEPS COMPRESSION``: commit steps ``step_of(0..NSTEPS-1)``
-  to a ``CrashingLocalTier`` (keep_last=2) that SIGKILLs the process at PHASE.
-- ``loop ROOT``: commit steps to a ``LocalTier`` (keep_last=2) until killed.
-- ``shm PATH NSTEPS CAPACITY``: commit NSTEPS steps to ``HostTier(path=PATH)``,
-  then SIGKILL itself.
-
-Every mode prints ``committed STEP`` (flushed) once ``commit`` has returned.
-The tensors of a step are a pure function of the step (``make_state``), so
-the parent can check a restore bit-exact.
+The tensors of a step are a pure function of the step (``make_state``), so a
+test can check bit-exact what a killed child committed. ``spawn`` starts the
+child; see tests/procs/store_child.py for its modes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
-import os
-import signal
 import subprocess
 import sys
 from typing import Any
 
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.fsck.__main__ import main as fsck_main
-from asymstore.testing import CrashingLocalTier
+from tests.support.launch import proc_argv, proc_env
 
 SEGMENT_BYTES = 4096  # a version is ~8 KiB: two segments
-CHILD = os.path.abspath(__file__)
 
 
 def store_kw(compression: str = "never") -> dict[str, Any]:
@@ -100,46 +87,11 @@ def statuses(report: dict[str, Any]) -> dict[str, str]:
 
 
 def spawn(*args: str) -> subprocess.Popen[str]:
-    """Start this script as a child process with ``args`` (stdin, stdout and stderr piped)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, CHILD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    """Start tests/procs/store_child.py as a child process with ``args`` (stdin, stdout and stderr piped)."""
+    return subprocess.Popen(proc_argv("store_child", *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=proc_env(OMP_NUM_THREADS="1"))
 
 
 def committed_steps(stdout: str) -> list[int]:
     """The steps a child reported as committed."""
     return [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("committed ")]
-
-
-async def _commit_all(store: AsymStore, nsteps: int) -> None:
-    for i in range(nsteps):
-        step = step_of(i)
-        await store.put_many(step, make_state(step))
-        await store.commit(step, meta={"step": step})
-        print(f"committed {step}", flush=True)
-
-
-async def _main(argv: list[str]) -> None:
-    mode, root = argv[0], argv[1]
-    if mode == "crash":
-        phase, after, nsteps, compression = argv[2], int(argv[3]), int(argv[4]), argv[5]
-        tier = CrashingLocalTier(root, crash_at=phase, after=after)  # type: ignore[arg-type]
-        async with AsymStore([tier], keep_last=2, **store_kw(compression)) as store:
-            await _commit_all(store, nsteps)
-    elif mode == "loop":
-        async with AsymStore([LocalTier(root)], keep_last=2, **store_kw()) as store:
-            print("ready", flush=True)
-            sys.stdin.readline()  # the parent says when to start
-            await _commit_all(store, 1_000_000)
-    elif mode == "shm":
-        nsteps, capacity = int(argv[2]), int(argv[3])
-        store = AsymStore([HostTier(capacity, path=root)], keep_last=None, **store_kw())
-        await store.open()
-        await _commit_all(store, nsteps)
-        os.kill(os.getpid(), signal.SIGKILL)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
-
-
-if __name__ == "__main__":
-    asyncio.run(_main(sys.argv[1:]))

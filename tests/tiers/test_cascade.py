@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _servers import S3Server, s3_server, stub_libcuda  # noqa: F401  (fixtures)
 
 from asymstore import AsymStore, HostTier, LocalTier, SnapshotSkippedError
 from asymstore.errors import TierError
 from asymstore.format.names import version_dirname
 from asymstore.fsck import check
+from asymstore.testing_s3 import LoopbackS3
 from asymstore.tiers.nvme import NVMeTier
 from asymstore.tiers.protocol import Buffer, VersionWriter
 from asymstore.tiers.remote.retry import RetryPolicy
@@ -34,7 +34,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-async def test_dead_remote_never_blocks_and_catches_up(tmp_path: object, s3_server: S3Server,  # noqa: F811
+async def test_dead_remote_never_blocks_and_catches_up(tmp_path: object, s3_server: LoopbackS3,
                                                        shm_dir: str) -> None:
     uri = s3_server.uri("cascade")
     nvme_root = os.path.join(str(tmp_path), "nvme")
@@ -160,7 +160,7 @@ async def test_fallback_across_tiers_then_versions(tmp_path: object, shm_dir: st
         assert same(ckpt.tensors, state(1))
 
 
-async def test_kvikio_and_posix_engines_read_each_other(tmp_path: object, stub_libcuda: str) -> None:  # noqa: F811
+async def test_kvikio_and_posix_engines_read_each_other(tmp_path: object, stub_libcuda: str) -> None:
     a, b = os.path.join(str(tmp_path), "a"), os.path.join(str(tmp_path), "b")
     big = {"x": torch.randn(3_000_001), "y": torch.arange(5).to(torch.int16)}  # unaligned sizes
     for root, engine in ((a, "kvikio"), (b, "posix")):

@@ -7,9 +7,9 @@ import signal
 from pathlib import Path
 
 import pytest
-from _store_child import committed_steps, fsck_json, make_state, same_state, spawn, store_kw
 
 from asymstore import AsymStore, CapacityError, HostTier, VersionNotFoundError
+from tests.support.store import committed_steps, fsck_json, make_state, same_state, spawn, store_kw
 
 
 async def version_bytes() -> int:

@@ -11,10 +11,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 import torch
-from _servers import s3_server, s3_uri  # noqa: F401  (fixtures)
 
 from asymstore import AsymStore, StepCommittedError
-from asymstore.tiers.remote.retry import PermanentRemoteError, RemoteUnavailableError, RetryPolicy, is_transient
+from asymstore.errors import PermanentRemoteError, RemoteUnavailableError
+from asymstore.tiers.remote.retry import RetryPolicy, is_transient
 from asymstore.tiers.remote.tier import RemoteTier, open_filesystem
 
 QUICK = RetryPolicy(attempts=4, deadline_s=5.0, initial_s=0.01, max_backoff_s=0.05)
@@ -214,7 +214,7 @@ async def test_corrupted_upload_is_caught_by_verification(handler: LocalHandler,
         assert not ckpt.fell_back and torch.equal(ckpt.tensors["w"], state(1)["w"])
 
 
-async def test_s3_marker_publish_and_uri_options(s3_uri: str) -> None:  # noqa: F811
+async def test_s3_marker_publish_and_uri_options(s3_uri: str) -> None:
     t = RemoteTier(s3_uri)
     assert t.publish_mode == "marker" and "secret" not in t.name and "?" not in t.name
     async with AsymStore([t], compression="never") as store:

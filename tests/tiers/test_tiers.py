@@ -10,7 +10,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from _servers import s3_server, s3_uri, stub_libcuda  # noqa: F401  (fixtures)
 
 from asymstore import (
     AsymStore,

@@ -1,0 +1,1 @@
+"""Scripts the tests run as child processes: ``python -m tests.procs.NAME`` (see tests/support/launch.py)."""

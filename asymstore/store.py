@@ -26,12 +26,13 @@ from asymstore.errors import (
 from asymstore.format.codec import PlaneCodec
 from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.policy.calibration import CalibrationCache, calibrate
+from asymstore.policy.compression import COMPRESSION_POLICIES, Compression
 from asymstore.policy.costmodel import assumed_calibration
 from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
 from asymstore.write.puts import Release, Stager, check_step
-from asymstore.write.segments import COMPRESSION_POLICIES, Compression, VersionPlan
+from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
 from asymstore.write.tierwrite import TierState, write_version
 

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -57,6 +57,7 @@ from asymstore.format.codec import (
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.format.names import segment_filename
 from asymstore.format.tensors import as_bytes, dtype_name, host_copy
+from asymstore.policy.compression import Compression, pays, worth_sampling
 from asymstore.policy.costmodel import optimal_segment_bytes, predicted_seconds
 from asymstore.runtime.gcpause import gc_paused
 from asymstore.tiers.protocol import Buffer
@@ -74,8 +75,6 @@ that sits in page-aligned memory can be written with O_DIRECT straight from that
 straight into an aligned destination."""
 _ZEROS = memoryview(bytes(SEGMENT_ALIGN))
 
-Compression = Literal["auto", "never", "always"]
-COMPRESSION_POLICIES: tuple[str, ...] = ("auto", "never", "always")
 
 
 @dataclass
@@ -228,8 +227,8 @@ class VersionPlan:
             self._samples[ref.index] = result
         return result, spent
 
-    def plan_tier(self, tier: str, cal: TierCalibration, *, policy: str = "auto", segment_bytes: int | None = None,
-                  memory_bytes: int = 256 << 20) -> TierPlan:
+    def plan_tier(self, tier: str, cal: TierCalibration, *, policy: Compression = "auto",
+                  segment_bytes: int | None = None, memory_bytes: int = 256 << 20) -> TierPlan:
         """Decide every chunk's codec and the segment size for one tier (runs in a worker thread).
 
         Args:
@@ -254,13 +253,13 @@ class VersionPlan:
             elif policy == "always":
                 mask = (True,) * self.widths[index]
                 stored += n
-            elif overhead < per_byte * n:  # compression could pay at all: measure the ratio
+            elif worth_sampling(n, per_byte, overhead):  # compression could pay at all: measure the ratio
                 smp, spent = self._sample(self.chunk(index))
                 sample_s += spent
                 if any(smp.mask):
                     t_c = smp.compress_seconds(n)
                     n_stored = n / smp.ratio
-                    if t_c + per_byte * n_stored < per_byte * n:
+                    if pays(n, per_byte, t_c, smp.ratio):
                         mask = smp.mask
                         stored += n_stored
                         compress_s += t_c

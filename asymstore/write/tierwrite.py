@@ -9,9 +9,11 @@ import time
 from asymstore.api import FlushStats, TierCalibration
 from asymstore.errors import AsymstoreError, TierError, describe
 from asymstore.format.manifest import Manifest
+from asymstore.policy.compression import Compression
 from asymstore.policy.costmodel import assumed_calibration
+from asymstore.policy.retention import beyond_keep_last, keep_last_of
 from asymstore.tiers.protocol import ExclusiveTier, Tier, VersionWriter
-from asymstore.write.segments import Compression, SegmentBuilder, VersionPlan
+from asymstore.write.segments import SegmentBuilder, VersionPlan
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +97,7 @@ async def _stream_segments(builder: SegmentBuilder, writer: VersionWriter) -> No
 
 
 async def _retain(state: TierState, store_keep_last: int | None) -> None:
-    keep = state.tier.keep_last if state.tier.keep_last is not None else store_keep_last
-    if keep is None:
-        return
-    for old in sorted(state.versions)[:-keep]:
+    for old in beyond_keep_last(state.versions, keep_last_of(state.tier.keep_last, store_keep_last)):
         await state.tier.delete_version(old)
         state.versions.discard(old)
         state.bad.discard(old)

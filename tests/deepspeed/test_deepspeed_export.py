@@ -8,7 +8,8 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
-from asymcheck.deepspeed.export import DeepSpeedExportError, _inside, find_root, main
+from asymcheck.deepspeed.export import _inside, find_root, main
+from asymcheck.errors import DeepSpeedExportError
 
 
 def test_a_directory_without_a_multirank_root_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

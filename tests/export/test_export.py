@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from asymcheck import Checkpointer
 from asymstore import AsymStore, CorruptVersionError, LocalTier
-from asymstore.export import ExportError, export, main
+from asymstore.errors import ExportError
+from asymstore.export import export, main
 from asymstore.format.names import version_dirname
 
 

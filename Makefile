@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  := torch==2.13.0
 
-.PHONY: demo example test imports docs setup lint typecheck bench-store bench-deepspeed gpu-test clean
+.PHONY: demo example test test-all imports docs setup lint typecheck bench-store bench-deepspeed gpu-test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(PY):
 # (DS_BUILD_OPS=0) and runs on the CPU accelerator in the tests.
 $(VENV)/.setup-done: pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed,docs]"
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed,docs,accelerate,hf,lightning]"
 	$(PIP) install -q libkvikio-cu12 && $(PIP) install -q --no-deps kvikio-cu12
 	touch $@
 
@@ -31,10 +31,14 @@ example: setup
 	$(PY) examples/store_roundtrip.py
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not exhaustive"
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(MAKE) --no-print-directory imports docs
+
+# every parametrization, the exhaustive ones too (slower than CI's budget allows)
+test-all: setup
+	$(PY) -m pytest -q
 
 # the layers contract (pyproject.toml [tool.importlinter]) and no import cycle, hidden ones included
 imports: setup

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -39,7 +40,7 @@ from asymcheck.versions.cycle import VersionCycle
 from asymcheck.versions.progress import Progress
 from asymcheck.versions.storeloop import StoreLoop
 from asymcheck.versions.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, status_of, versions_of
-from asymstore import CorruptVersionError, NoCheckpointError
+from asymstore import CorruptVersionError, InvalidMetaError, KeepBest, NoCheckpointError
 from asymstore.api import CheckpointStore, TierStatus
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,10 @@ class Checkpointer:
             advances when a batch is drawn (data loader, sampler): taken when the step returns.
         every: snapshot every ``every``-th optimizer step.
         keep_last: versions kept per tier (when the store is built here).
+        keep_every: also keep every version whose step is a multiple of it, permanently, on
+            persistent tiers (when the store is built here; one process's store only).
+        keep_best: also keep the best versions by a metric given to :meth:`log_metrics`
+            (an :class:`asymstore.KeepBest`; when the store is built here; one process's store only).
         max_inflight: background commits running at once.
         when_busy: when a version is sealed while ``max_inflight`` commits
             run: ``"wait"`` (back-pressure) or ``"skip"`` the version.
@@ -143,7 +148,8 @@ class Checkpointer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
                  stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
-                 every: int = 1, keep_last: int | None = 3, max_inflight: int = 1, when_busy: WhenBusy = "wait",
+                 every: int = 1, keep_last: int | None = 3, keep_every: int | None = None,
+                 keep_best: KeepBest | None = None, max_inflight: int = 1, when_busy: WhenBusy = "wait",
                  host_slots: int = 2, copy: CopyMode = "thread", warmup: int = 3, max_partitions: int = 16,
                  min_partition_bytes: int = 1 << 20, replan_tolerance: float = 0.25, clock: Clock | None = None,
                  on_error: OnError = "budget", max_steps_without_durable: int | None = None,
@@ -173,7 +179,7 @@ class Checkpointer:
                                 min_bytes=min_partition_bytes)
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
-        self._loop = StoreLoop(make_store(store_or_tiers, keep_last))
+        self._loop = StoreLoop(make_store(store_or_tiers, keep_last, keep_every=keep_every, keep_best=keep_best))
         enable_resharding(self._loop.store, state)  # a RankStore resumes versions of another world size
         try:
             self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
@@ -316,6 +322,25 @@ class Checkpointer:
         logger.info("resumed step %d from %s%s", ckpt.step, ckpt.tier,
                     f" after {len(ckpt.fallbacks)} fallback(s)" if ckpt.fallbacks else "")
         return ckpt.step
+
+    def log_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Record metrics of the newest completed step (an evaluation): its version carries them.
+
+        They go into the version's meta as ``meta["metrics"]``, where ``keep_best``
+        (:class:`asymstore.KeepBest`) reads them. Call it after the optimizer step
+        the metrics belong to and before the next one; metrics of a step whose
+        version is not taken (``every`` > 1, pacing) are dropped.
+
+        Raises:
+            InvalidMetaError: a name is not a string or a value not a finite number.
+        """
+        clean: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value):
+                raise InvalidMetaError(f"metric {name!r}: a name and a finite number are needed, got {value!r}")
+            clean[name] = float(value)
+        self._cycle.metrics.setdefault(self._progress.step, {}).update(clean)
 
     def mark(self) -> None:
         """Say that the loop body of this iteration is done: the open version takes its small state now.

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from asymstore.api import Checkpoint, CheckpointStore, CommitResult, FlushStats, TierCalibration, TierStatus
     from asymstore.format.codec import PlaneCodec
     from asymstore.format.manifest import Manifest
+    from asymstore.policy.retention import KeepBest
     from asymstore.store import AsymStore
     from asymstore.tiers import (
         BoundedTier,
@@ -80,6 +81,7 @@ _LAZY = {
     "FlushStats": "asymstore.api",
     "GPUTier": "asymstore.tiers",
     "HostTier": "asymstore.tiers",
+    "KeepBest": "asymstore.policy.retention",
     "LocalTier": "asymstore.tiers",
     "Manifest": "asymstore.format.manifest",
     "NVMeTier": "asymstore.tiers",
@@ -124,6 +126,7 @@ __all__ = [
     "InvalidNameError",
     "InvalidStepError",
     "InvalidValueError",
+    "KeepBest",
     "LayoutError",
     "LocalTier",
     "Manifest",

@@ -16,6 +16,7 @@ from asymstore.errors import (
     AsymstoreError,
     CapacityError,
     EmptyStepError,
+    InvalidMetaError,
     ReadOnlyStoreError,
     StepCommittedError,
     StepOrderError,
@@ -28,6 +29,7 @@ from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.policy.calibration import CalibrationCache, calibrate
 from asymstore.policy.compression import COMPRESSION_POLICIES, Compression
 from asymstore.policy.costmodel import assumed_calibration
+from asymstore.policy.retention import META_KEY, KeepBest, Retention
 from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
@@ -62,6 +64,12 @@ class AsymStore:
         keep_last: versions kept per tier (a tier's own ``keep_last`` wins);
             None keeps all. Older versions are deleted only after a newer one
             is committed on that tier.
+        keep_every: also keep, on persistent tiers, every version whose step is
+            a multiple of it, permanently (recorded in its manifest, so a restart
+            with other settings keeps it too).
+        keep_best: also keep, on persistent tiers, the best versions by a
+            metric reported in their meta (``meta["metrics"][name]``); see
+            :mod:`asymstore.policy.retention`.
         durable: the tier (object or name) whose commit ``commit`` waits for.
         segment_bytes: a fixed segment size for every tier. None (default):
             per tier and version ``B* = sqrt(a·N/c)`` from the tier's
@@ -86,7 +94,8 @@ class AsymStore:
             and ``put`` / ``commit`` raise :class:`ReadOnlyStoreError`.
     """
 
-    def __init__(self, tiers: Sequence[Tier], *, keep_last: int | None = 3,
+    def __init__(self, tiers: Sequence[Tier], *, keep_last: int | None = 3, keep_every: int | None = None,
+                 keep_best: KeepBest | None = None,
                  durable: Tier | str | None = None, segment_bytes: int | None = None,
                  chunk_bytes: int | None = None, compression: Compression = "auto",
                  codec: PlaneCodec | None = None, calibrations: Mapping[str, TierCalibration] | None = None,
@@ -101,6 +110,8 @@ class AsymStore:
             raise ValueError(f"tier names must be unique: {names}")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep everything)")
+        self.retention = Retention(keep_last, keep_every, keep_best)
+        """The retention rules (:class:`~asymstore.policy.retention.Retention`)."""
         if segment_bytes is not None and segment_bytes < 1:
             raise ValueError("segment_bytes must be positive")
         if chunk_bytes is not None and chunk_bytes < 1:
@@ -113,7 +124,6 @@ class AsymStore:
         if unknown:
             raise ValueError(f"calibrations name unknown tiers: {sorted(unknown)}")
         self._tiers = [TierState(t) for t in tiers]
-        self.keep_last = keep_last
         self.segment_bytes = segment_bytes
         chunk = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
         self._stager = Stager(chunk, self._admit)
@@ -262,6 +272,11 @@ class AsymStore:
                 logger.warning("%s cannot list its versions; restores use the other tiers: %s",
                                state.tier.name, exc)
 
+    @property
+    def keep_last(self) -> int | None:
+        """Versions kept per tier by ``keep_last`` (a tier's own wins); None keeps all."""
+        return self.retention.keep_last
+
     def _require_open(self) -> None:
         if not self._open:
             raise StoreClosedError("the store is not open; use 'async with AsymStore(...)'")
@@ -405,6 +420,11 @@ class AsymStore:
         self._require_writer()
         check_step(step)
         clean_meta = validate_meta(meta)
+        record = self.retention.note_meta(step, clean_meta)
+        if record is not None:  # the retention decision travels with the version (a restart keeps the same set)
+            if META_KEY in clean_meta:
+                raise InvalidMetaError(f"meta key {META_KEY!r} is the store's own record; use another key")
+            clean_meta[META_KEY] = {"retention": record}
         async with self._commit_lock:  # one commit at a time: step order is checked where it is decided
             self._check_commit_order(step)
             pending = self._stager.pending.get(step)
@@ -493,7 +513,7 @@ class AsymStore:
 
     async def _write_tier_locked(self, state: TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
         return await write_version(state, plan, compression=self.compression, segment_bytes=self.segment_bytes,
-                                   memory_bytes=self.flush_memory_bytes, keep_last=self.keep_last)
+                                   memory_bytes=self.flush_memory_bytes, retention=self.retention)
 
     async def flushed(self, step: int | None = None, *, tier: Tier | str | None = None,
                       timeout: float | None = None) -> None:

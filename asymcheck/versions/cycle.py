@@ -66,6 +66,8 @@ class VersionCycle:
         """RNG and data states taken when the step returned (DeepSpeed), for the next version to open."""
         self.checked_store = False  # the store's newest step was compared with this run's (or resumed)
         self.conflict = False  # the store is ahead of this run: nothing of it is written
+        self.metrics: dict[int, dict[str, float]] = {}
+        """Metrics logged per completed step (``Checkpointer.log_metrics``): the step's version carries them."""
 
     def take_moment(self) -> Moment | None:
         """The moment taken when the step returned, once (None if none was)."""
@@ -137,6 +139,11 @@ class VersionCycle:
             self.commits.report_dropped(snap.step, f"{len(snap.dirty)} tensor(s) changed before their copy")
             return False, 0.0, snap.nbytes, True
         meta = snap.capture.meta
+        metrics = self.metrics.pop(snap.step, None)
+        for old in [s for s in self.metrics if s < snap.step]:  # steps whose version was not taken
+            del self.metrics[old]
+        if metrics:
+            meta["metrics"] = metrics
         meta["asymcheck"]["step"] = snap.step
         meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
                                      "partitions": len(snap.plan.partitions)}

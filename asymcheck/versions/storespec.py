@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from asymstore import AsymStore, LocalTier, Tier
+from asymcheck.errors import UnsupportedConfigError
+from asymstore import AsymStore, KeepBest, LocalTier, Tier
 from asymstore.api import CheckpointStore, TierStatus
 
 StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
@@ -29,25 +30,34 @@ class RestoreInfo:
     fallbacks: tuple[str, ...]
 
 
-def make_store(spec: StoreSpec, keep_last: int | None) -> CheckpointStore:
+def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None = None,
+               keep_best: KeepBest | None = None) -> CheckpointStore:
     """The store for ``spec``: itself, an AsymStore over a list of tiers, or one over a directory.
 
-    ``spec`` itself is any :class:`~asymstore.api.CheckpointStore`. A directory is a
-    :class:`~asymstore.multirank.RankStore` in a job of several ranks, or when it already
-    holds a multi-rank checkpoint.
+    ``spec`` itself is any :class:`~asymstore.api.CheckpointStore` (its own retention applies). A
+    directory is a :class:`~asymstore.multirank.RankStore` in a job of several ranks, or when it
+    already holds a multi-rank checkpoint.
+
+    Raises:
+        UnsupportedConfigError: ``keep_every`` or ``keep_best`` for a multi-rank store (it keeps its
+            newest global versions, ``keep_last``, only).
     """
     if isinstance(spec, CheckpointStore):  # AsymStore, RankStore
         return spec
     if isinstance(spec, (str, os.PathLike)):
         from asymstore.multirank import RankStore, is_multirank
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:  # DDP, FSDP2: one shard per rank, a global commit
-            return RankStore(spec, keep_last=keep_last)
-        if is_multirank(os.fspath(spec)):  # one process resuming a multi-rank job's root (resharded)
-            return RankStore(spec, keep_last=keep_last, rank=0, world_size=1)
-        return AsymStore([LocalTier(spec)], keep_last=keep_last)
-    return AsymStore(list(spec), keep_last=keep_last)
+        several = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1  # DDP, FSDP2: one shard per rank, a global commit
+        if several or is_multirank(os.fspath(spec)):  # (or one process resuming a multi-rank job's root)
+            if keep_every is not None or keep_best is not None:
+                raise UnsupportedConfigError(
+                    "keep_every and keep_best apply to one process's store; a multi-rank store keeps its newest "
+                    "global versions (keep_last) only")
+            return RankStore(spec, keep_last=keep_last) if several else \
+                RankStore(spec, keep_last=keep_last, rank=0, world_size=1)
+        return AsymStore([LocalTier(spec)], keep_last=keep_last, keep_every=keep_every, keep_best=keep_best)
+    return AsymStore(list(spec), keep_last=keep_last, keep_every=keep_every, keep_best=keep_best)
 
 
 def on_cuda(model: torch.nn.Module) -> bool:

@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from typing import Any
 
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import (
@@ -19,6 +20,7 @@ from asymstore.format.names import (
 from asymstore.fsck.report import FsckReport, Progress, VersionReport
 from asymstore.io.files import atomic_write, fsync_dir, quarantine_entry, read_whole
 from asymstore.io.rootlock import DirLock, is_leftover_name
+from asymstore.policy.retention import KeepBest, Retention, recorded_rules
 from asymstore.read.verify import check_version
 from asymstore.runtime.sync import run_sync
 from asymstore.tiers.local import LocalTier
@@ -53,8 +55,8 @@ def repair_directory(report: FsckReport) -> list[str]:
         lock.release()
 
 
-async def check_version_dir(tier: Tier, path: str, name: str, step: int, deep: bool,
-                         progress: Progress | None, committed: list[int]) -> VersionReport:
+async def check_version_dir(tier: Tier, path: str, name: str, step: int, deep: bool, progress: Progress | None,
+                            committed: list[int], metas: dict[int, dict[str, Any]]) -> VersionReport:
     """One version directory, through the verification path restore uses (:mod:`asymstore.read.verify`)."""
     report = VersionReport(name, "committed", step)
     if os.path.isdir(path) and not os.path.islink(path) and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
@@ -73,6 +75,7 @@ async def check_version_dir(tier: Tier, path: str, name: str, step: int, deep: b
     if manifest is None:
         return report
     report.nbytes = manifest.stored_bytes
+    metas[step] = manifest.meta
     if os.path.isdir(path) and not os.path.islink(path):
         listed = {s.name for s in manifest.segments}
         report.unreferenced = sorted(set(os.listdir(path)) - listed - {MANIFEST_NAME})
@@ -102,11 +105,12 @@ async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] 
     with_manifest = sorted(s for s in (parse_version_dirname(n) for n in versions)
                            if s is not None and os.path.lexists(os.path.join(root, version_dirname(s), MANIFEST_NAME)))
     entries: list[VersionReport] = []
+    metas: dict[int, dict[str, Any]] = {}  # each committed version's meta: its retention record
     for name in names:
         path = os.path.join(root, name)
         step = parse_version_dirname(name)
         if name in versions and step is not None:
-            entries.append(await check_version_dir(tier, path, name, step, deep, tick, with_manifest))
+            entries.append(await check_version_dir(tier, path, name, step, deep, tick, with_manifest, metas))
         elif is_leftover_name(name) and holder is not None:
             entries.append(VersionReport(name, "in_progress", None, problems=[]))
         elif name.startswith(TMP_PREFIX):
@@ -120,6 +124,7 @@ async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] 
     good = [e.step for e in entries if e.status == "committed" and e.step is not None]
     newest = max(good) if good else None
     latest, latest_problem = check_latest(root, newest, {e.step for e in entries if e.status == "committed"})
+    mark_retention(entries, metas)
     return FsckReport(root, deep, entries, latest, latest_problem, newest, writer=holder)
 
 
@@ -175,3 +180,25 @@ def _repair_dir(report: FsckReport) -> list[str]:
     for line in actions:
         logger.info("fsck repair: %s", line)
     return actions
+
+
+def mark_retention(entries: list[VersionReport], metas: dict[int, dict[str, Any]], *, persistent: bool = True) -> None:
+    """Say which recorded retention rule keeps each committed version (``VersionReport.kept_by``).
+
+    The rules are those the newest version recorded (a version records the
+    rules in force when it was committed, :mod:`asymstore.policy.retention`);
+    versions of a store that records none get no reason.
+    """
+    rules = next((r for s in sorted(metas, reverse=True) if (r := recorded_rules(metas[s])) is not None), None)
+    if rules is None:
+        return
+    try:
+        best = rules.get("keep_best")
+        policy = Retention(rules.get("keep_last"), rules.get("keep_every"),
+                           KeepBest(best["metric"], best["mode"], best["k"]) if isinstance(best, dict) else None)
+    except (KeyError, TypeError, ValueError):  # a damaged record says nothing
+        return
+    kept = policy.kept({s: policy.note_of(m) for s, m in metas.items()}, persistent=persistent)
+    for e in entries:
+        if e.status == "committed" and e.step is not None:
+            e.kept_by = kept.get(e.step, [])

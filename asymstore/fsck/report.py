@@ -28,6 +28,9 @@ class VersionReport:
     nbytes: int = 0
     problems: list[str] = field(default_factory=list)
     unreferenced: list[str] = field(default_factory=list)
+    kept_by: list[str] = field(default_factory=list)
+    """The retention rules that keep this version (``keep_last``, ``keep_every``, ``keep_best``), as its
+    manifests record them; empty when no rule beyond the default was recorded."""
 
     @property
     def ok(self) -> bool:

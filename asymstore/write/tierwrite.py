@@ -9,9 +9,10 @@ import time
 from asymstore.api import FlushStats, TierCalibration
 from asymstore.errors import AsymstoreError, TierError, describe
 from asymstore.format.manifest import Manifest
+from asymstore.format.parse import parse_manifest
 from asymstore.policy.compression import Compression
 from asymstore.policy.costmodel import assumed_calibration
-from asymstore.policy.retention import beyond_keep_last, keep_last_of
+from asymstore.policy.retention import Note, Retention, beyond_keep_last, keep_last_of
 from asymstore.tiers.protocol import ExclusiveTier, Tier, VersionWriter
 from asymstore.write.segments import SegmentBuilder, VersionPlan
 
@@ -30,15 +31,16 @@ class TierState:
         self.last_error: str | None = None
         self.calibration: TierCalibration | None = None
         self.last_flush: FlushStats | None = None
+        self.notes: dict[int, Note] = {}  # retention notes of the versions here, read once (see _retain)
 
 
 async def write_version(state: TierState, plan: VersionPlan, *, compression: Compression,
                         segment_bytes: int | None, memory_bytes: int,
-                        keep_last: int | None) -> tuple[Manifest, FlushStats]:
+                        retention: Retention) -> tuple[Manifest, FlushStats]:
     """Write ``plan``'s version to ``state.tier`` (the caller holds ``state.lock``) and publish it.
 
-    After the publish: ``LATEST``, retention (the tier's ``keep_last``, else
-    ``keep_last``) and the sweep of dead writers' leftovers; their failures
+    After the publish: ``LATEST``, retention (``retention``, with the tier's own
+    ``keep_last`` first; :mod:`asymstore.policy.retention`) and the sweep of dead writers' leftovers; their failures
     are logged, never raised (the version is committed).
 
     Raises:
@@ -66,9 +68,10 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
             raise
         raise TierError(f"{tier.name}: {exc}") from exc
     state.versions.add(step)
+    state.notes[step] = retention.note_of(manifest.meta)
     try:
         await tier.write_latest(max(state.versions))
-        await _retain(state, keep_last)  # retries a delete that failed earlier, so reconcile after it
+        await _retain(state, retention)  # retries a delete that failed earlier, so reconcile after it
         if isinstance(tier, ExclusiveTier):
             await tier.sweep_leftovers()
         # a bounded tier (HostTier) evicts old versions on its own in ``begin``
@@ -96,8 +99,20 @@ async def _stream_segments(builder: SegmentBuilder, writer: VersionWriter) -> No
             nxt.exception()  # retrieved: the error that matters is already propagating
 
 
-async def _retain(state: TierState, store_keep_last: int | None) -> None:
-    for old in beyond_keep_last(state.versions, keep_last_of(state.tier.keep_last, store_keep_last)):
+async def _retain(state: TierState, retention: Retention) -> None:
+    tier = state.tier
+    if not retention.reads_notes:
+        victims = beyond_keep_last(state.versions, keep_last_of(tier.keep_last, retention.keep_last))
+    else:
+        for step in sorted(state.versions - set(state.notes)):  # listed at open: read each note once
+            try:
+                state.notes[step] = retention.note_of(parse_manifest(await tier.read_manifest(step)).meta)
+            except (AsymstoreError, OSError) as exc:  # never delete what cannot be judged: it stays
+                logger.warning("%s: retention cannot read step %d's manifest, keeping it: %s", tier.name, step, exc)
+        judged = {s: state.notes[s] for s in state.versions if s in state.notes}
+        victims = retention.to_delete(judged, keep_last=tier.keep_last, persistent=tier.persistent)
+    for old in victims:
         await state.tier.delete_version(old)
         state.versions.discard(old)
         state.bad.discard(old)
+        state.notes.pop(old, None)

@@ -1,0 +1,50 @@
+"""The Checkpointer's keep_every / keep_best: 50 steps, a restart, exactly the expected versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asymcheck import Checkpointer
+from asymcheck.errors import UnsupportedConfigError
+from asymcheck.versions.storespec import make_store
+from asymstore import InvalidMetaError, KeepBest
+from asymstore.multirank import RankStore
+from tests.support.asymcheck_train import make_model, make_opt, step_once
+
+
+def train(root: Path, until: int, **kwargs: object) -> dict[str, list[int]]:
+    model = make_model()
+    opt, _ = make_opt(model)
+    with Checkpointer(model, opt, root, keep_last=2, keep_every=10, warmup=1, min_partition_bytes=512,
+                      max_overhead=None, **kwargs) as ckpt:  # type: ignore[arg-type]
+        start = ckpt.resume() or 0
+        for it in range(start, until):
+            step_once(model, opt, it)
+            if (it + 1) % 5 == 0:  # an evaluation every 5 steps; step 15 is the best
+                ckpt.log_metrics({"eval_loss": 0.1 if it + 1 == 15 else 1.0 + (it + 1) / 100})
+    assert ckpt.final_versions is not None
+    return ckpt.final_versions
+
+
+def test_fifty_steps_then_a_restart_keep_every_tenth_the_best_and_the_newest_two(tmp_path: Path) -> None:
+    best = KeepBest("eval_loss", "min", k=1)
+    assert train(tmp_path / "c", 50, keep_best=best) == {f"local:{tmp_path / 'c'}": [10, 15, 20, 30, 40, 49, 50]}
+    assert train(tmp_path / "c", 56, keep_best=best) == {f"local:{tmp_path / 'c'}": [10, 15, 20, 30, 40, 50, 55, 56]}
+
+
+def test_metrics_must_be_finite_numbers_and_multirank_stores_refuse_the_new_rules(tmp_path: Path) -> None:
+    model = make_model()
+    opt, _ = make_opt(model)
+    with Checkpointer(model, opt, tmp_path / "c") as ckpt:
+        with pytest.raises(InvalidMetaError):
+            ckpt.log_metrics({"loss": float("nan")})
+        with pytest.raises(InvalidMetaError):
+            ckpt.log_metrics({"loss": "low"})  # type: ignore[dict-item]
+    RankStore(tmp_path / "mr", rank=0, world_size=1)  # a multi-rank root
+    (tmp_path / "mr" / "global").mkdir(parents=True)
+    with pytest.raises(UnsupportedConfigError, match="keep_every"):
+        make_store(tmp_path / "mr", 3, keep_every=10)
+    assert isinstance(make_store(tmp_path / "mr", 3), RankStore)
+

@@ -164,3 +164,20 @@ class RemoteUnavailableError(TierError):
 
 class ExportError(AsymstoreError):
     """A version cannot be exported as asked (nothing matches, a dtype the format lacks, a sharded version)."""
+
+
+# -- DCP storage (asymstore.dcp) -------------------------------------------------
+
+
+class DCPStorageError(AsymstoreError, ValueError):
+    """``torch.distributed.checkpoint`` asked the DCP storage for something it refuses.
+
+    Several ranks without a :class:`~asymstore.multirank.RankStore`, ``use_collectives=False``,
+    a ``checkpoint_id`` that names no step, a newer save begun before this one finished, planner
+    data that strict JSON cannot hold (unless pickling it was allowed), or ranks that chose
+    different versions to load. Nothing committed is changed.
+    """
+
+
+class DCPMetadataError(CorruptVersionError):
+    """A version's DCP metadata (``.dcp/metadata``) is missing, malformed or contradicts its shards."""

@@ -1,0 +1,140 @@
+"""Child processes of tests/dcp (``python -m tests.procs.dcp_child MODE ...``; never imported by pytest).
+
+``train ROOT OUT STEPS [--reference]``: trains the GPT-2 of tests/support/dcp_train.py to STEPS, resuming
+with ``dcp.load`` from what ROOT holds, with a ``dcp.async_save`` of every step into ROOT through
+``asymstore.dcp.StorageWriter`` (the previous save's future is waited for before the next, as TorchTitan
+does). ``OUT/losses.jsonl`` gets each step's loss, ``OUT/progress.jsonl`` each step once its save is done,
+``OUT/final.json`` the digests of the final state. With ``--reference`` the same process then trains a fresh
+model for STEPS without any checkpoint and writes ``OUT/ref.json`` (losses and final digests).
+
+``reshard OUT`` (on 2 gloo ranks: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): an FSDP2 model trains 2 steps
+and saves into ``OUT/root2`` (a RankStore per rank, from the directory); rank 0 writes the digests of the whole
+state (torch's full state dict) to ``OUT/full2.json``. Then a fresh FSDP2 model loads ``OUT/root1`` (saved by
+one process) and rank 0 writes the whole state's digests to ``OUT/full1.json``. Between the two, the ranks read
+``root2`` back through the writer's own RankStore, and a save of two ranks into one list of tiers is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from asymstore import LocalTier
+from asymstore.dcp import StorageReader, StorageWriter
+from asymstore.multirank import RankStore
+from tests.support import dcp_train as t
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def append(path: Path, doc: dict[str, object]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(doc) + "\n")
+        f.flush()
+
+
+def train(root: str, out: Path, steps: int, reference: bool) -> None:
+    torch.set_num_threads(1)
+    model = t.gpt2()
+    opt = t.optimizer(model)
+    with StorageWriter(root, keep_last=2) as writer:
+        reader = StorageReader(writer)
+        start = 0
+        if reader.steps():
+            state = t.app_state(model, opt, -1)
+            dcp.load(state, storage_reader=reader)
+            t.apply_state(model, opt, state)
+            assert reader.step == state["step"], (reader.step, state["step"])
+            start = state["step"] + 1
+            append(out / "progress.jsonl", {"resumed": state["step"], "fallbacks": reader.fallbacks})
+        future = None
+        for step in range(start, steps):
+            loss = t.train_step(model, opt, step)
+            append(out / "losses.jsonl", {"step": step, "loss": loss.hex()})
+            state = t.app_state(model, opt, step)
+            if future is not None:
+                future.result()
+                append(out / "progress.jsonl", {"saved": step - 1, "t": time.time()})
+            future = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(step))
+        if future is not None:
+            future.result()
+            append(out / "progress.jsonl", {"saved": steps - 1, "t": time.time()})
+    t.write_json(out / "final.json", t.digests({"model": model.state_dict(), "optim": opt.state_dict()}))
+    if reference:
+        model = t.gpt2()
+        opt = t.optimizer(model)
+        losses = [t.train_step(model, opt, step).hex() for step in range(steps)]
+        t.write_json(out / "ref.json", {"losses": losses, "final": t.digests({"model": model.state_dict(),
+                                                                             "optim": opt.state_dict()})})
+
+
+def reshard(out: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = t.small_model(shard=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    for step in range(2):
+        t.small_step(model, opt, step, rank)
+    with StorageWriter(out / "root2") as writer:
+        state = t.app_state(model, opt, 0)
+        dcp.save({"model": state["model"], "optim": state["optim"]}, storage_writer=writer)
+        assert writer.last_step == 0 and isinstance(writer.store, RankStore)
+        full = t.full_digests(model, opt)
+        if rank == 0:
+            t.write_json(out / "full2.json", full)
+        # read back on the same 2 ranks through the writer's own RankStore (other ranks' shards: its peer tiers)
+        again = t.small_model(shard=True)
+        again_opt = torch.optim.AdamW(again.parameters(), lr=3e-3, weight_decay=0.01)
+        state = t.app_state(again, again_opt, 0)
+        state = {"model": state["model"], "optim": state["optim"]}
+        reader = StorageReader(writer)
+        dcp.load(state, storage_reader=reader)
+        assert reader.step == 0
+        t.apply_state(again, again_opt, {**state, "rng": torch.get_rng_state()})
+        assert t.full_digests(again, again_opt) == full
+
+    # several ranks cannot share one list of tiers: refused on every rank, nothing written
+    try:
+        dcp.save({"w": torch.zeros(2)}, storage_writer=StorageWriter([LocalTier(out / "shared")]))
+    except CheckpointException as exc:
+        assert "RankStore" in str(exc), exc
+    else:
+        raise AssertionError("two ranks saved into one list of tiers")
+
+    model = t.small_model(shard=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    state = t.app_state(model, opt, 0)
+    state = {"model": state["model"], "optim": state["optim"]}
+    with StorageReader(out / "root1") as reader:
+        dcp.load(state, storage_reader=reader)
+        assert reader.step == 0
+    t.apply_state(model, opt, {**state, "rng": torch.get_rng_state()})
+    full = t.full_digests(model, opt)
+    if rank == 0:
+        t.write_json(out / "full1.json", full)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[0]
+    if mode == "train":
+        train(argv[1], Path(argv[2]), int(argv[3]), "--reference" in argv[4:])
+    elif mode == "reshard":
+        reshard(Path(argv[1]))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

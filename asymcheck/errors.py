@@ -66,3 +66,13 @@ class DeepSpeedExportError(AsymcheckError):
 
 class NotInStoreError(AsymcheckError, FileNotFoundError):
     """A DeepSpeed checkpoint file asked for is not in any committed version of the store."""
+
+
+# -- Lightning -------------------------------------------------------------------
+
+
+class UnsupportedLightningConfigError(UnsupportedConfigError):
+    """A Lightning setting (or version) ``asymcheck.lightning.AsymCheck`` does not capture correctly.
+
+    The message names the setting; raised when ``fit`` starts, before anything is hooked.
+    """

@@ -1,0 +1,503 @@
+"""asymcheck for Lightning: a version every optimizer step of a ``Trainer.fit``, through one callback.
+
+Two lines::
+
+    ckpt = asymcheck.lightning.AsymCheck("ckpt")            # a lightning.pytorch.Callback
+    trainer = Trainer(..., callbacks=[ckpt])                 # trainer.fit(model, datamodule) resumes by itself
+
+When ``fit`` starts (``on_fit_start``: after the strategy set up the model and optimizers, before
+the fit loop runs, the point where ``fit(ckpt_path=...)`` restores) the callback builds an
+:class:`asymcheck.Checkpointer` on the LightningModule and the torch optimizer Lightning steps, and
+loads the newest version that verifies: parameters and buffers, the optimizer, every LR scheduler of
+``configure_optimizers``, the fit loop's state (``trainer.fit_loop.state_dict()``: epoch, global
+step, batch, optimizer and scheduler progress, and the state of resumable train loaders), and the RNG
+states. ``trainer.fit(model)`` then continues at the next batch, as ``fit(ckpt_path=...)`` would from a
+checkpoint saved in ``on_train_batch_end``. ``fit`` ending commits the last step.
+
+Where the hooks are (lightning 2.6, automatic optimization): Lightning runs ``training_step`` and
+``backward`` inside a closure passed to ``optimizer.step(closure)``, so a torch step pre-hook fires
+*before* the forward of its iteration, which would leave no forward or backward to copy the previous
+version in. The version of step ``t`` is therefore sealed in ``on_before_optimizer_step`` of step
+``t + 1`` (after the closure's forward and backward, before the parameter update; gradient clipping
+comes after it and touches only gradients), and opened by the torch step *post*-hook of the
+optimizer (after the update, inside ``optimizer.step``). Between the two nothing changes the
+parameters or the optimizer state (``zero_grad`` touches gradients), so the version is whole. The
+small state is taken in ``on_train_batch_start`` of the first batch after the step (through
+:meth:`asymcheck.Checkpointer.mark`), right before ``training_step``: by then whatever ran since the
+step is done (the scheduler, which Lightning steps after ``optimizer.step``, validation, the end of an
+epoch and the next pass's first draws) and nothing of the next step has drawn yet; the RNG states, the
+schedulers and the loop state (recorded in ``on_train_batch_end`` of the step's batch) are taken then.
+After a resume, the RNG states are set back in the first ``on_train_batch_start``, since Lightning's new
+loader iterator has drawn from them; so a restart at an epoch's end or in its middle continues exactly.
+
+The data position: a train loader wrapped in :class:`ResumableLoader` continues the interrupted
+epoch after the batches already trained, without reading them (the skipped batches' indices are
+drawn, their samples are not loaded), in the order the interrupted pass had (the pass's starting RNG
+states are part of the version). Any other loader with ``state_dict``/``load_state_dict`` is saved
+and restored through Lightning's own loop state, as ``fit(ckpt_path=...)`` does (torchdata's
+``StatefulDataLoader``). A plain ``DataLoader`` restarts the interrupted epoch from its first batch,
+as ``fit(ckpt_path=...)`` does (Lightning warns).
+
+Refused with :class:`UnsupportedLightningConfigError` naming the setting, when ``fit`` starts and
+before anything is hooked: manual optimization (``automatic_optimization=False``), more than one
+optimizer, ``precision="16-mixed"``/``"16"`` (a GradScaler may skip ``optimizer.step`` after
+``on_before_optimizer_step`` ran), strategies other than one device and DDP (``DDPStrategy``:
+``ddp`` is tested, ``ddp_spawn`` is not; DeepSpeed and FSDP are not wired here), and Lightning versions other than 2.6.
+
+Lightning names relied on (checked against lightning 2.6): the Callback hooks ``on_fit_start``,
+``on_train_batch_start``, ``on_before_optimizer_step``, ``on_train_batch_end``,
+``on_validation_end``, ``on_fit_end``, ``on_exception``, ``teardown``; ``Trainer.optimizers``,
+``Trainer.lr_scheduler_configs``, ``Trainer.strategy``, ``Trainer.precision``,
+``Trainer.callback_metrics``, ``Trainer.sanity_checking``, ``Trainer.train_dataloader``,
+``Trainer.fit_loop`` with its ``state_dict()`` / ``load_state_dict()`` (public methods of Lightning's
+loops, what ``fit(ckpt_path=...)`` calls) and one key of that state's undocumented layout
+(``["state_dict"]["combined_loader"]``, the list of the train loaders' states, which the callback
+refreshes when the train loader is one :class:`ResumableLoader`), and
+``LightningModule.automatic_optimization``. No private name; nothing is patched.
+``trainer.save_checkpoint`` and ``ModelCheckpoint`` keep working beside it.
+
+Importing this module imports Lightning (the ``lightning`` extra).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+import lightning
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from asymcheck.checkpointer import Checkpointer, RestoreInfo
+from asymcheck.errors import UnsupportedLightningConfigError
+from asymcheck.snapshot.hooks import HookSet
+from asymcheck.state import rng
+from asymcheck.state.trainstate import Stateful
+from asymcheck.stats import CheckpointStats
+from asymcheck.versions.storespec import StoreSpec
+from asymstore import KeepBest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsymCheck", "LightningCheckpointer", "ResumableLoader", "UnsupportedLightningConfigError",
+           "unsupported_settings"]
+
+TESTED = (2, 6)  # major, minor of the Lightning versions the tests exercise (pyproject.toml: >=2.6,<2.7)
+LOOPS_NAME = "lightning.fit_loop"
+SCHEDULER_PREFIX = "lightning.scheduler."
+
+
+# -- what is refused -----------------------------------------------------------
+
+
+def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]:
+    """The settings of ``trainer`` and ``module`` whose state :class:`AsymCheck` would not capture correctly.
+
+    Args:
+        trainer: the trainer, with its strategy set up (``on_fit_start``).
+        module: the LightningModule fitted.
+
+    Returns:
+        One line per refused setting (empty: supported).
+    """
+    out: list[str] = []
+    try:
+        major, minor = (int(p) for p in lightning.__version__.split(".")[:2])
+    except ValueError:
+        major, minor = -1, -1
+    if (major, minor) != TESTED:
+        out.append(f"lightning {lightning.__version__}: only {TESTED[0]}.{TESTED[1]}.x is tested")
+    if not module.automatic_optimization:
+        out.append("automatic_optimization=False (manual optimization: the loop's own steps are not tracked)")
+    if len(trainer.optimizers) != 1:
+        out.append(f"configure_optimizers returned {len(trainer.optimizers)} optimizers (exactly one is supported)")
+    if str(trainer.precision) in ("16-mixed", "16", "16-true"):
+        out.append(f"precision={trainer.precision} (fp16: a GradScaler may skip optimizer.step after "
+                   "on_before_optimizer_step; use bf16 or 32)")
+    strategy = trainer.strategy
+    if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
+        out.append(f"strategy={type(strategy).__name__} (one device and DDP are supported)")
+    return out
+
+
+def _check(trainer: Trainer, module: LightningModule) -> None:
+    problems = unsupported_settings(trainer, module)
+    if problems:
+        raise UnsupportedLightningConfigError("asymcheck.lightning.AsymCheck does not capture this fit "
+                                              "correctly: " + "; ".join(problems))
+
+
+# -- the data position ---------------------------------------------------------
+
+
+class _SkipBatches:
+    """A batch sampler that draws the first ``skip`` batches of ``inner`` and yields the rest."""
+
+    def __init__(self, inner: Iterable[list[int]], skip: int) -> None:
+        self.inner = inner
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return itertools.islice(iter(self.inner), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.skip)  # type: ignore[arg-type]
+
+
+class ResumableLoader:
+    """A train ``DataLoader`` whose position goes into every version and comes back without re-reading.
+
+    Return it from ``train_dataloader()`` (or the datamodule's) in place of the loader. It yields the
+    loader's batches; each pass records the RNG states it began with (the global torch CPU generator
+    and the loader's ``generator``: they decide a shuffled pass's order). :class:`AsymCheck` records
+    in it, in ``on_train_batch_end``, how many batches of the pass were trained; Lightning's loop
+    state carries that (``state_dict``), and after a resume the first pass sets the RNG states back
+    to those the interrupted pass began with and goes on after the batches already trained: with a
+    map-style dataset through a batch sampler that draws the skipped batches' indices without
+    loading their samples, with an ``IterableDataset`` by reading through them. Passes after that
+    are the loader's own. Under DDP give the loader a ``DistributedSampler`` yourself (Lightning
+    puts one only into a plain ``DataLoader``); ``sampler`` and ``batch_sampler`` are forwarded so
+    that Lightning's ``set_epoch`` reaches it.
+
+    Args:
+        loader: the data loader.
+
+    Attributes:
+        loader: the data loader.
+        trained: batches of the current pass trained (set by :class:`AsymCheck`).
+    """
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any]) -> None:
+        """Wrap ``loader``."""
+        self.loader = loader
+        self.trained = 0
+        self._start: dict[str, torch.Tensor] = {}
+        self._skip = 0
+        self._resume_start: dict[str, torch.Tensor] | None = None
+
+    @property
+    def sampler(self) -> Any:
+        """The loader's sampler (Lightning calls ``set_epoch`` on it)."""
+        return self.loader.sampler
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The loader's batch sampler."""
+        return self.loader.batch_sampler
+
+    @property
+    def dataset(self) -> Any:
+        """The loader's dataset."""
+        return self.loader.dataset
+
+    def __len__(self) -> int:
+        """Batches per pass."""
+        return len(self.loader)
+
+    def _rng_now(self) -> dict[str, torch.Tensor]:
+        states = {"torch": torch.get_rng_state()}
+        if self.loader.generator is not None:
+            states["generator"] = self.loader.generator.get_state()
+        return states
+
+    def _set_rng(self, states: Mapping[str, torch.Tensor]) -> None:
+        torch.set_rng_state(states["torch"].clone())
+        if "generator" in states and self.loader.generator is not None:
+            self.loader.generator.set_state(states["generator"].clone())
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield the pass's batches (after a resume: those of the interrupted pass not yet trained).
+
+        Nothing is drawn before the first batch is asked for: the pass's RNG states are recorded
+        (or, resuming, set back) then, right before the loader's iterator and sampler draw.
+        """
+        skip, start = self._skip, self._resume_start  # until resumed(): Lightning may begin a pass twice
+        self.trained = skip
+        if start is not None:
+            self._set_rng(start)  # the interrupted pass's order (AsymCheck sets the step's RNG back later)
+        self._start = self._rng_now()
+        yield from (self._skipped(skip) if skip else self.loader)
+
+    def resumed(self) -> None:
+        """The continued pass trains (called by :class:`AsymCheck`): passes after it are the loader's own."""
+        self._skip, self._resume_start = 0, None
+
+    def _skipped(self, skip: int) -> Iterable[Any]:
+        loader = self.loader
+        if isinstance(loader.dataset, torch.utils.data.IterableDataset) or loader.batch_sampler is None:
+            it = iter(loader)
+            for _ in range(skip):
+                next(it, None)
+            return it
+        return torch.utils.data.DataLoader(
+            loader.dataset, batch_sampler=_SkipBatches(loader.batch_sampler, skip), num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator, prefetch_factor=loader.prefetch_factor,
+            persistent_workers=loader.persistent_workers, pin_memory_device=loader.pin_memory_device)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Batches of the current pass trained, and the RNG states the pass began with."""
+        return {"trained": self.trained, "start": dict(self._start)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next pass continue the one ``state`` describes (a finished pass: a new pass)."""
+        trained = int(state["trained"])
+        start = dict(state["start"])
+        if 0 <= trained < len(self) and "torch" in start:
+            self._skip = trained
+            self._resume_start = {str(k): v for k, v in start.items()}
+        else:  # a finished pass: the next one is new
+            self._skip, self._resume_start = 0, None
+
+
+def _loaders(trainer: Trainer) -> list[ResumableLoader]:
+    found = trainer.train_dataloader
+    if isinstance(found, ResumableLoader):
+        return [found]
+    values: Iterable[Any] = found.values() if isinstance(found, Mapping) else (
+        found if isinstance(found, list | tuple) else ())
+    return [v for v in values if isinstance(v, ResumableLoader)]
+
+
+# -- the loop state ------------------------------------------------------------
+
+
+class _LoopState:
+    """The fit loop's state as of the last ``on_train_batch_end`` (a version takes it at the next step)."""
+
+    def __init__(self) -> None:
+        self.recorded: dict[str, Any] = {}
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.recorded
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loaded = copy.deepcopy(dict(state))
+        self.recorded = copy.deepcopy(dict(state))
+
+
+# -- the checkpointer ------------------------------------------------------------
+
+
+def _noop() -> None:
+    pass
+
+
+class LightningCheckpointer(Checkpointer):
+    """A :class:`asymcheck.Checkpointer` sealing versions in ``on_before_optimizer_step`` (made by AsymCheck).
+
+    The torch step pre-hook of the plain Checkpointer fires before Lightning's closure (the forward
+    and backward of the iteration), so here the version of the previous step is sealed by
+    :meth:`before_step`, which :class:`AsymCheck` calls in ``on_before_optimizer_step``; the step
+    post-hook still opens each version.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: StoreSpec,
+                 **kwargs: Any) -> None:
+        """Build the Checkpointer, then hook the optimizer's step post-hook only (see :class:`AsymCheck`)."""
+        super().__init__(model, optimizer, store, **kwargs)
+        self._hooks.remove()
+        self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
+                              on_step_pre=_noop, on_step_post=self._on_step_post)
+
+    def before_step(self) -> None:
+        """Seal the open version: the optimizer is about to step (its closure ran)."""
+        self._on_step_pre()
+
+
+# -- the callback ----------------------------------------------------------------
+
+
+class AsymCheck(Callback):
+    """A version every ``every`` optimizer steps of ``Trainer.fit``, and a resume when ``fit`` starts.
+
+    Args:
+        root_or_store: a directory (a ``LocalTier``; under DDP a multi-rank store there), a list of
+            tiers (fastest first), or an unopened store; as :class:`asymcheck.Checkpointer` takes it.
+            One ``fit`` opens it and closes it.
+        every: a version every ``every`` optimizer steps.
+        keep_last: versions kept per tier.
+        keep_every: also keep every version whose step is a multiple of it, permanently (one process).
+        monitor: a metric logged by the LightningModule (``self.log``), as ``ModelCheckpoint`` takes it:
+            read from ``trainer.callback_metrics`` after each training batch and each validation, and
+            recorded with the version of the step (``meta["metrics"]``).
+        mode: ``"min"`` or ``"max"``: which values of ``monitor`` are best.
+        save_top_k: keep the ``save_top_k`` best versions by ``monitor`` beside ``keep_last``
+            (:class:`asymstore.KeepBest`; one process). 0: record the metric only.
+        resume: load the newest version that verifies when ``fit`` starts.
+        **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (``max_overhead``,
+            ``on_error``, ``preempt_on``, ...).
+
+    Attributes:
+        checkpointer: the Checkpointer of the running (or last) ``fit``.
+        restored: what the resume of the last ``fit`` loaded (None: it started fresh).
+    """
+
+    def __init__(self, root_or_store: StoreSpec, *, every: int = 1, keep_last: int | None = 3,
+                 keep_every: int | None = None, monitor: str | None = None, mode: Literal["min", "max"] = "min",
+                 save_top_k: int = 1, resume: bool = True, **checkpointer_options: Any) -> None:
+        """Keep the options; nothing is opened until ``fit`` starts."""
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.root_or_store = root_or_store
+        self.every = every
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.resume = resume
+        self.options = checkpointer_options
+        self.checkpointer: LightningCheckpointer | None = None
+        self.restored: RestoreInfo | None = None
+        self._loops = _LoopState()
+        self._rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        self._validated = False  # the monitored metric comes from validation
+        self._marked = self._recorded = 0  # the steps whose version took its state / whose loop state is recorded
+
+    @property
+    def state_key(self) -> str:
+        """The callback's key in Lightning's own checkpoints (it keeps no state there)."""
+        return "AsymCheck"
+
+    def stats(self) -> CheckpointStats | None:
+        """The Checkpointer's statistics (None before ``fit``)."""
+        return self.checkpointer.stats() if self.checkpointer is not None else None
+
+    # -- fit starts: check, build, resume ------------------------------------
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Refuse what is not captured, build the Checkpointer, load the newest version (``resume=True``).
+
+        Raises:
+            UnsupportedLightningConfigError: a setting named in the message is not supported.
+        """
+        _check(trainer, pl_module)
+        keep_best = None
+        if self.monitor is not None and self.save_top_k > 0:
+            keep_best = KeepBest(self.monitor, self.mode, self.save_top_k)
+        self._loops = _LoopState()
+        stateful: dict[str, Stateful] = {LOOPS_NAME: self._loops}
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            stateful[f"{SCHEDULER_PREFIX}{i}"] = config.scheduler
+        self.restored = None
+        self._rng = None
+        ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.root_or_store, stateful=stateful,
+                                     every=self.every, keep_last=self.keep_last, keep_every=self.keep_every,
+                                     keep_best=keep_best, **self.options)
+        self.checkpointer = ckpt
+        self._marked = self._recorded = 0
+        self._validated = False
+        if not self.resume:
+            return
+        try:
+            step = ckpt.resume()
+        except BaseException:
+            ckpt.close()
+            raise
+        if step is None or self._loops.loaded is None:
+            return
+        self._marked = self._recorded = step
+        self.restored = ckpt.restored
+        trainer.fit_loop.load_state_dict(self._loops.loaded)  # what fit(ckpt_path=...) does
+        tensors: dict[str, torch.Tensor] = {}
+        self._rng = (rng.capture(tensors), tensors)  # set back after the loader's iterator drew (below)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """The first batch after a step: the open version takes its small state (RNG, loop, loaders) now.
+
+        Here, right before ``training_step``, whatever ran since the step (validation, the end of an
+        epoch, a new pass over the loader and its draws) is done, and nothing of the next step has
+        drawn yet. After a resume the RNG states of the version are set back first (Lightning's new
+        loader iterator drew from them).
+        """
+        if self._rng is not None:
+            meta, tensors = self._rng
+            self._rng = None
+            rng.restore(meta, tensors)
+            for loader in _loaders(trainer):
+                loader.resumed()
+        ckpt = self.checkpointer
+        if ckpt is None or ckpt.step == self._marked:
+            return  # not the first batch after a step (gradient accumulation)
+        self._marked = ckpt.step
+        found = trainer.train_dataloader
+        if isinstance(found, ResumableLoader) and isinstance(self._loops.recorded.get("state_dict"), dict):
+            loops = dict(self._loops.recorded)
+            loops["state_dict"] = {**loops["state_dict"], "combined_loader": [found.state_dict()]}
+            self._loops.recorded = loops  # the loader's position now: a new pass has started at an epoch's end
+        ckpt.mark()
+
+    # -- every step --------------------------------------------------------
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        """Seal the previous step's version: the closure's forward and backward copied it."""
+        if self.checkpointer is not None:
+            self.checkpointer.before_step()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """After a batch that stepped: record the loop state and the loaders' positions; the monitored metric."""
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        if ckpt.step != self._recorded:  # an optimizer step ran in this batch
+            self._recorded = ckpt.step
+            for loader in _loaders(trainer):
+                loader.trained = batch_idx + 1
+            self._loops.recorded = trainer.fit_loop.state_dict()
+        if not self._validated:  # a validation metric stays in callback_metrics: record it once, after validation
+            self._log_monitor(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Record the monitored metric of a validation with the newest step's version."""
+        if not trainer.sanity_checking and self.monitor is not None and self.monitor in trainer.callback_metrics:
+            self._validated = True
+            self._log_monitor(trainer)
+
+    def _log_monitor(self, trainer: Trainer) -> None:
+        if self.monitor is None or self.checkpointer is None:
+            return
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            return
+        number = float(value.item() if isinstance(value, torch.Tensor) else value)
+        if math.isfinite(number):
+            self.checkpointer.log_metrics({self.monitor: number})
+
+    # -- fit ends ----------------------------------------------------------
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Commit the last step and close the store.
+
+        Raises:
+            CommitFailedError: the final version was not committed (unless ``on_error="log"``).
+        """
+        if self.checkpointer is not None:
+            self.checkpointer.close()  # closing again (teardown) is a no-op
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Save what is consistent and close, never masking the exception."""
+        ckpt = self.checkpointer
+        if ckpt is not None:
+            ckpt.__exit__(type(exception), exception, exception.__traceback__)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Close the store if ``fit`` ended without ``on_fit_end`` (it is already closed otherwise)."""
+        ckpt = self.checkpointer
+        if ckpt is not None and stage == "fit":
+            try:
+                ckpt.close()
+            except Exception as exc:
+                logger.error("closing at teardown: %s", exc)

@@ -1,0 +1,171 @@
+"""Lightning: ``asymcheck.lightning.AsymCheck`` on a real ``Trainer.fit``, killed by SIGKILL and resumed bit-exact.
+
+A child (tests/procs/lightning_train.py) fits a small GPT-2 on CPU with a version every optimizer
+step, dies by SIGKILL inside ``training_step`` at a random step, and a fresh child resumes through
+the callback (``on_fit_start``) and fits to the end. Every loss either child logged (training and
+validation) and the final parameters, optimizer state, scheduler, RNG state, global step and epoch
+must equal those of an uninterrupted fit without the callback, byte for byte; one process, and
+DDP on 2 processes (gloo, started here with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the
+environment, ``strategy="ddp"``). The one-process run also keeps the best version by
+``monitor="val_loss"`` beside ``keep_last=2``. Refused settings raise before anything is hooked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from asymcheck.lightning import AsymCheck, UnsupportedLightningConfigError
+from asymstore import AsymStore, LocalTier
+from tests.support.launch import proc_argv, proc_env
+from tests.support.mr_harness import free_ports
+
+pytestmark = pytest.mark.slow
+
+STEPS = 21  # 3 epochs of 7 batches in one process
+DDP_STEPS = 12  # 3 epochs of 4 batches per process under 2
+
+
+def _run(out: Path, *args: str, ddp: bool = False, expect_kill: bool = False) -> None:
+    world = 2 if ddp else 1
+    port = free_ports(1)[0]
+    procs = []
+    for rank in range(world):
+        env = proc_env(OMP_NUM_THREADS="1")
+        if ddp:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                       LOCAL_RANK=str(rank), NODE_RANK="0")
+        argv = proc_argv("lightning_train", "--out", str(out), *args, *(["--ddp"] if ddp else []))
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        if expect_kill:
+            assert p.returncode in (-signal.SIGKILL, 0), f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
+        else:
+            assert p.returncode == 0, f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
+
+
+def _losses(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        out[row["key"]] = row["loss"]  # a resumed step logs again: the last value is the resumed run's
+    return out
+
+
+def _all_losses(path: Path) -> list[tuple[str, str]]:
+    return [(r["key"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def _check_same(ref: Path, got: Path, world: int) -> None:
+    for rank in range(world):
+        want = _losses(ref / f"losses-rank{rank}.jsonl")
+        for key, loss in _all_losses(got / f"losses-rank{rank}.jsonl"):  # the killed child's too
+            assert want[key] == loss, f"rank {rank}, {key}: {loss} != {want[key]}"
+        assert set(_losses(got / f"losses-rank{rank}.jsonl")) == set(want)
+        a = torch.load(ref / f"final-rank{rank}.pt")
+        b = torch.load(got / f"final-rank{rank}.pt")
+        assert set(a) == set(b)
+        diff = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not diff, f"rank {rank}: final state differs in {diff[:5]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lightning-ref")
+    _run(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lightning-ddp-ref")
+    _run(out, ddp=True)
+    return out
+
+
+def _versions(root: Path) -> dict[str, list[int]]:
+    async def go() -> dict[str, list[int]]:
+        async with AsymStore([LocalTier(root)]) as store:
+            return store.versions()
+    return asyncio.run(go())
+
+
+def _kill_resume(reference: Path, tmp_path: Path, kill: int) -> None:
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _run(out, "--dir", str(root), "--kill", str(kill), expect_kill=True)
+    assert (out / "losses-rank0.jsonl").exists() and not (out / "final-rank0.pt").exists()
+    _run(out, "--dir", str(root))
+    _check_same(reference, out, 1)
+    # retention: the newest 2 plus the best by val_loss (validated after steps 7, 14, 21)
+    ref = _losses(reference / "losses-rank0.jsonl")
+    val = [(torch.tensor([float.fromhex(ref[f"val:{e}:{b}"]) for b in (0, 1)]).mean().item(), 7 * (e + 1))
+           for e in range(3)]
+    best = min(val)[1]
+    assert set(next(iter(_versions(root).values()))) == {STEPS - 1, STEPS, best}
+
+
+def test_kill_and_resume(reference: Path, tmp_path: Path) -> None:
+    kill = random.randint(2, STEPS - 1)
+    print(f"SIGKILL after {kill} optimizer steps")
+    _kill_resume(reference, tmp_path, kill)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("kill", [1, 6, 8, 14, 20])  # no version yet, epoch boundaries, the last steps
+def test_kill_and_resume_at(reference: Path, tmp_path: Path, kill: int) -> None:
+    _kill_resume(reference, tmp_path, kill)
+
+
+def test_ddp_kill_and_resume(ddp_reference: Path, tmp_path: Path) -> None:
+    kill = random.randint(2, DDP_STEPS - 1)
+    print(f"SIGKILL after {kill} optimizer steps on both ranks")
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _run(out, "--dir", str(root), "--kill", str(kill), ddp=True, expect_kill=True)
+    _run(out, "--dir", str(root), ddp=True)
+    _check_same(ddp_reference, out, 2)
+    assert (root / "global").is_dir()  # a multi-rank store: rank shards and global manifests
+
+
+class _Manual(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        loss = self.layer(batch[0]).sum()
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+
+def test_manual_optimization_refused(tmp_path: Path) -> None:
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[AsymCheck(tmp_path / "ckpt")])
+    with pytest.raises(UnsupportedLightningConfigError, match="automatic_optimization=False"):
+        trainer.fit(_Manual())
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("v*"))

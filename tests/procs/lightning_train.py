@@ -1,0 +1,132 @@
+"""A training child of the Lightning tests (run as a script, one per process; never imported by pytest).
+
+``python -m tests.procs.lightning_train --out OUT [--dir CKPT] [--kill S] [--ddp]``
+
+Fits a small GPT-2 (``GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)``,
+dropout on) on synthetic tokens with ``lightning.pytorch.Trainer`` on CPU: AdamW, a per-step LambdaLR
+scheduler, a train loader shuffled by the global RNG (one process) or a shuffling ``DistributedSampler``
+(``--ddp``: ``strategy="ddp"`` on 2 processes that the test starts with ``RANK``/``WORLD_SIZE``... in
+the environment), wrapped in ``asymcheck.lightning.ResumableLoader``, and a validation pass per epoch.
+With ``--dir`` it runs under ``asymcheck.lightning.AsymCheck`` (a version every step, ``monitor="val_loss"``
+in one process); without it, it is the uninterrupted reference. ``--kill S``: SIGKILL inside the
+``training_step`` after S optimizer steps.
+
+Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch, validation
+losses under ``"val:epoch"``) and, when it finishes, ``OUT/final-rankR.pt`` (parameters, optimizer and
+scheduler state, torch RNG, global step and epoch, as tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from asymcheck.lightning import AsymCheck, ResumableLoader
+
+EPOCHS = 3
+SAMPLES = 28  # 7 batches of 4 per epoch in one process, 4 per process under 2 (DistributedSampler pads)
+BATCH = 4
+
+
+class Tokens(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, n: int, seed: int) -> None:
+        self.ids = torch.randint(0, 256, (n, 32), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.ids[i]
+
+
+class Model(pl.LightningModule):
+    def __init__(self, out: Path, kill: int | None) -> None:
+        super().__init__()
+        self.model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32))
+        self.out = out
+        self.kill = kill
+        self.ddp = False
+
+    def _log_loss(self, key: str, loss: torch.Tensor) -> None:
+        with (self.out / f"losses-rank{self.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps({"key": key, "loss": float(loss).hex()}) + "\n")
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.kill is not None and self.global_step == self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
+        self._log_loss(f"{self.current_epoch}:{batch_idx}", loss)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        if not self.trainer.sanity_checking:
+            self._log_loss(f"val:{self.current_epoch}:{batch_idx}", loss)
+        self.log("val_loss", loss, sync_dist=self.ddp)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> Any:
+        data = Tokens(SAMPLES, 5)
+        if self.ddp:
+            sampler: torch.utils.data.DistributedSampler[torch.Tensor] = torch.utils.data.DistributedSampler(
+                data, num_replicas=self.trainer.world_size, rank=self.global_rank, shuffle=True, seed=3)
+            return ResumableLoader(torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler))
+        return ResumableLoader(torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True))
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(Tokens(8, 9), batch_size=BATCH)
+
+
+def final_state(trainer: pl.Trainer, module: Model) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.detach().clone() for k, v in module.state_dict().items()}
+    opt = trainer.optimizers[0].state_dict()
+    for i, st in opt["state"].items():
+        for k, v in st.items():
+            out[f"opt/{i}/{k}"] = torch.as_tensor(v).clone()
+    out["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
+    out["sched/last_epoch"] = torch.tensor(trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+    out["rng"] = torch.get_rng_state()
+    out["global_step"] = torch.tensor(trainer.global_step)
+    out["epoch"] = torch.tensor(trainer.current_epoch)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dir")
+    parser.add_argument("--kill", type=int)
+    parser.add_argument("--ddp", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    module = Model(out, args.kill)
+    module.ddp = args.ddp
+    callbacks: list[pl.Callback] = []
+    if args.dir:
+        options: dict[str, Any] = {} if args.ddp else {"monitor": "val_loss", "save_top_k": 1}
+        callbacks.append(AsymCheck(args.dir, keep_last=2, max_overhead=None, **options))
+    trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
+                         max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1)
+    trainer.fit(module)
+    torch.save(final_state(trainer, module), out / f"final-rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -383,7 +383,6 @@ class StorageWriter(_DCPStorageWriter):
                 raise StepOrderError(f"step {save.requested} is not newer than the newest global version "
                                      f"(the next is {step})")
             return step
-        await store.refresh()
         newest = max((s for s in (store.newest_step, self.last_step, self._last_chosen) if s is not None),
                      default=None)
         if save.requested is None:

@@ -1,6 +1,7 @@
 """DCP's metadata as strict JSON (asymstore.dcp.metadata): a round trip of every kind of entry, and malformed
-documents refused with a typed error before anything of them is used. And one save at a time per writer: a save
-that a newer one overtook can neither stage nor commit (no version mixes two saves).
+documents refused with a typed error before anything of them is used. One save at a time per writer: a save
+that a newer one overtook can neither stage nor commit (no version mixes two saves). Ranks that chose different
+versions to load read nothing, and every rank skips the newer at the next load.
 """
 
 from __future__ import annotations
@@ -132,3 +133,28 @@ def test_a_save_overtaken_by_a_newer_one_never_commits(tmp_path: Path) -> None:
     with StorageReader(tmp_path / "ckpt") as reader:
         dcp.load(back, storage_reader=reader)
     assert back["tag"] == "new" and torch.equal(back["w"], new["w"])
+
+
+def test_ranks_that_chose_different_versions_skip_the_newer_at_the_next_load(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    with StorageWriter(tmp_path / "ckpt") as writer:
+        for n in range(3):
+            dcp.save({"w": torch.full((4,), float(n))}, storage_writer=writer)
+    coordinator, other = StorageReader(tmp_path / "ckpt"), StorageReader(tmp_path / "ckpt")
+    other.bad_steps.add(2)  # as if this rank had found step 2 corrupt in an earlier load
+    plans = []
+    for reader in (coordinator, other):
+        reader.read_metadata()
+        reader.set_up_storage_reader(reader._metadata, reader is coordinator, rank=0)  # type: ignore[arg-type]
+        plans.append(reader.prepare_local_plan(LoadPlan([])))
+    assert [p.storage_data.step for p in plans] == [2, 1]
+    for reader, plan in zip((coordinator, other), coordinator.prepare_global_plan(plans), strict=True):
+        with pytest.raises(DCPStorageError, match="different versions"):
+            reader.read_data(plan, None)  # type: ignore[arg-type]
+        assert reader.bad_steps == {2}
+    back = {"w": torch.zeros(4)}
+    dcp.load(back, storage_reader=coordinator)  # the next load agrees on step 1
+    assert coordinator.step == 1 and torch.equal(back["w"], torch.full((4,), 1.0))
+    coordinator.close()
+    other.close()

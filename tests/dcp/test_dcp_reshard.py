@@ -1,8 +1,8 @@
 """DCP's own resharding over asymstore versions, with FSDP2 (``fully_shard``) on 2 gloo ranks on CPU.
 
-2 -> 1: the FSDP2 job trains and saves into a directory (each rank's shard of a RankStore, then the global
-manifest); one process loads it into an unsharded model. 1 -> 2: one process saves an unsharded model; the
-FSDP2 job loads it into its sharded model. Each time the whole state (parameters and AdamW state, as torch's
+2 -> 1: the FSDP2 job trains and saves (``dcp.async_save``) into a directory (each rank's shard of a RankStore,
+then the global manifest); one process loads it into an unsharded model. 1 -> 2: one process saves an unsharded
+model; the FSDP2 job loads it into its sharded model. Each time the whole state (parameters and AdamW state, as torch's
 full state dict gives it) is bit-identical to what was saved. The model's shards are uneven (37 rows: 19 and
 18) and its last layer leaves rank 1 an empty piece. fsck finds the multi-rank root clean.
 """

@@ -8,10 +8,11 @@ does). ``OUT/losses.jsonl`` gets each step's loss, ``OUT/progress.jsonl`` each s
 model for STEPS without any checkpoint and writes ``OUT/ref.json`` (losses and final digests).
 
 ``reshard OUT`` (on 2 gloo ranks: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): an FSDP2 model trains 2 steps
-and saves into ``OUT/root2`` (a RankStore per rank, from the directory); rank 0 writes the digests of the whole
-state (torch's full state dict) to ``OUT/full2.json``. Then a fresh FSDP2 model loads ``OUT/root1`` (saved by
-one process) and rank 0 writes the whole state's digests to ``OUT/full1.json``. Between the two, the ranks read
-``root2`` back through the writer's own RankStore, and a save of two ranks into one list of tiers is refused.
+and ``dcp.async_save``-s into ``OUT/root2`` (a RankStore per rank, from the directory); rank 0 writes the digests
+of the whole state (torch's full state dict) to ``OUT/full2.json``. Then a fresh FSDP2 model loads ``OUT/root1``
+(saved by one process) and rank 0 writes the whole state's digests to ``OUT/full1.json``. Between the two, the
+ranks read ``root2`` back through the writer's own RankStore, and a save of two ranks into one list of tiers is
+refused.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def reshard(out: Path) -> None:
         t.small_step(model, opt, step, rank)
     with StorageWriter(out / "root2") as writer:
         state = t.app_state(model, opt, 0)
-        dcp.save({"model": state["model"], "optim": state["optim"]}, storage_writer=writer)
+        future = dcp.async_save({"model": state["model"], "optim": state["optim"]}, storage_writer=writer)
+        future.result()  # DCP's thread ran the save (collectives on the default gloo group meanwhile idle here)
         assert writer.last_step == 0 and isinstance(writer.store, RankStore)
         full = t.full_digests(model, opt)
         if rank == 0:

@@ -90,6 +90,7 @@ __all__ = ["AsymCheck", "LightningCheckpointer", "ResumableLoader", "Unsupported
 TESTED = (2, 6)  # major, minor of the Lightning versions the tests exercise (pyproject.toml: >=2.6,<2.7)
 LOOPS_NAME = "lightning.fit_loop"
 SCHEDULER_PREFIX = "lightning.scheduler."
+MARKED = "asymcheck_marked"  # in the recorded loop state: the version's small state was taken before training_step
 
 
 # -- what is refused -----------------------------------------------------------
@@ -214,14 +215,28 @@ class ResumableLoader:
         """Yield the pass's batches (after a resume: those of the interrupted pass not yet trained).
 
         Nothing is drawn before the first batch is asked for: the pass's RNG states are recorded
-        (or, resuming, set back) then, right before the loader's iterator and sampler draw.
+        then, right before the loader's iterator and sampler draw. The continued pass after a resume
+        draws from the interrupted pass's starting states, then puts the global torch RNG back as it
+        found it, so the states of the version go on.
         """
         skip, start = self._skip, self._resume_start  # until resumed(): Lightning may begin a pass twice
         self.trained = skip
-        if start is not None:
-            self._set_rng(start)  # the interrupted pass's order (AsymCheck sets the step's RNG back later)
+        if start is None:
+            self._start = self._rng_now()
+            yield from self.loader
+            return
+        outer = torch.get_rng_state()
+        self._set_rng(start)
         self._start = self._rng_now()
-        yield from (self._skipped(skip) if skip else self.loader)
+        it = iter(self._skipped(skip) if skip else self.loader)
+        try:
+            first = next(it)  # the sampler's draws, as in the interrupted pass
+        except StopIteration:
+            return
+        finally:
+            torch.set_rng_state(outer)
+        yield first
+        yield from it
 
     def resumed(self) -> None:
         """The continued pass trains (called by :class:`AsymCheck`): passes after it are the loader's own."""
@@ -362,6 +377,7 @@ class AsymCheck(Callback):
         self._loops = _LoopState()
         self._rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._validated = False  # the monitored metric comes from validation
+        self._resuming = False  # until the first batch after a resume
         self._marked = self._recorded = 0  # the steps whose version took its state / whose loop state is recorded
 
     @property
@@ -396,7 +412,7 @@ class AsymCheck(Callback):
                                      keep_best=keep_best, **self.options)
         self.checkpointer = ckpt
         self._marked = self._recorded = 0
-        self._validated = False
+        self._validated = self._resuming = False
         if not self.resume:
             return
         try:
@@ -408,9 +424,11 @@ class AsymCheck(Callback):
             return
         self._marked = self._recorded = step
         self.restored = ckpt.restored
+        self._resuming = True
         trainer.fit_loop.load_state_dict(self._loops.loaded)  # what fit(ckpt_path=...) does
-        tensors: dict[str, torch.Tensor] = {}
-        self._rng = (rng.capture(tensors), tensors)  # set back after the loader's iterator drew (below)
+        if self._loops.loaded.get(MARKED):  # taken right before training_step: set back then (below)
+            tensors: dict[str, torch.Tensor] = {}
+            self._rng = (rng.capture(tensors), tensors)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -421,21 +439,24 @@ class AsymCheck(Callback):
         drawn yet. After a resume the RNG states of the version are set back first (Lightning's new
         loader iterator drew from them).
         """
+        if self._resuming:
+            self._resuming = False
+            for loader in _loaders(trainer):
+                loader.resumed()
         if self._rng is not None:
             meta, tensors = self._rng
             self._rng = None
             rng.restore(meta, tensors)
-            for loader in _loaders(trainer):
-                loader.resumed()
         ckpt = self.checkpointer
         if ckpt is None or ckpt.step == self._marked:
             return  # not the first batch after a step (gradient accumulation)
         self._marked = ckpt.step
+        loops = {**self._loops.recorded, MARKED: True}  # the RNG states are those right before training_step
         found = trainer.train_dataloader
-        if isinstance(found, ResumableLoader) and isinstance(self._loops.recorded.get("state_dict"), dict):
-            loops = dict(self._loops.recorded)
+        if isinstance(found, ResumableLoader) and isinstance(loops.get("state_dict"), dict):
+            # the loader's position now: at an epoch's end a new pass has started since the step
             loops["state_dict"] = {**loops["state_dict"], "combined_loader": [found.state_dict()]}
-            self._loops.recorded = loops  # the loader's position now: a new pass has started at an epoch's end
+        self._loops.recorded = loops
         ckpt.mark()
 
     # -- every step --------------------------------------------------------

@@ -68,6 +68,23 @@ class NotInStoreError(AsymcheckError, FileNotFoundError):
     """A DeepSpeed checkpoint file asked for is not in any committed version of the store."""
 
 
+# -- Accelerate ------------------------------------------------------------------
+
+
+class UnsupportedAccelerateConfigError(UnsupportedConfigError):
+    """An Accelerate setting (or version) ``asymcheck.accelerate.attach()`` does not capture correctly.
+
+    The message names the setting; raised before anything is hooked.
+    """
+
+
+class DataPositionError(AsymcheckError, RuntimeError):
+    """A loader given to ``asymcheck.accelerate.attach(data=...)`` is iterated directly: its position is unknown.
+
+    Raised when a version takes the position; iterate the ``ResumableLoader`` (``ckpt.loader``) instead.
+    """
+
+
 # -- Lightning -------------------------------------------------------------------
 
 

@@ -1,0 +1,559 @@
+"""asymcheck for Hugging Face Accelerate: a version every optimizer step of what ``accelerator.prepare`` returned.
+
+Two lines after ``accelerator.prepare(...)``, on every process (``accelerate launch`` starts them)::
+
+    ckpt = asymcheck.accelerate.attach(accelerator, model, optimizer, "ckpt", scheduler=lr_scheduler,
+                                       data=train_dataloader)
+    completed_steps = ckpt.resume() or 0    # optimizer steps already done; None on a fresh start
+
+and the loop iterates ``ckpt.loader`` where it iterated ``train_dataloader``: the same batches, and
+after a resume the interrupted epoch goes on after the batches its version had trained
+(``accelerator.skip_first_batches``: the skipped batches' indices are drawn, their samples are not
+read). ``ckpt.close()`` (or leaving a ``with`` block) commits the last step.
+
+What :func:`attach` builds follows what the script runs under:
+
+- one process, or several under DDP (``MULTI_CPU`` with gloo, ``MULTI_GPU``): an
+  :class:`asymcheck.Checkpointer` on the unwrapped model and the torch optimizer inside Accelerate's
+  ``AcceleratedOptimizer``, whose ``step`` Accelerate calls only when gradients synchronise, so a
+  gradient-accumulation micro-step (``accelerator.accumulate()``) neither takes nor seals a version;
+- the FSDP2 plugin (``fsdp_version=2``): the same Checkpointer on the ``fully_shard``-ed model (its
+  FSDP2 path: each rank's DTensor shards, with their layout; not exercised through Accelerate, which
+  runs FSDP on GPUs only);
+- the DeepSpeed plugin (ZeRO 0-3): :func:`asymcheck.deepspeed.attach` on the engine Accelerate built
+  (``accelerator.backward`` runs ``engine.step()``; the adapter hooks the torch optimizer inside it).
+
+Besides the model and optimizer a version holds the scheduler, Accelerate's ``GradScaler``
+(``accelerator.scaler``, mixed precision fp16), ``accelerator.step`` (the micro-step counter that
+decides which micro-step synchronises), the position of every data loader given as ``data=``,
+the RNG states, and the ``stateful=`` / ``data=`` objects. Refused with
+:class:`UnsupportedAccelerateConfigError` naming the setting, before anything is hooked: FSDP1,
+``torch.compile`` through Accelerate (``dynamo_backend``), fp8, tensor/context/sequence
+parallelism, stateful data loaders (``use_stateful_dataloader=True``), Megatron-LM, XLA and other
+distributed types; under DeepSpeed, what :func:`asymcheck.deepspeed.attach` refuses.
+
+Accelerate names relied on (checked against accelerate 1.15). No private name; these attributes
+are undocumented: ``AcceleratedOptimizer.optimizer`` (the torch optimizer whose step hooks drive
+versions), ``Accelerator.step`` (saved by Accelerate's own ``save_state`` too),
+``Accelerator.scaler``, ``Accelerator.use_stateful_dataloader``, ``Accelerator.distributed_type``,
+``Accelerator.deepspeed_engine_wrapped``, ``Accelerator.state.dynamo_plugin`` and
+``.fsdp_plugin``, ``Accelerator.gradient_state.active_dataloader`` (to notice a loader iterated
+around :class:`ResumableLoader`), and of Accelerate's prepared loaders (``DataLoaderShard``,
+``DataLoaderDispatcher``): ``iteration`` (the epoch of the current pass), ``set_epoch``,
+``synchronized_generator``, ``batch_sampler`` / ``sampler`` and the ``generator`` of the wrapped
+``DataLoader``. Public API used: ``Accelerator.unwrap_model``, ``Accelerator.skip_first_batches``,
+``DeepSpeedSchedulerWrapper``. Nothing is patched.
+
+Importing this module imports Accelerate (the ``accelerate`` extra); DeepSpeed is imported only
+when the accelerator runs the DeepSpeed plugin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import accelerate
+import torch
+from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from asymcheck.checkpointer import Checkpointer, RestoreInfo
+from asymcheck.errors import DataPositionError, StateMismatchError, UnsupportedAccelerateConfigError
+from asymcheck.policy.preempt import PreemptionRecord
+from asymcheck.state.trainstate import Stateful
+from asymcheck.stats import CheckpointStats, StepRecord
+from asymstore.api import CheckpointStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AccelerateCheckpointer", "DataPositionError", "ResumableLoader", "UnsupportedAccelerateConfigError",
+           "attach", "unsupported_settings"]
+
+TESTED = (1, 15)  # major, minor of the Accelerate versions the tests exercise (pyproject.toml: >=1.15,<1.16)
+STEP_NAME = "accelerate.step"  # the data object holding ``accelerator.step``
+SCHEDULER_NAME = "accelerate.scheduler"
+SCALER_NAME = "accelerate.scaler"
+LOADER_NAME = "loader"  # the name of a single loader passed as ``data=``
+
+_SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED,
+              DistributedType.FSDP}
+
+
+# -- what is refused -----------------------------------------------------------
+
+
+def unsupported_settings(accelerator: Any) -> list[str]:
+    """The settings of ``accelerator`` whose state :func:`attach` would not capture correctly, or untested.
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``.
+
+    Returns:
+        One line per refused setting (empty: supported).
+    """
+    out: list[str] = []
+    try:
+        major, minor = (int(p) for p in accelerate.__version__.split(".")[:2])
+    except ValueError:
+        major, minor = -1, -1
+    if (major, minor) != TESTED:
+        out.append(f"accelerate {accelerate.__version__}: only {TESTED[0]}.{TESTED[1]}.x is tested")
+    kind = accelerator.distributed_type
+    if kind not in _SUPPORTED:
+        out.append(f"distributed_type={kind} (one process, DDP, FSDP2 and DeepSpeed are supported)")
+    state = accelerator.state
+    if kind == DistributedType.FSDP:
+        version = getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None)
+        if version != 2:
+            out.append(f"fsdp_version={version} (FSDP1's flat parameters; use fsdp_version=2)")
+    dynamo = getattr(getattr(state, "dynamo_plugin", None), "backend", None)
+    if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
+        out.append(f"dynamo_backend={getattr(dynamo, 'value', dynamo)} (torch.compile: the snapshot hooks are "
+                   "not exercised under compiled graphs)")
+    if getattr(accelerator, "use_stateful_dataloader", False):
+        out.append("DataLoaderConfiguration(use_stateful_dataloader=True) (torchdata's StatefulDataLoader draws from "
+                   "the global RNG when Accelerate first reads its state, so a resumed process draws differently; "
+                   "the default loaders resume through skip_first_batches)")
+    if str(accelerator.mixed_precision) == "fp8":
+        out.append("mixed_precision=fp8 (TransformerEngine / MS-AMP state is not captured)")
+    config = accelerator.parallelism_config
+    if config is not None:
+        for axis in ("tp", "cp", "sp"):
+            size = getattr(config, f"{axis}_size", None) or 1
+            if int(size) > 1:
+                out.append(f"parallelism_config.{axis}_size={size} (only data parallelism is supported)")
+    return out
+
+
+def _check(accelerator: Any) -> None:
+    problems = unsupported_settings(accelerator)
+    if problems:
+        raise UnsupportedAccelerateConfigError("asymcheck.accelerate.attach() does not capture this accelerator "
+                                               "correctly: " + "; ".join(problems))
+
+
+# -- small stateful objects ----------------------------------------------------
+
+
+class _AcceleratorStep:
+    """``accelerator.step``: micro-steps since the last synchronising one (decides the next sync)."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.accelerator.step = int(state["step"])
+
+
+# -- data position -------------------------------------------------------------
+
+
+@dataclass
+class _Pass:
+    """A pass over the loader to continue after a resume."""
+
+    epoch: int
+    batches: int
+    start: dict[str, torch.Tensor]
+
+
+_END = object()
+
+
+class ResumableLoader:
+    """A data loader prepared by Accelerate whose position goes into every version, and comes back without re-reading.
+
+    Made by :func:`attach` for each prepared loader given as ``data=``; iterate it where the loop
+    iterated the loader (``for batch in ckpt.loader``). Each pass yields the loader's batches and
+    counts them; a version holds the epoch (the loader's ``iteration``), the batches of the pass
+    yielded so far, and the RNG states the pass began with (the global torch CPU generator and the
+    sampler's and loader's generators: they decide the pass's order). After ``resume()`` the next
+    pass continues the interrupted one: the RNG states are set to those the pass began with while
+    the continuation starts, then put back, and it goes on after the batches already trained through
+    ``accelerator.skip_first_batches`` (a map-style dataset: the skipped batches' indices are drawn,
+    their samples never read; an ``IterableDataset`` is read through them). Passes after that are the
+    loader's own.
+
+    Attributes:
+        loader: the prepared loader.
+        name: its name in the version's ``data``.
+        batches: batches yielded by the current (or last) pass.
+    """
+
+    def __init__(self, accelerator: Any, loader: Any, name: str) -> None:
+        """Wrap ``loader`` (a ``DataLoaderShard`` or ``DataLoaderDispatcher``)."""
+        self._accelerator = accelerator
+        self.loader = loader
+        self.name = name
+        self.batches = 0
+        self._active = False
+        self._start: dict[str, torch.Tensor] = {}
+        self._resume: _Pass | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The loader's epoch: the current pass's while one runs, else the next one's (its ``iteration``)."""
+        return int(getattr(self.loader, "iteration", 0))
+
+    @property
+    def active(self) -> bool:
+        """A pass is in progress."""
+        return self._active
+
+    def __len__(self) -> int:
+        """The loader's batches per pass."""
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        """One pass: the loader's own, or the continuation of the pass a version was taken in."""
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            return self._continue(resume)
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
+        self._start = self._rng_states()
+        self.batches = 0
+        self._active = True
+        try:
+            for batch in self.loader:
+                self.batches += 1
+                yield batch
+        finally:
+            self._active = False
+
+    def _continue(self, resume: _Pass) -> Iterator[Any]:
+        self._start = resume.start
+        self.batches = resume.batches
+        self._active = True
+        try:
+            skip = resume.batches > 0
+            source = self._accelerator.skip_first_batches(self.loader, resume.batches) if skip else self.loader
+            now = torch.get_rng_state()
+            self._set_rng_states(resume.start)  # the pass's order is drawn as when it began
+            try:
+                it = iter(source)
+                first = next(it, _END)
+            finally:
+                torch.set_rng_state(now)  # and the global RNG goes on from the version's state
+            if first is not _END:
+                self.batches += 1
+                yield first
+                for batch in it:
+                    self.batches += 1
+                    yield batch
+            if skip:  # a pass of the skipping loader counted its own epoch, not the loader's
+                self.loader.set_epoch(resume.epoch + 1)
+        finally:
+            self._active = False
+
+    def _generators(self) -> dict[str, torch.Generator]:
+        """The generators that decide a pass's order, by role (each object once)."""
+        found: dict[str, torch.Generator] = {}
+        sampler = getattr(self.loader, "sampler", None)
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        for _ in range(4):  # SkipBatchSampler / BatchSamplerShard wrap the BatchSampler that holds the sampler
+            inner = getattr(batch_sampler, "batch_sampler", None)
+            if inner is None:
+                break
+            batch_sampler = inner
+        candidates = [("sampler", getattr(getattr(batch_sampler, "sampler", None), "generator", None)),
+                      ("sampler", getattr(getattr(sampler, "sampler", None), "generator", None)),
+                      ("sampler", getattr(sampler, "generator", None)),
+                      ("synchronized", getattr(self.loader, "synchronized_generator", None)),
+                      ("loader", getattr(self.loader, "generator", None))]
+        seen: set[int] = set()
+        for role, g in candidates:
+            if isinstance(g, torch.Generator) and id(g) not in seen and role not in found:
+                seen.add(id(g))
+                found[role] = g
+        return found
+
+    def _rng_states(self) -> dict[str, torch.Tensor]:
+        states = {"torch": torch.get_rng_state()}
+        for role, g in self._generators().items():
+            states[role] = g.get_state()
+        return states
+
+    def _set_rng_states(self, states: Mapping[str, torch.Tensor]) -> None:
+        if "torch" in states:
+            torch.set_rng_state(states["torch"].clone())
+        for role, g in self._generators().items():
+            if role in states:
+                g.set_state(states[role].clone())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: epoch, batches of the pass yielded, whether a pass runs, the RNG states it began with.
+
+        Raises:
+            DataPositionError: the loader is being iterated directly, not through this object,
+                so the position is unknown.
+        """
+        active = getattr(getattr(self._accelerator, "gradient_state", None), "active_dataloader", None)
+        if active is self.loader and not self._active:
+            raise DataPositionError(
+                f"data[{self.name!r}] is iterated directly: iterate the ResumableLoader that attach() made "
+                f"(ckpt.loader, or ckpt.loaders[{self.name!r}]) so that versions hold its position")
+        state: dict[str, Any] = {"epoch": self.epoch, "batches": self.batches, "active": self._active,
+                                 "start": dict(self._start) if self._active else {}}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Set the loader's epoch; the next pass continues the one the version was taken in.
+
+        Raises:
+            StateMismatchError: the position does not fit this loader.
+        """
+        try:
+            epoch, batches, active = int(state["epoch"]), int(state["batches"]), bool(state["active"])
+            start = {str(k): v for k, v in state["start"].items() if isinstance(v, torch.Tensor)}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateMismatchError(f"data[{self.name!r}]: not a loader position: {exc!r}") from exc
+        if epoch < 0 or batches < 0:
+            raise StateMismatchError(f"data[{self.name!r}]: epoch {epoch}, batches {batches}")
+        length = _length(self.loader)
+        if active and length is not None and batches > length:
+            raise StateMismatchError(f"data[{self.name!r}]: the version had trained {batches} batches of a pass, "
+                                     f"this loader has {length} per pass")
+        self.loader.set_epoch(epoch)
+        self.batches = batches if active else 0
+        self._active = False
+        self._resume = _Pass(epoch, batches, start) if active else None
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _is_prepared_loader(obj: object) -> bool:
+    return isinstance(obj, (DataLoaderShard, DataLoaderDispatcher))
+
+
+# -- the checkpointer ----------------------------------------------------------
+
+
+class AccelerateCheckpointer:
+    """Per-iteration versions of an Accelerate job; made by :func:`attach`.
+
+    Wraps the :class:`asymcheck.Checkpointer` (or :class:`asymcheck.deepspeed.DeepSpeedCheckpointer`)
+    that takes them (``checkpointer``) and the :class:`ResumableLoader` of each prepared data loader
+    (``loader``, ``loaders``). A context manager: leaving the block closes it.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, loaders: Mapping[str, ResumableLoader],
+                 engine: Any = None) -> None:
+        """Keep the parts (use :func:`attach`)."""
+        self.checkpointer = checkpointer
+        self.loaders: dict[str, ResumableLoader] = dict(loaders)
+        self.engine = engine  # the DeepSpeed engine, under the DeepSpeed plugin
+
+    @property
+    def loader(self) -> ResumableLoader:
+        """The one data loader given as ``data=`` (see ``loaders`` when there are several)."""
+        if len(self.loaders) != 1:
+            raise AttributeError(f"attach() was given {len(self.loaders)} prepared data loaders: use "
+                                 f"ckpt.loaders[name] ({sorted(self.loaders)})")
+        return next(iter(self.loaders.values()))
+
+    def resume(self) -> int | None:
+        """Load the newest version that verifies (collective under several processes).
+
+        Returns:
+            Optimizer steps completed (the version's step), or None when the store holds no
+            version (nothing is changed). The loaders' next pass continues the version's.
+
+        Raises:
+            StateMismatchError: the version does not fit the live objects; nothing was loaded.
+            CorruptVersionError: no version verifies.
+            CheckpointerStateError: training already started, or closed.
+        """
+        return self.checkpointer.resume()
+
+    def mark(self) -> None:
+        """See :meth:`asymcheck.Checkpointer.mark`."""
+        self.checkpointer.mark()
+
+    @contextlib.contextmanager
+    def editing(self) -> Iterator[None]:
+        """See :meth:`asymcheck.Checkpointer.editing`."""
+        with self.checkpointer.editing():
+            yield
+
+    def flush(self) -> None:
+        """Wait until every sealed version is committed (see :meth:`asymcheck.Checkpointer.flush`)."""
+        self.checkpointer.flush()
+
+    def preempt(self, deadline_s: float | None = None) -> PreemptionRecord:
+        """Commit the newest completed step durably, then close (see :meth:`asymcheck.Checkpointer.preempt`)."""
+        return self.checkpointer.preempt(deadline_s)
+
+    def close(self) -> None:
+        """Capture the last step if not saved, commit it, wait for every commit, release everything.
+
+        Raises:
+            CommitFailedError: the final version was not committed.
+        """
+        self.checkpointer.close()
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (including those before a resume)."""
+        return self.checkpointer.step
+
+    @property
+    def restored(self) -> RestoreInfo | None:
+        """Where ``resume()`` found its version (None before, or on a fresh start)."""
+        return self.checkpointer.restored
+
+    @property
+    def store(self) -> CheckpointStore:
+        """The store (runs on the checkpointer's thread)."""
+        return self.checkpointer.store
+
+    @property
+    def last_record(self) -> StepRecord | None:
+        """The newest step's record."""
+        return self.checkpointer.last_record
+
+    @property
+    def final_versions(self) -> dict[str, list[int]] | None:
+        """``versions()`` when closed."""
+        return self.checkpointer.final_versions
+
+    def stats(self) -> CheckpointStats:
+        """Stall, copy time and bytes per step, commits, dropped versions, pacing."""
+        return self.checkpointer.stats()
+
+    def versions(self) -> dict[str, list[int]]:
+        """Committed versions per tier name."""
+        return self.checkpointer.versions()
+
+    def __enter__(self) -> AccelerateCheckpointer:
+        """Return self."""
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Close (see :meth:`asymcheck.Checkpointer.__exit__`)."""
+        self.checkpointer.__exit__(exc_type, exc, tb)
+
+
+def _named(kind: str, objs: Any, single: str) -> dict[str, Any]:
+    if objs is None:
+        return {}
+    if isinstance(objs, Mapping):
+        return dict(objs)
+    if kind == "data":
+        return {single: objs}
+    raise TypeError(f"{kind}= takes a mapping of name -> object with state_dict/load_state_dict")
+
+
+def _add(into: dict[str, Any], name: str, obj: Any) -> None:
+    if name in into:
+        raise ValueError(f"the name {name!r} is attach()'s own; give your object another")
+    into[name] = obj
+
+
+def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, scheduler: Any = None,
+           data: Any = None, stateful: Mapping[str, Stateful] | None = None,
+           **checkpointer_options: Any) -> AccelerateCheckpointer:
+    """Take a version of an Accelerate job after every optimizer step (or every ``every``); call after ``prepare``.
+
+    ::
+
+        model, optimizer, train_dataloader, lr_scheduler = accelerator.prepare(
+            model, optimizer, train_dataloader, lr_scheduler)
+        ckpt = asymcheck.accelerate.attach(accelerator, model, optimizer, "ckpt", scheduler=lr_scheduler,
+                                           data=train_dataloader)
+        completed_steps = ckpt.resume() or 0
+        for epoch in range(ckpt.loader.epoch, num_epochs):
+            for batch in ckpt.loader:            # a resumed epoch goes on after the version's batches
+                with accelerator.accumulate(model):
+                    accelerator.backward(model(**batch).loss)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+        ckpt.close()
+
+    Every process calls it (under several, ``resume()`` and the commits are collective).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared the objects.
+        model: the prepared model (under DeepSpeed, the engine ``prepare`` returned).
+        optimizer: the prepared optimizer.
+        root_or_store: a directory (one process: a ``LocalTier`` there; several: a multi-rank
+            root), an unopened store, or a list of tiers (see :class:`asymcheck.Checkpointer`;
+            under DeepSpeed, :func:`asymcheck.deepspeed.attach`).
+        scheduler: the prepared LR scheduler, if any (under DeepSpeed, one the engine steps is in
+            the engine's own state already).
+        data: a prepared data loader, or a mapping of names to prepared loaders and other objects
+            with ``state_dict``/``load_state_dict`` that advance when a batch is drawn. Each
+            prepared loader becomes a :class:`ResumableLoader` (``ckpt.loader`` /
+            ``ckpt.loaders[name]``), to be iterated instead of the loader.
+        stateful: name -> object with ``state_dict``/``load_state_dict`` updated after the step
+            (your own counters, an EMA).
+        **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (``every``,
+            ``keep_last``, ``max_overhead``, ``preempt_on``...) or, under DeepSpeed, to
+            :func:`asymcheck.deepspeed.attach`.
+
+    Returns:
+        The :class:`AccelerateCheckpointer`: ``resume()``, ``close()``, ``loader``.
+
+    Raises:
+        UnsupportedAccelerateConfigError: the accelerator uses a setting whose state would be
+            missed, or one not tested (see :func:`unsupported_settings`); nothing was hooked.
+        UnsupportedConfigError: under DeepSpeed, a configuration :func:`asymcheck.deepspeed.attach`
+            refuses.
+    """
+    _check(accelerator)
+    datas = _named("data", data, LOADER_NAME)
+    states = _named("stateful", stateful, "")
+    loaders: dict[str, ResumableLoader] = {}
+    for name, obj in list(datas.items()):
+        if isinstance(obj, ResumableLoader):
+            obj = obj.loader
+        if _is_prepared_loader(obj):
+            loaders[name] = datas[name] = ResumableLoader(accelerator, obj, name)
+    _add(datas, STEP_NAME, _AcceleratorStep(accelerator))
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return _attach_deepspeed(accelerator, model, root_or_store, scheduler, datas, states, loaders,
+                                 checkpointer_options)
+    inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected the optimizer accelerator.prepare() returned, got {type(optimizer)}")
+    if scheduler is not None:
+        _add(states, SCHEDULER_NAME, scheduler)
+    if accelerator.scaler is not None:  # fp16 on CUDA: AcceleratedOptimizer steps through it
+        _add(states, SCALER_NAME, accelerator.scaler)
+    module = accelerator.unwrap_model(model)
+    ckpt = Checkpointer(module, inner, root_or_store, stateful=states, data=datas, **checkpointer_options)
+    return AccelerateCheckpointer(ckpt, loaders)
+
+
+def _attach_deepspeed(accelerator: Any, model: Any, root_or_store: Any, scheduler: Any, datas: dict[str, Any],
+                      states: dict[str, Any], loaders: dict[str, ResumableLoader],
+                      options: dict[str, Any]) -> AccelerateCheckpointer:
+    from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
+
+    import asymcheck.deepspeed
+
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = model if hasattr(model, "module") and hasattr(model, "optimizer") else getattr(wrapped, "engine", None)
+    if engine is None:
+        raise TypeError("under the DeepSpeed plugin, model must be the engine accelerator.prepare() returned")
+    if scheduler is not None and not isinstance(scheduler, DeepSpeedSchedulerWrapper):
+        _add(states, SCHEDULER_NAME, scheduler)  # stepped by the loop through AcceleratedScheduler, not by the engine
+    ckpt = asymcheck.deepspeed.attach(engine, root_or_store, stateful=states, data=datas, **options)
+    return AccelerateCheckpointer(ckpt, loaders, engine=engine)

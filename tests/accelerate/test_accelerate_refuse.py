@@ -1,0 +1,138 @@
+"""What ``asymcheck.accelerate.attach`` refuses (before anything is hooked), and the loader position's checks.
+
+In-process, without an ``Accelerator`` (its state is a process-wide singleton): the accelerator is a
+stand-in exposing the attributes :func:`asymcheck.accelerate.unsupported_settings` reads. The
+refusals of a real Accelerate job, and everything that trains, are in test_accelerate_kill.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+from typing import Any
+
+import accelerate
+import pytest
+import torch
+from accelerate.utils import DistributedType, DynamoBackend
+
+from asymcheck import StateMismatchError, UnsupportedConfigError
+from asymcheck.accelerate import ResumableLoader, UnsupportedAccelerateConfigError, attach, unsupported_settings
+
+
+def accelerator(**changes: Any) -> Any:
+    fields: dict[str, Any] = {
+        "distributed_type": DistributedType.NO, "mixed_precision": "no", "parallelism_config": None,
+        "use_stateful_dataloader": False,
+        "state": SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=DynamoBackend.NO), fsdp_plugin=None)}
+    fields.update(changes)
+    return SimpleNamespace(**fields)
+
+
+def with_state(**changes: Any) -> Any:
+    state = {"dynamo_plugin": SimpleNamespace(backend=DynamoBackend.NO), "fsdp_plugin": None, **changes}
+    return accelerator(state=SimpleNamespace(**state))
+
+
+def test_supported_settings_pass() -> None:
+    for kind in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED):
+        assert unsupported_settings(accelerator(distributed_type=kind)) == []
+    fsdp2 = with_state(fsdp_plugin=SimpleNamespace(fsdp_version=2))
+    fsdp2.distributed_type = DistributedType.FSDP
+    assert unsupported_settings(fsdp2) == []
+
+
+@pytest.mark.parametrize(("acc", "setting"), [
+    (accelerator(distributed_type=DistributedType.XLA), "distributed_type=DistributedType.XLA"),
+    (accelerator(distributed_type=DistributedType.MEGATRON_LM), "distributed_type=DistributedType.MEGATRON_LM"),
+    (with_state(dynamo_plugin=SimpleNamespace(backend=DynamoBackend.INDUCTOR)), "dynamo_backend=INDUCTOR"),
+    (accelerator(mixed_precision="fp8"), "mixed_precision=fp8"),
+    (accelerator(parallelism_config=SimpleNamespace(tp_size=2, cp_size=1, sp_size=1)), "tp_size=2"),
+    (accelerator(parallelism_config=SimpleNamespace(tp_size=1, cp_size=2, sp_size=None)), "cp_size=2"),
+    (accelerator(use_stateful_dataloader=True), "use_stateful_dataloader=True"),
+])
+def test_refused_settings_are_named(acc: Any, setting: str) -> None:
+    problems = unsupported_settings(acc)
+    assert len(problems) == 1 and setting in problems[0], problems
+    with pytest.raises(UnsupportedAccelerateConfigError, match=setting.replace(".", r"\.")) as info:
+        attach(acc, None, None, "unused")  # refused before the model or optimizer is looked at
+    assert isinstance(info.value, UnsupportedConfigError)
+
+
+def test_fsdp1_is_refused() -> None:
+    acc = with_state(fsdp_plugin=SimpleNamespace(fsdp_version=1))
+    acc.distributed_type = DistributedType.FSDP
+    assert any("fsdp_version=1" in p for p in unsupported_settings(acc))
+
+
+def test_untested_accelerate_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(accelerate, "__version__", "1.16.0")
+    assert any("accelerate 1.16.0" in p for p in unsupported_settings(accelerator()))
+
+
+class Loader:
+    """The parts of a prepared loader ResumableLoader uses: its epoch, ``set_epoch``, its length.
+
+    A pass draws its order from the global torch RNG when it begins (as a shuffling DataLoader does).
+    """
+
+    def __init__(self) -> None:
+        self.iteration = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.iteration = epoch
+
+    def __len__(self) -> int:
+        return 5
+
+    def __iter__(self) -> Any:
+        yield from torch.randperm(5).tolist()
+        self.iteration += 1
+
+
+def skipping(loader: Loader, n: int) -> Any:
+    """``accelerator.skip_first_batches`` of the stand-in: a new loader object, the same order."""
+    other = Loader()
+    other.iteration = loader.iteration
+    return itertools.islice(iter(other), n, None)
+
+
+def test_loader_position_round_trip_and_checks() -> None:
+    acc = SimpleNamespace(gradient_state=SimpleNamespace(active_dataloader=None))
+    loader = ResumableLoader(acc, Loader(), "train")
+    seen = []
+    for batch in loader:
+        seen.append(batch)
+        state = loader.state_dict()
+        assert state["active"] and state["batches"] == len(seen) and state["epoch"] == 0
+        if len(seen) == 3:
+            break
+    assert not loader.active and loader.state_dict()["active"] is False  # a broken-off pass is over
+    fresh = ResumableLoader(acc, Loader(), "train")
+    fresh.load_state_dict({"epoch": 4, "batches": 2, "active": False, "start": {}})
+    assert fresh.epoch == 4 and sorted(fresh) == [0, 1, 2, 3, 4]  # between passes: the next one is the loader's
+    with pytest.raises(StateMismatchError, match="6 batches"):
+        fresh.load_state_dict({"epoch": 0, "batches": 6, "active": True, "start": {}})
+    with pytest.raises(StateMismatchError, match="not a loader position"):
+        fresh.load_state_dict({"epoch": 0})
+
+
+def test_continuation_draws_the_interrupted_order_and_leaves_the_rng_alone() -> None:
+    acc = SimpleNamespace(gradient_state=SimpleNamespace(active_dataloader=None), skip_first_batches=skipping)
+    torch.manual_seed(7)
+    loader = ResumableLoader(acc, Loader(), "train")
+    loader.load_state_dict({"epoch": 3, "batches": 0, "active": False, "start": {}})
+    order, state = [], None
+    for batch in loader:
+        order.append(batch)
+        if len(order) == 2:
+            state = loader.state_dict()  # what a version after this batch holds
+    assert state is not None and loader.epoch == 4
+    torch.manual_seed(99)  # the resumed process: the RNG is the version's, long past the pass's start
+    before = torch.get_rng_state()
+    resumed = ResumableLoader(acc, Loader(), "train")
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 3
+    assert list(resumed) == order[2:]  # the same order, after the batches already trained
+    assert torch.equal(torch.get_rng_state(), before)  # the pass's draws were made from its own start state
+    assert resumed.epoch == 4  # the loader's epoch moved on as the uninterrupted pass's did

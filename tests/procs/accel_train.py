@@ -1,0 +1,215 @@
+"""A training child of the Accelerate tests (run as a script, one per process; never imported by pytest).
+
+``python -m tests.procs.accel_train --mode MODE --out OUT [--dir CKPT] [--kill S] [--no-ckpt] [--raw]``
+
+Trains a small GPT-2 (``GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)``,
+dropout on) on synthetic tokens through Accelerate, in the loop shape of Hugging Face's
+``run_clm_no_trainer.py``: epochs over a shuffled, prepared data loader, ``accelerator.accumulate()``,
+``accelerator.backward``, ``optimizer.step()``, ``lr_scheduler.step()``, ``optimizer.zero_grad()``,
+and a validation pass (eval(), no_grad) after each epoch. With a checkpoint root (``--dir``) it
+runs under ``asymcheck.accelerate.attach`` (a version every optimizer step) and iterates
+``ckpt.loader``; ``--no-ckpt`` is the uninterrupted reference, iterating the loader itself.
+
+``--mode``: ``single`` (one process), ``ddp`` (``RANK``, ``WORLD_SIZE``... in the environment, CPU
+and gloo), ``ds`` (the DeepSpeed plugin, ZeRO stage ``--stage``, DeepSpeed's CPU accelerator, gloo).
+``--accum``: micro-steps per optimizer step. ``--kill S``: SIGKILL inside the forward of the first
+micro-batch after S optimizer steps (every process of the job does). ``--raw``: iterate the loader
+itself while attached; the first optimizer step must raise ``DataPositionError`` (an event).
+
+The tests start it through tests/procs/accel_zygote.py (a fork server), which calls :func:`main`.
+
+Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per micro-batch,
+validation losses under ``"val:epoch"``), ``OUT/events-rankR.jsonl``, and, when it finishes, the final
+state (model, optimizer, scheduler, RNG states, ``accelerator.step``, the loader's epoch) through
+asymstore to ``OUT/final-rankR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EPOCHS = 3
+SAMPLES = 44  # 11 batches of 4 per epoch in one process (odd: the last optimizer step of an epoch under
+BATCH = 4  # accumulate(2) has one micro-batch), 6 per process under 2 (the last one padded)
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 256, (SAMPLES, 32), generator=torch.Generator().manual_seed(5))
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_final(path: Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    from asymstore import AsymStore, LocalTier
+
+    async def write() -> None:
+        async with AsymStore([LocalTier(path)], keep_last=None, compression="never") as s:
+            await s.put_many(step, tensors)
+            await s.commit(step, meta)
+
+    asyncio.run(write())
+
+
+def make_accelerator(mode: str, accum: int, stage: int) -> Any:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    if mode == "ds":
+        plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=accum, gradient_clipping=1.0)
+        return Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=accum,
+                           kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.time()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["single", "ddp", "ds"], required=True)
+    ap.add_argument("--stage", type=int, default=2, help="ZeRO stage under --mode ds")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--kill", type=int, default=-1)
+    ap.add_argument("--no-ckpt", action="store_true")
+    ap.add_argument("--raw", action="store_true", help="iterate the loader itself while attached (an error)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "ds":
+        os.environ.update(ACCELERATE_USE_DEEPSPEED="true", DS_ACCELERATOR="cpu")
+
+    from accelerate.utils import set_seed
+    from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
+
+    accelerator = make_accelerator(args.mode, args.accum, args.stage)
+    rank = accelerator.process_index
+    losses = open(out / f"losses-rank{rank}.jsonl", "a")
+    events = open(out / f"events-rank{rank}.jsonl", "a")
+
+    def event(**fields: Any) -> None:
+        events.write(json.dumps({**fields, "t": round(time.time() - started, 2)}) + "\n")
+        events.flush()
+
+    set_seed(1234)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, shuffle=True)
+    eval_loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH)
+    per_process = -(-len(loader) // accelerator.num_processes)  # batches per epoch and process
+    steps_per_epoch = -(-per_process // args.accum)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=2,
+                              num_training_steps=EPOCHS * steps_per_epoch * accelerator.num_processes)
+    event(event="accelerator")
+    model, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, loader, eval_loader, scheduler)
+    event(event="prepared")
+
+    ckpt = None
+    batches: Any = loader
+    completed = 0
+    start_epoch = 0
+    if not args.no_ckpt:
+        import asymcheck.accelerate
+
+        ckpt = asymcheck.accelerate.attach(accelerator, model, optimizer, args.dir, scheduler=scheduler,
+                                           data=loader, keep_last=3, warmup=1, min_partition_bytes=4096)
+        completed = ckpt.resume() or 0
+        batches = loader if args.raw else ckpt.loader
+        start_epoch = ckpt.loader.epoch
+        event(event="resumed", step=completed, epoch=start_epoch, batches=ckpt.loader.batches)
+
+    module = accelerator.unwrap_model(model) if args.mode != "ds" else model.module
+    if args.kill >= 0:
+        state = {"completed": completed}
+        module.transformer.h[1].register_forward_pre_hook(
+            lambda m, a: die() if state["completed"] == args.kill and m.training else None)
+
+    if args.raw:  # the position of a loader iterated around ckpt.loader is unknown: the first version refuses
+        from asymcheck.errors import DataPositionError
+
+        try:
+            for batch in loader:
+                accelerator.backward(model(**batch).loss)
+                optimizer.step()
+        except DataPositionError as exc:
+            event(event="refused", error=type(exc).__name__, message=str(exc))
+        return 0
+
+    for epoch in range(start_epoch, EPOCHS):
+        model.train()
+        for i, batch in enumerate(batches):
+            number = ckpt.loader.batches if ckpt is not None else i + 1
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.write(json.dumps({"key": f"{epoch}:{number}", "loss": loss.item().hex()}) + "\n")
+            losses.flush()
+            if accelerator.sync_gradients:
+                completed += 1
+                if args.kill >= 0:
+                    state["completed"] = completed
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for batch in eval_loader:
+                total += model(**batch).loss.item()
+        losses.write(json.dumps({"key": f"val:{epoch}", "loss": total.hex()}) + "\n")
+        losses.flush()
+
+    if ckpt is not None:
+        ckpt.close()
+        stats = ckpt.stats()
+        event(event="stats", committed=stats.versions_committed, dropped=stats.versions_dropped,
+              versions=ckpt.final_versions)
+    write_final(args.mode, accelerator, model, optimizer, scheduler, loader, out / f"final-rank{rank}", completed)
+    event(event="done", completed=completed)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    event(event="exit")
+    return 0
+
+
+def write_final(mode: str, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, loader: Any, path: Path,
+                completed: int) -> None:
+    extra = {"accelerator_step": int(accelerator.step), "epoch": int(loader.iteration), "completed": completed}
+    if mode == "ds":
+        from asymcheck.deepspeed import DeepSpeedState
+
+        tensors, meta = DeepSpeedState(model).capture_all()
+    else:
+        from asymcheck.state.trainstate import TrainingState
+
+        tensors, meta = TrainingState(accelerator.unwrap_model(model), optimizer.optimizer,
+                                      stateful={"sched": scheduler}).capture_all()
+    meta["final"] = extra
+    save_final(path, completed, tensors, meta)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is written and closed: skip seconds of interpreter teardown (DeepSpeed, transformers)

@@ -35,30 +35,43 @@ STEPS = 21  # 3 epochs of 7 batches in one process
 DDP_STEPS = 12  # 3 epochs of 4 batches per process under 2
 
 
+class _Launch:
+    """One child per rank of a fit, started now; :meth:`wait` checks how they ended."""
+
+    def __init__(self, out: Path, *args: str, ddp: bool = False) -> None:
+        self.out = out
+        self.done = False
+        port = free_ports(1)[0]
+        self.procs = []
+        for rank in range(2 if ddp else 1):
+            env = proc_env(OMP_NUM_THREADS="1")
+            if ddp:
+                env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                           LOCAL_RANK=str(rank), NODE_RANK="0")
+            argv = proc_argv("lightning_train", "--out", str(out), *args, *(["--ddp"] if ddp else []))
+            self.procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                               env=env))
+
+    def wait(self, *, expect_kill: bool = False) -> Path:
+        if self.done:
+            return self.out
+        self.done = True
+        logs = []
+        for p in self.procs:
+            try:
+                logs.append(p.communicate(timeout=180)[0])
+            except subprocess.TimeoutExpired:
+                for q in self.procs:
+                    q.kill()
+                raise
+        for rank, (p, log) in enumerate(zip(self.procs, logs, strict=True)):
+            ok = (-signal.SIGKILL, 0) if expect_kill else (0,)
+            assert p.returncode in ok, f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
+        return self.out
+
+
 def _run(out: Path, *args: str, ddp: bool = False, expect_kill: bool = False) -> None:
-    world = 2 if ddp else 1
-    port = free_ports(1)[0]
-    procs = []
-    for rank in range(world):
-        env = proc_env(OMP_NUM_THREADS="1")
-        if ddp:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                       LOCAL_RANK=str(rank), NODE_RANK="0")
-        argv = proc_argv("lightning_train", "--out", str(out), *args, *(["--ddp"] if ddp else []))
-        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=180)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for rank, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        if expect_kill:
-            assert p.returncode in (-signal.SIGKILL, 0), f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
-        else:
-            assert p.returncode == 0, f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
+    _Launch(out, *args, ddp=ddp).wait(expect_kill=expect_kill)
 
 
 def _losses(path: Path) -> dict[str, str]:
@@ -87,17 +100,14 @@ def _check_same(ref: Path, got: Path, world: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("lightning-ref")
-    _run(out)
-    return out
+def reference(tmp_path_factory: pytest.TempPathFactory) -> _Launch:
+    """The uninterrupted fit without the callback, started when first asked for (it runs beside the test's)."""
+    return _Launch(tmp_path_factory.mktemp("lightning-ref"))
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("lightning-ddp-ref")
-    _run(out, ddp=True)
-    return out
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> _Launch:
+    return _Launch(tmp_path_factory.mktemp("lightning-ddp-ref"), ddp=True)
 
 
 def _versions(root: Path) -> dict[str, list[int]]:
@@ -107,11 +117,12 @@ def _versions(root: Path) -> dict[str, list[int]]:
     return asyncio.run(go())
 
 
-def _kill_resume(reference: Path, tmp_path: Path, kill: int) -> None:
+def _kill_resume(ref_run: _Launch, tmp_path: Path, kill: int) -> None:
     out, root = tmp_path / "run", tmp_path / "ckpt"
     _run(out, "--dir", str(root), "--kill", str(kill), expect_kill=True)
     assert (out / "losses-rank0.jsonl").exists() and not (out / "final-rank0.pt").exists()
     _run(out, "--dir", str(root))
+    reference = ref_run.wait()
     _check_same(reference, out, 1)
     # retention: the newest 2 plus the best by val_loss (validated after steps 7, 14, 21)
     ref = _losses(reference / "losses-rank0.jsonl")
@@ -121,7 +132,7 @@ def _kill_resume(reference: Path, tmp_path: Path, kill: int) -> None:
     assert set(next(iter(_versions(root).values()))) == {STEPS - 1, STEPS, best}
 
 
-def test_kill_and_resume(reference: Path, tmp_path: Path) -> None:
+def test_kill_and_resume(reference: _Launch, tmp_path: Path) -> None:
     kill = random.randint(2, STEPS - 1)
     print(f"SIGKILL after {kill} optimizer steps")
     _kill_resume(reference, tmp_path, kill)
@@ -129,17 +140,17 @@ def test_kill_and_resume(reference: Path, tmp_path: Path) -> None:
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("kill", [1, 6, 8, 14, 20])  # no version yet, epoch boundaries, the last steps
-def test_kill_and_resume_at(reference: Path, tmp_path: Path, kill: int) -> None:
+def test_kill_and_resume_at(reference: _Launch, tmp_path: Path, kill: int) -> None:
     _kill_resume(reference, tmp_path, kill)
 
 
-def test_ddp_kill_and_resume(ddp_reference: Path, tmp_path: Path) -> None:
+def test_ddp_kill_and_resume(ddp_reference: _Launch, tmp_path: Path) -> None:
     kill = random.randint(2, DDP_STEPS - 1)
     print(f"SIGKILL after {kill} optimizer steps on both ranks")
     out, root = tmp_path / "run", tmp_path / "ckpt"
     _run(out, "--dir", str(root), "--kill", str(kill), ddp=True, expect_kill=True)
     _run(out, "--dir", str(root), ddp=True)
-    _check_same(ddp_reference, out, 2)
+    _check_same(ddp_reference.wait(), out, 2)
     assert (root / "global").is_dir()  # a multi-rank store: rank shards and global manifests
 
 

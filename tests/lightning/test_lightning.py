@@ -139,6 +139,17 @@ def test_kill_and_resume(reference: _Launch, tmp_path: Path) -> None:
 
 
 @pytest.mark.exhaustive
+@pytest.mark.parametrize("kill", [3, 4, 7])  # 4 optimizer steps per epoch: 3 of 2 batches, 1 of 1
+def test_kill_and_resume_accumulating(tmp_path: Path, kill: int) -> None:
+    """``accumulate_grad_batches=2``: a version per optimizer step, taken at the first micro-batch after it."""
+    ref = _Launch(tmp_path / "ref", "--accum", "2")
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _run(out, "--dir", str(root), "--kill", str(kill), "--accum", "2", expect_kill=True)
+    _run(out, "--dir", str(root), "--accum", "2")
+    _check_same(ref.wait(), out, 1)
+
+
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("kill", [1, 6, 8, 14, 20])  # no version yet, epoch boundaries, the last steps
 def test_kill_and_resume_at(reference: _Launch, tmp_path: Path, kill: int) -> None:
     _kill_resume(reference, tmp_path, kill)

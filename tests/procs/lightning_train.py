@@ -9,7 +9,7 @@ scheduler, a train loader shuffled by the global RNG (one process) or a shufflin
 the environment), wrapped in ``asymcheck.lightning.ResumableLoader``, and a validation pass per epoch.
 With ``--dir`` it runs under ``asymcheck.lightning.AsymCheck`` (a version every step, ``monitor="val_loss"``
 in one process); without it, it is the uninterrupted reference. ``--kill S``: SIGKILL inside the
-``training_step`` after S optimizer steps.
+``training_step`` after S optimizer steps. ``--accum N``: ``accumulate_grad_batches=N``.
 
 Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch, validation
 losses under ``"val:epoch"``) and, when it finishes, ``OUT/final-rankR.pt`` (parameters, optimizer and
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--dir")
     parser.add_argument("--kill", type=int)
     parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--accum", type=int, default=1)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +124,8 @@ def main() -> None:
         callbacks.append(AsymCheck(args.dir, keep_last=2, max_overhead=None, **options))
     trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1)
+                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1,
+                         accumulate_grad_batches=args.accum)
     trainer.fit(module)
     torch.save(final_state(trainer, module), out / f"final-rank{trainer.global_rank}.pt")
 

@@ -139,7 +139,8 @@ class DeepSpeedState(TrainingState):
         persistent parameters' entries are replaced by the same empty tensors
         (their values are in the fp32 partitions, and the load gathers them).
         """
-        partitioned = {name: p for name, p in self.model.named_parameters() if hasattr(p, "ds_id")}
+        partitioned = {name: p for name, p in self.model.named_parameters(remove_duplicate=False)  # tied: every name
+                       if hasattr(p, "ds_id")}
         for sd in files.values():
             module = sd.get("module") if isinstance(sd, dict) else None
             if not isinstance(module, dict):

@@ -79,11 +79,8 @@ CONFIGS = [
     pytest.param(Config("ddp", 2, accum=2), id="ddp2-accum2", marks=pytest.mark.exhaustive),
     pytest.param(Config("ds", 2, stage=0), id="ds-zero0", marks=pytest.mark.exhaustive),
     pytest.param(Config("ds", 2, stage=1), id="ds-zero1", marks=pytest.mark.exhaustive),
-    # GPT-2 ties lm_head.weight to wte.weight: asymcheck.deepspeed's ZeRO-3 capture empties the partitioned
-    # parameters by named_parameters(), which lists a tied one once, so lm_head.weight keeps its full
-    # tensor and DeepSpeed's load_checkpoint refuses it (named_parameters(remove_duplicate=False) fixes it)
-    pytest.param(Config("ds", 2, stage=3), id="ds-zero3", marks=[pytest.mark.exhaustive, pytest.mark.xfail(
-        strict=True, reason="asymcheck.deepspeed ZeRO-3 capture of tied parameters")]),
+    # GPT-2 ties lm_head.weight to wte.weight: the ZeRO-3 capture must empty the tied name too
+    pytest.param(Config("ds", 2, stage=3), id="ds-zero3"),
     pytest.param(Config("ds", 2, accum=2), id="ds-zero2-accum2", marks=pytest.mark.exhaustive),
 ]
 

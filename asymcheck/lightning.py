@@ -41,14 +41,16 @@ as ``fit(ckpt_path=...)`` does (Lightning warns).
 Refused with :class:`UnsupportedLightningConfigError` naming the setting, when ``fit`` starts and
 before anything is hooked: manual optimization (``automatic_optimization=False``), more than one
 optimizer, ``precision="16-mixed"``/``"16"`` (a GradScaler may skip ``optimizer.step`` after
-``on_before_optimizer_step`` ran), strategies other than one device and DDP (``DDPStrategy``:
-``ddp`` is tested, ``ddp_spawn`` is not; DeepSpeed and FSDP are not wired here), and Lightning versions other than 2.6.
+``on_before_optimizer_step`` ran), ``fit(ckpt_path=...)`` (Lightning's own restore would follow the
+callback's), strategies other than one device and DDP (``DDPStrategy``: ``ddp`` is tested,
+``ddp_spawn`` is not; DeepSpeed and FSDP are not wired here), and Lightning versions other than 2.6.
 
 Lightning names relied on (checked against lightning 2.6): the Callback hooks ``on_fit_start``,
 ``on_train_batch_start``, ``on_before_optimizer_step``, ``on_train_batch_end``,
 ``on_validation_end``, ``on_fit_end``, ``on_exception``, ``teardown``; ``Trainer.optimizers``,
 ``Trainer.lr_scheduler_configs``, ``Trainer.strategy``, ``Trainer.precision``,
 ``Trainer.callback_metrics``, ``Trainer.sanity_checking``, ``Trainer.train_dataloader``,
+``Trainer.ckpt_path``,
 ``Trainer.fit_loop`` with its ``state_dict()`` / ``load_state_dict()`` (public methods of Lightning's
 loops, what ``fit(ckpt_path=...)`` calls) and one key of that state's undocumented layout
 (``["state_dict"]["combined_loader"]``, the list of the train loaders' states, which the callback
@@ -120,6 +122,10 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
     if str(trainer.precision) in ("16-mixed", "16", "16-true"):
         out.append(f"precision={trainer.precision} (fp16: a GradScaler may skip optimizer.step after "
                    "on_before_optimizer_step; use bf16 or 32)")
+    if trainer.ckpt_path is not None:
+        out.append(f"fit(ckpt_path={str(trainer.ckpt_path)!r}) (Lightning's restore would replace the version's "
+                   "state after the callback loaded it: resume from the store, or AsymCheck(resume=False) on a "
+                   "fresh directory)")
     strategy = trainer.strategy
     if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
         out.append(f"strategy={type(strategy).__name__} (one device and DDP are supported)")

@@ -7,7 +7,10 @@ validation) and the final parameters, optimizer state, scheduler, RNG state, glo
 must equal those of an uninterrupted fit without the callback, byte for byte; one process, and
 DDP on 2 processes (gloo, started here with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the
 environment, ``strategy="ddp"``). The one-process run also keeps the best version by
-``monitor="val_loss"`` beside ``keep_last=2``. Refused settings raise before anything is hooked.
+``monitor="val_loss"`` beside ``keep_last=2``. Refused settings raise before anything is hooked
+(manual optimization, ``fit(ckpt_path=...)``), and a ``ResumableLoader`` continues a pass in its
+order without reading the batches already trained. Exhaustive: kills at fixed steps (before any
+version, at epoch ends, at the end) and under ``accumulate_grad_batches=2``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from asymcheck.lightning import AsymCheck, UnsupportedLightningConfigError
+from asymcheck.lightning import AsymCheck, ResumableLoader, UnsupportedLightningConfigError
 from asymstore import AsymStore, LocalTier
 from tests.support.launch import proc_argv, proc_env
 from tests.support.mr_harness import free_ports
@@ -191,3 +194,64 @@ def test_manual_optimization_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedLightningConfigError, match="automatic_optimization=False"):
         trainer.fit(_Manual())
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("v*"))
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+
+def test_ckpt_path_refused(tmp_path: Path) -> None:
+    quiet: dict[str, Any] = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
+                             "enable_progress_bar": False, "enable_model_summary": False}
+    trainer = pl.Trainer(max_steps=2, **quiet)
+    trainer.fit(_Tiny())
+    trainer.save_checkpoint(tmp_path / "lightning.ckpt")
+    trainer = pl.Trainer(max_steps=4, callbacks=[AsymCheck(tmp_path / "ckpt")], **quiet)
+    with pytest.raises(UnsupportedLightningConfigError, match="ckpt_path="):
+        trainer.fit(_Tiny(), ckpt_path=tmp_path / "lightning.ckpt")
+
+
+class _Counting(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self) -> None:
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.read.append(i)
+        return torch.tensor([i])
+
+
+def test_resumable_loader_skips_without_reading() -> None:
+    data = _Counting()
+    loader = ResumableLoader(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+    torch.manual_seed(1)
+    whole = [b.flatten().tolist() for b in loader]
+    loader.trained = 3  # what AsymCheck records after the third batch of the pass
+    state = loader.state_dict()
+    after = torch.get_rng_state()
+
+    fresh = _Counting()
+    resumed = ResumableLoader(torch.utils.data.DataLoader(fresh, batch_size=4, shuffle=True))
+    resumed.load_state_dict(state)
+    torch.manual_seed(99)  # whatever the global RNG is now, the continued pass has the interrupted one's order
+    outer = torch.get_rng_state()
+    rest = [b.flatten().tolist() for b in resumed]
+    assert rest == whole[3:]
+    assert sorted(fresh.read) == sorted(i for b in whole[3:] for i in b)  # the 3 trained batches were not read
+    assert torch.equal(torch.get_rng_state(), outer)  # the continued pass leaves the global RNG as it found it
+    resumed.resumed()
+    assert len(list(resumed)) == 10  # the passes after it are the loader's own
+    assert not torch.equal(after, outer)

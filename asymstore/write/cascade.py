@@ -25,6 +25,11 @@ from asymstore.write.segments import VersionPlan
 
 logger = logging.getLogger(__name__)
 
+# The library's own generator for retry jitter. Never the global ``random`` module's: the training
+# loop's Python RNG state is part of every checkpoint, and a draw from this thread would change it
+# behind the loop's back (a resumed run would no longer match an uninterrupted one).
+_JITTER = random.Random()
+
 
 @dataclass
 class FlusherStats:
@@ -138,7 +143,7 @@ class Flusher:
                 logger.warning("%s: step %d failed, retrying in %.1f s: %s", self.name, plan.step, backoff, exc)
                 self._wake.clear()
                 try:  # a newer version cuts the wait short
-                    await asyncio.wait_for(self._wake.wait(), backoff * (0.5 + random.random()))
+                    await asyncio.wait_for(self._wake.wait(), backoff * (0.5 + _JITTER.random()))
                 except TimeoutError:
                     pass
                 backoff = min(self.max_backoff_s, backoff * 2)

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from asymstore.errors import AsymstoreError, PermanentRemoteError, RemoteUnavailableError
 
@@ -22,6 +30,22 @@ _PERMANENT = (
 
 
 
+
+
+_JITTER = random.Random()
+"""The library's own generator for the backoff's jitter (see :class:`_JitteredExponential`)."""
+
+
+class _JitteredExponential(wait_exponential):
+    """Exponential backoff with full jitter, like tenacity's ``wait_random_exponential``, from a private generator.
+
+    tenacity's own draws from the global ``random`` module, whose state belongs to the training loop
+    (it is part of every checkpoint): a retry on the store's thread would change it behind the loop's
+    back, and a resumed run would no longer match an uninterrupted one.
+    """
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        return _JITTER.uniform(0, super().__call__(retry_state=retry_state))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -64,7 +88,7 @@ class RetryPolicy:
         """
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.attempts) | stop_after_delay(self.deadline_s),
-            wait=wait_random_exponential(multiplier=self.initial_s, max=self.max_backoff_s),
+            wait=_JitteredExponential(multiplier=self.initial_s, max=self.max_backoff_s),
             retry=retry_if_exception(is_transient),
             before_sleep=self._count,
             reraise=True,

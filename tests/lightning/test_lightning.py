@@ -10,7 +10,7 @@ environment, ``strategy="ddp"``). The one-process run also keeps the best versio
 ``monitor="val_loss"`` beside ``keep_last=2``. Refused settings raise before anything is hooked
 (manual optimization, ``fit(ckpt_path=...)``), and a ``ResumableLoader`` continues a pass in its
 order without reading the batches already trained. Exhaustive: kills at fixed steps (before any
-version, at epoch ends, at the end) and under ``accumulate_grad_batches=2``.
+version, at epoch ends, at the end), under ``accumulate_grad_batches=2``, and a SIGTERM.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class _Launch:
                     q.kill()
                 raise
         for rank, (p, log) in enumerate(zip(self.procs, logs, strict=True)):
-            ok = (-signal.SIGKILL, 0) if expect_kill else (0,)
+            ok = (-signal.SIGKILL, -signal.SIGTERM, 0) if expect_kill else (0,)
             assert p.returncode in ok, f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
         return self.out
 
@@ -139,6 +139,17 @@ def test_kill_and_resume(reference: _Launch, tmp_path: Path) -> None:
     kill = random.randint(2, STEPS - 1)
     print(f"SIGKILL after {kill} optimizer steps")
     _kill_resume(reference, tmp_path, kill)
+
+
+@pytest.mark.exhaustive
+def test_sigterm_and_resume(reference: _Launch, tmp_path: Path) -> None:
+    """SIGTERM (Lightning's handler and the Checkpointer's, composed): the newest step is committed, then resumed."""
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _run(out, "--dir", str(root), "--kill", "10", "--sigterm", expect_kill=True)
+    assert not (out / "final-rank0.pt").exists()
+    assert 10 in next(iter(_versions(root).values()))  # the step in flight when the signal came
+    _run(out, "--dir", str(root))
+    _check_same(reference.wait(), out, 1)
 
 
 @pytest.mark.exhaustive

@@ -10,6 +10,8 @@ the environment), wrapped in ``asymcheck.lightning.ResumableLoader``, and a vali
 With ``--dir`` it runs under ``asymcheck.lightning.AsymCheck`` (a version every step, ``monitor="val_loss"``
 in one process); without it, it is the uninterrupted reference. ``--kill S``: SIGKILL inside the
 ``training_step`` after S optimizer steps. ``--accum N``: ``accumulate_grad_batches=N``.
+``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then the
+process ends by the signal).
 
 Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch, validation
 losses under ``"val:epoch"``) and, when it finishes, ``OUT/final-rankR.pt`` (parameters, optimizer and
@@ -54,6 +56,7 @@ class Model(pl.LightningModule):
         self.out = out
         self.kill = kill
         self.ddp = False
+        self.signal = signal.SIGKILL
 
     def _log_loss(self, key: str, loss: torch.Tensor) -> None:
         with (self.out / f"losses-rank{self.global_rank}.jsonl").open("a") as f:
@@ -61,7 +64,7 @@ class Model(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.kill is not None and self.global_step == self.kill:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signal)
         loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
         self._log_loss(f"{self.current_epoch}:{batch_idx}", loss)
         self.log("train_loss", loss)
@@ -111,6 +114,7 @@ def main() -> None:
     parser.add_argument("--kill", type=int)
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--sigterm", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,6 +122,8 @@ def main() -> None:
     pl.seed_everything(0, verbose=False)
     module = Model(out, args.kill)
     module.ddp = args.ddp
+    if args.sigterm:
+        module.signal = signal.SIGTERM
     callbacks: list[pl.Callback] = []
     if args.dir:
         options: dict[str, Any] = {} if args.ddp else {"monitor": "val_loss", "save_top_k": 1}

@@ -50,7 +50,7 @@ Lightning names relied on (checked against lightning 2.6): the Callback hooks ``
 ``on_validation_end``, ``on_fit_end``, ``on_exception``, ``teardown``; ``Trainer.optimizers``,
 ``Trainer.lr_scheduler_configs``, ``Trainer.strategy``, ``Trainer.precision``,
 ``Trainer.callback_metrics``, ``Trainer.sanity_checking``, ``Trainer.train_dataloader``,
-``Trainer.ckpt_path``,
+``Trainer.ckpt_path``, ``Trainer.world_size``,
 ``Trainer.fit_loop`` with its ``state_dict()`` / ``load_state_dict()`` (public methods of Lightning's
 loops, what ``fit(ckpt_path=...)`` calls) and one key of that state's undocumented layout
 (``["state_dict"]["combined_loader"]``, the list of the train loaders' states, which the callback
@@ -345,13 +345,13 @@ class AsymCheck(Callback):
             One ``fit`` opens it and closes it.
         every: a version every ``every`` optimizer steps.
         keep_last: versions kept per tier.
-        keep_every: also keep every version whose step is a multiple of it, permanently (one process).
+        keep_every: also keep every version whose step is a multiple of it, permanently (one process only).
         monitor: a metric logged by the LightningModule (``self.log``), as ``ModelCheckpoint`` takes it:
             read from ``trainer.callback_metrics`` after each training batch and each validation, and
             recorded with the version of the step (``meta["metrics"]``).
         mode: ``"min"`` or ``"max"``: which values of ``monitor`` are best.
         save_top_k: keep the ``save_top_k`` best versions by ``monitor`` beside ``keep_last``
-            (:class:`asymstore.KeepBest`; one process). 0: record the metric only.
+            (:class:`asymstore.KeepBest`; one process only). 0: record the metric only (under DDP).
         resume: load the newest version that verifies when ``fit`` starts.
         **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (``max_overhead``,
             ``on_error``, ``preempt_on``, ...).
@@ -401,12 +401,18 @@ class AsymCheck(Callback):
         """Refuse what is not captured, build the Checkpointer, load the newest version (``resume=True``).
 
         Raises:
-            UnsupportedLightningConfigError: a setting named in the message is not supported.
+            UnsupportedLightningConfigError: a setting named in the message is not supported (also
+                ``keep_every`` or ``save_top_k`` > 0 with ``monitor`` under several processes).
         """
         _check(trainer, pl_module)
         keep_best = None
         if self.monitor is not None and self.save_top_k > 0:
             keep_best = KeepBest(self.monitor, self.mode, self.save_top_k)
+        if trainer.world_size > 1 and (keep_best is not None or self.keep_every is not None):
+            raise UnsupportedLightningConfigError(
+                f"AsymCheck(keep_every={self.keep_every!r}, monitor={self.monitor!r}, save_top_k={self.save_top_k}) "
+                f"under {trainer.world_size} processes: a multi-rank store keeps its newest versions only "
+                "(keep_every=None, and save_top_k=0 to record the metric without keeping by it)")
         self._loops = _LoopState()
         stateful: dict[str, Stateful] = {LOOPS_NAME: self._loops}
         for i, config in enumerate(trainer.lr_scheduler_configs):

@@ -7,9 +7,10 @@ dropout on) on synthetic tokens with ``lightning.pytorch.Trainer`` on CPU: AdamW
 scheduler, a train loader shuffled by the global RNG (one process) or a shuffling ``DistributedSampler``
 (``--ddp``: ``strategy="ddp"`` on 2 processes that the test starts with ``RANK``/``WORLD_SIZE``... in
 the environment), wrapped in ``asymcheck.lightning.ResumableLoader``, and a validation pass per epoch.
-With ``--dir`` it runs under ``asymcheck.lightning.AsymCheck`` (a version every step, ``monitor="val_loss"``
-in one process); without it, it is the uninterrupted reference. ``--kill S``: SIGKILL inside the
-``training_step`` after S optimizer steps. ``--accum N``: ``accumulate_grad_batches=N``.
+With ``--dir`` it runs under ``asymcheck.lightning.AsymCheck`` (a version every step, ``monitor="val_loss"``,
+kept by in one process, recorded only under DDP); without it, it is the uninterrupted reference.
+``--kill S``: SIGKILL inside the ``training_step`` after S optimizer steps.
+``--accum N``: ``accumulate_grad_batches=N``.
 ``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then the
 process ends by the signal).
 
@@ -126,7 +127,7 @@ def main() -> None:
         module.signal = signal.SIGTERM
     callbacks: list[pl.Callback] = []
     if args.dir:
-        options: dict[str, Any] = {} if args.ddp else {"monitor": "val_loss", "save_top_k": 1}
+        options: dict[str, Any] = {"monitor": "val_loss", "save_top_k": 0 if args.ddp else 1}
         callbacks.append(AsymCheck(args.dir, keep_last=2, max_overhead=None, **options))
     trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,

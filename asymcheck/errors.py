@@ -85,6 +85,27 @@ class DataPositionError(AsymcheckError, RuntimeError):
     """
 
 
+# -- Hugging Face Trainer --------------------------------------------------------
+
+
+class UnsupportedTrainerConfigError(UnsupportedConfigError):
+    """A Trainer setting ``asymcheck.hf.AsymCheckCallback`` does not capture, or resume, exactly.
+
+    The message names the ``TrainingArguments`` field (or the model kind); raised by
+    ``resume_from()`` and at ``on_train_begin``, before anything is hooked.
+    """
+
+
+class TrainerResumeError(AsymcheckError, RuntimeError):
+    """The Trainer did not start where the store's version is, so the callback refuses to train on.
+
+    ``train()`` was not given ``resume_from(trainer)``'s directory while the store holds
+    versions, it resumed from another directory (its own ``checkpoint-N``), or the version
+    ``resume_from()`` chose failed verification when it was loaded. Raised at ``on_train_begin``,
+    before the first step.
+    """
+
+
 # -- Lightning -------------------------------------------------------------------
 
 

@@ -1,0 +1,534 @@
+"""asymcheck for the Hugging Face Trainer: a version every optimizer step, resumed without a ``checkpoint-N``.
+
+Two lines (see docs/guides/hf-trainer.md)::
+
+    ckpt = asymcheck.hf.AsymCheckCallback("ckpt")                      # Trainer(..., callbacks=[ckpt]) too
+    trainer.add_callback(ckpt)
+    trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))    # None on a fresh start
+
+Each optimizer step (or every ``every`` steps) the callback's :class:`asymcheck.Checkpointer`
+(under ``deepspeed=``, :func:`asymcheck.deepspeed.attach` on the Trainer's engine) takes a
+version through the lazy snapshot: parameters and optimizer state as ``optimizer.step()``
+left them, the LR scheduler, the RNG states, and the Trainer's ``TrainerState`` (global step,
+epoch, log history, best metric: the fields of ``trainer_state.json``) as strict JSON in the
+version's meta. Nothing is pickled.
+
+Why a callback plus the Trainer's own ``resume_from_checkpoint`` (and not a callback alone,
+nor a Trainer subclass): the Trainer decides where its loop starts (the epoch, the batches
+``skip_first_batches`` skips, the first logged loss's denominator) inside ``train()``, from
+``trainer_state.json`` in the directory given as ``resume_from_checkpoint``, before the first
+callback event; those are local variables of its loop, which no callback can reach and which a
+subclass could reach only by overriding private methods. So :meth:`AsymCheckCallback.resume_from`
+picks the newest version, writes a *resume directory* (a private temporary directory, removed
+at ``on_train_begin``) holding that version's ``trainer_state.json`` and what the Trainer's
+loader insists on finding, and the Trainer positions its loop from it exactly as it does for its
+own checkpoints; the callback then loads the version itself, in place, at ``on_train_begin``
+and puts the RNG states back where the Trainer's own resume would. The directory holds:
+
+- without DeepSpeed: ``trainer_state.json`` and a sharded-weights index
+  (``model.safetensors.index.json``) whose one shard holds no tensor, so the Trainer's model
+  load reads nothing (a few hundred bytes; the model is read once, from the store);
+- with DeepSpeed: also the version's DeepSpeed files (written as
+  ``python -m asymcheck.deepspeed.export`` would) and ``scheduler.pt``, because the Trainer
+  loads the engine through ``engine.load_checkpoint`` from that directory before any callback
+  runs (``deepspeed_load_checkpoint``); this costs one write and one read of the state at resume.
+
+Refused, with :class:`asymcheck.errors.UnsupportedTrainerConfigError` naming the setting, before
+anything is hooked: ``fsdp``, ``fp16`` (the GradScaler's skipped steps), ``auto_find_batch_size``,
+``ignore_data_skip`` (the data position would not come back), ``torch_compile``, several GPUs in
+one process (``n_gpu > 1``), several processes without DeepSpeed, and PEFT models (the Trainer's
+resume loads adapters from the directory). Under DeepSpeed, what :func:`asymcheck.deepspeed.attach`
+refuses.
+
+Public plug-in points used: ``TrainerCallback`` events and the objects the Trainer passes to them
+(``model``, ``optimizer``, ``lr_scheduler``, ``train_dataloader``, ``args``, ``state``,
+``control``), ``train(resume_from_checkpoint=...)``, ``trainer.model_wrapped`` (the DeepSpeed
+engine), the file formats of ``trainer_state.json``, ``model.safetensors.index.json`` and
+``scheduler.pt``. Nothing is patched. Private or undocumented names relied on (checked against
+transformers 5.24 and accelerate 1.15): ``AcceleratedOptimizer.optimizer`` (the torch optimizer
+whose step hooks drive the snapshot); that ``Trainer._load_from_checkpoint`` accepts a
+sharded index and loads its shards with ``strict=False``; that the Trainer calls
+``on_step_begin`` after fetching the step's batches and reloads RNG states at the same point
+when it skipped batches (``_run_epoch``); that ``_finalize_training`` logs the summary
+(``train_runtime``) before loading the best model; under DeepSpeed, what
+:mod:`asymcheck.deepspeed` lists.
+
+Importing this module imports transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from asymcheck.checkpointer import Checkpointer
+from asymcheck.errors import TrainerResumeError, UnsupportedTrainerConfigError
+from asymcheck.state import rng
+from asymcheck.state.encode import decode
+from asymcheck.state.trainstate import Stateful
+from asymcheck.versions.storeloop import StoreLoop
+from asymcheck.versions.storespec import StoreSpec, make_store
+from asymstore import Manifest, NoCheckpointError
+from asymstore.api import CheckpointStore, CollectiveStore
+from asymstore.errors import DestinationMismatchError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsymCheckCallback", "TrainerResumeError", "TrainerStateful", "UnsupportedTrainerConfigError",
+           "check_trainer"]
+
+STATE_NAME = "trainer_state"  # the stateful name of the TrainerState in a version
+SCHEDULER_NAME = "lr_scheduler"
+_EMPTY_SHARD = "asymcheck-no-weights.safetensors"
+_SUMMARY_KEY = "train_runtime"  # only the summary that ends train() logs it
+
+
+class TrainerStateful:
+    """The Trainer's ``TrainerState`` as a stateful object of a version: the fields of ``trainer_state.json``.
+
+    ``state_dict()`` returns them as the Trainer writes them (``dataclasses.asdict``, with the
+    current ``TrainerControl`` state under ``stateful_callbacks`` as its own checkpoints do);
+    after training ended, the summary entry of the log history (``train_runtime``...) is left
+    out, so the version is the state at the end of the last step. ``load_state_dict`` only keeps
+    the dict: the Trainer itself loads it, from the resume directory, before training starts.
+    """
+
+    def __init__(self) -> None:
+        """Bind nothing yet (the Trainer makes its state at the start of ``train()``)."""
+        self.state: TrainerState | None = None
+        self.control: TrainerControl | None = None
+        self.ended = False
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The TrainerState's fields as ``trainer_state.json`` holds them."""
+        if self.state is None:
+            raise TrainerResumeError("the TrainerState is captured only during trainer.train()")
+        out = dataclasses.asdict(self.state)
+        if self.control is not None:
+            out.setdefault("stateful_callbacks", {})["TrainerControl"] = self.control.state()
+        if self.ended:
+            history = out.get("log_history", [])
+            while history and _SUMMARY_KEY in history[-1]:
+                history.pop()
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Keep ``state`` (checked against the live TrainerState by the callback)."""
+        self.loaded = dict(state)
+
+
+def _is_deepspeed(args: TrainingArguments) -> bool:
+    return args.deepspeed is not None or getattr(args, "deepspeed_plugin", None) is not None
+
+
+def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None) -> None:
+    """Refuse a Trainer configuration whose state the callback would not capture, or not resume, exactly.
+
+    Args:
+        args: the Trainer's ``TrainingArguments``.
+        model: the model trained (PEFT models are refused).
+
+    Raises:
+        UnsupportedTrainerConfigError: naming every refused setting.
+    """
+    problems: list[str] = []
+    if args.fsdp:
+        problems.append(f"fsdp={args.fsdp!r} (use the FSDP2 path of asymcheck.Checkpointer in your own loop)")
+    if args.fp16:
+        problems.append("fp16=True (GradScaler: steps it skips and its state are not captured by the callback)")
+    if args.auto_find_batch_size:
+        problems.append("auto_find_batch_size=True (the Trainer restarts its loop with another batch size)")
+    if args.ignore_data_skip:
+        problems.append("ignore_data_skip=True (the data position would not be restored)")
+    if args.torch_compile:
+        problems.append("torch_compile=True (untested: the snapshot hooks run inside the compiled modules)")
+    if args.n_gpu > 1:
+        problems.append(f"n_gpu={args.n_gpu} (torch.nn.DataParallel)")
+    if args.world_size > 1 and not _is_deepspeed(args):
+        problems.append(f"world_size={args.world_size} without deepspeed (untested with the Trainer)")
+    if model is not None and hasattr(model, "peft_config"):
+        problems.append("a PEFT model (the Trainer's resume loads adapters from the resume directory)")
+    if problems:
+        raise UnsupportedTrainerConfigError("asymcheck.hf.AsymCheckCallback does not support: " + "; ".join(problems))
+
+
+class _Peeked(Exception):
+    """Raised inside ``restore(into=...)`` once the newest manifest is read: nothing else is."""
+
+
+async def _peek(store: CheckpointStore) -> Manifest | None:
+    """The manifest of the newest version whose manifest reads (no tensor is read)."""
+    seen: list[Manifest] = []
+
+    def into(manifest: Manifest) -> Mapping[str, torch.Tensor]:
+        seen.append(manifest)
+        raise _Peeked
+
+    try:
+        await store.restore(into=into)
+    except NoCheckpointError:
+        return None
+    except DestinationMismatchError as exc:
+        if isinstance(exc.__cause__, _Peeked) and seen:
+            return seen[-1]
+        raise
+    raise AssertionError("restore(into=...) read a version without asking for its destinations")
+
+
+def _trainer_state_of(meta: Mapping[str, Any], where: str) -> dict[str, Any]:
+    tree = meta.get("stateful", {}).get(STATE_NAME) if isinstance(meta.get("stateful"), dict) else None
+    if not isinstance(tree, dict):
+        raise TrainerResumeError(f"{where} holds no TrainerState: it was not written by asymcheck.hf.AsymCheckCallback")
+    state = decode(tree, {})
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise TrainerResumeError(f"{where}: the TrainerState is malformed")
+    return state
+
+
+def _write_state(directory: str, state: Mapping[str, Any]) -> None:
+    with open(os.path.join(directory, "trainer_state.json"), "w", encoding="utf-8") as f:
+        f.write(json.dumps(state, indent=2, sort_keys=True, default=_plain) + "\n")  # as save_to_json writes it
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars and arrays (a metric of ``compute_metrics``) as JSON numbers and lists."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _write_no_weights(directory: str, model: torch.nn.Module) -> None:
+    """A sharded-weights index naming every key of ``model`` in one shard that holds no tensor."""
+    from safetensors.torch import save_file
+
+    save_file({}, os.path.join(directory, _EMPTY_SHARD), metadata={"format": "pt"})
+    index = {"metadata": {"asymcheck": "the weights are read from the asymstore version, not from here"},
+             "weight_map": dict.fromkeys(model.state_dict(), _EMPTY_SHARD)}
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump(index, f)
+
+
+class AsymCheckCallback(TrainerCallback):
+    """A version of the Trainer's training state every ``every`` optimizer steps, resumed bit-exact.
+
+    ::
+
+        ckpt = AsymCheckCallback("ckpt")
+        trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[ckpt])
+        trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))
+
+    What a version holds, when each part is taken and what is refused: the module docstring
+    (:mod:`asymcheck.hf`) and docs/guides/hf-trainer.md. The Trainer's own ``save_steps``
+    checkpoints go on beside the versions.
+
+    Args:
+        root_or_store: a directory, a list of tiers (fastest first) or an unopened store, as for
+            :class:`asymcheck.Checkpointer`; under DeepSpeed, what :func:`asymcheck.deepspeed.attach`
+            takes (a directory: the multi-rank root).
+        every: take a version every ``every``-th optimizer step.
+        keep_last: versions kept (when the store is built here).
+        stateful: further name -> object with ``state_dict``/``load_state_dict`` updated after the
+            step (your own counters); the names ``trainer_state`` and ``lr_scheduler`` are taken.
+        metrics: give the metrics of each evaluation to the version of its step
+            (``Checkpointer.log_metrics``, which ``keep_best`` reads).
+        **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (or to ``attach()``):
+            ``keep_every``, ``keep_best``, ``max_overhead``, ``preempt_on``, ``host_slots``...
+    """
+
+    def __init__(self, root_or_store: StoreSpec, *, every: int = 1, keep_last: int | None = 3,
+                 stateful: Mapping[str, Stateful] | None = None, metrics: bool = True,
+                 **checkpointer_options: Any) -> None:
+        """Keep the options; the Checkpointer is made at ``on_train_begin``, when the optimizer exists."""
+        taken = {STATE_NAME, SCHEDULER_NAME} & set(stateful or {})
+        if taken:
+            raise ValueError(f"stateful names {sorted(taken)} are the callback's own")
+        if every < 1:
+            raise ValueError("every must be >= 1")
+        self.root_or_store = root_or_store
+        self.every = every
+        self.keep_last = keep_last
+        self.stateful = dict(stateful or {})
+        self.metrics = metrics
+        self.options = checkpointer_options
+        self.checkpointer: Checkpointer | None = None
+        """The Checkpointer of the current ``train()`` (a ``DeepSpeedCheckpointer`` under DeepSpeed)."""
+        self.resumed_step: int | None = None
+        """The version the current ``train()`` resumed from (None: a fresh start)."""
+        self.final_versions: dict[str, list[int]] | None = None
+        """The store's versions once the last ``train()`` ended."""
+        self._trainer: Trainer | None = None
+        self._expect: int | None = None  # the step resume_from() positioned the Trainer at
+        self._resume_dir: str | None = None
+        self._cleanup: weakref.finalize[Any, Any] | None = None
+        self._holder = TrainerStateful()
+        self._rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None  # to put back, and when
+        self._rng_at_epoch = False
+        self._marked: int | None = None  # the global step whose loop body the open version has seen end
+
+    # -- resume ----------------------------------------------------------
+
+    def resume_from(self, trainer: Trainer) -> str | None:
+        """Pick the newest version and return the directory to give ``trainer.train(resume_from_checkpoint=...)``.
+
+        Call it right before each ``train()``; it also hands the callback the Trainer (for its
+        DeepSpeed engine). The directory (see the module docstring) is temporary: the callback
+        removes it when training begins. The version itself is loaded, and verified, at
+        ``on_train_begin``.
+
+        Returns:
+            The resume directory, or None when the store holds no version (a fresh start).
+
+        Raises:
+            UnsupportedTrainerConfigError: the Trainer's configuration is refused (see :func:`check_trainer`).
+            TrainerResumeError: the newest version was not written by this callback.
+        """
+        check_trainer(trainer.args, trainer.model)
+        self._trainer = trainer
+        self._drop_resume_dir()
+        self._expect = None
+        if _is_deepspeed(trainer.args):
+            return self._resume_dir_deepspeed(trainer)
+        store = make_store(self.root_or_store, self.keep_last, keep_every=self.options.get("keep_every"),
+                           keep_best=self.options.get("keep_best"))  # as the Checkpointer will open it
+        loop = StoreLoop(store)
+        try:
+            manifest = loop.run(_peek(store))
+        finally:
+            loop.close()
+        if manifest is None:
+            return None
+        state = _trainer_state_of(manifest.meta, f"version {manifest.step}")
+        if not isinstance(trainer.model, torch.nn.Module):
+            raise TrainerResumeError("the Trainer has no model")
+        directory = self._new_resume_dir()
+        _write_state(directory, state)
+        _write_no_weights(directory, trainer.model)
+        self._expect = manifest.step
+        logger.info("resuming from version %d (global step %d) through %s", manifest.step, state["global_step"],
+                    directory)
+        return directory
+
+    def _resume_dir_deepspeed(self, trainer: Trainer) -> str | None:
+        """The resume directory under DeepSpeed: the version's DeepSpeed files too (the Trainer loads them)."""
+        from asymcheck.deepspeed.export import read_version, write_files
+        from asymstore.multirank import globaldir, is_multirank
+
+        root = self.root_or_store
+        if not isinstance(root, (str, os.PathLike)):
+            raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
+        root = os.fspath(root)
+        if not is_multirank(root) or not globaldir.list_global_steps(os.path.join(root, globaldir.GLOBAL_DIR)):
+            return None
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # asyncio.run: fine under a running loop (Jupyter)
+            step, tag, shards = pool.submit(asyncio.run, read_version(root)).result()
+        state = _trainer_state_of(shards[0].meta, f"global version {step}")
+        directory = self._new_resume_dir()
+        write_files(shards, tag, directory)  # DeepSpeed's files of every rank, and `latest`
+        os.makedirs(os.path.join(directory, f"global_step{state['global_step']}"), exist_ok=True)  # for its glob
+        _write_state(directory, state)
+        sched = shards[0].meta.get("stateful", {}).get(SCHEDULER_NAME)
+        if sched is not None:
+            torch.save(decode(sched, shards[0].tensors), os.path.join(directory, "scheduler.pt"))
+        self._expect = step
+        return directory
+
+    def _new_resume_dir(self) -> str:
+        directory = tempfile.mkdtemp(prefix="asymcheck-hf-resume-")
+        self._resume_dir = directory
+        self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)  # also if train() never runs
+        return directory
+
+    def _drop_resume_dir(self) -> None:
+        if self._cleanup is not None:
+            self._cleanup()
+        self._resume_dir = self._cleanup = None
+
+    # -- events ----------------------------------------------------------
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        """Make the Checkpointer on the Trainer's model and optimizer; load the version resume_from() chose."""
+        model = kwargs.get("model")
+        check_trainer(args, model)
+        if self.checkpointer is not None:  # the previous train() raised: commit what it sealed, seal nothing more
+            stale, self.checkpointer = self.checkpointer, None
+            stale.save_on_close = False
+            with contextlib.suppress(Exception):
+                stale.close()
+        expect, self._expect = self._expect, None
+        self._drop_resume_dir()
+        self._holder.state, self._holder.control, self._holder.ended = state, control, False
+        self._rng, self._marked, self.resumed_step = None, None, None
+        stateful: dict[str, Stateful] = {STATE_NAME: self._holder, **self.stateful}
+        scheduler = kwargs.get("lr_scheduler")
+        if scheduler is not None:
+            stateful[SCHEDULER_NAME] = scheduler
+        options = {"every": self.every, "keep_last": self.keep_last, **self.options}
+        if _is_deepspeed(args):
+            if self._trainer is None:
+                raise TrainerResumeError("under deepspeed, call trainer.train(resume_from_checkpoint="
+                                         "callback.resume_from(trainer)): it hands the callback the Trainer's engine")
+            import asymcheck.deepspeed
+
+            root = self.root_or_store
+            if not isinstance(root, (str, os.PathLike)):
+                raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
+            self.checkpointer = asymcheck.deepspeed.attach(self._trainer.model_wrapped, os.fspath(root),
+                                                           stateful=stateful, **options)
+        else:
+            optimizer = _torch_optimizer(kwargs.get("optimizer"))
+            if not isinstance(model, torch.nn.Module):
+                raise TrainerResumeError("the Trainer passed no model to on_train_begin")
+            self.checkpointer = Checkpointer(model, optimizer, self.root_or_store, stateful=stateful, **options)
+        try:
+            self._begin(state, expect, kwargs.get("train_dataloader"), args)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.checkpointer.close()  # nothing of this run was trained: nothing is sealed
+            self.checkpointer = None
+            raise
+
+    def _begin(self, state: TrainerState, expect: int | None, loader: Any, args: TrainingArguments) -> None:
+        ckpt = self.checkpointer
+        assert ckpt is not None
+        if expect is None:
+            if state.global_step != 0:
+                raise TrainerResumeError(
+                    f"the Trainer resumed at global step {state.global_step} from a directory resume_from() did not "
+                    "make (its own checkpoint-N?): the callback's versions would not continue it; resume through "
+                    "resume_from(trainer), or give the callback a fresh directory")
+            newest = _newest(ckpt)
+            if newest is not None:
+                raise TrainerResumeError(
+                    f"the store already holds version {newest}: call trainer.train(resume_from_checkpoint="
+                    "callback.resume_from(trainer)) to continue it, or give the callback a fresh directory")
+            if ckpt.resume() is not None:  # nothing to load: it only records that the store was checked
+                raise TrainerResumeError("the store gained a version while training began")
+            return
+        step = ckpt.resume()
+        if step != expect:
+            raise TrainerResumeError(
+                f"resume_from() positioned the Trainer at version {expect}, but it no longer verifies and the store "
+                f"fell back to {step}: nothing was trained; `python -m asymstore.fsck --repair` moves a damaged "
+                "version aside")
+        loaded = self._holder.loaded or {}
+        if loaded.get("global_step") != state.global_step:
+            raise TrainerResumeError(f"version {step} holds global step {loaded.get('global_step')}, the Trainer "
+                                     f"started at {state.global_step}")
+        self.resumed_step = step
+        tensors: dict[str, torch.Tensor] = {}
+        self._rng = (rng.capture(tensors), tensors)  # the version's RNG states, put back when the Trainer's are
+        self._rng_at_epoch = _at_epoch_start(state.global_step, loader, args)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        """End the last step's loop body (an epoch ended); put RNG states back when resuming at an epoch's start."""
+        self._mark(state, control)
+        if self._rng is not None and self._rng_at_epoch:
+            self._restore_rng()
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        """End the last step's loop body; put RNG states back when resuming inside an epoch (the Trainer's point)."""
+        if self._rng is not None:
+            self._restore_rng()
+        self._mark(state, control)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        """Give the evaluation's metrics to the version of the step (``keep_best`` reads them)."""
+        metrics = kwargs.get("metrics")
+        ckpt = self.checkpointer
+        if self.metrics and ckpt is not None and isinstance(metrics, Mapping):
+            ckpt.log_metrics({k: float(v) for k, v in metrics.items()
+                              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)})
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        """At the summary that ends ``train()``: commit the last version before the Trainer loads a best model."""
+        if logs is not None and _SUMMARY_KEY in logs:
+            self._finish(state, control)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        """Commit the last step and close the Checkpointer."""
+        self._finish(state, control)
+
+    # -- internals -------------------------------------------------------
+
+    def _mark(self, state: TrainerState, control: TrainerControl) -> None:
+        """The loop body of the newest step is over: the open version takes RNG, scheduler and TrainerState now."""
+        ckpt = self.checkpointer
+        if ckpt is not None and self._marked != state.global_step:
+            self._holder.state, self._holder.control = state, control  # as the Trainer passes them now
+            self._marked = state.global_step
+            ckpt.mark()
+
+    def _restore_rng(self) -> None:
+        assert self._rng is not None
+        meta, tensors = self._rng
+        self._rng = None
+        rng.restore(meta, tensors)
+
+    def _finish(self, state: TrainerState, control: TrainerControl) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        self._holder.ended = True
+        try:
+            self._mark(state, control)  # an evaluation after the last step drew from the RNGs
+            self.checkpointer = None
+            ckpt.close()
+        finally:
+            self.checkpointer = None
+            self.final_versions = ckpt.final_versions
+            self._holder.state = self._holder.control = None
+            self._drop_resume_dir()
+
+
+def _newest(ckpt: Checkpointer) -> int | None:
+    """The newest version a resume would load (a multi-rank store: the newest global version)."""
+    store = ckpt.store
+    if isinstance(store, CollectiveStore):
+        return max(store.global_steps(), default=None)
+    return max((max(v) for v in ckpt.versions().values() if v), default=None)
+
+
+def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (whose ``step`` calls its)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TrainerResumeError(f"the Trainer's optimizer is a {type(optimizer).__name__}, not a torch optimizer")
+    return inner
+
+
+def _at_epoch_start(global_step: int, loader: Any, args: TrainingArguments) -> bool:
+    """Whether the Trainer resumes ``global_step`` at the start of an epoch (it skips no batch there).
+
+    The Trainer's own arithmetic (``set_initial_training_values``, ``_init_training_state``):
+    ``num_update_steps_per_epoch`` from the loader's length and gradient accumulation.
+    """
+    try:
+        length = len(loader)
+    except TypeError:
+        return global_step == 0  # no length: one long "epoch" of max_steps
+    ga = args.gradient_accumulation_steps
+    per_epoch = max(length // ga + int(length % ga > 0), 1)
+    return global_step % per_epoch == 0

@@ -1,0 +1,207 @@
+"""asymcheck.hf with the real Hugging Face Trainer on CPU: SIGKILL at a random step, resume, bit-exact.
+
+A small GPT-2 (``GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)``,
+dropout on, a shuffled dataset, 12 steps crossing an epoch) trains in a child process with
+``AsymCheckCallback`` taking a version every step (tests/procs/hf_train.py). It is SIGKILLed at a
+random global step (inside the next step's forward, in ``on_step_end`` or right after the step's
+loss was logged; ``HF_KILL_SEED`` replays a draw), a second run resumes through
+``trainer.train(resume_from_checkpoint=callback.resume_from(trainer))`` and trains to the end:
+every logged loss (``logging_steps=1``) and the final model parameters and optimizer state must
+equal those of an uninterrupted run of the plain Trainer, bit for bit. Cases: ``plain``;
+``accum`` (gradient accumulation of 2 micro-batches, with the Trainer's own ``save_steps``
+checkpoints beside the versions); ``deepspeed`` (ZeRO-2 through ``TrainingArguments(deepspeed=...)``
+on one rank: the callback attaches the DeepSpeed adapter to the Trainer's engine). All runs of the
+module share one driver process (torch and transformers imported once; each run a forked child).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.launch import proc_argv, proc_env
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
+
+from asymcheck.errors import TrainerResumeError, UnsupportedConfigError, UnsupportedTrainerConfigError
+from asymcheck.hf import check_trainer
+
+STEPS = 12
+BATCH = 4  # tests/procs/hf_train.py: per-device batch size
+SEED = int(os.environ.get("HF_KILL_SEED", random.randrange(1 << 30)))
+WHERE = ("forward", "step-end", "log")
+
+# name -> (extra options of every run, ranks, whether make test runs it)
+CASES: dict[str, tuple[list[str], int, bool]] = {
+    "plain": ([], 1, True),
+    "accum": (["--ga", "2", "--save-steps", "4"], 1, True),
+    "deepspeed": (["--deepspeed", "2"], 1, True),
+    "eval": (["--eval", "3"], 1, True),  # evaluations between steps, the Trainer's checkpoints, best model at end
+    "deepspeed-accum": (["--deepspeed", "2", "--ga", "2"], 1, False),
+    "deepspeed-2ranks": (["--deepspeed", "2"], 2, False),
+    "plain-late": ([], 1, False),  # a second kill point for the plain loop
+}
+
+
+def kill_point(name: str) -> tuple[int, str]:
+    rnd = random.Random(f"{SEED}-{name}")
+    return rnd.randrange(2, STEPS - 1), rnd.choice(WHERE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def job(name: str, argv: list[str], ranks: int, deepspeed: bool) -> list[dict[str, Any]]:
+    """The runs of one job: one per rank (DeepSpeed: the launcher's environment, one port per job)."""
+    if not deepspeed:
+        return [{"name": name, "argv": argv}]
+    port = str(free_port())
+    return [{"name": name if rank == 0 else f"{name}-rank{rank}", "argv": argv,
+             "env": {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+                     "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}}
+            for rank in range(ranks)]
+
+
+def plan_for(names: list[str], root: Path) -> dict[str, Any]:
+    """Batches run one after the other; the runs of a batch side by side (2 at a time: the machine has 2 cores)."""
+    first: list[list[dict[str, Any]]] = []
+    second: list[list[dict[str, Any]]] = []
+    for name in names:
+        extra, ranks, _ = CASES[name]
+        ds = "--deepspeed" in extra
+        at, where = kill_point(name)
+        out, ck = str(root / name), str(root / f"{name}-ck")
+        ref = job(f"{name}-ref", ["--out", str(root / f"{name}-ref"), *extra], ranks, ds)
+        kill = job(f"{name}-kill", ["--out", out, "--dir", ck, "--kill-at", str(at), "--kill-where", where, *extra],
+                   ranks, ds)
+        resume = job(f"{name}-resume", ["--out", out, "--dir", ck, *extra], ranks, ds)
+        first += [ref + kill] if ranks == 1 else [ref, kill]
+        second.append(resume)
+    singles = [runs for runs in second if len(runs) == 1]  # independent resumes: two side by side
+    batches = first + [[run for runs in singles[i:i + 2] for run in runs] for i in range(0, len(singles), 2)]
+    batches += [runs for runs in second if len(runs) > 1]
+    if "plain" in names:  # train() without resume_from() on a store that holds versions: refused
+        batches.append(job("plain-refused", ["--out", str(root / "refused"), "--dir", str(root / "plain-ck"),
+                                             "--plain-train"], 1, False))
+    return {"batches": batches, "exits": str(root / "exits.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Run every selected case once (one driver) and return the exit codes, the output and the root."""
+    names = [n for n in CASES if any(n == item.callspec.params.get("name") for item in request.session.items
+                                     if hasattr(item, "callspec") and item.module is request.module)]
+    root = tmp_path_factory.mktemp("hf")
+    plan = root / "plan.json"
+    plan.write_text(json.dumps(plan_for(names or ["plain"], root)))
+    env = proc_env(DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(proc_argv("hf_train", "--plan", str(plan)), env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    exits = root / "exits.jsonl"
+    lines = exits.read_text().splitlines() if exits.exists() else []
+    codes: dict[str, int] = {event["name"]: event["code"] for event in map(json.loads, lines)}
+    return {"codes": codes, "output": done.stdout + done.stderr, "root": root, "driver": done.returncode}
+
+
+def load(path: Path, name: str) -> dict[str, Any]:
+    result: dict[str, Any] = torch.load(path / name, weights_only=True)
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if CASES[n][2] else pytest.mark.exhaustive)
+                                  for n in CASES])
+def test_kill_resume_bit_exact(name: str, runs: dict[str, Any]) -> None:
+    at, where = kill_point(name)
+    context = f"case {name}, killed at global step {at} ({where}), HF_KILL_SEED={SEED}\n{runs['output'][-6000:]}"
+    codes = runs["codes"]
+    _, ranks, _ = CASES[name]
+    assert runs["driver"] == 0, context
+    for rank in range(ranks):
+        suffix = f"-rank{rank}" if rank else ""
+        assert codes.get(f"{name}-ref{suffix}") == 0, context
+        assert codes.get(f"{name}-kill{suffix}") == -9, context
+        assert codes.get(f"{name}-resume{suffix}") == 0, context
+        check_case(name, runs["root"], "result.pt" if rank == 0 else f"result-rank{rank}.pt", context)
+
+
+def check_case(name: str, root: Path, result: str, context: str) -> None:
+    at, _ = kill_point(name)
+    extra = CASES[name][0]
+    ref, got = load(root / f"{name}-ref", result), load(root / name, result)
+    assert got["resumed"] is not None and at - 1 <= got["resumed"] <= at, context  # the kill waited for at - 1
+    assert [s for s, _ in ref["losses"]] == list(range(1, STEPS + 1))
+    assert got["losses"] == ref["losses"], context  # restored log history + the resumed steps, bit for bit
+    assert got["evals"] == ref["evals"], context
+    assert got["versions"][-1] == STEPS, context  # the last step committed (before a best model is loaded)
+    assert (got["global_step"], got["epoch"]) == (ref["global_step"], ref["epoch"])
+    ga = int(extra[extra.index("--ga") + 1]) if "--ga" in extra else 1
+    # the data position: the skipped batches were not read again (12 steps end on an epoch boundary)
+    assert ref["fetched"] == STEPS * ga * BATCH
+    assert got["fetched"] == (STEPS - got["resumed"]) * ga * BATCH, context
+    assert sorted(got["state"]) == sorted(ref["state"])
+    differ = [k for k in ref["state"] if not torch.equal(ref["state"][k], got["state"][k])]
+    assert not differ, f"{differ[:5]}: {context}"
+    every = int(extra[extra.index("--save-steps") + 1]) if "--save-steps" in extra else 0
+    if every and result == "result.pt":  # the Trainer's own checkpoints beside the versions
+        for n in range(every, STEPS + 1, every):
+            saved = json.loads((root / name / "hf" / f"checkpoint-{n}" / "trainer_state.json").read_text())
+            assert saved["global_step"] == n
+            assert [(h["step"], h["loss"]) for h in saved["log_history"] if "loss" in h] == ref["losses"][:n]
+
+
+@pytest.mark.slow
+def test_train_without_resume_from_is_refused(runs: dict[str, Any]) -> None:
+    assert runs["codes"].get("plain-refused") == 1, runs["output"][-4000:]
+    assert "TrainerResumeError" in runs["output"] and "already holds version 12" in runs["output"]
+
+
+def args(**over: Any) -> SimpleNamespace:
+    base = {"fsdp": [], "fp16": False, "auto_find_batch_size": False, "ignore_data_skip": False,
+            "torch_compile": False, "n_gpu": 1, "world_size": 1, "deepspeed": None, "deepspeed_plugin": None}
+    return SimpleNamespace(**{**base, **over})
+
+
+@pytest.mark.parametrize(("setting", "value", "named"), [
+    ("fsdp", ["full_shard"], "fsdp="), ("fp16", True, "fp16="), ("auto_find_batch_size", True, "auto_find_batch_size"),
+    ("ignore_data_skip", True, "ignore_data_skip"), ("torch_compile", True, "torch_compile"), ("n_gpu", 2, "n_gpu=2"),
+    ("world_size", 2, "world_size=2 without deepspeed"),
+])
+def test_refused_settings_are_named(setting: str, value: Any, named: str) -> None:
+    with pytest.raises(UnsupportedTrainerConfigError, match=named) as info:
+        check_trainer(args(**{setting: value}))  # type: ignore[arg-type]
+    assert isinstance(info.value, UnsupportedConfigError)
+    check_trainer(args(world_size=2, deepspeed={"zero_optimization": {"stage": 2}}))  # type: ignore[arg-type]
+    check_trainer(args())  # type: ignore[arg-type]
+
+
+def test_peft_model_refused() -> None:
+    model = torch.nn.Linear(2, 2)
+    model.peft_config = {}  # type: ignore[assignment]
+    with pytest.raises(UnsupportedTrainerConfigError, match="PEFT"):
+        check_trainer(args(), model)  # type: ignore[arg-type]
+
+
+def test_errors_are_typed() -> None:
+    assert issubclass(TrainerResumeError, RuntimeError)
+    from asymcheck.errors import AsymcheckError
+
+    assert issubclass(TrainerResumeError, AsymcheckError) and issubclass(UnsupportedTrainerConfigError,
+                                                                            AsymcheckError)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-v"]))

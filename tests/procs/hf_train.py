@@ -1,0 +1,241 @@
+"""Hugging Face Trainer runs for the asymcheck.hf kill tests (``python -m tests.procs.hf_train``; never imported).
+
+``python -m tests.procs.hf_train --plan PLAN.json`` imports torch and transformers once, then
+runs the plan's batches in order; the runs of a batch run side by side (the ranks of a
+DeepSpeed job, or two independent runs), each in a forked child (a fresh process to SIGKILL,
+with its own ``env``). One line per run in the plan's ``exits`` file:
+``{"name": ..., "code": ...}`` (a negative code: the signal). A run that outlives
+``deadline_s`` is SIGKILLed by the driver (code -1000). The options of one run follow.
+
+Trains a small GPT-2 (``GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)``,
+dropout on) on synthetic tokens with the real ``transformers.Trainer`` on CPU: a shuffled map-style
+dataset of 24 sequences, batches of 4 (6 per epoch, so a run crosses epochs), ``logging_steps=1``.
+
+``--dir`` makes it checkpoint with ``asymcheck.hf.AsymCheckCallback`` (a version every step) and
+resume through ``trainer.train(resume_from_checkpoint=callback.resume_from(trainer))``; without it
+the run is the plain Trainer (the uninterrupted reference). ``--kill-at S`` SIGKILLs the process
+once the Trainer's global step is S, at ``--kill-where``: ``forward`` (inside the first forward of
+step S+1, after its batch was fetched), ``step-end`` (in ``on_step_end`` of step S, before the
+step's log) or ``log`` (right after step S's loss was logged). A run that ends writes ``OUT/result.pt``:
+the loss log (global step, loss as a float), the final model parameters and optimizer state,
+and how many sequences the dataset was asked for.
+Lines on stdout are JSON events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from asymcheck.hf import AsymCheckCallback
+
+SEQUENCES = 24
+LENGTH = 16
+BATCH = 4
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Synthetic token sequences (a fixed seed), as causal-LM examples."""
+
+    def __init__(self, seed: int = 7, n: int = SEQUENCES) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 256, (n, LENGTH), generator=g)
+        self.fetched = 0  # sequences read: a resume that re-read the skipped batches would show here
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.fetched += 1
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def emit(**event: Any) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Killer(TrainerCallback):
+    """SIGKILLs the process at global step ``at`` (see the module docstring for where).
+
+    Commits run in the background; so that the resume starts from the step before the kill (and
+    the kill point decides which version is resumed), it first waits, up to 60 s, until that
+    version is committed (globally, under DeepSpeed).
+    """
+
+    def __init__(self, at: int, where: str, model: torch.nn.Module, ckpt: AsymCheckCallback | None) -> None:
+        self.at, self.where, self.ckpt = at, where, ckpt
+        self.step = -1
+        if where == "forward":
+            model.register_forward_pre_hook(self._forward)
+
+    def _committed(self) -> bool:
+        checkpointer = self.ckpt.checkpointer if self.ckpt is not None else None
+        if checkpointer is None:
+            return True
+        store: Any = checkpointer.store
+        steps = store.global_steps() if hasattr(store, "global_steps") else \
+            [v for vs in checkpointer.versions().values() for v in vs]
+        return max(steps, default=0) >= max(self.at - 1, 1)
+
+    def kill(self, where: str, step: int) -> None:
+        deadline = time.monotonic() + 60
+        while not self._committed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        emit(event="kill", where=where, step=step)
+        die()
+
+    def _forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.step == self.at and module.training and torch.is_grad_enabled():
+            self.kill("forward", self.step)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.step = state.global_step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.where == "step-end" and state.global_step == self.at:
+            self.kill("step-end", state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if self.where == "log" and state.global_step == self.at and logs and "loss" in logs:
+            self.kill("log", state.global_step)
+
+
+def deepspeed_config(stage: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+
+
+def final_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Model parameters and the torch optimizer's state and parameters (ZeRO's fp32 partitions under DeepSpeed)."""
+    out = {f"model/{k}": v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    opt: Any = trainer.optimizer
+    for _ in range(4):  # AcceleratedOptimizer / DeepSpeed's optimizer wrap the torch one
+        if type(opt).__module__.startswith("torch.optim"):
+            break
+        opt = opt.optimizer
+    for i, (p, st) in enumerate(opt.state.items()):
+        out[f"optim/param/{i}"] = p.detach().clone()
+        for name, value in st.items():
+            out[f"optim/state/{i}/{name}"] = torch.as_tensor(value).detach().clone()
+    return out
+
+
+def run(argv: list[str]) -> int:
+    """One training run (the options below)."""
+    ap = argparse.ArgumentParser(prog="hf_train")
+    ap.add_argument("--dir", help="the callback's store directory (none: the plain Trainer)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--ga", type=int, default=1, help="gradient accumulation steps")
+    ap.add_argument("--save-steps", type=int, default=0, help="the Trainer's own checkpoint-N every N steps")
+    ap.add_argument("--deepspeed", type=int, default=-1, help="ZeRO stage (DeepSpeed through the Trainer)")
+    ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--kill-where", choices=["forward", "step-end", "log"], default="forward")
+    ap.add_argument("--plain-train", action="store_true", help="trainer.train() without resume_from()")
+    ap.add_argument("--eval", type=int, default=0,
+                    help="evaluate and save every N steps (dropout off, the eval loader draws a seed), "
+                         "load_best_model_at_end by eval_loss")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
+                                       bos_token_id=0, eos_token_id=0))
+    targs = TrainingArguments(
+        output_dir=str(out / "hf"), max_steps=args.steps, per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=args.ga, learning_rate=1e-3, warmup_steps=2, logging_steps=1,
+        save_strategy="steps" if args.save_steps or args.eval else "no", save_steps=args.eval or args.save_steps or 500,
+        eval_strategy="steps" if args.eval else "no", eval_steps=args.eval or None, per_device_eval_batch_size=BATCH,
+        load_best_model_at_end=bool(args.eval), metric_for_best_model="eval_loss" if args.eval else None,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        deepspeed=deepspeed_config(args.deepspeed) if args.deepspeed >= 0 else None)
+    data = Tokens()
+    held_out = Tokens(seed=8, n=8) if args.eval else None
+    trainer = Trainer(model=model, args=targs, train_dataset=data, eval_dataset=held_out)
+    resume = None
+    ckpt = None
+    if args.dir:
+        ckpt = AsymCheckCallback(args.dir, max_overhead=None)  # a version every step, always
+        trainer.add_callback(ckpt)
+        if not args.plain_train:
+            resume = ckpt.resume_from(trainer)
+        emit(event="resume", dir=resume is not None)
+    if args.kill_at >= 0:
+        trainer.add_callback(Killer(args.kill_at, args.kill_where, model, ckpt))
+    trainer.train(resume_from_checkpoint=resume)
+    if ckpt is not None:
+        emit(event="done", resumed=ckpt.resumed_step, versions=ckpt.final_versions)
+    losses = [(h["step"], float(h["loss"])) for h in trainer.state.log_history if "loss" in h]
+    evals = [(h["step"], float(h["eval_loss"])) for h in trainer.state.log_history if "eval_loss" in h]
+    rank = os.environ.get("RANK", "0")
+    versions = sorted({v for vs in (ckpt.final_versions or {}).values() for v in vs}) if ckpt else []
+    torch.save({"losses": losses, "evals": evals, "versions": versions, "state": final_state(trainer),
+                "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
+                "resumed": ckpt.resumed_step if ckpt else None, "fetched": data.fetched},
+               out / ("result.pt" if rank == "0" else f"result-rank{rank}.pt"))
+    return 0
+
+
+def wait_child(pid: int, deadline: float) -> int:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return -1000
+        time.sleep(0.02)
+
+
+def fork_run(spec: dict[str, Any]) -> int:
+    pid = os.fork()
+    if pid == 0:  # the child: its own environment, then one run; never returns
+        code = 1
+        try:
+            os.environ.update(spec.get("env", {}))
+            code = run(list(spec["argv"]))
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def drive(plan: dict[str, Any]) -> int:
+    with open(plan["exits"], "a", encoding="utf-8") as exits:  # not stdout, which the children's output shares
+        for batch in plan["batches"]:
+            started = [(spec, fork_run(spec), time.monotonic() + float(spec.get("deadline_s", 300)))
+                       for spec in batch]
+            for spec, pid, deadline in started:
+                exits.write(json.dumps({"name": spec["name"], "code": wait_child(pid, deadline)}) + "\n")
+                exits.flush()
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--plan"]:
+        return drive(json.loads(Path(sys.argv[2]).read_text()))
+    return run(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ module share one driver process (torch and transformers imported once; each run 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -99,11 +100,20 @@ def plan_for(names: list[str], root: Path) -> dict[str, Any]:
     return {"batches": batches, "exits": str(root / "exits.jsonl")}
 
 
+def marks_of(name: str) -> list[pytest.MarkDecorator]:
+    extra, _, default = CASES[name]
+    marks = [] if default else [pytest.mark.exhaustive]
+    if "--deepspeed" in extra and importlib.util.find_spec("deepspeed") is None:
+        marks.append(pytest.mark.skip(reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')"))
+    return marks
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Any]:
     """Run every selected case once (one driver) and return the exit codes, the output and the root."""
     names = [n for n in CASES if any(n == item.callspec.params.get("name") for item in request.session.items
-                                     if hasattr(item, "callspec") and item.module is request.module)]
+                                     if hasattr(item, "callspec") and item.module is request.module
+                                     and item.get_closest_marker("skip") is None)]
     root = tmp_path_factory.mktemp("hf")
     plan = root / "plan.json"
     plan.write_text(json.dumps(plan_for(names or ["plain"], root)))
@@ -122,8 +132,7 @@ def load(path: Path, name: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if CASES[n][2] else pytest.mark.exhaustive)
-                                  for n in CASES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=marks_of(n)) for n in CASES])
 def test_kill_resume_bit_exact(name: str, runs: dict[str, Any]) -> None:
     at, where = kill_point(name)
     context = f"case {name}, killed at global step {at} ({where}), HF_KILL_SEED={SEED}\n{runs['output'][-6000:]}"

@@ -178,6 +178,35 @@ def test_train_without_resume_from_is_refused(runs: dict[str, Any]) -> None:
     assert "TrainerResumeError" in runs["output"] and "already holds version 12" in runs["output"]
 
 
+@pytest.mark.slow
+def test_damaged_newest_version_refused_then_repaired(runs: dict[str, Any]) -> None:
+    """The version resume_from() chose fails verification: refused; after fsck --repair, the one before resumes."""
+    root: Path = runs["root"]
+    assert runs["codes"].get("plain-resume") == 0, runs["output"][-4000:]
+    ck = root / "plain-ck"
+    newest = max(ck.glob("v*"))
+    segment = newest / "seg-000000.bin"
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one bit pattern flipped inside a parameter's bytes
+    segment.write_bytes(bytes(data))
+    env = proc_env(OMP_NUM_THREADS="1")
+    out = str(root / "plain-repair")
+    done = subprocess.run(proc_argv("hf_train", "--out", out, "--dir", str(ck)), env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 1 and "TrainerResumeError" in done.stderr, done.stdout + done.stderr
+    assert f"positioned the Trainer at version {STEPS}" in done.stderr and "no longer verifies" in done.stderr
+    fsck = subprocess.run([sys.executable, "-m", "asymstore.fsck", str(ck), "--repair"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert not newest.exists(), fsck.stdout + fsck.stderr  # moved aside
+    done = subprocess.run(proc_argv("hf_train", "--out", out, "--dir", str(ck)), env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ref, got = load(root / "plain-ref", "result.pt"), load(Path(out), "result.pt")
+    assert got["resumed"] == STEPS - 1
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(ref["state"][k], got["state"][k]) for k in ref["state"])
+
+
 def args(**over: Any) -> SimpleNamespace:
     base = {"fsdp": [], "fp16": False, "auto_find_batch_size": False, "ignore_data_skip": False,
             "torch_compile": False, "n_gpu": 1, "world_size": 1, "deepspeed": None, "deepspeed_plugin": None}

@@ -323,15 +323,23 @@ class AsymCheckCallback(TrainerCallback):
                     directory)
         return directory
 
+    def _deepspeed_root(self) -> str:
+        """The multi-rank root under DeepSpeed (a directory; its store keeps the newest global versions only)."""
+        root = self.root_or_store
+        if not isinstance(root, (str, os.PathLike)):
+            raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
+        rules = sorted({"keep_every", "keep_best"} & {k for k, v in self.options.items() if v is not None})
+        if rules:
+            raise UnsupportedTrainerConfigError(f"deepspeed with {', '.join(rules)}: a multi-rank store keeps its "
+                                                "newest global versions (keep_last) only")
+        return os.fspath(root)
+
     def _resume_dir_deepspeed(self, trainer: Trainer) -> str | None:
         """The resume directory under DeepSpeed: the version's DeepSpeed files too (the Trainer loads them)."""
         from asymcheck.deepspeed.export import read_version, write_files
         from asymstore.multirank import globaldir, is_multirank
 
-        root = self.root_or_store
-        if not isinstance(root, (str, os.PathLike)):
-            raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
-        root = os.fspath(root)
+        root = self._deepspeed_root()
         if not is_multirank(root) or not globaldir.list_global_steps(os.path.join(root, globaldir.GLOBAL_DIR)):
             return None
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # asyncio.run: fine under a running loop (Jupyter)
@@ -385,10 +393,7 @@ class AsymCheckCallback(TrainerCallback):
                                          "callback.resume_from(trainer)): it hands the callback the Trainer's engine")
             import asymcheck.deepspeed
 
-            root = self.root_or_store
-            if not isinstance(root, (str, os.PathLike)):
-                raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
-            self.checkpointer = asymcheck.deepspeed.attach(self._trainer.model_wrapped, os.fspath(root),
+            self.checkpointer = asymcheck.deepspeed.attach(self._trainer.model_wrapped, self._deepspeed_root(),
                                                            stateful=stateful, **options)
         else:
             optimizer = _torch_optimizer(kwargs.get("optimizer"))

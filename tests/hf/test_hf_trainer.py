@@ -233,6 +233,14 @@ def test_peft_model_refused() -> None:
         check_trainer(args(), model)  # type: ignore[arg-type]
 
 
+def test_deepspeed_refuses_single_store_retention(tmp_path: Path) -> None:
+    from asymcheck.hf import AsymCheckCallback
+
+    with pytest.raises(UnsupportedTrainerConfigError, match="deepspeed with keep_every"):
+        AsymCheckCallback(str(tmp_path), keep_every=10)._deepspeed_root()
+    assert AsymCheckCallback(str(tmp_path))._deepspeed_root() == str(tmp_path)
+
+
 def test_errors_are_typed() -> None:
     assert issubclass(TrainerResumeError, RuntimeError)
     from asymcheck.errors import AsymcheckError

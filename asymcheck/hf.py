@@ -38,7 +38,7 @@ anything is hooked: ``fsdp``, ``fp16`` (the GradScaler's skipped steps), ``auto_
 ``ignore_data_skip`` (the data position would not come back), ``torch_compile``, several GPUs in
 one process (``n_gpu > 1``), several processes without DeepSpeed, and PEFT models (the Trainer's
 resume loads adapters from the directory). Under DeepSpeed, what :func:`asymcheck.deepspeed.attach`
-refuses.
+refuses, and ``keep_every`` / ``keep_best`` (a multi-rank store keeps its newest global versions).
 
 Public plug-in points used: ``TrainerCallback`` events and the objects the Trainer passes to them
 (``model``, ``optimizer``, ``lr_scheduler``, ``train_dataloader``, ``args``, ``state``,

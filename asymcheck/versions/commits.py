@@ -135,8 +135,13 @@ class CommitQueue:
             # every tier written by the commit has it, or when the commit fails
             try:
                 await store.adopt_many(step, tensors, release=release)
-            except BaseException:
+            except BaseException as exc:
                 store.abandon(step)
+                if isinstance(store, DropReportingStore):  # the other ranks must not wait for this one
+                    try:
+                        await store.report_dropped(step, f"staging failed: {type(exc).__name__}: {exc}")
+                    except Exception as report_exc:
+                        logger.warning("could not report dropped version %d: %s", step, report_exc)
                 raise
             try:
                 result = await store.commit(step, meta)

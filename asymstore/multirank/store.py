@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 from asymstore.api import Checkpoint, CheckpointStore, CommitResult, Targets
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
 from asymstore.dist.world import env_rank_world
-from asymstore.errors import CoordinationTimeoutError, GlobalManifestError, GlobalVersionDroppedError, describe
+from asymstore.errors import (
+    CoordinationTimeoutError,
+    GlobalManifestError,
+    GlobalVersionDroppedError,
+    NoCheckpointError,
+    describe,
+)
 from asymstore.format.checksum import checksum
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.format.manifest import Manifest, validate_meta
@@ -487,7 +493,14 @@ class RankStore:
             CoordinationTimeoutError: a rank did not answer in time.
         """
         await self.local.refresh()
-        g, ckpt, notes = await restore_collective(self.job, self.local, self.reshard, self._key("restore"), step, into)
+        try:
+            g, ckpt, notes = await restore_collective(self.job, self.local, self.reshard, self._key("restore"), step,
+                                                      into)
+        except NoCheckpointError:
+            # No global version at all (every rank hears the same): this rank's shards, left by a job killed
+            # before its first global commit, belong to no version; the steps put from now on replace them.
+            self._floor = -1
+            raise
         self.restored_global = g
         self._floor = g.shard(self.rank).step if self.rank < g.world_size else g.step
         if notes:

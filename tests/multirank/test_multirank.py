@@ -329,3 +329,36 @@ def test_a_rank_dropping_a_version_does_not_stall_the_other_ranks_checkpointer(t
     assert time.monotonic() - started < 40.0 and max(step_s[0]) < 20.0, step_s  # never the 60 s timeout
     steps = list_global_steps(str(tmp_path / "global"))
     assert 4 not in steps and steps[-1] == 8, steps  # version 4 (after step 4) dropped; the rest on time
+
+
+def test_a_job_killed_before_its_first_global_version_restarts_and_commits(tmp_path: Path) -> None:
+    """Shards left by a job killed before any global version belong to none: the restarted job replaces them.
+
+    Seen as a hang: every commit of the restarted job failed with "step 1 is already committed" on the
+    ranks holding such shards, and the coordinator waited for them until its timeout.
+    """
+
+    async def leftovers(rank: int) -> None:  # each rank's own store committed shards; no global version
+        async with store(tmp_path, rank, 2, dist.HashStore()) as s:
+            for step in range(1, 3 + rank):
+                await s.local.put(step, "w", value(step, rank))
+                await s.local.commit(step)
+
+    run_ranks(2, leftovers)
+    kv = dist.HashStore()
+
+    async def restart(rank: int) -> tuple[bool, list[int]]:
+        async with store(tmp_path, rank, 2, kv) as s:
+            try:
+                await s.restore()
+            except NoCheckpointError:
+                fresh = True
+            for step in (1, 2):
+                await s.put(step, "w", value(step, rank) + 0.5)
+                await s.commit(step)
+            ckpt = await s.restore()
+            assert torch.equal(ckpt.tensors["w"], value(2, rank) + 0.5)
+            return fresh, s.global_steps()
+
+    out = run_ranks(2, restart)
+    assert out == {0: (True, [1, 2]), 1: (True, [1, 2])}, out

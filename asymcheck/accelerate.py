@@ -65,6 +65,7 @@ from accelerate.utils import DistributedType
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
 from asymcheck.errors import DataPositionError, StateMismatchError, UnsupportedAccelerateConfigError
+from asymcheck.integration import untested_version
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
@@ -98,12 +99,8 @@ def unsupported_settings(accelerator: Any) -> list[str]:
         One line per refused setting (empty: supported).
     """
     out: list[str] = []
-    try:
-        major, minor = (int(p) for p in accelerate.__version__.split(".")[:2])
-    except ValueError:
-        major, minor = -1, -1
-    if (major, minor) != TESTED:
-        out.append(f"accelerate {accelerate.__version__}: only {TESTED[0]}.{TESTED[1]}.x is tested")
+    if (line := untested_version("accelerate", accelerate.__version__, TESTED)) is not None:
+        out.append(line)
     kind = accelerator.distributed_type
     if kind not in _SUPPORTED:
         out.append(f"distributed_type={kind} (one process, DDP, FSDP2 and DeepSpeed are supported)")

@@ -77,6 +77,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
 from asymcheck.errors import UnsupportedLightningConfigError
+from asymcheck.integration import untested_version
 from asymcheck.snapshot.hooks import HookSet
 from asymcheck.state import rng
 from asymcheck.state.trainstate import Stateful
@@ -109,12 +110,8 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
         One line per refused setting (empty: supported).
     """
     out: list[str] = []
-    try:
-        major, minor = (int(p) for p in lightning.__version__.split(".")[:2])
-    except ValueError:
-        major, minor = -1, -1
-    if (major, minor) != TESTED:
-        out.append(f"lightning {lightning.__version__}: only {TESTED[0]}.{TESTED[1]}.x is tested")
+    if (line := untested_version("lightning", lightning.__version__, TESTED)) is not None:
+        out.append(line)
     if not module.automatic_optimization:
         out.append("automatic_optimization=False (manual optimization: the loop's own steps are not tracked)")
     if len(trainer.optimizers) != 1:

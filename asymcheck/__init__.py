@@ -16,6 +16,7 @@ from asymcheck.errors import (
     AsymcheckError,
     CheckpointerStateError,
     CommitFailedError,
+    InvalidOptionError,
     NoDurableVersionError,
     StateMismatchError,
     StepConflictError,
@@ -25,11 +26,23 @@ from asymcheck.errors import (
 )
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.snapshot.edits import DroppedVersionWarning
-from asymcheck.snapshot.partition import Extent, Partition, Plan, Planner, Span, Window, WindowRecorder, plan_partitions
+from asymcheck.snapshot.partition import (
+    PARTITIONINGS,
+    Extent,
+    Partition,
+    Partitioning,
+    Plan,
+    Planner,
+    Span,
+    Window,
+    WindowRecorder,
+    plan_partitions,
+)
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
 
 __all__ = [
+    "PARTITIONINGS",
     "AsymcheckError",
     "CheckpointStats",
     "Checkpointer",
@@ -37,8 +50,10 @@ __all__ = [
     "CommitFailedError",
     "DroppedVersionWarning",
     "Extent",
+    "InvalidOptionError",
     "NoDurableVersionError",
     "Partition",
+    "Partitioning",
     "Plan",
     "Planner",
     "PreemptionRecord",

@@ -31,7 +31,18 @@ from asymcheck.snapshot.copyengine import CopyEngine
 from asymcheck.snapshot.edits import EditTracker
 from asymcheck.snapshot.hooks import HookSet
 from asymcheck.snapshot.hostpool import HostPool
-from asymcheck.snapshot.partition import BACKWARD, FORWARD, Clock, PerfCounterClock, Plan, Planner, WindowRecorder
+from asymcheck.snapshot.partition import (
+    BACKWARD,
+    DRAIN,
+    FORWARD,
+    Clock,
+    Partitioning,
+    PerfCounterClock,
+    Plan,
+    Planner,
+    WindowRecorder,
+    check_partitioning,
+)
 from asymcheck.state.dtensors import check_tensors
 from asymcheck.state.trainstate import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
@@ -109,6 +120,14 @@ class Checkpointer:
             run: ``"wait"`` (back-pressure) or ``"skip"`` the version.
         host_slots: host staging buffers (each the size of the flat state).
         copy: ``"thread"`` (a copy thread) or ``"inline"`` (copy inside the hooks).
+        partitioning: how each version's copy is spread over the next iteration
+            (:data:`asymcheck.Partitioning`): ``"asymmetric"`` (default) sizes
+            partitions to the measured idle windows between hooks, so backward
+            partitions come out larger; ``"uniform"`` cuts equal partitions, as
+            many in the forward pass as in the backward pass (symmetric schemes);
+            ``"step"`` copies the whole state in the step pre-hook, blocking, then
+            commits in the background (CheckFreq's snapshot). Every mode captures the
+            same, bit-exact state; they differ in stall and step time.
         warmup: iterations measured before partitions are sized.
         max_partitions: soft limit on partitions per version.
         min_partition_bytes: smallest partition worth a separate copy.
@@ -144,13 +163,15 @@ class Checkpointer:
         UnsupportedModelError: a parameter, buffer or optimizer tensor is a
             tensor subclass other than DTensor, or a DTensor placed other
             than by ``Shard(d)`` / ``Replicate()``: nothing was hooked.
+        InvalidOptionError: ``partitioning`` is not one of the modes: nothing was hooked.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
                  stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
                  every: int = 1, keep_last: int | None = 3, keep_every: int | None = None,
                  keep_best: KeepBest | None = None, max_inflight: int = 1, when_busy: WhenBusy = "wait",
-                 host_slots: int = 2, copy: CopyMode = "thread", warmup: int = 3, max_partitions: int = 16,
+                 host_slots: int = 2, copy: CopyMode = "thread", partitioning: Partitioning = "asymmetric",
+                 warmup: int = 3, max_partitions: int = 16,
                  min_partition_bytes: int = 1 << 20, replan_tolerance: float = 0.25, clock: Clock | None = None,
                  on_error: OnError = "budget", max_steps_without_durable: int | None = None,
                  max_seconds_without_durable: float | None = 1800.0, save_on_close: bool = True,
@@ -159,6 +180,7 @@ class Checkpointer:
         """Open the store on its own thread and register the hooks."""
         if every < 1:
             raise ValueError("every must be >= 1")
+        partitioning = check_partitioning(partitioning)
         check_tensors(model, optimizer)
         deadline_s = check_deadline(preempt_deadline_s)
         state = TrainingState(model, optimizer, stateful, data)
@@ -176,7 +198,7 @@ class Checkpointer:
             else:
                 clock = PerfCounterClock()
         self._planner = Planner(warmup=warmup, tolerance=replan_tolerance, max_partitions=max_partitions,
-                                min_bytes=min_partition_bytes)
+                                min_bytes=min_partition_bytes, partitioning=partitioning)
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
         self._loop = StoreLoop(make_store(store_or_tiers, keep_last, keep_every=keep_every, keep_best=keep_best))
@@ -195,7 +217,7 @@ class Checkpointer:
         self._hook_s = 0.0
         self._open_s = 0.0
         self._last_pre: float | None = None
-        self._copy_mark = 0.0
+        self._copy_mark = (0.0, 0.0)  # the copy engine's (busy, blocked) seconds at the last step record
         self.restored: RestoreInfo | None = None
         self._unusable: str | None = None  # why training must not go on (a failed in-place resume)
         self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
@@ -242,6 +264,11 @@ class Checkpointer:
     def step(self) -> int:
         """Optimizer steps completed (including those before a resume)."""
         return self._progress.step
+
+    @property
+    def partitioning(self) -> Partitioning:
+        """How each version's copy is spread over the next iteration (the constructor's option)."""
+        return self._planner.partitioning
 
     @property
     def plan(self) -> Plan | None:
@@ -481,19 +508,24 @@ class Checkpointer:
         sealed = skipped = dropped = False
         waited = 0.0
         nbytes = 0
+        by_phase: Mapping[str, int] = {}
         if snap is not None:
-            submitted, waited, nbytes, dropped = self._cycle.seal(snap)
-            sealed, skipped = not dropped, not submitted and not dropped
+            done = self._cycle.seal(snap)
+            waited, nbytes, dropped, by_phase = done.waited, done.nbytes, done.dropped, done.by_phase
+            sealed, skipped = not dropped, not done.submitted and not dropped
         ended = time.perf_counter()
         iteration = started - self._last_pre if self._last_pre is not None else 0.0
         self._last_pre = started
         self._pacer.iteration(iteration)
-        busy = self._engine.busy_seconds
+        busy, blocked = self._engine.busy_seconds, self._engine.blocked_seconds
+        copy_s = busy - self._copy_mark[0]
         self._stats.add_step(StepRecord(
             step=self._progress.step, sealed=sealed, stall_s=ended - started, backpressure_s=waited,
             hook_s=self._hook_s, open_s=self._open_s, copy_bytes=nbytes, iteration_s=iteration, skipped=skipped,
-            copy_s=busy - self._copy_mark, dropped=dropped))
-        self._copy_mark = busy
+            copy_s=copy_s, dropped=dropped, overlap_s=max(0.0, copy_s - (blocked - self._copy_mark[1])),
+            forward_bytes=by_phase.get(FORWARD, 0), backward_bytes=by_phase.get(BACKWARD, 0),
+            boundary_bytes=by_phase.get(DRAIN, 0)))
+        self._copy_mark = (busy, blocked)
         self._hook_s = self._open_s = 0.0
 
     def _on_step_post(self) -> None:

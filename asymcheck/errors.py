@@ -42,6 +42,14 @@ class UnsupportedModelError(AsymcheckError, TypeError):
     """
 
 
+class InvalidOptionError(AsymcheckError, ValueError):
+    """An option of the Checkpointer (or of a part it is built from) has a value it does not take.
+
+    The message names the option and the values it takes; raised by the constructor, before
+    anything is hooked (``Checkpointer(partitioning="blocks")``).
+    """
+
+
 class UnsupportedConfigError(AsymcheckError, ValueError):
     """A DeepSpeed configuration (or version) the adapter does not capture correctly; the message names the setting.
 

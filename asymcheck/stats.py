@@ -29,6 +29,13 @@ class StepRecord:
         iteration_s: seconds since the previous step pre-hook.
         skipped: the version was dropped because a commit was still in flight.
         dropped: the version was dropped because a captured tensor changed before its copy.
+        overlap_s: the part of ``copy_s`` that ran while training went on (not while the
+            step pre-hook, ``editing()`` or an inline hook waited for it). CPU copies only:
+            CUDA copies run on a side stream and are not timed (0).
+        forward_bytes: bytes of the sealed version issued by forward hooks.
+        backward_bytes: bytes of the sealed version issued by backward (gradient) hooks.
+        boundary_bytes: bytes of the sealed version issued at the step boundary (the drain in
+            the step pre-hook, or ``editing()``): planned so, or planned for a hook that did not run.
     """
 
     step: int
@@ -42,11 +49,20 @@ class StepRecord:
     skipped: bool = False
     copy_s: float = 0.0
     dropped: bool = False
+    overlap_s: float = 0.0
+    forward_bytes: int = 0
+    backward_bytes: int = 0
+    boundary_bytes: int = 0
 
     @property
     def overhead_s(self) -> float:
         """All time the training thread spent in the Checkpointer for this step."""
         return self.stall_s + self.hook_s + self.open_s
+
+    @property
+    def overlap_fraction(self) -> float:
+        """``overlap_s / copy_s``: how much of this step's copying overlapped training (0 when none was timed)."""
+        return self.overlap_s / self.copy_s if self.copy_s > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class CheckpointStats:
             return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
         stall = [s.stall_s for s in sealed]
+        copy_s = sum(s.copy_s for s in sealed)
         overhead = [s.overhead_s for s in sealed]
         iters = [s.iteration_s for s in timed]
         return {
@@ -109,6 +126,7 @@ class CheckpointStats:
             "iteration_median_s": statistics.median(iters) if iters else 0.0,
             "bytes_per_version": (self.stored_bytes // self.versions_committed) if self.versions_committed else 0,
             "copy_seconds": self.copy_seconds,
+            "copy_overlap_fraction": sum(s.overlap_s for s in sealed) / copy_s if copy_s > 0 else 0.0,
             "commit_median_s": statistics.median(self.commit_seconds) if self.commit_seconds else 0.0,
             "last_committed": self.last_committed,
             "replans": self.replans,

@@ -97,7 +97,7 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
             (data loader, sampler): taken when the optimizer step returns, saved per rank.
         keep_last: global versions kept (when the store is built here).
         timeout_s: how long rank 0 waits for every rank's shard at each commit.
-        **kwargs: passed to :class:`asymcheck.Checkpointer` (``warmup``, ``max_inflight``,
+        **kwargs: passed to :class:`asymcheck.Checkpointer` (``partitioning``, ``warmup``, ``max_inflight``,
             ``host_slots``, ``min_partition_bytes``, ``preempt_on``, ``preempt_deadline_s``...).
             Keep ``when_busy="wait"``: a version one rank skips can never be completed globally.
             SIGTERM is handled as by the Checkpointer: the ranks agree through the key-value store
@@ -109,6 +109,7 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
         UnsupportedConfigError: the engine uses a setting whose state the capture would miss
             (offload, MoE, pipeline or model parallelism, ZeRO++ hpZ; see
             :mod:`asymcheck.deepspeed.support`) or an untested DeepSpeed version.
+        InvalidOptionError: a Checkpointer option out of its range (``partitioning="blocks"``).
     """
     check_engine(engine, "attach")
     if isinstance(store_or_tiers, CollectiveStore):

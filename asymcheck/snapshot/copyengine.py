@@ -82,6 +82,13 @@ def _copy_cpu(job: CopyJob) -> bool:
 class CopyEngine:
     """Runs copy jobs; ``wait`` is the only call that blocks training.
 
+    ``busy_seconds`` counts the time spent copying CPU sources and
+    ``blocked_seconds`` the part of it during which the caller was blocked:
+    inside :meth:`wait` (thread mode) or inside :meth:`submit` itself (inline
+    mode, where every copy blocks). Their difference is the copy time that
+    overlapped training. CUDA copies are queued on a side stream and not
+    timed here (``bytes_copied`` counts them).
+
     Args:
         mode: ``"thread"`` (default) or ``"inline"`` for CPU sources.
     """
@@ -92,7 +99,9 @@ class CopyEngine:
             raise ValueError(f"copy mode must be 'thread' or 'inline', got {mode!r}")
         self.mode = mode
         self.busy_seconds = 0.0
+        self.blocked_seconds = 0.0
         self.bytes_copied = 0
+        self._waiting_since: float | None = None  # perf_counter() when a wait() began blocking
         self._queue: queue.SimpleQueue[list[CopyJob] | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._outstanding = 0
@@ -121,7 +130,9 @@ class CopyEngine:
             for job in cpu:
                 if not _copy_cpu(job):
                     self._bad.add(job.index)
-            self.busy_seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.busy_seconds += elapsed
+            self.blocked_seconds += elapsed  # on the caller's thread: nothing overlapped
             self.bytes_copied += sum(j.stop - j.start for j in cpu)
             return
         with self._cond:
@@ -165,10 +176,12 @@ class CopyEngine:
             except BaseException as exc:  # reported by wait()
                 logger.exception("copy failed")
                 self._error = exc
-            elapsed = time.perf_counter() - started
+            ended = time.perf_counter()
             with self._cond:
                 self._bad.update(bad)
-                self.busy_seconds += elapsed
+                self.busy_seconds += ended - started
+                if self._waiting_since is not None:  # the caller waited for (the end of) this batch
+                    self.blocked_seconds += ended - max(started, self._waiting_since)
                 self.bytes_copied += sum(j.stop - j.start for j in batch)
                 self._outstanding -= 1
                 self._cond.notify_all()
@@ -181,7 +194,10 @@ class CopyEngine:
             of the host buffers must synchronize it), or None.
         """
         with self._cond:
-            self._cond.wait_for(lambda: self._outstanding == 0)
+            if self._outstanding:
+                self._waiting_since = time.perf_counter()
+                self._cond.wait_for(lambda: self._outstanding == 0)
+                self._waiting_since = None
         if self._error is not None:
             exc, self._error = self._error, None
             raise exc

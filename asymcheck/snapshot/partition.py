@@ -16,6 +16,14 @@ window of one iteration. Backward windows are longer, so backward partitions
 come out larger. Boundaries fall on element boundaries of the tensor they cut
 (or on tensor boundaries for tensors that cannot be split), and the
 partitions of one plan cover the flat state exactly once.
+
+That is the ``"asymmetric"`` :data:`Partitioning`. The two others are the
+schemes it is measured against (``benches/partitioning.py``): ``"uniform"``
+cuts the state into equal partitions, as many issued in the forward pass as
+in the backward pass, whatever the windows (symmetric schemes such as
+DataStates-LLM); ``"step"`` copies the whole state at the step boundary, in
+the optimizer's step pre-hook (CheckFreq's snapshot), then persists it in the
+background like the others.
 """
 
 from __future__ import annotations
@@ -25,11 +33,35 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
+
+from asymcheck.errors import InvalidOptionError
 
 FORWARD = "forward"
 BACKWARD = "backward"
 DRAIN = "drain"
+
+Partitioning = Literal["asymmetric", "uniform", "step"]
+"""How a version's copy is spread over the next iteration.
+
+- ``"asymmetric"``: partitions sized to the measured idle windows, ``r_i = R * t_i / T``.
+- ``"uniform"``: equal partitions, as many issued in forward as in backward (symmetric schemes).
+- ``"step"``: everything copied at the step boundary, in the optimizer's step pre-hook (CheckFreq).
+"""
+
+PARTITIONINGS: tuple[Partitioning, ...] = get_args(Partitioning)
+
+
+def check_partitioning(value: object) -> Partitioning:
+    """Return ``value`` as a :data:`Partitioning`.
+
+    Raises:
+        InvalidOptionError: it is not one of :data:`PARTITIONINGS`.
+    """
+    for mode in PARTITIONINGS:
+        if value == mode and isinstance(value, str):
+            return mode
+    raise InvalidOptionError(f"partitioning must be one of {', '.join(map(repr, PARTITIONINGS))}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -112,8 +144,9 @@ class Plan:
         total_bytes: ``R``, the bytes of the flat state.
         partitions: in flat-byte order, which is also issue order.
         windows: the window profile the plan was sized from (empty while warming up).
-        warm: False for the warm-up plan (one drain partition).
+        warm: False for the warm-up plan (one drain partition, made before any window was measured).
         generation: how many plans the planner made before this one.
+        partitioning: the :data:`Partitioning` it was made for.
     """
 
     total_bytes: int
@@ -121,6 +154,7 @@ class Plan:
     windows: tuple[Window, ...] = ()
     warm: bool = False
     generation: int = 0
+    partitioning: Partitioning = "asymmetric"
     _by_event: dict[int, Partition] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +181,7 @@ class Plan:
         """Return a JSON-able description."""
         return {
             "total_bytes": self.total_bytes,
+            "partitioning": self.partitioning,
             "warm": self.warm,
             "generation": self.generation,
             "window_seconds": self.window_seconds,
@@ -226,48 +261,60 @@ def group_windows(windows: Sequence[Window], max_groups: int) -> list[Window]:
     return groups
 
 
-def drain_plan(extents: Sequence[Extent], generation: int = 0) -> Plan:
-    """Return the warm-up plan: the whole state copied by the drain."""
-    offsets = offsets_of(extents)
-    part = Partition(0, None, DRAIN, 0, offsets[-1], spans_between(extents, offsets, 0, offsets[-1]))
-    return Plan(offsets[-1], (part,), (), False, generation)
-
-
-def plan_partitions(extents: Sequence[Extent], windows: Sequence[Window], *, max_partitions: int = 16,
-                    min_bytes: int = 1 << 20, generation: int = 0) -> Plan:
-    """Size partitions of the flat state in proportion to the idle windows.
-
-    Windows are first grouped (consecutive, same phase) into at most
-    ``min(max_partitions, R // min_bytes)`` groups; partition ``i`` then gets
-    ``R * t_i / T`` bytes (rounded to a legal boundary), issued by the first
-    event of group ``i``. Partitions still smaller than
-    ``min_bytes`` are merged into the one before them (issued earlier), the
-    first into the one after it.
+def drain_plan(extents: Sequence[Extent], generation: int = 0, partitioning: Partitioning = "asymmetric", *,
+               windows: Sequence[Window] = ()) -> Plan:
+    """Return a plan that copies the whole state at the drain (the step pre-hook).
 
     Args:
         extents: the flat state, in order.
-        windows: one iteration's windows in event order.
-        max_partitions: soft limit on the number of partitions.
-        min_bytes: the smallest partition worth a separate copy.
         generation: the plan's number, for inspection.
-
-    Returns:
-        A plan whose partitions cover every byte exactly once; the warm-up
-        (drain-only) plan when there are no windows.
+        partitioning: the mode it is made for.
+        windows: the measured windows, if any: the plan is then warm (the ``"step"`` mode's plan);
+            without them it is the warm-up plan of every mode.
     """
     offsets = offsets_of(extents)
+    part = Partition(0, None, DRAIN, 0, offsets[-1], spans_between(extents, offsets, 0, offsets[-1]))
+    return Plan(offsets[-1], (part,), tuple(windows), bool(windows), generation, partitioning)
+
+
+def spread_events(windows: Sequence[Window], count: int) -> list[Window]:
+    """Choose ``count`` issuing events the symmetric way, whatever the windows' lengths.
+
+    As many events in the forward pass as in the backward pass (forward takes
+    the odd one; a pass with too few events leaves its share to the other),
+    spread evenly by ordinal within each pass, the first event of each pass
+    included. Each returned window is issued by its event and lasts until the
+    next chosen event (the last one until the end of the iteration).
+    """
+    fwd = [w for w in windows if w.phase == FORWARD]
+    bwd = [w for w in windows if w.phase == BACKWARD]
+    want_f = (count + 1) // 2 if fwd and bwd else count
+    n_b = min(len(bwd), count - min(len(fwd), want_f))
+    n_f = min(len(fwd), count - n_b)
+    chosen = sorted([ws[j * len(ws) // n].event for ws, n in ((fwd, n_f), (bwd, n_b)) if n for j in range(n)])
+    out = []
+    for i, event in enumerate(chosen):
+        until = chosen[i + 1] if i + 1 < len(chosen) else None
+        members = [w for w in windows if w.event >= event and (until is None or w.event < until)]
+        out.append(Window(event, members[0].phase, sum(w.seconds for w in members)))  # members[0]: its own
+    return out
+
+
+def _cut(extents: Sequence[Extent], offsets: Sequence[int], groups: Sequence[Window], weights: Sequence[float],
+         min_bytes: int) -> tuple[Partition, ...]:
+    """Cut the flat state into one partition per group, sized by ``weights``, merging those under ``min_bytes``.
+
+    Partitions still smaller than ``min_bytes`` after the cut are merged into
+    the one before them (issued earlier), the first into the one after it.
+    """
     total = offsets[-1]
-    # fewer, larger groups when the state is small, so partitions come out near min_bytes or above
-    groups = group_windows(windows, max(1, min(max_partitions, total // max(1, min_bytes))))
-    big_t = sum(g.seconds for g in groups)
-    if not groups or big_t <= 0:
-        return drain_plan(extents, generation)
+    whole = sum(weights)
     cuts: list[tuple[Window, int, int]] = []
     elapsed = 0.0
     prev = 0
-    for i, g in enumerate(groups):
-        elapsed += g.seconds
-        stop = total if i == len(groups) - 1 else max(prev, _snap(extents, offsets, round(total * elapsed / big_t)))
+    for i, (g, weight) in enumerate(zip(groups, weights, strict=True)):
+        elapsed += weight
+        stop = total if i == len(groups) - 1 else max(prev, _snap(extents, offsets, round(total * elapsed / whole)))
         cuts.append((g, prev, stop))
         prev = stop
     merged: list[tuple[Window, int, int]] = []
@@ -280,11 +327,65 @@ def plan_partitions(extents: Sequence[Extent], windows: Sequence[Window], *, max
     if len(merged) > 1 and merged[0][2] - merged[0][1] < min_bytes:
         (g0, s0, _), (g1, _, e1) = merged[0], merged[1]
         merged[0:2] = [(Window(g0.event, g0.phase, g0.seconds + g1.seconds), s0, e1)]
-    parts = tuple(
+    return tuple(
         Partition(i, g.event, g.phase, start, stop, spans_between(extents, offsets, start, stop), g.seconds)
         for i, (g, start, stop) in enumerate(merged)
     )
-    return Plan(total, parts, tuple(windows), True, generation)
+
+
+def plan_partitions(extents: Sequence[Extent], windows: Sequence[Window], *,
+                    partitioning: Partitioning = "asymmetric", max_partitions: int = 16, min_bytes: int = 1 << 20,
+                    generation: int = 0) -> Plan:
+    """Cut the flat state into partitions issued by the hook events of one iteration.
+
+    A pure function of the layout, the measured windows and the mode. At most
+    ``n = min(max_partitions, R // min_bytes)`` partitions (at least one):
+
+    - ``"asymmetric"``: windows are first grouped (consecutive, same phase)
+      into about ``n`` groups; partition ``i`` then gets ``R * t_i / T``
+      bytes, issued by the first event of group ``i``.
+    - ``"uniform"``: ``n`` events chosen by :func:`spread_events` (as many in
+      forward as in backward, evenly spread by ordinal) each issue ``R / n``
+      bytes, whatever the windows' lengths.
+    - ``"step"``: one partition, the whole state, copied by the drain (the
+      step pre-hook); windows are kept for inspection only.
+
+    Boundaries are rounded to legal ones (element boundaries, whole
+    unsplittable tensors), so sizes are equal only up to that granularity;
+    partitions still smaller than ``min_bytes`` are merged into the one
+    before them (issued earlier), the first into the one after it.
+
+    Args:
+        extents: the flat state, in order.
+        windows: one iteration's windows in event order.
+        partitioning: the mode.
+        max_partitions: soft limit on the number of partitions.
+        min_bytes: the smallest partition worth a separate copy.
+        generation: the plan's number, for inspection.
+
+    Returns:
+        A plan whose partitions cover every byte exactly once; the warm-up
+        (drain-only) plan when there are no windows (for ``"asymmetric"``:
+        no window longer than zero).
+
+    Raises:
+        InvalidOptionError: ``partitioning`` is not a :data:`Partitioning`.
+    """
+    mode = check_partitioning(partitioning)
+    offsets = offsets_of(extents)
+    total = offsets[-1]
+    count = max(1, min(max_partitions, total // max(1, min_bytes)))
+    if mode == "step" or not windows:
+        return drain_plan(extents, generation, mode, windows=windows if mode == "step" else ())
+    if mode == "uniform":
+        groups = spread_events(windows, count)
+        weights = [1.0] * len(groups)
+    else:  # fewer, larger groups when the state is small, so partitions come out near min_bytes or above
+        groups = group_windows(windows, count)
+        weights = [g.seconds for g in groups]
+    if not groups or sum(weights) <= 0:
+        return drain_plan(extents, generation, mode)
+    return Plan(total, _cut(extents, offsets, groups, weights, min_bytes), tuple(windows), True, generation, mode)
 
 
 class Clock(Protocol):
@@ -386,19 +487,29 @@ class Planner:
     events differ, or the windows moved by more than ``tolerance`` of ``T``
     (sum of absolute differences).
 
+    Only ``"asymmetric"`` plans depend on the windows' lengths: a
+    ``"uniform"`` plan is re-made when the event sequence changes, a
+    ``"step"`` plan only when the layout does.
+
     Args:
         warmup: iterations measured before the first sized plan.
         tolerance: relative drift that triggers a re-plan.
         history: iterations kept for the profile.
         max_partitions: soft limit on partitions per plan.
         min_bytes: the smallest partition worth a separate copy.
+        partitioning: the :data:`Partitioning` of its plans.
+
+    Raises:
+        InvalidOptionError: ``partitioning`` is not a :data:`Partitioning`.
     """
 
     def __init__(self, *, warmup: int = 3, tolerance: float = 0.25, history: int = 5,
-                 max_partitions: int = 16, min_bytes: int = 1 << 20) -> None:
+                 max_partitions: int = 16, min_bytes: int = 1 << 20,
+                 partitioning: Partitioning = "asymmetric") -> None:
         """Configure; no plan exists before the first ``plan`` call."""
         if warmup < 1 or history < 1 or tolerance <= 0:
             raise ValueError("warmup and history must be >= 1 and tolerance > 0")
+        self.partitioning = check_partitioning(partitioning)
         self.warmup = warmup
         self.tolerance = tolerance
         self.max_partitions = max_partitions
@@ -439,8 +550,12 @@ class Planner:
         plan = self._plan
         if plan is None or not plan.warm:
             return True
+        if self.partitioning == "step":  # the whole state at the boundary, whatever the windows
+            return False
         if _signature(profile) != _signature(plan.windows):
             return True
+        if self.partitioning == "uniform":  # equal partitions: only the event sequence matters
+            return False
         base = plan.window_seconds
         if base <= 0:
             return True
@@ -458,9 +573,10 @@ class Planner:
             self.replans += 1
             self._extents = layout
             if warm and profile:
-                self._plan = plan_partitions(layout, profile, max_partitions=self.max_partitions,
-                                             min_bytes=self.min_bytes, generation=generation)
+                self._plan = plan_partitions(layout, profile, partitioning=self.partitioning,
+                                             max_partitions=self.max_partitions, min_bytes=self.min_bytes,
+                                             generation=generation)
             else:
-                self._plan = drain_plan(layout, generation)
+                self._plan = drain_plan(layout, generation, self.partitioning)
         assert self._plan is not None
         return self._plan

@@ -16,7 +16,7 @@ import torch
 
 from asymcheck.snapshot.copyengine import CopyEngine, CopyJob
 from asymcheck.snapshot.hostpool import HostSlot
-from asymcheck.snapshot.partition import Extent, Partition, Plan
+from asymcheck.snapshot.partition import BACKWARD, DRAIN, FORWARD, Extent, Partition, Plan
 from asymcheck.state.dtensors import address_of
 from asymcheck.state.trainstate import Capture
 
@@ -69,6 +69,8 @@ class Snapshot:
         self.next_pending = True  # param groups and stateful objects not captured yet
         self._issued = [False] * len(plan.partitions)
         self.issued_bytes = 0
+        self.issued_by_phase = {FORWARD: 0, BACKWARD: 0, DRAIN: 0}
+        """Bytes issued by forward hooks, backward hooks, and at the step boundary (the drain, ``editing()``)."""
         self.verified = False  # every copy done and checked (by editing() or the seal)
         self.dirty: list[str] = []  # tensors found changed before their copy
         self.ready: object = None  # the CUDA event of the copies when they finished early
@@ -103,6 +105,7 @@ class Snapshot:
         jobs = [self._job(s.tensor, s.start, s.stop) for s in part.spans]
         engine.submit(jobs)
         self.issued_bytes += part.nbytes
+        self.issued_by_phase[part.phase] += part.nbytes
         return part.nbytes
 
     def issue_event(self, ordinal: int, engine: CopyEngine) -> int:
@@ -121,6 +124,7 @@ class Snapshot:
                 total += p.nbytes
             engine.submit(jobs)
         self.issued_bytes += total
+        self.issued_by_phase[DRAIN] += total
         return total
 
     def verify(self, bad: set[int]) -> list[str]:

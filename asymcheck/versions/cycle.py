@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from asymcheck.errors import StepConflictError
 from asymcheck.snapshot.copyengine import CopyEngine
@@ -20,6 +21,26 @@ from asymcheck.versions.storeloop import StoreLoop
 from asymstore.format.pieces import LAYOUT_KEY
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """What sealing one version did.
+
+    Attributes:
+        submitted: handed to the commit queue.
+        waited: seconds of back-pressure (an earlier commit still running).
+        nbytes: bytes of the flat state.
+        dropped: not committed, because a captured tensor changed before its copy.
+        by_phase: bytes issued by forward hooks, backward hooks and at the step boundary
+            (``"forward"``, ``"backward"``, ``"drain"``).
+    """
+
+    submitted: bool
+    waited: float
+    nbytes: int
+    dropped: bool
+    by_phase: Mapping[str, int]
 
 
 class VersionCycle:
@@ -121,12 +142,8 @@ class VersionCycle:
         snap.ready = self.engine.wait()
         snap.verify(self.engine.take_bad())
 
-    def seal(self, snap: Snapshot, *, force: bool = False) -> tuple[bool, float, int, bool]:
-        """Finish the copy and hand the version to the commit queue, or drop it if it is not clean.
-
-        Returns:
-            (submitted, seconds of back-pressure, bytes of the flat state, dropped).
-        """
+    def seal(self, snap: Snapshot, *, force: bool = False) -> Sealed:
+        """Finish the copy and hand the version to the commit queue, or drop it if it is not clean."""
         if snap.next_pending:
             snap = self.capture_next(snap)
         if not snap.verified:
@@ -137,7 +154,7 @@ class VersionCycle:
             self.pool.release(snap.slot)
             self.edits.dropped_version(snap.step, snap.dirty)
             self.commits.report_dropped(snap.step, f"{len(snap.dirty)} tensor(s) changed before their copy")
-            return False, 0.0, snap.nbytes, True
+            return Sealed(False, 0.0, snap.nbytes, True, dict(snap.issued_by_phase))
         meta = snap.capture.meta
         metrics = self.metrics.pop(snap.step, None)
         for old in [s for s in self.metrics if s < snap.step]:  # steps whose version was not taken
@@ -146,7 +163,8 @@ class VersionCycle:
             meta["metrics"] = metrics
         meta["asymcheck"]["step"] = snap.step
         meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
-                                     "partitions": len(snap.plan.partitions)}
+                                     "partitions": len(snap.plan.partitions),
+                                     "partitioning": snap.plan.partitioning}
         slot = snap.slot
         tensors = snap.tensors()
         layouts = self.state.layout_meta(tensors, snap.capture)
@@ -159,7 +177,7 @@ class VersionCycle:
             self.progress.saved_step = snap.step
         else:
             self.stats.versions_skipped += 1
-        return submitted, waited, snap.nbytes, False
+        return Sealed(submitted, waited, snap.nbytes, False, dict(snap.issued_by_phase))
 
     def seal_last(self, save: bool) -> None:
         """Seal the open version, or the newest completed step if none is open and it was not saved."""

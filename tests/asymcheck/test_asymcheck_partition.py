@@ -1,4 +1,4 @@
-"""The asymmetric partition planner: pure, so tested with fake clocks and made-up windows."""
+"""The partition planner (asymmetric, uniform, step): pure, so tested with fake clocks and made-up windows."""
 
 from __future__ import annotations
 
@@ -6,20 +6,24 @@ import random
 
 import pytest
 
+from asymcheck import InvalidOptionError
 from asymcheck.snapshot.partition import (
     BACKWARD,
     DRAIN,
     FORWARD,
+    PARTITIONINGS,
     Extent,
     Plan,
     Planner,
     Window,
     WindowRecorder,
+    check_partitioning,
     drain_plan,
     group_windows,
     offsets_of,
     plan_partitions,
 )
+from asymstore import AsymstoreError
 
 
 def covered_once(extents: list[Extent], plan: Plan) -> None:
@@ -219,3 +223,128 @@ def test_plan_to_dict_is_json() -> None:
     plan = plan_partitions([Extent(4096, 4)], windows((FORWARD, 1.0), (BACKWARD, 3.0)), min_bytes=1)
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["total_bytes"] == 4096 and data["bytes_by_phase"] == {FORWARD: 1024, BACKWARD: 3072, DRAIN: 0}
+
+
+# -- the partitioning modes: asymmetric (above), uniform, step -----------------------------------
+
+
+def cuts_near_ideal(extents: list[Extent], plan: Plan) -> None:
+    """Every boundary is the ideal ``R * i / n``, moved down by less than the itemsize of the tensor it cuts."""
+    offsets = offsets_of(extents)
+    n = len(plan.partitions)
+    for i, part in enumerate(plan.partitions[:-1], start=1):
+        ideal = round(plan.total_bytes * i / n)
+        tensor = max(j for j in range(len(extents)) if offsets[j] <= ideal)
+        assert ideal - extents[tensor].itemsize < part.stop <= ideal, (i, part.stop, ideal)
+
+
+def test_uniform_cuts_equal_partitions_as_many_in_forward_as_in_backward() -> None:
+    extents = [Extent(4 * 1000, 4), Extent(4 * 3000, 4), Extent(2 * 500, 2)]  # R = 17,000
+    ws = windows(*[(FORWARD, 0.01)] * 6, *[(BACKWARD, 0.05)] * 10)  # backward windows 5x longer
+    plan = plan_partitions(extents, ws, partitioning="uniform", max_partitions=8, min_bytes=1)
+    covered_once(extents, plan)
+    cuts_near_ideal(extents, plan)
+    assert plan.partitioning == "uniform" and plan.warm
+    sizes = [p.nbytes for p in plan.partitions]
+    assert len(sizes) == 8 and max(sizes) - min(sizes) <= 2 * 4  # 17,000 / 8 = 2,125, within the fp32 granularity
+    assert [p.phase for p in plan.partitions] == [FORWARD] * 4 + [BACKWARD] * 4
+    assert [p.event for p in plan.partitions] == [0, 1, 3, 4, 6, 8, 11, 13]  # spread evenly by ordinal per pass
+    assert plan.partitions[0].seconds == pytest.approx(0.01)  # event 0's own window, until event 1
+    assert plan.partitions[-1].seconds == pytest.approx(0.05 * 3)  # events 13..15, to the end
+    by_phase = plan.bytes_by_phase()
+    assert abs(by_phase[FORWARD] - by_phase[BACKWARD]) <= 2 * 4 and by_phase[DRAIN] == 0
+    # the windows' lengths do not matter, only their sequence
+    flipped = windows(*[(FORWARD, 0.3)] * 6, *[(BACKWARD, 0.001)] * 10)
+    again = plan_partitions(extents, flipped, partitioning="uniform", max_partitions=8, min_bytes=1)
+    assert [(p.event, p.start, p.stop) for p in again.partitions] == [
+        (p.event, p.start, p.stop) for p in plan.partitions]
+    # while the asymmetric plan of the same windows puts most of the state in backward
+    asym = plan_partitions(extents, ws, max_partitions=8, min_bytes=1).bytes_by_phase()
+    assert asym[BACKWARD] > 3 * asym[FORWARD]
+
+
+def test_uniform_gives_a_short_pass_all_it_has_and_the_rest_to_the_other() -> None:
+    extents = [Extent(4 * 4000, 4)]
+    one_forward = windows((FORWARD, 1.0), *[(BACKWARD, 1.0)] * 10)
+    plan = plan_partitions(extents, one_forward, partitioning="uniform", max_partitions=8, min_bytes=1)
+    covered_once(extents, plan)
+    assert [p.phase for p in plan.partitions] == [FORWARD] + [BACKWARD] * 7
+    assert {p.nbytes for p in plan.partitions} == {2000}
+    only_backward = windows(*[(BACKWARD, 1.0)] * 5)  # a forward that is not a module call
+    plan = plan_partitions(extents, only_backward, partitioning="uniform", max_partitions=8, min_bytes=1)
+    covered_once(extents, plan)
+    assert [p.event for p in plan.partitions] == [0, 1, 2, 3, 4]  # every event it has, never one twice
+    assert {p.nbytes for p in plan.partitions} == {3200}
+    # few bytes: n = R // min_bytes partitions, equal
+    plan = plan_partitions(extents, one_forward, partitioning="uniform", max_partitions=16, min_bytes=8000)
+    assert [(p.phase, p.nbytes) for p in plan.partitions] == [(FORWARD, 8000), (BACKWARD, 8000)]
+
+
+def test_step_copies_the_whole_state_at_the_boundary() -> None:
+    extents = [Extent(4 << 20, 4), Extent(2 << 20, 2)]
+    ws = windows(*[(FORWARD, 0.1)] * 4, *[(BACKWARD, 0.2)] * 4)
+    plan = plan_partitions(extents, ws, partitioning="step", min_bytes=1)
+    covered_once(extents, plan)
+    [part] = plan.partitions
+    assert (part.phase, part.event, part.nbytes) == (DRAIN, None, 6 << 20)
+    assert plan.warm and plan.partitioning == "step" and plan.windows == tuple(ws)
+    assert all(plan.for_event(i) is None for i in range(len(ws)))  # no hook issues anything
+    assert plan.bytes_by_phase() == {FORWARD: 0, BACKWARD: 0, DRAIN: 6 << 20}
+    assert plan.to_dict()["partitioning"] == "step"
+
+
+def test_every_mode_covers_random_layouts_exactly_once() -> None:
+    rng = random.Random(2)
+    for _ in range(100):
+        extents = []
+        for _ in range(rng.randint(1, 12)):
+            itemsize = rng.choice([1, 2, 4, 8])
+            extents.append(Extent(itemsize * rng.randint(0, 300), itemsize, rng.random() > 0.2))
+        ws = windows(*[(rng.choice([FORWARD, BACKWARD]), rng.uniform(0, 1)) for _ in range(rng.randint(0, 25))])
+        for mode in PARTITIONINGS:
+            plan = plan_partitions(extents, ws, partitioning=mode, max_partitions=rng.randint(1, 20),
+                                   min_bytes=rng.randint(1, 500))
+            covered_once(extents, plan)
+            assert plan.partitioning == mode
+            events = [p.event for p in plan.partitions if p.event is not None]
+            assert len(events) == len(set(events))  # one partition per issuing event
+
+
+def test_unknown_partitioning_is_a_typed_error() -> None:
+    for bad in ("blocks", "Uniform", None, 3):
+        with pytest.raises(InvalidOptionError, match="partitioning must be one of 'asymmetric', 'uniform', 'step'"):
+            plan_partitions([Extent(8, 4)], windows((FORWARD, 1.0)), partitioning=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidOptionError):
+            Planner(partitioning=bad)  # type: ignore[arg-type]
+    assert issubclass(InvalidOptionError, ValueError) and issubclass(InvalidOptionError, AsymstoreError)
+    assert check_partitioning("uniform") == "uniform"
+
+
+def test_uniform_and_step_planners_replan_only_when_what_they_depend_on_changes() -> None:
+    extents = [Extent(4 << 20, 4), Extent(4 << 20, 4)]
+    base = windows((FORWARD, 0.1), (FORWARD, 0.1), (BACKWARD, 0.2), (BACKWARD, 0.2))
+    slow = windows((FORWARD, 0.4), (FORWARD, 0.4), (BACKWARD, 0.2), (BACKWARD, 0.2))
+    longer = windows((FORWARD, 0.1), (FORWARD, 0.1), (BACKWARD, 0.2), (BACKWARD, 0.2), (BACKWARD, 0.2))
+    for mode in ("uniform", "step"):
+        planner = Planner(warmup=2, history=3, min_bytes=1, partitioning=mode)
+        assert planner.partitioning == mode
+        first = planner.plan(extents)
+        assert not first.warm and first.partitioning == mode and len(first.partitions) == 1
+        for _ in range(2):
+            planner.observe(base)
+        warm = planner.plan(extents)
+        assert warm.warm and warm.partitioning == mode
+        covered_once(extents, warm)
+        assert len(warm.partitions) == (4 if mode == "uniform" else 1)
+        for _ in range(3):  # the windows' lengths move far past the tolerance
+            planner.observe(slow)
+        assert planner.plan(extents) is warm
+        for _ in range(3):  # an event more per iteration
+            planner.observe(longer)
+        if mode == "uniform":
+            replanned = planner.plan(extents)
+            assert replanned is not warm and len(replanned.windows) == 5
+        else:
+            assert planner.plan(extents) is warm
+        bigger = [*extents, Extent(4 << 20, 4)]  # every mode follows the layout
+        assert planner.plan(bigger).total_bytes == 12 << 20

@@ -82,7 +82,7 @@ from asymcheck.state.encode import decode
 from asymcheck.state.trainstate import Stateful
 from asymcheck.versions.storeloop import StoreLoop
 from asymcheck.versions.storespec import StoreSpec, make_store
-from asymstore import Manifest, NoCheckpointError
+from asymstore import KeepBest, Manifest, NoCheckpointError
 from asymstore.api import CheckpointStore, CollectiveStore
 from asymstore.errors import DestinationMismatchError
 
@@ -246,19 +246,27 @@ class AsymCheckCallback(TrainerCallback):
             step (your own counters); the names ``trainer_state`` and ``lr_scheduler`` are taken.
         metrics: give the metrics of each evaluation to the version of its step
             (``Checkpointer.log_metrics``, which ``keep_best`` reads).
+        keep_best: also keep the best versions by an evaluation metric. An int ``k`` keeps the
+            ``k`` best by the Trainer's own ``metric_for_best_model`` and ``greater_is_better``
+            (``metric_for_best_model`` must be set); a :class:`~asymstore.KeepBest` names the
+            metric (as the Trainer logs it, for example ``"eval_loss"``) and the mode itself.
         **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (or to ``attach()``):
-            ``keep_every``, ``keep_best``, ``max_overhead``, ``preempt_on``, ``host_slots``...
+            ``keep_every``, ``max_overhead``, ``preempt_on``, ``host_slots``...
     """
 
     def __init__(self, root_or_store: StoreSpec, *, every: int = 1, keep_last: int | None = 3,
                  stateful: Mapping[str, Stateful] | None = None, metrics: bool = True,
-                 **checkpointer_options: Any) -> None:
+                 keep_best: KeepBest | int | None = None, **checkpointer_options: Any) -> None:
         """Keep the options; the Checkpointer is made at ``on_train_begin``, when the optimizer exists."""
         taken = {STATE_NAME, SCHEDULER_NAME} & set(stateful or {})
         if taken:
             raise ValueError(f"stateful names {sorted(taken)} are the callback's own")
         if every < 1:
             raise ValueError("every must be >= 1")
+        if isinstance(keep_best, bool) or not (keep_best is None or isinstance(keep_best, KeepBest)
+                                               or (isinstance(keep_best, int) and keep_best >= 1)):
+            raise ValueError(f"keep_best must be a KeepBest or an int >= 1, got {keep_best!r}")
+        self.keep_best = keep_best
         self.root_or_store = root_or_store
         self.every = every
         self.keep_last = keep_last
@@ -304,7 +312,7 @@ class AsymCheckCallback(TrainerCallback):
         if _is_deepspeed(trainer.args):
             return self._resume_dir_deepspeed(trainer)
         store = make_store(self.root_or_store, self.keep_last, keep_every=self.options.get("keep_every"),
-                           keep_best=self.options.get("keep_best"))  # as the Checkpointer will open it
+                           keep_best=self._keep_best(trainer.args))  # as the Checkpointer will open it
         loop = StoreLoop(store)
         try:
             manifest = loop.run(_peek(store))
@@ -323,12 +331,32 @@ class AsymCheckCallback(TrainerCallback):
                     directory)
         return directory
 
+    def _keep_best(self, args: TrainingArguments) -> KeepBest | None:
+        """The ``keep_best`` rule: as given, or ``k`` best by the Trainer's ``metric_for_best_model``.
+
+        Raises:
+            UnsupportedTrainerConfigError: ``keep_best=k`` without ``metric_for_best_model``.
+        """
+        if self.keep_best is None or isinstance(self.keep_best, KeepBest):
+            return self.keep_best
+        name = args.metric_for_best_model
+        if not name:
+            raise UnsupportedTrainerConfigError(
+                f"keep_best={self.keep_best} takes its metric from TrainingArguments.metric_for_best_model, "
+                "which is not set: set it, or pass keep_best=KeepBest(metric, mode, k)")
+        metric = name if name.startswith("eval_") else f"eval_{name}"  # the Trainer's own rule
+        greater = args.greater_is_better
+        if greater is None:
+            greater = not metric.endswith("loss")
+        return KeepBest(metric, "max" if greater else "min", self.keep_best)
+
     def _deepspeed_root(self) -> str:
         """The multi-rank root under DeepSpeed (a directory; its store keeps the newest global versions only)."""
         root = self.root_or_store
         if not isinstance(root, (str, os.PathLike)):
             raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
-        rules = sorted({"keep_every", "keep_best"} & {k for k, v in self.options.items() if v is not None})
+        rules = sorted({"keep_every"} & {k for k, v in self.options.items() if v is not None}
+                       | ({"keep_best"} if self.keep_best is not None else set()))
         if rules:
             raise UnsupportedTrainerConfigError(f"deepspeed with {', '.join(rules)}: a multi-rank store keeps its "
                                                 "newest global versions (keep_last) only")
@@ -387,6 +415,9 @@ class AsymCheckCallback(TrainerCallback):
         if scheduler is not None:
             stateful[SCHEDULER_NAME] = scheduler
         options = {"every": self.every, "keep_last": self.keep_last, **self.options}
+        keep_best = self._keep_best(args)
+        if keep_best is not None:
+            options["keep_best"] = keep_best
         if _is_deepspeed(args):
             if self._trainer is None:
                 raise TrainerResumeError("under deepspeed, call trainer.train(resume_from_checkpoint="

@@ -156,6 +156,9 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
     assert got["losses"] == ref["losses"], context  # restored log history + the resumed steps, bit for bit
     assert got["evals"] == ref["evals"], context
     assert got["versions"][-1] == STEPS, context  # the last step committed (before a best model is loaded)
+    if "--eval" in extra:  # keep_best=1 by metric_for_best_model (eval_loss, lower is better) beside keep_last=3
+        best = min(ref["evals"], key=lambda e: e[1])[0]
+        assert got["versions"] == sorted({best, *range(STEPS - 2, STEPS + 1)}), context
     assert (got["global_step"], got["epoch"]) == (ref["global_step"], ref["epoch"])
     ga = int(extra[extra.index("--ga") + 1]) if "--ga" in extra else 1
     # the data position: the skipped batches were not read again (12 steps end on an epoch boundary)
@@ -239,6 +242,29 @@ def test_deepspeed_refuses_single_store_retention(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedTrainerConfigError, match="deepspeed with keep_every"):
         AsymCheckCallback(str(tmp_path), keep_every=10)._deepspeed_root()
     assert AsymCheckCallback(str(tmp_path))._deepspeed_root() == str(tmp_path)
+
+
+def test_keep_best_follows_metric_for_best_model(tmp_path: Path) -> None:
+    from asymcheck.hf import AsymCheckCallback
+    from asymstore import KeepBest
+
+    def rule(keep_best: Any, **over: Any) -> KeepBest | None:
+        targs = SimpleNamespace(**{"metric_for_best_model": None, "greater_is_better": None, **over})
+        return AsymCheckCallback(str(tmp_path), keep_best=keep_best)._keep_best(targs)  # type: ignore[arg-type]
+
+    assert rule(None) is None
+    assert rule(2, metric_for_best_model="loss", greater_is_better=False) == KeepBest("eval_loss", "min", 2)
+    assert rule(1, metric_for_best_model="eval_accuracy", greater_is_better=True) == KeepBest("eval_accuracy", "max", 1)
+    assert rule(1, metric_for_best_model="eval_loss") == KeepBest("eval_loss", "min", 1)  # the Trainer's default
+    given = KeepBest("eval_bleu", "max", 3)
+    assert rule(given, metric_for_best_model="loss") is given
+    with pytest.raises(UnsupportedTrainerConfigError, match="metric_for_best_model"):
+        rule(1)
+    for bad in (0, True, "eval_loss"):
+        with pytest.raises(ValueError, match="keep_best"):
+            AsymCheckCallback(str(tmp_path), keep_best=bad)
+    with pytest.raises(UnsupportedTrainerConfigError, match="deepspeed with keep_best"):
+        AsymCheckCallback(str(tmp_path), keep_best=1)._deepspeed_root()
 
 
 def test_errors_are_typed() -> None:

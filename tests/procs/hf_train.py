@@ -171,7 +171,8 @@ def run(argv: list[str]) -> int:
     resume = None
     ckpt = None
     if args.dir:
-        ckpt = AsymCheckCallback(args.dir, max_overhead=None)  # a version every step, always
+        # a version every step, always; with --eval also the best by the Trainer's metric_for_best_model
+        ckpt = AsymCheckCallback(args.dir, max_overhead=None, keep_best=1 if args.eval else None)
         trainer.add_callback(ckpt)
         if not args.plain_train:
             resume = ckpt.resume_from(trainer)

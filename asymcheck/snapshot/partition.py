@@ -50,6 +50,7 @@ Partitioning = Literal["asymmetric", "uniform", "step"]
 """
 
 PARTITIONINGS: tuple[Partitioning, ...] = get_args(Partitioning)
+"""Every :data:`Partitioning`, the default first: the values ``Checkpointer(partitioning=...)`` takes."""
 
 
 def check_partitioning(value: object) -> Partitioning:

@@ -367,12 +367,13 @@ def slowest_rank_times(runs: Sequence[Sequence[dict[str, Any]]]) -> list[float]:
     return [max(ts) for reps in zip(*runs, strict=True) for ts in zip(*(r["times"] for r in reps), strict=True)]
 
 
-def run_ranks(argv: Sequence[str], world: int, threads: int, **env: str) -> list[int]:
+def run_ranks(argv: Sequence[str], world: int, threads: int, timeout: float | None = None, **env: str) -> list[int]:
     """Run ``argv`` as ``world`` ranks of one torch.distributed job on this machine; return their exit codes.
 
     Each process gets MASTER_ADDR/PORT (a free loopback port), RANK, WORLD_SIZE,
     LOCAL_RANK and OMP_NUM_THREADS=``threads``, plus ``env``; only rank 0's
-    output is shown.
+    output is shown. Past ``timeout`` seconds (None: no limit) the ranks still
+    running are killed (their exit code is then ``-SIGKILL``).
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -382,4 +383,14 @@ def run_ranks(argv: Sequence[str], world: int, threads: int, **env: str) -> list
         penv = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                     WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads), **env)
         procs.append(subprocess.Popen(list(argv), env=penv, stdout=None if rank == 0 else subprocess.DEVNULL))
-    return [p.wait() for p in procs]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(None if deadline is None else max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:  # a hung collective: every rank still running goes
+                if q.poll() is None:
+                    q.kill()
+            codes.append(p.wait())
+    return codes

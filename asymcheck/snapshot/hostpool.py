@@ -4,11 +4,19 @@ The pool never grows past ``slots`` buffers. A slot is taken when a version
 opens and given back once the store has its own copy; when none is free,
 ``acquire`` waits (back-pressure) instead of allocating more. On CUDA the
 buffers are pinned so device-to-host copies run asynchronously.
+
+A slot's buffer is allocated once and reused by every version that fits
+(it only grows). Unpinned buffers of at least :data:`HUGE_MIN_BYTES` are
+anonymous mappings advised ``MADV_HUGEPAGE`` and aligned to 2 MiB when the
+kernel's transparent huge pages are not ``never``: the first copy faults
+512 times fewer pages, the copy and the checksum miss the TLB less, and
+pinning the pages for an O_DIRECT write walks fewer of them.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections.abc import Sequence
 
@@ -19,6 +27,45 @@ logger = logging.getLogger(__name__)
 ALIGN = 64
 PAGE = 4096
 PAGE_ALIGNED_BYTES = 64 << 10  # regions at least this large start on a page (the store writes them with O_DIRECT)
+HUGE_PAGE = 2 << 20
+HUGE_MIN_BYTES = 8 << 20
+"""Unpinned slots at least this large are mapped with huge pages advised (where the kernel allows)."""
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode(path: str = THP_ENABLED) -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise`` or ``never``; ``never`` if unknown)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return "never"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else "never"
+
+
+def huge_pages_available() -> bool:
+    """Whether ``MADV_HUGEPAGE`` can back slots here (Linux, THP not ``never``)."""
+    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
+
+
+def _allocate(nbytes: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Allocate a slot buffer of ``nbytes``: (the allocation, its aligned part, huge pages advised)."""
+    if not pin and nbytes >= HUGE_MIN_BYTES and huge_pages_available():
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+            huge = True
+        except OSError as exc:  # a kernel without THP for anonymous memory: plain pages
+            logger.debug("MADV_HUGEPAGE refused (%s): slot uses base pages", exc)
+            huge = False
+        raw = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping; unmapped when the tensor is freed
+        align = HUGE_PAGE
+    else:
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
+        huge, align = False, PAGE
+    skip = -raw.data_ptr() % align
+    return raw, raw[skip:skip + nbytes], huge
 
 
 def _aligned(n: int, align: int = ALIGN) -> int:
@@ -36,10 +83,14 @@ class HostSlot:
         self._raw = self.buffer  # the allocation; ``buffer`` is its page-aligned part
         self.offsets: list[int] = []
         self.sizes: list[int] = []
+        self.huge = False
+        """Whether the buffer's memory is advised ``MADV_HUGEPAGE``."""
+        self.allocations = 0
+        """How many times a buffer was allocated (once, unless a version outgrew it)."""
 
     @property
     def allocated(self) -> int:
-        """Bytes allocated (the capacity plus up to a page to align it)."""
+        """Bytes allocated (the capacity plus up to a page, or a huge page, to align it)."""
         return self._raw.numel()
 
     @property
@@ -51,7 +102,8 @@ class HostSlot:
         """Lay out one region per tensor, growing the buffer if needed.
 
         Regions of 64 KiB and more start on a 4 KiB page, smaller ones on 64
-        bytes; the buffer itself starts on a page. The store adopts the
+        bytes; the buffer itself starts on a page (on a huge page when huge
+        pages are advised). A buffer large enough is kept. The store adopts the
         regions as they are and writes the large ones with O_DIRECT straight
         from here (segments place such chunks at page offsets too).
         """
@@ -65,9 +117,8 @@ class HostSlot:
         if pos > self.capacity:
             logger.debug("slot %d: growing from %d to %d bytes", self.index, self.capacity, pos)
             self._raw = self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self._raw = torch.empty(pos + PAGE, dtype=torch.uint8, pin_memory=self.pin)
-            skip = -self._raw.data_ptr() % PAGE
-            self.buffer = self._raw[skip:skip + pos]
+            self._raw, self.buffer, self.huge = _allocate(pos, self.pin)
+            self.allocations += 1
         self.offsets, self.sizes = offsets, sizes
 
     def region(self, i: int) -> torch.Tensor:

@@ -131,11 +131,16 @@ class _ChunkReader:
         self.sizes = {s.name: s.size for s in manifest.segments}
         self._name: str | None = None
         self._data: memoryview | None = None
+        self._pack: tuple[tuple[str, int], memoryview] | None = None  # the last pack verified, for the next tensors
 
     async def tensor_bytes(self, name: str, entry: TensorEntry, sink: Callable[[memoryview], None]) -> None:
         from asymstore.read.verify import decode_one, verify_segment
 
-        for chunk in entry.chunks:
+        for chunk, lo, hi in entry.pieces():
+            key = (chunk.segment, chunk.offset)
+            if self._pack is not None and self._pack[0] == key:
+                sink(self._pack[1][lo:hi])
+                continue
             if chunk.segment != self._name:
                 self._data = None
                 raw = await self.tier.read_segment(self.manifest.step, chunk.segment, self.sizes[chunk.segment])
@@ -143,7 +148,10 @@ class _ChunkReader:
                 self._name, self._data = chunk.segment, memoryview(raw).cast("B")
             assert self._data is not None
             stored = self._data[chunk.offset:chunk.offset + chunk.length]
-            sink(await asyncio.to_thread(decode_one, name, chunk, stored, None))
+            decoded = await asyncio.to_thread(decode_one, name, chunk, stored, None)
+            if entry.pack_offset is not None:
+                self._pack = (key, decoded)
+            sink(decoded[lo:hi])
 
 
 def _safetensors_header(chosen: dict[str, tuple[str, TensorEntry]], meta: dict[str, str]) -> bytes:

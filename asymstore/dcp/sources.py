@@ -74,6 +74,7 @@ class Version:
         """One line per copy that failed and was skipped."""
         self._close = close
         self._segment: tuple[int, int, str, memoryview] | None = None  # (rank, tier index, segment, bytes)
+        self._pack: tuple[tuple[int, int, str, int], memoryview] | None = None  # ((rank, tier, segment, at), raw)
 
     @property
     def world_size(self) -> int:
@@ -165,6 +166,10 @@ class Version:
         entry = manifest.tensors[name]
         out = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
         view = as_bytes(out.reshape(-1)) if entry.nbytes else memoryview(bytearray())
+        if entry.pack_offset is not None:  # a small tensor: its verified pack (kept for the tensors after it)
+            data = await self._pack_bytes(copies, i, manifest, entry.chunks[0])
+            view[:] = data[entry.pack_offset:entry.pack_offset + entry.nbytes]
+            return out
         by_segment: dict[str, list[tuple[Chunk, memoryview]]] = {}
         pos = 0
         for chunk in entry.chunks:
@@ -186,6 +191,25 @@ class Version:
                 pairs = [(c, data[c.offset:c.offset + c.length], dest) for c, dest in chunks]
             await asyncio.to_thread(_decode, name, pairs)
         return out
+
+    async def _pack_bytes(self, copies: ShardCopies, i: int, manifest: Manifest, pack: Chunk) -> memoryview:
+        """The verified raw bytes of a pack (the last one is kept: packed tensors are read in stored order)."""
+        key = (copies.rank, i, pack.segment, pack.offset)
+        cached = self._pack
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        self._pack = None
+        tier = copies.tiers[i]
+        size = next(s.size for s in manifest.segments if s.name == pack.segment)
+        if isinstance(tier, ReadIntoTier):
+            stored = memoryview(bytearray(pack.length))
+            await tier.read_segment_into(copies.step, pack.segment, size, [(pack.offset, stored)])
+        else:
+            stored = (await self._segment_bytes(copies, i, manifest, pack.segment, size))[
+                pack.offset:pack.offset + pack.length]
+        raw = await asyncio.to_thread(decode_one, f"pack at {pack.segment}:{pack.offset}", pack, stored, None)
+        self._pack = (key, raw)
+        return raw
 
     async def _segment_bytes(self, copies: ShardCopies, i: int, manifest: Manifest, segment: str,
                              size: int) -> memoryview:

@@ -25,7 +25,9 @@ live in ``ROOT/rank-NNNNN/``) is still read.
 its tensors (names, dtypes, shapes, the raw checksum of every chunk) and its
 meta. It is the same on every tier that holds the shard, although segment
 layout and compression differ per tier, so restore can check the copy it read
-from any tier against the global manifest.
+from any tier against the global manifest. (A packed tensor contributes its
+pack's raw checksum and its offset there: packs are cut when the tensors are
+staged, so they are the same on every tier too.)
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 
 from asymstore.errors import GlobalManifestError
 from asymstore.format.checksum import checksum
-from asymstore.format.manifest import CHECKSUM_SUFFIX, Manifest, seal_document
+from asymstore.format.manifest import CHECKSUM_SUFFIX, Manifest, TensorEntry, seal_document
 
 FORMAT = "asymstore.global"
 FORMAT_VERSION = 2
@@ -50,10 +52,18 @@ def shard_digest(manifest: Manifest) -> str:
     doc = {
         "step": manifest.step,
         "meta": manifest.meta,
-        "tensors": {name: [t.dtype, list(t.shape), t.nbytes, [c.raw_checksum or c.checksum for c in t.chunks]]
+        "tensors": {name: [t.dtype, list(t.shape), t.nbytes, _content(t)]
                     for name, t in sorted(manifest.tensors.items())},
     }
     return checksum(json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode())
+
+
+def _content(t: TensorEntry) -> list[str]:
+    """The raw checksums of a tensor's chunks; a packed tensor: its pack's raw checksum at its offset."""
+    if t.pack_offset is not None:
+        c = t.chunks[0]
+        return [f"{c.raw_checksum or c.checksum}@{t.pack_offset}"]
+    return [c.raw_checksum or c.checksum for c in t.chunks]
 
 
 @dataclass(frozen=True)

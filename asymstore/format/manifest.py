@@ -24,6 +24,24 @@ checksum) and the user's JSON metadata. Schema (format version 2)::
 ``checksum`` covers the stored bytes of a chunk, ``raw_checksum`` the bytes
 after decoding (equal for the ``raw`` codec).
 
+Format version 3 adds a compact form for many small tensors (written only
+when a version holds packed tensors; otherwise the store writes version 2)::
+
+      "packs": [{"segment": "seg-000000.bin", "offset": 0, "length": 1048576, "raw_length": 1048576,
+                 "codec": "raw", "checksum": "hex", "raw_checksum": "hex"}],
+      "packed": {"dtypes": ["float32", "int64"], "names": ["a", "b"], "dtype": [0, 1],
+                 "shapes": [[4, 4], []], "pack": [0, 0], "offsets": [0, 64]}
+
+A *pack* is one chunk (same fields, same checksums, same codecs) whose raw
+bytes hold many small tensors back to back, each at an offset aligned to its
+item size (zero bytes between them). ``packed`` lists those tensors as
+columns: name, index into ``dtypes``, shape, index into ``packs`` and byte
+offset in the pack's raw bytes; a tensor's byte count follows from its dtype
+and shape. One checksum covers a whole pack, so a damaged byte anywhere in it
+fails every tensor of the pack (restore falls back to the previous version).
+In memory a packed tensor is a :class:`TensorEntry` whose one chunk is its
+pack and whose ``pack_offset`` is set (:meth:`TensorEntry.pieces`).
+
 Format version 2 (written since asymstore 0.2) ends with a checksum of the
 manifest itself: the text is ``<body>,"manifest_checksum":"<16 hex>"}`` where
 the xxh3-64 digest covers ``<body>``, every byte before that suffix. It is
@@ -39,9 +57,11 @@ overlapping, and no chunk declaring more than :data:`MAX_CHUNK_RAW_BYTES`.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -51,7 +71,10 @@ from asymstore.format.checksum import ALGORITHM, checksum
 
 FORMAT = "asymstore.manifest"
 FORMAT_VERSION = 2
-READABLE_FORMAT_VERSIONS = (1, 2)
+"""Written for versions without packed tensors (readable by every asymstore since 0.2)."""
+PACKED_FORMAT_VERSION = 3
+"""Written for versions that hold packed tensors (``packs`` and ``packed``)."""
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "MANIFEST.json"
 MAX_MANIFEST_BYTES = 64 << 20
 """Largest manifest read (about 200,000 single-chunk tensors); a larger file is refused unread."""
@@ -113,6 +136,30 @@ def validate_name(name: object) -> str:
     if ".." in name and ".." in _SEPARATORS.split(name):
         raise InvalidNameError(f"tensor name contains '..': {name!r}")
     return name
+
+
+_DRIVE_IN_JOINED = re.compile(r"(?:^|\x00)[A-Za-z]:[\\/]")
+_DOTDOT_IN_JOINED = re.compile(r"(?:^|[\x00/\\])\.\.(?=[\x00/\\]|\Z)")
+
+
+def validate_names(names: Sequence[object]) -> None:
+    """Check many tensor names at once, by :func:`validate_name`'s rules (one pass over them joined).
+
+    Raises:
+        InvalidNameError: for the first name that breaks a rule, as :func:`validate_name` would.
+    """
+    if not names:
+        return
+    if set(map(type, names)) <= {str}:
+        joined = "\x00".join(names)  # type: ignore[arg-type]
+        if (joined.count("\x00") == len(names) - 1  # no NUL in a name
+                and joined and joined[0] not in "\x00/\\" and joined[-1] != "\x00"  # first not empty or absolute
+                and "\x00\x00" not in joined and "\x00/" not in joined and "\x00\\" not in joined
+                and not (":" in joined and _DRIVE_IN_JOINED.search(joined))
+                and not (".." in joined and _DOTDOT_IN_JOINED.search(joined))):
+            return
+    for name in names:  # one of them is bad: find it, and raise its error
+        validate_name(name)
 
 
 def validate_segment_name(name: object) -> str:
@@ -177,15 +224,32 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """One stored tensor: dtype name, shape and its chunks in byte order."""
+    """One stored tensor: dtype name, shape and its chunks in byte order.
+
+    A packed tensor (format 3) has one chunk, its pack, and ``pack_offset``
+    set: its bytes are ``[pack_offset, pack_offset + nbytes)`` of the pack's
+    raw bytes. :meth:`pieces` gives both kinds in one form.
+    """
 
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     chunks: tuple[Chunk, ...]
+    pack_offset: int | None = None
+
+    def pieces(self) -> list[tuple[Chunk, int, int]]:
+        """The tensor's bytes in order, as ``(chunk, start, stop)`` ranges of each chunk's raw bytes.
+
+        A chunk of its own is ``(chunk, 0, chunk.raw_length)``; a packed tensor is
+        one range of its pack. Reading a range means verifying (and decoding) the
+        whole chunk first.
+        """
+        if self.pack_offset is not None:
+            return [(self.chunks[0], self.pack_offset, self.pack_offset + self.nbytes)]
+        return [(c, 0, c.raw_length) for c in self.chunks]
 
     def to_json(self) -> dict[str, Any]:
-        """Return the JSON object for this tensor."""
+        """Return the JSON object for this tensor (as a chunked tensor: packed ones are listed in columns)."""
         return {
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -194,7 +258,7 @@ class TensorEntry:
         }
 
     def json_text(self) -> str:
-        """Return :meth:`to_json` serialized (compact), without building the dict."""
+        """Return :meth:`to_json` serialized (compact), without building the dict (chunked tensors only)."""
         shape = ",".join(str(int(d)) for d in self.shape)
         chunks = ",".join(c.json_text() for c in self.chunks)
         return f'{{"dtype":{_jstr(self.dtype)},"shape":[{shape}],"nbytes":{int(self.nbytes)},"chunks":[{chunks}]}}'
@@ -234,15 +298,26 @@ class Manifest:
         """Bytes of all segment files."""
         return sum(s.size for s in self.segments)
 
+    @functools.cached_property
+    def packs(self) -> tuple[Chunk, ...]:
+        """The packs of the packed tensors, in order of first use (empty below format 3)."""
+        seen: dict[tuple[str, int], Chunk] = {}
+        for t in self.tensors.values():
+            if t.pack_offset is not None:
+                c = t.chunks[0]
+                seen.setdefault((c.segment, c.offset), c)
+        return tuple(seen.values())
+
     def to_json(self) -> bytes:
         """Serialize to UTF-8 JSON bytes.
 
         The tensors, which can number tens of thousands, are written straight
         to text (no intermediate dicts for the garbage collector to scan).
         """
+        packed = self._packed_columns()
         doc = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION if packed is None else PACKED_FORMAT_VERSION,
             "step": self.step,
             "created": self.created,
             "checksum_algorithm": ALGORITHM,
@@ -250,6 +325,46 @@ class Manifest:
             "segments": [s.to_json() for s in self.segments],
         }
         head = json.dumps(doc, allow_nan=False, separators=(",", ":"))
-        tensors = ",".join(f"{_jstr(name)}:{t.json_text()}" for name, t in self.tensors.items())
+        tensors = ",".join(f"{_jstr(name)}:{t.json_text()}" for name, t in self.tensors.items()
+                           if t.pack_offset is None)
         extra = json.dumps(self.extra, allow_nan=False, separators=(",", ":"))
-        return seal(f'{head[:-1]},"tensors":{{{tensors}}},"extra":{extra}'.encode())
+        packs = ""
+        if packed is not None:
+            packs = (f',"packs":[{",".join(c.json_text() for c in self.packs)}],'
+                     f'"packed":{json.dumps(packed, allow_nan=False, separators=(",", ":"))}')
+        return seal(f'{head[:-1]},"tensors":{{{tensors}}}{packs},"extra":{extra}'.encode())
+
+    def _packed_columns(self) -> dict[str, list[Any]] | None:
+        """The ``packed`` table of format 3 (None when no tensor is packed)."""
+        packs = self.packs
+        if not packs:
+            return None
+        pack_index = {(c.segment, c.offset): i for i, c in enumerate(packs)}
+        dtypes: dict[str, int] = {}
+        names: list[str] = []
+        kinds: list[int] = []
+        shapes: list[tuple[int, ...]] = []
+        where: list[int] = []
+        offsets: list[int] = []
+        for name, t in self.tensors.items():
+            if t.pack_offset is None:
+                continue
+            c = t.chunks[0]
+            kind = dtypes.get(t.dtype)
+            if kind is None:
+                kind = dtypes[t.dtype] = len(dtypes)
+            names.append(name)
+            kinds.append(kind)
+            shapes.append(t.shape)
+            where.append(pack_index[c.segment, c.offset])
+            offsets.append(t.pack_offset)
+        order = list(zip(where, offsets, strict=True))
+        if any(a > b for a, b in itertools.pairwise(order)):  # the table lists each pack's tensors in place order
+            rank = sorted(range(len(order)), key=order.__getitem__)
+            names = [names[i] for i in rank]
+            kinds = [kinds[i] for i in rank]
+            shapes = [shapes[i] for i in rank]
+            where = [where[i] for i in rank]
+            offsets = [offsets[i] for i in rank]
+        return {"dtypes": list(dtypes), "names": names, "dtype": kinds, "shapes": shapes, "pack": where,
+                "offsets": offsets}

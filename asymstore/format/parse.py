@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import operator
 from typing import Any
 
 from asymstore.errors import InvalidNameError, ManifestError
@@ -30,6 +31,7 @@ from asymstore.format.manifest import (
     SegmentEntry,
     TensorEntry,
     validate_name,
+    validate_names,
     validate_segment_name,
 )
 from asymstore.runtime.gcpause import gc_paused
@@ -96,6 +98,35 @@ def _str(value: object, what: str) -> str:
     return value
 
 
+def _parse_chunk(c: Any, owner: str, segments: dict[str, SegmentEntry],
+                 spans: dict[str, list[tuple[int, int, str]]]) -> Chunk:
+    """Check one chunk (of a tensor, or a pack) and record the stored bytes it claims."""
+    seg_name = _str(c["segment"], "chunk segment")
+    if seg_name not in segments:
+        raise ManifestError(f"chunk of {owner} names unknown segment {seg_name[:140]!r}")
+    chunk = Chunk(
+        segment=seg_name,
+        offset=_int(c["offset"], "offset"),
+        length=_int(c["length"], "length"),
+        raw_length=_int(c["raw_length"], "raw_length"),
+        checksum=_hex(c["checksum"], "checksum"),
+        codec=_str(c.get("codec", "raw"), "codec"),
+        raw_checksum=_hex(c.get("raw_checksum", c["checksum"]), "raw_checksum"),
+    )
+    if not CODEC_NAME.match(chunk.codec):
+        raise ManifestError(f"chunk of {owner} names unknown codec {chunk.codec[:40]!r}")
+    if chunk.codec == "raw" and chunk.length != chunk.raw_length:
+        raise ManifestError(f"raw chunk of {owner}: length {chunk.length} != raw_length {chunk.raw_length}")
+    if chunk.raw_length > MAX_CHUNK_RAW_BYTES:
+        raise ManifestError(f"chunk of {owner} declares {chunk.raw_length} raw bytes, "
+                            f"more than the {MAX_CHUNK_RAW_BYTES}-byte limit")
+    if chunk.offset + chunk.length > segments[seg_name].size:
+        raise ManifestError(f"chunk of {owner} runs past the end of {seg_name}")
+    if chunk.length:
+        spans[seg_name].append((chunk.offset, chunk.length, owner))
+    return chunk
+
+
 def _parse_tensor(name: str, entry: Any, segments: dict[str, SegmentEntry],
                   spans: dict[str, list[tuple[int, int, str]]]) -> TensorEntry:
     dtype = _str(entry["dtype"], "dtype")
@@ -108,35 +139,93 @@ def _parse_tensor(name: str, entry: Any, segments: dict[str, SegmentEntry],
     nbytes = _int(entry["nbytes"], "nbytes")
     if math.prod(shape) * itemsize != nbytes:
         raise ManifestError(f"{name!r}: shape {list(shape)} of {dtype} is not {nbytes} bytes")
-    chunks = []
-    for c in entry["chunks"]:
-        seg_name = _str(c["segment"], "chunk segment")
-        if seg_name not in segments:
-            raise ManifestError(f"chunk of {name!r} names unknown segment {seg_name[:140]!r}")
-        chunk = Chunk(
-            segment=seg_name,
-            offset=_int(c["offset"], "offset"),
-            length=_int(c["length"], "length"),
-            raw_length=_int(c["raw_length"], "raw_length"),
-            checksum=_hex(c["checksum"], "checksum"),
-            codec=_str(c.get("codec", "raw"), "codec"),
-            raw_checksum=_hex(c.get("raw_checksum", c["checksum"]), "raw_checksum"),
-        )
-        if not CODEC_NAME.match(chunk.codec):
-            raise ManifestError(f"chunk of {name!r} names unknown codec {chunk.codec[:40]!r}")
-        if chunk.codec == "raw" and chunk.length != chunk.raw_length:
-            raise ManifestError(f"raw chunk of {name!r}: length {chunk.length} != raw_length {chunk.raw_length}")
-        if chunk.raw_length > MAX_CHUNK_RAW_BYTES:
-            raise ManifestError(f"chunk of {name!r} declares {chunk.raw_length} raw bytes, "
-                                f"more than the {MAX_CHUNK_RAW_BYTES}-byte limit")
-        if chunk.offset + chunk.length > segments[seg_name].size:
-            raise ManifestError(f"chunk of {name!r} runs past the end of {seg_name}")
-        if chunk.length:
-            spans[seg_name].append((chunk.offset, chunk.length, name))
-        chunks.append(chunk)
+    chunks = [_parse_chunk(c, repr(name), segments, spans) for c in entry["chunks"]]
     if sum(c.raw_length for c in chunks) != nbytes:
         raise ManifestError(f"chunks of {name!r} do not add up to {nbytes} bytes")
     return TensorEntry(dtype, shape, nbytes, tuple(chunks))
+
+
+def _column(table: dict[str, Any], key: str, count: int) -> list[Any]:
+    column = table[key]
+    if not isinstance(column, list) or len(column) != count:
+        raise ManifestError(f"packed {key} must be a list of {count} entries")
+    return column
+
+
+def _ints(values: list[Any], what: str) -> None:
+    """Every value a non-negative int below 2**62 (checked in bulk)."""
+    if values and (not set(map(type, values)) <= {int} or min(values) < 0 or max(values) >= _INT_MAX):
+        raise ManifestError(f"{what} must be non-negative ints below 2**62")
+
+
+def _parse_packed(doc: Any, segments: dict[str, SegmentEntry], spans: dict[str, list[tuple[int, int, str]]],
+                  tensors: dict[str, TensorEntry]) -> None:
+    """Check the packs and the packed table of a format 3 manifest; add the packed tensors to ``tensors``.
+
+    Every column is checked before any entry is built: names (valid, unique,
+    not also chunked), dtypes, shapes, pack indices (in order), and offsets
+    (aligned to the item size, inside the pack's raw bytes, increasing without
+    overlap within a pack).
+    """
+    packs_doc = doc["packs"]
+    table = doc["packed"]
+    if not isinstance(packs_doc, list) or not isinstance(table, dict):
+        raise ManifestError("packs must be a list and packed an object")
+    packs = [_parse_chunk(c, f"pack {i}", segments, spans) for i, c in enumerate(packs_doc)]
+    names = table["names"]
+    if not isinstance(names, list):
+        raise ManifestError("packed names must be a list")
+    count = len(names)
+    kinds = _column(table, "dtype", count)
+    shapes = _column(table, "shapes", count)
+    where = _column(table, "pack", count)
+    offsets = _column(table, "offsets", count)
+    dtypes = table["dtypes"]
+    if not isinstance(dtypes, list) or len(dtypes) > len(DTYPE_SIZES):
+        raise ManifestError("packed dtypes must be a list of storable dtypes")
+    itemsizes = []
+    for dtype in dtypes:
+        size = DTYPE_SIZES.get(_str(dtype, "dtype"))
+        if size is None:
+            raise ManifestError(f"packed dtype {dtype[:40]!r} is not a storable dtype")
+        itemsizes.append(size)
+    _ints(kinds, "packed dtype indices")
+    _ints(where, "packed pack indices")
+    _ints(offsets, "packed offsets")
+    if kinds and max(kinds) >= len(dtypes):
+        raise ManifestError("a packed dtype index names no dtype")
+    if where and max(where) >= len(packs):
+        raise ManifestError("a packed pack index names no pack")
+    if not set(map(type, shapes)) <= {list}:
+        raise ManifestError("packed shapes must be lists")
+    if shapes and max(map(len, shapes)) > MAX_DIMS:
+        raise ManifestError(f"a packed shape has more than {MAX_DIMS} dims")
+    _ints(list(itertools.chain.from_iterable(shapes)), "shape dims")
+    if not set(map(type, names)) <= {str}:
+        raise ManifestError("packed names must be strs")
+    if len(set(names)) != count or not tensors.keys().isdisjoint(names):
+        raise ManifestError("a packed tensor name is listed twice")
+    try:
+        validate_names(names)
+    except InvalidNameError as exc:
+        raise ManifestError(str(exc)) from exc
+    # every rule checked column-wise (C loops over the lists), then the entries built in one pass
+    sizes = list(map(itemsizes.__getitem__, kinds))
+    nbytes = list(map(operator.mul, map(math.prod, shapes), sizes))
+    ends = list(map(operator.add, offsets, nbytes))
+    limits = list(map([c.raw_length for c in packs].__getitem__, where))
+    bad = (any(map(operator.mod, offsets, sizes)) or any(map(operator.gt, ends, limits))
+           or any(map(operator.lt, where[1:], where[:-1]))
+           or any(map(operator.and_, map(operator.eq, where[1:], where[:-1]), map(operator.lt, offsets[1:], ends))))
+    if bad:
+        for i, name in enumerate(names):
+            if offsets[i] % sizes[i] or ends[i] > limits[i] or (i and (where[i] < where[i - 1] or (
+                    where[i] == where[i - 1] and offsets[i] < ends[i - 1]))):
+                raise ManifestError(f"packed {name!r}: offset {offsets[i]} in pack {where[i]} is misaligned, runs "
+                                    "past the pack's end, or is not after the tensor before it")
+    chunks = [(c,) for c in packs]
+    tensors.update(zip(names, map(TensorEntry, map(dtypes.__getitem__, kinds), map(tuple, shapes), nbytes,
+                                  map(chunks.__getitem__, where), offsets), strict=True))
 
 
 def _hex(value: object, what: str) -> str:
@@ -171,6 +260,10 @@ def _parse(doc: Any, *, checksummed: bool) -> Manifest:
         except InvalidNameError as exc:
             raise ManifestError(str(exc)) from exc
         tensors[name] = _parse_tensor(name, entry, segments, spans)
+    if version >= 3 and ("packs" in doc or "packed" in doc):
+        _parse_packed(doc, segments, spans, tensors)
+    elif "packs" in doc or "packed" in doc:
+        raise ManifestError(f"format_version {version} manifest with packed tensors (format 3)")
     for seg_name, used in spans.items():  # one stored byte belongs to at most one chunk
         used.sort()
         for (a_off, a_len, a_name), (b_off, _, b_name) in itertools.pairwise(used):

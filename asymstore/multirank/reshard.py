@@ -45,36 +45,54 @@ logger = logging.getLogger(__name__)
 
 
 
-async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop: int) -> bytearray:
+async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop: int,
+                     packs: dict[tuple[str, int], memoryview] | None = None) -> bytearray:
     """Bytes ``[start, stop)`` of tensor ``name`` of ``manifest``, reading and verifying only the chunks they touch.
+
+    A packed tensor reads and verifies its whole pack; ``packs`` (when given)
+    keeps the last pack verified, for the packed tensors after it.
 
     Raises:
         CorruptVersionError: a chunk or segment fails verification.
         TierError: the tier failed to read.
     """
     out = bytearray(stop - start)
-    touched: dict[str, list[tuple[Chunk, int]]] = {}
+    entry = manifest.tensors[name]
+    packed = entry.pack_offset is not None
+    touched: dict[str, list[tuple[Chunk, int, int, int]]] = {}  # segment -> (chunk, tensor position, raw range)
     pos = 0
-    for chunk in manifest.tensors[name].chunks:
-        if pos < stop and pos + chunk.raw_length > start:
-            touched.setdefault(chunk.segment, []).append((chunk, pos))
-        pos += chunk.raw_length
+    for chunk, lo, hi in entry.pieces():
+        if pos < stop and pos + hi - lo > start:
+            raw = packs.get((chunk.segment, chunk.offset)) if packs is not None and packed else None
+            if raw is None:
+                touched.setdefault(chunk.segment, []).append((chunk, pos, lo, hi))
+            else:
+                _copy_range(out, start, stop, raw, pos, lo, hi)
+        pos += hi - lo
     sizes = {s.name: s.size for s in manifest.segments}
     for segment, chunks in touched.items():
         if isinstance(tier, ReadIntoTier):
-            stored = [memoryview(bytearray(c.length)) for c, _ in chunks]
+            stored = [memoryview(bytearray(c.length)) for c, *_ in chunks]
             await tier.read_segment_into(manifest.step, segment, sizes[segment],
-                                         [(c.offset, buf) for (c, _), buf in zip(chunks, stored, strict=True)])
+                                         [(c.offset, buf) for (c, *_), buf in zip(chunks, stored, strict=True)])
         else:
             data = await tier.read_segment(manifest.step, segment, sizes[segment])
             verify_segment(manifest, segment, data, deep=False)
             view = memoryview(data).cast("B")
-            stored = [view[c.offset:c.offset + c.length] for c, _ in chunks]
-        for (chunk, at), buf in zip(chunks, stored, strict=True):
+            stored = [view[c.offset:c.offset + c.length] for c, *_ in chunks]
+        for (chunk, at, lo, hi), buf in zip(chunks, stored, strict=True):
             raw = decode_one(name, chunk, buf, None)
-            lo, hi = max(start, at), min(stop, at + chunk.raw_length)
-            out[lo - start:hi - start] = raw[lo - at:hi - at]
+            _copy_range(out, start, stop, raw, at, lo, hi)
+            if packs is not None and packed:
+                packs.clear()
+                packs[chunk.segment, chunk.offset] = raw
     return out
+
+
+def _copy_range(out: bytearray, start: int, stop: int, raw: memoryview, at: int, lo: int, hi: int) -> None:
+    """Copy what ``[start, stop)`` wants of the piece at tensor position ``at``: raw bytes ``[lo, hi)``."""
+    a, b = max(start, at), min(stop, at + hi - lo)
+    out[a - start:b - start] = raw[lo + a - at:lo + b - at]
 
 
 class ShardSet:
@@ -93,6 +111,7 @@ class ShardSet:
         self.layouts: dict[int, dict[str, TensorLayout]] = {}
         self.tiers: dict[int, Tier] = {}
         self._opened: list[Tier] = []
+        self._packs: dict[int, dict[tuple[str, int], memoryview]] = {}  # per rank: the last pack verified
 
     @classmethod
     def of_job(cls, job: Job, tiers: Sequence[Tier], g: GlobalManifest) -> ShardSet:
@@ -150,7 +169,8 @@ class ShardSet:
         from asymstore.format.tensors import dtype_from_name, from_bytes
 
         entry = self.manifests[rank].tensors[name]
-        data = await read_range(self.tiers[rank], self.manifests[rank], name, 0, entry.nbytes)
+        data = await read_range(self.tiers[rank], self.manifests[rank], name, 0, entry.nbytes,
+                                self._packs.setdefault(rank, {}))
         return from_bytes(memoryview(data), dtype_from_name(entry.dtype), list(entry.shape))
 
     async def piece(self, name: str, want: TensorLayout) -> torch.Tensor:
@@ -163,7 +183,8 @@ class ShardSet:
         old = {r: layouts[name] for r, layouts in self.layouts.items() if name in layouts}
         out = torch.empty(want.shape, dtype=dtype)
         for read in plan_piece(want, old):
-            data = await read_range(self.tiers[read.rank], self.manifests[read.rank], name, read.start, read.stop)
+            data = await read_range(self.tiers[read.rank], self.manifests[read.rank], name, read.start, read.stop,
+                                    self._packs.setdefault(read.rank, {}))
             flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
             src = flat.as_strided(read.shape, strides(old[read.rank].shape))
             box = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(read.lo, read.hi, want.offsets, strict=True))

@@ -82,14 +82,39 @@ def _fresh_destinations(manifest: Manifest, into: Mapping[str, torch.Tensor]) ->
 
     return {name: torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
             for name, entry in manifest.tensors.items()
-            if name not in into and entry.chunks and all(c.codec == RAW for c in entry.chunks)}
+            if name not in into and entry.pack_offset is None and entry.chunks
+            and all(c.codec == RAW for c in entry.chunks)}
 
 
-def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dict[str, _Direct]:
-    """Segments whose every chunk is raw and lands in a destination: segment -> (tensor, chunk, destination slice)."""
+PackKey = tuple[str, int]
+"""A pack by its place: (segment, offset)."""
+
+
+def _pack_buffers(manifest: Manifest) -> dict[PackKey, memoryview]:
+    """One fresh buffer per pack for its raw bytes (verified there; its tensors are views of it or copied out)."""
+    import torch
+
+    from asymstore.format.tensors import as_bytes
+
+    return {(p.segment, p.offset): as_bytes(torch.empty(p.raw_length, dtype=torch.uint8)) for p in manifest.packs}
+
+
+def pack_label(index: int, pack: Chunk) -> str:
+    """How errors name a pack (fsck names its tensors too)."""
+    return f"pack {index} ({pack.raw_length} bytes of small tensors)"
+
+
+def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview],
+                   packs: Mapping[PackKey, memoryview]) -> dict[str, _Direct]:
+    """Segments whose every chunk is raw and lands in a destination: segment -> (tensor, chunk, destination slice).
+
+    A raw pack lands whole in its buffer of ``packs``.
+    """
     ranges: dict[str, _Direct] = {s.name: [] for s in manifest.segments}
     mixed: set[str] = set()
     for name, entry in manifest.tensors.items():
+        if entry.pack_offset is not None:
+            continue
         dest = targets.get(name)
         pos = 0
         for c in entry.chunks:
@@ -98,6 +123,11 @@ def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview]) -> dic
             else:
                 ranges[c.segment].append((name, c, dest[pos:pos + c.raw_length]))
             pos += c.raw_length
+    for i, pack in enumerate(manifest.packs):
+        if pack.codec != "raw":
+            mixed.add(pack.segment)
+        else:
+            ranges[pack.segment].append((pack_label(i, pack), pack, packs[pack.segment, pack.offset]))
     return {seg: r for seg, r in ranges.items() if seg not in mixed}
 
 
@@ -121,7 +151,9 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
     """
     manifest = await read_manifest(tier, step)
     dests = resolve_into(manifest, into)
-    fresh = manifest.nbytes - sum(manifest.tensors[n].nbytes for n in dests if n in manifest.tensors)
+    packed = sum(e.nbytes for e in manifest.tensors.values() if e.pack_offset is not None)
+    fresh = (manifest.nbytes - packed + sum(p.raw_length for p in manifest.packs)
+             - sum(e.nbytes for n in dests if (e := manifest.tensors.get(n)) is not None and e.pack_offset is None))
     if fresh > physical_memory_bytes():
         raise CorruptVersionError(f"step {step} on {tier.name} declares {manifest.nbytes} bytes of tensors, "
                                   "more than this machine's memory")
@@ -130,7 +162,8 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
         fresh_dests = _fresh_destinations(manifest, dests)
         targets.update(_targets(manifest, fresh_dests))
         dests.update(fresh_dests)
-    direct = _direct_ranges(manifest, targets) if isinstance(tier, ReadIntoTier) else {}
+    packs = _pack_buffers(manifest)
+    direct = _direct_ranges(manifest, targets, packs) if isinstance(tier, ReadIntoTier) else {}
     sem = asyncio.Semaphore(READ_AHEAD)
 
     async def fetch(name: str, size: int) -> tuple[str, memoryview | None]:
@@ -149,7 +182,7 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
             return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
 
     segments = dict(await asyncio.gather(*(fetch(s.name, s.size) for s in manifest.segments)))
-    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, dests)
+    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, dests, packs)
 
 
 def _check_digests(items: _Direct, digests: list[str]) -> None:
@@ -167,8 +200,14 @@ def _verify_in_place(items: _Direct) -> None:
 
 def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None],
                    targets: Mapping[str, memoryview] | None = None,
-                   into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Verify and decode every tensor of ``manifest`` from its segments (None: already verified in its destination)."""
+                   into: Mapping[str, torch.Tensor] | None = None,
+                   packs: Mapping[PackKey, memoryview] | None = None) -> dict[str, torch.Tensor]:
+    """Verify and decode every tensor of ``manifest`` from its segments (None: already verified in its destination).
+
+    ``packs`` holds a buffer per pack (:func:`_pack_buffers`; made here when
+    not given): every pack is verified (and decoded) into its buffer before
+    any tensor is built from it.
+    """
     import torch
 
     from asymstore.format.codec import RAW
@@ -176,10 +215,37 @@ def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None]
 
     targets = targets or {}
     into = into or {}
+    if packs is None:
+        packs = _pack_buffers(manifest)
+    for i, pack in enumerate(manifest.packs):
+        stored = segments[pack.segment]
+        if stored is not None:  # None: read straight into its buffer and verified there already
+            decode_one(pack_label(i, pack), pack, stored[pack.offset:pack.offset + pack.length],
+                       packs[pack.segment, pack.offset])
     out: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    frombuffer = torch.frombuffer
     for name, entry in manifest.tensors.items():
         dest = targets.get(name)
-        dtype = dtype_from_name(entry.dtype)
+        dtype = dtypes.get(entry.dtype)
+        if dtype is None:
+            dtype = dtypes[entry.dtype] = dtype_from_name(entry.dtype)
+        offset = entry.pack_offset
+        if offset is not None:  # a view of its verified pack, or copied out of it into the destination
+            pack = entry.chunks[0]
+            data = packs[pack.segment, pack.offset]
+            if dest is not None:
+                dest[:] = data[offset:offset + entry.nbytes]
+                out[name] = into[name]
+            elif name in into:  # not fillable in place (GPU, non-contiguous): one copy from the pack
+                into[name].copy_(from_bytes(data[offset:offset + entry.nbytes], dtype, list(entry.shape)))
+                out[name] = into[name]
+            elif not entry.nbytes:
+                out[name] = torch.empty(entry.shape, dtype=dtype)
+            else:
+                t = frombuffer(data, dtype=dtype, count=entry.nbytes // dtype.itemsize, offset=offset)
+                out[name] = t if len(entry.shape) == 1 else t.view(entry.shape)
+            continue
         # one raw chunk and no destination: the tensor is a view of the segment; else decode every chunk into place
         single = dest is None and len(entry.chunks) == 1 and entry.chunks[0].codec == RAW
         # torch.empty, not bytearray: no zero-fill pass over fresh memory before the chunks land

@@ -9,7 +9,8 @@ Everything read from a tier is untrusted input:
 2. each segment: a regular file (or object) of exactly the size the manifest
    gives, checked before it is read; with ``deep``, its whole checksum;
 3. each chunk: its stored checksum, its decoding (bounded by its declared raw
-   length) and its raw checksum.
+   length) and its raw checksum. A pack (format 3: many small tensors in
+   one chunk) is verified once; a failure names the tensors it holds.
 
 Every failure is a :class:`~asymstore.errors.CorruptVersionError` (or its
 :class:`~asymstore.errors.ManifestError`); restore falls back to the next
@@ -84,7 +85,13 @@ def verify_chunks(manifest: Manifest, segment: str, data: memoryview) -> list[st
         One problem line per chunk that fails; empty when all verify.
     """
     problems = []
+    members: dict[tuple[str, int], list[str]] = {}  # a pack: the tensors it holds
     for tname, entry in manifest.tensors.items():
+        if entry.pack_offset is not None:
+            pack = entry.chunks[0]
+            if pack.segment == segment:
+                members.setdefault((pack.segment, pack.offset), []).append(tname)
+            continue
         for c in entry.chunks:
             if c.segment != segment:
                 continue
@@ -92,6 +99,16 @@ def verify_chunks(manifest: Manifest, segment: str, data: memoryview) -> list[st
                 decode_one(tname, c, data[c.offset:c.offset + c.length], None)
             except CorruptVersionError as exc:
                 problems.append(f"tensor {tname!r}: {exc}")
+    for i, pack in enumerate(manifest.packs):
+        if pack.segment != segment:
+            continue
+        try:  # once for all its tensors
+            decode_one(f"pack {i}", pack, data[pack.offset:pack.offset + pack.length], None)
+        except CorruptVersionError as exc:
+            names = members.get((pack.segment, pack.offset), [])
+            shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            problems.append(f"tensor {names[0]!r}: {exc} (one checksum covers the {len(names)} packed tensors "
+                            f"{shown})" if names else f"{exc} (a pack that holds no tensor)")
     return problems
 
 

@@ -17,6 +17,14 @@ staging buffer) and copy nothing. Ownership rules of an adopted tensor:
   releasing them when such tiers exist;
 * a failed ``commit`` keeps the step's tensors for a retry; ``abandon``
   releases them.
+
+Small tensors of a large batch are the exception to "copy nothing": an
+``adopt_many`` (or ``put_many``) of at least
+:data:`~asymstore.write.staging.PACK_MIN_TENSORS` tensors copies those of at
+most :data:`~asymstore.write.staging.PACK_TENSOR_BYTES` into packs (their bytes
+would be gathered into one buffer for the segment writer anyway, and a pack
+is hashed, described and verified once for all of them). ``release`` still
+runs as above.
 """
 
 from __future__ import annotations
@@ -26,7 +34,14 @@ import logging
 from collections.abc import Callable, Mapping
 
 from asymstore.errors import InvalidStepError
-from asymstore.write.staging import PendingStep, check_adoptable, stages_inline
+from asymstore.write.staging import (
+    PACK_BYTES,
+    PACK_MIN_TENSORS,
+    PACK_TENSOR_BYTES,
+    PendingStep,
+    check_adoptable,
+    stages_inline,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +109,11 @@ class Stager:
 
         Small tensors are staged one after another on the event loop (no task
         each: 10,000 of them cost no more scheduling than a few), yielding
-        every 1024; large ones concurrently in threads. On an error the rest
-        of the small ones are not staged.
+        every 1024; large ones concurrently in threads. A call of at least
+        :data:`~asymstore.write.staging.PACK_MIN_TENSORS` tensors copies its
+        small ones into packs (one buffer and one checksum per pack; see
+        :mod:`asymstore.write.staging`). On an error the rest of the small ones
+        are not staged.
         """
         await self._stage_many(step, tensors, adopted=False)
 
@@ -105,15 +123,26 @@ class Stager:
         for name in tensors:  # check the whole batch before staging any of it
             if name in pending.tensors:
                 await pending.put(name, tensors[name])  # raises DuplicateNameError
+        items = list(tensors.items())
+        packing = len(items) >= PACK_MIN_TENSORS
+        limit = min(PACK_TENSOR_BYTES, PACK_BYTES, self.chunk_bytes)
+        every = 4096 if packing else 1024  # tensors staged between two yields to the event loop
         large = []
-        for i, (name, value) in enumerate(tensors.items()):
-            if stages_inline(value):
-                await pending.put(name, value, adopted=adopted)  # never suspends for an inline value
-                if i % 1024 == 1023:
-                    await asyncio.sleep(0)
-                    pending = self._pending_for(step)  # the step may have been committed meanwhile
-            else:
-                large.append((name, value))
+        i, pause = 0, every
+        while i < len(items):
+            if packing:  # a run of small tensors, copied into packs
+                i += pending.put_packed(items[i:pause], limit, adopted=adopted)
+            if i < pause and i < len(items):  # one that is not packed
+                name, value = items[i]
+                i += 1
+                if stages_inline(value):
+                    await pending.put(name, value, adopted=adopted)  # never suspends for an inline value
+                else:
+                    large.append((name, value))
+            if i >= pause:
+                pause += every
+                await asyncio.sleep(0)
+                pending = self._pending_for(step)  # the step may have been committed meanwhile
         results = await asyncio.gather(*(self._stage(step, name, value, adopted=adopted) for name, value in large),
                                        return_exceptions=True)  # none still running when this returns or raises
         for result in results:
@@ -138,7 +167,9 @@ class Stager:
         """Stage every tensor of ``tensors`` without copying; ``release`` runs once when the store is done with all.
 
         Every tensor is checked before any is staged; their checksums are
-        computed in place (large ones in threads).
+        computed in place (large ones in threads). In a call of at least
+        :data:`~asymstore.write.staging.PACK_MIN_TENSORS` tensors the small ones
+        are copied into packs all the same (see the module docstring).
 
         Raises:
             InvalidValueError: a tensor is not a contiguous CPU tensor of a storable dtype.

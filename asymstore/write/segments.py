@@ -61,7 +61,7 @@ from asymstore.policy.compression import Compression, pays, worth_sampling
 from asymstore.policy.costmodel import optimal_segment_bytes, predicted_seconds
 from asymstore.runtime.gcpause import gc_paused
 from asymstore.tiers.protocol import Buffer
-from asymstore.write.staging import StagedTensor
+from asymstore.write.staging import StagedPack, StagedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class VersionPlan:
 
     Args:
         step: the version.
-        staged: name -> staged tensor, in manifest order.
+        staged: name -> staged tensor (or the pack that holds it), in manifest order.
         meta: the user's JSON metadata.
         created: UNIX time of the commit.
         codec: the codec's settings.
@@ -143,17 +143,20 @@ class VersionPlan:
             keeps nothing for later).
     """
 
-    def __init__(self, step: int, staged: Mapping[str, StagedTensor], meta: dict[str, Any], created: float, *,
-                 codec: PlaneCodec, share_bytes: int = 64 << 20, tiers: int = 1) -> None:
+    def __init__(self, step: int, staged: Mapping[str, StagedTensor | StagedPack], meta: dict[str, Any],
+                 created: float, *, codec: PlaneCodec, share_bytes: int = 64 << 20, tiers: int = 1) -> None:
         """Index the chunks of ``staged``; nothing is sampled or compressed yet."""
         self.step = step
         self.meta = dict(meta)
         self.created = created
         self.codec = codec
         self.share_bytes = share_bytes
-        # name -> (dtype name, shape, raw bytes, number of chunks); chunks in parallel lists, in
-        # version order (no object per chunk: tens of thousands of them would wake the GC)
+        # name -> (dtype name, shape, raw bytes, number of chunks) of each tensor with chunks of its own;
+        # ``order``: those names and the packs (one chunk for all their tensors) in version order; the
+        # chunks in parallel lists, in version order (no object per chunk: tens of thousands of them
+        # would wake the GC)
         self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        self.order: list[str | StagedPack] = []
         self.views: list[memoryview] = []
         self.digests: list[str] = []
         self.widths: list[int] = []
@@ -161,15 +164,30 @@ class VersionPlan:
         kinds: dict[torch.dtype, tuple[str, int]] = {}
         with gc_paused():
             self._index(staged, kinds)
-        self.raw_bytes = sum(t[2] for t in self.tensors.values())
+        self.raw_bytes = sum(t[2] for t in self.tensors.values()) + sum(
+            p.nbytes for p in self.order if isinstance(p, StagedPack))
         self._lock = threading.Lock()
         self._samples: dict[int, Sample] = {}
         self._shared: dict[int, tuple[tuple[bool, ...], Encoded]] = {}
         self._shared_bytes = 0
         self._tiers_left = tiers
 
-    def _index(self, staged: Mapping[str, StagedTensor], kinds: dict[torch.dtype, tuple[str, int]]) -> None:
+    def _index(self, staged: Mapping[str, StagedTensor | StagedPack],
+               kinds: dict[torch.dtype, tuple[str, int]]) -> None:
+        last: StagedPack | None = None
+        seen: set[int] = set()
         for name, st in staged.items():
+            if isinstance(st, StagedPack):
+                if st is not last and id(st) not in seen:  # a pack's members follow one another
+                    last = st
+                    seen.add(id(st))
+                    self.order.append(st)
+                    self.views.append(st.view)
+                    self.digests.append(st.checksum)
+                    self.widths.append(st.width)
+                    self.owners.append(name)
+                continue
+            self.order.append(name)
             t = st.tensor
             kind = kinds.get(t.dtype)
             if kind is None:
@@ -184,15 +202,20 @@ class VersionPlan:
             self.owners.extend([name] * count)
             self.tensors[name] = (kind[0], tuple(t.shape), nbytes, count)
 
-    def detach(self, staged: Mapping[str, StagedTensor]) -> int:
+    def detach(self, staged: Mapping[str, StagedTensor | StagedPack]) -> int:
         """Point the chunks of adopted tensors at private copies (the owner gets its memory back); return bytes copied.
 
         ``staged`` is the mapping the plan was made from. Call it before any
         background tier reads the plan.
         """
         pos = copied = 0
-        for name, st in staged.items():
-            count = self.tensors[name][3]
+        for item in self.order:
+            if isinstance(item, StagedPack):  # a private copy already
+                pos += 1
+                continue
+            st = staged[item]
+            assert isinstance(st, StagedTensor)
+            count = self.tensors[item][3]
             if st.adopted:
                 data = as_bytes(host_copy(st.tensor))
                 at = 0
@@ -283,6 +306,9 @@ class VersionPlan:
         """An upper bound on the manifest's size in bytes for segments of ``segment_bytes``."""
         segments = min(len(self.views), 2 * math.ceil(self.raw_bytes / max(segment_bytes, 1)) + 1) + 1
         tensors = sum(len(json.dumps(name)) + 128 + 21 * len(t[1]) for name, t in self.tensors.items())
+        for p in self.order:  # packed: name, dtype index, shape, pack index, offset; the dtype table
+            if isinstance(p, StagedPack):
+                tensors += len(json.dumps(p.names)) + sum(64 + 21 * len(shape) for shape in p.shapes)
         return 512 + len(json.dumps(self.meta)) + tensors + 240 * len(self.views) + 160 * segments
 
     # -- encoding ----------------------------------------------------------
@@ -439,9 +465,18 @@ class SegmentBuilder:
             raise RuntimeError("manifest() before the last segment was built")
         entries = {}
         pos = 0
+        chunks, tensors = self._chunks, self.plan.tensors
         with gc_paused():
-            for name, (dtype, shape, nbytes, count) in self.plan.tensors.items():
-                entries[name] = TensorEntry(dtype, shape, nbytes, tuple(self._chunks[pos:pos + count]))
+            for item in self.plan.order:
+                if isinstance(item, StagedPack):
+                    pack = (chunks[pos],)
+                    pos += 1
+                    for name, dtype, shape, nbytes, offset in zip(item.names, item.dtypes, item.shapes, item.sizes,
+                                                                  item.offsets, strict=True):
+                        entries[name] = TensorEntry(dtype, shape, nbytes, pack, offset)
+                    continue
+                dtype, shape, nbytes, count = tensors[item]
+                entries[item] = TensorEntry(dtype, shape, nbytes, tuple(chunks[pos:pos + count]))
                 pos += count
         return Manifest(step=self.plan.step, tensors=entries, segments=tuple(self._segments),
                         meta=dict(self.plan.meta), created=self.plan.created)

@@ -1,25 +1,182 @@
 """Staging of one step: private host copies of put tensors, cut into checksummed chunks.
 
+Many small tensors given in one ``put_many`` / ``adopt_many`` call (at least
+:data:`PACK_MIN_TENSORS` of them) are staged in bulk instead: copied back to
+back into *packs*, one private buffer of at most :data:`PACK_BYTES` each,
+hashed once per pack while the bytes are hot. A pack is one chunk of the
+version (format 3 manifests, :mod:`asymstore.format.manifest`), so 10,000
+tensors of 4 KiB are three chunks to write, describe and verify, not 10,000.
+Each tensor starts at an offset aligned to its item size; the bytes between
+are zero. ``put_many`` copies them at once (the caller may change its
+tensors when it returns); ``adopt_many`` too (their bytes would be gathered
+into one buffer for the segment writer anyway).
+
 Packing the chunks into segments is per tier (:mod:`asymstore.write.segments`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
-from collections.abc import Callable
+import mmap
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from asymstore.errors import DuplicateNameError, InvalidValueError, StepCommittedError
+from asymstore.errors import DuplicateNameError, InvalidNameError, InvalidValueError, StepCommittedError
 from asymstore.format.checksum import checksum
-from asymstore.format.manifest import DTYPE_SIZES, validate_name
+from asymstore.format.manifest import DTYPE_SIZES, validate_name, validate_names
 from asymstore.format.tensors import as_bytes, dtype_name, host_copy
 
 logger = logging.getLogger(__name__)
 
 _INLINE_BYTES = 1 << 20  # below this a put copies on the event loop; above, in a thread
+
+PACK_BYTES = 16 << 20
+"""Raw bytes of one pack at most (and never more than the store's ``chunk_bytes``)."""
+PACK_TENSOR_BYTES = 64 << 10
+"""Largest tensor staged into a pack; larger ones are chunks of their own."""
+PACK_MIN_TENSORS = 32
+"""A ``put_many`` / ``adopt_many`` of fewer tensors stages each one on its own (its manifest stays format 2)."""
+
+Kind = tuple[str, int, int]
+"""A storable dtype's manifest name, item size and byte-plane width."""
+_KINDS: dict[torch.dtype, Kind] = {}
+for _name, _size in DTYPE_SIZES.items():
+    _dtype = getattr(torch, _name, None)
+    if isinstance(_dtype, torch.dtype) and _dtype.itemsize == _size and dtype_name(_dtype) == _name:
+        _KINDS[_dtype] = (_name, _size, _size // 2 if _dtype.is_complex else _size)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+# memmove without a result object to build (ctypes.memmove returns a c_void_p): the per-tensor copy of a pack
+_copy = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes.cast(ctypes.memmove, ctypes.c_void_p).value or 0)
+
+
+@dataclass(eq=False)
+class StagedPack:
+    """Small tensors copied back to back into one private buffer: one chunk, one checksum.
+
+    ``PendingStep.tensors`` maps each member's name to its pack.
+    """
+
+    view: memoryview  # the pack's raw bytes
+    checksum: str
+    width: int  # byte-plane width of the members (1 when they differ)
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+    offsets: list[int]  # of each member in ``view``, aligned to its item size
+    sizes: list[int]  # bytes of each member
+    adopted: bool = False  # staged by ``adopt_many`` (a private copy all the same)
+
+    @property
+    def nbytes(self) -> int:
+        """Raw bytes of the member tensors (padding not counted)."""
+        return sum(self.sizes)
+
+
+def packable(values: Sequence[object], limit: int) -> tuple[list[torch.Tensor], list[Kind], list[int]]:
+    """The leading run of ``values`` that can be staged into packs: the tensors, their kinds and bytes.
+
+    Packable: a plain dense tensor (or ``Parameter``) of a storable dtype with
+    data, of at most ``limit`` bytes. The run ends before the first value that
+    is not (a larger tensor, a subclass, a meta tensor, an unsupported dtype,
+    not a tensor at all): the per-tensor path copies it or raises its typed error.
+    """
+    tensors: list[torch.Tensor] = []
+    kinds: list[Kind] = []
+    sizes: list[int] = []
+    plain, known, strided = _PLAIN, _KINDS, _STRIDED
+    for value in values:
+        if type(value) not in plain:
+            break
+        assert isinstance(value, torch.Tensor)
+        kind = known.get(value.dtype)
+        if kind is None or value.layout is not strided or value.is_meta:
+            break
+        nbytes: int = value.nbytes
+        if nbytes > limit:
+            break
+        tensors.append(value)
+        kinds.append(kind)
+        sizes.append(nbytes)
+    return tensors, kinds, sizes
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def pack_memory(size: int) -> tuple[memoryview, int]:
+    """A fresh writable buffer of ``size`` bytes for a pack, and its address.
+
+    Anonymous private memory whose pages the one ``mmap`` call faults in
+    (``MAP_POPULATE``): a page fault per 4 KiB as the copies land costs more
+    than the copies themselves. Unmapped when the last view of it goes.
+    Elsewhere (no ``MAP_POPULATE``), memory from torch.
+    """
+    if size <= 0:
+        return memoryview(bytearray()), 0
+    if _POPULATE:
+        try:
+            view = memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE))
+        except OSError:  # no memory for it now: torch's allocator says so its own way
+            pass
+        else:
+            return view, ctypes.addressof(ctypes.c_char.from_buffer(view))
+    buf = torch.empty(size, dtype=torch.uint8)
+    return as_bytes(buf), buf.data_ptr()
+
+
+def pack_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], kinds: Sequence[Kind],
+                 sizes: Sequence[int], capacity: int, *, adopted: bool = False) -> list[StagedPack]:
+    """Copy ``tensors`` (each at most ``capacity`` bytes) into packs of at most ``capacity`` bytes, in order.
+
+    One copy per tensor straight into the pack (a ``memmove`` for contiguous
+    CPU tensors, GIL released), then one checksum per pack while it is hot.
+    """
+    packs: list[StagedPack] = []
+    left = sum(sizes) + sum(kind[1] - 1 for kind in kinds)  # bytes still to place, with the most padding needed
+    total = len(tensors)
+    copy, memset = _copy, ctypes.memset
+    i = 0
+    while i < total:
+        size = min(capacity, left)
+        buf, base = pack_memory(size)
+        first = i
+        dtypes: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        offsets: list[int] = []
+        widths: set[int] = set()
+        used = 0
+        while i < total:
+            dname, itemsize, width = kinds[i]
+            n = sizes[i]
+            at = used + (-used % itemsize)
+            if at + n > size:
+                break
+            t = tensors[i]
+            if at > used:
+                memset(base + used, 0, at - used)
+            if n:
+                if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                    copy(base + at, t.data_ptr(), n)
+                else:
+                    src = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+                    copy(base + at, src.data_ptr(), n)
+            dtypes.append(dname)
+            shapes.append(tuple(t.shape))
+            offsets.append(at)
+            widths.add(width)
+            used = at + n
+            left -= n + itemsize - 1
+            i += 1
+        view = buf[:used]
+        packs.append(StagedPack(view, checksum(view), widths.pop() if len(widths) == 1 else 1, list(names[first:i]),
+                                dtypes, shapes, offsets, list(sizes[first:i]), adopted))
+    return packs
 
 
 def stages_inline(value: object) -> bool:
@@ -58,9 +215,9 @@ def check_adoptable(value: object) -> torch.Tensor:
     """
     if not isinstance(value, torch.Tensor):
         raise InvalidValueError(f"expected a torch.Tensor, got {type(value).__name__}")
-    if value.layout != torch.strided or value.is_quantized or dtype_name(value.dtype) not in DTYPE_SIZES:
+    if value.layout is not _STRIDED or value.is_quantized or value.dtype not in _KINDS:
         raise InvalidValueError(f"a {value.layout} tensor of {value.dtype} cannot be stored")
-    if value.device.type != "cpu" or not value.is_contiguous() or value.is_conj() or value.is_neg():
+    if not value.is_cpu or not value.is_contiguous() or value.is_conj() or value.is_neg():
         raise InvalidValueError("adopt takes contiguous CPU tensors only (put copies any other tensor)")
     if type(value) is not torch.Tensor:  # a subclass may not own the memory it reports
         raise InvalidValueError(f"adopt takes plain tensors, got {type(value).__name__}")
@@ -87,7 +244,7 @@ class PendingStep:
 
     step: int
     chunk_bytes: int
-    tensors: dict[str, StagedTensor | None] = field(default_factory=dict)
+    tensors: dict[str, StagedTensor | StagedPack | None] = field(default_factory=dict)
     inflight: set[asyncio.Task[None]] = field(default_factory=set)
     sealed: bool = False
     releases: list[Callable[[], None]] = field(default_factory=list)  # owners of adopted tensors
@@ -123,7 +280,41 @@ class PendingStep:
             raise
         self.tensors[name] = staged
 
+    def put_packed(self, items: Sequence[tuple[str, object]], limit: int, *, adopted: bool = False) -> int:
+        """Stage the leading run of packable ``items`` into packs, on the calling thread; return its length.
+
+        ``limit``: the largest tensor packed (see :func:`packable`; packs hold
+        at most ``min(PACK_BYTES, chunk_bytes)``). Like that many ``put``
+        calls in order: when a name is refused, the tensors before it are
+        staged and the error is raised.
+        """
+        if self.sealed:
+            raise StepCommittedError(f"step {self.step} is being committed; put is closed")
+        tensors, kinds, sizes = packable([value for _, value in items], limit)
+        names = [name for name, _ in items[:len(tensors)]]
+        refused: InvalidNameError | DuplicateNameError | None = None
+        staged = self.tensors
+        try:
+            validate_names(names)
+            if not staged.keys().isdisjoint(names):
+                raise DuplicateNameError("")
+        except (InvalidNameError, DuplicateNameError):
+            for i, name in enumerate(names):  # the first refused name: those before it are staged
+                try:
+                    validate_name(name)
+                    if name in staged:
+                        raise DuplicateNameError(f"{name!r} was already put for step {self.step}") from None
+                except (InvalidNameError, DuplicateNameError) as exc:
+                    refused = exc
+                    del names[i:], tensors[i:], kinds[i:], sizes[i:]
+                    break
+        for pack in pack_tensors(names, tensors, kinds, sizes, min(PACK_BYTES, self.chunk_bytes), adopted=adopted):
+            staged.update(dict.fromkeys(pack.names, pack))
+        if refused is not None:
+            raise refused
+        return len(names)
+
     @property
     def nbytes(self) -> int:
         """Raw bytes staged so far."""
-        return sum(t.nbytes for t in self.tensors.values() if t is not None)
+        return sum(t.nbytes for t in {id(t): t for t in self.tensors.values() if t is not None}.values())

@@ -166,6 +166,7 @@ class VersionPlan:
             self._index(staged, kinds)
         self.raw_bytes = sum(t[2] for t in self.tensors.values()) + sum(
             p.nbytes for p in self.order if isinstance(p, StagedPack))
+        self.chunks_nbytes = sum(map(len, self.views))  # the raw bytes of every chunk: packs' padding included
         self._lock = threading.Lock()
         self._samples: dict[int, Sample] = {}
         self._shared: dict[int, tuple[tuple[bool, ...], Encoded]] = {}
@@ -297,7 +298,7 @@ class VersionPlan:
             seg, source = optimal_segment_bytes(cal.latency_s, exposed, n_stored, max_b), "cost-model"
         predicted = predicted_seconds(cal.latency_s, cal.seconds_per_byte, exposed, n_stored, seg) + compress_s
         plan = TierPlan(tier, cal, masks, seg, source, n_stored, compress_s, sample_s,
-                        self.raw_bytes + self.manifest_bound(seg), predicted)
+                        self.chunks_nbytes + self.manifest_bound(seg), predicted)
         logger.debug("step %d on %s: B=%d (%s), %d/%d chunks compressed, ~%d of %d bytes stored",
                      self.step, tier, seg, source, plan.compressed_chunks, len(masks), n_stored, self.raw_bytes)
         return plan

@@ -136,6 +136,7 @@ def pack_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], kinds: S
 
     One copy per tensor straight into the pack (a ``memmove`` for contiguous
     CPU tensors, GIL released), then one checksum per pack while it is hot.
+    ``adopted``: the tensors passed :func:`check_adoptable` (``adopt_many``).
     """
     packs: list[StagedPack] = []
     left = sum(sizes) + sum(kind[1] - 1 for kind in kinds)  # bytes still to place, with the most padding needed
@@ -161,8 +162,8 @@ def pack_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], kinds: S
             if at > used:
                 memset(base + used, 0, at - used)
             if n:
-                if t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-                    copy(base + at, t.data_ptr(), n)
+                if adopted or (t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()):
+                    copy(base + at, t.data_ptr(), n)  # adopted: checked contiguous CPU memory already
                 else:
                     src = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
                     copy(base + at, src.data_ptr(), n)

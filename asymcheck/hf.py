@@ -38,7 +38,7 @@ anything is hooked: ``fsdp``, ``fp16`` (the GradScaler's skipped steps), ``auto_
 ``ignore_data_skip`` (the data position would not come back), ``torch_compile``, several GPUs in
 one process (``n_gpu > 1``), several processes without DeepSpeed, and PEFT models (the Trainer's
 resume loads adapters from the directory). Under DeepSpeed, what :func:`asymcheck.deepspeed.attach`
-refuses, and ``keep_every`` / ``keep_best`` (a multi-rank store keeps its newest global versions).
+refuses.
 
 Public plug-in points used: ``TrainerCallback`` events and the objects the Trainer passes to them
 (``model``, ``optimizer``, ``lr_scheduler``, ``train_dataloader``, ``args``, ``state``,
@@ -351,15 +351,10 @@ class AsymCheckCallback(TrainerCallback):
         return KeepBest(metric, "max" if greater else "min", self.keep_best)
 
     def _deepspeed_root(self) -> str:
-        """The multi-rank root under DeepSpeed (a directory; its store keeps the newest global versions only)."""
+        """The multi-rank root under DeepSpeed (a directory)."""
         root = self.root_or_store
         if not isinstance(root, (str, os.PathLike)):
             raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
-        rules = sorted({"keep_every"} & {k for k, v in self.options.items() if v is not None}
-                       | ({"keep_best"} if self.keep_best is not None else set()))
-        if rules:
-            raise UnsupportedTrainerConfigError(f"deepspeed with {', '.join(rules)}: a multi-rank store keeps its "
-                                                "newest global versions (keep_last) only")
         return os.fspath(root)
 
     def _resume_dir_deepspeed(self, trainer: Trainer) -> str | None:

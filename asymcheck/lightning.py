@@ -342,7 +342,7 @@ class AsymCheck(Callback):
             One ``fit`` opens it and closes it.
         every: a version every ``every`` optimizer steps.
         keep_last: versions kept per tier.
-        keep_every: also keep every version whose step is a multiple of it, permanently (one process only).
+        keep_every: also keep every version whose step is a multiple of it, permanently.
         monitor: a metric logged by the LightningModule (``self.log``), as ``ModelCheckpoint`` takes it:
             read from ``trainer.callback_metrics`` after each training batch and each validation, and
             recorded with the version of the step (``meta["metrics"]``).
@@ -398,18 +398,12 @@ class AsymCheck(Callback):
         """Refuse what is not captured, build the Checkpointer, load the newest version (``resume=True``).
 
         Raises:
-            UnsupportedLightningConfigError: a setting named in the message is not supported (also
-                ``keep_every`` or ``save_top_k`` > 0 with ``monitor`` under several processes).
+            UnsupportedLightningConfigError: a setting named in the message is not supported.
         """
         _check(trainer, pl_module)
         keep_best = None
         if self.monitor is not None and self.save_top_k > 0:
             keep_best = KeepBest(self.monitor, self.mode, self.save_top_k)
-        if trainer.world_size > 1 and (keep_best is not None or self.keep_every is not None):
-            raise UnsupportedLightningConfigError(
-                f"AsymCheck(keep_every={self.keep_every!r}, monitor={self.monitor!r}, save_top_k={self.save_top_k}) "
-                f"under {trainer.world_size} processes: a multi-rank store keeps its newest versions only "
-                "(keep_every=None, and save_top_k=0 to record the metric without keeping by it)")
         self._loops = _LoopState()
         stateful: dict[str, Stateful] = {LOOPS_NAME: self._loops}
         for i, config in enumerate(trainer.lr_scheduler_configs):

@@ -13,6 +13,7 @@ from asymcheck.deepspeed.state import DeepSpeedState
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.state.trainstate import Stateful
+from asymstore import KeepBest
 from asymstore.api import CollectiveStore, ReshardingStore
 from asymstore.multirank import RankStore
 from asymstore.tiers.protocol import Tier
@@ -70,8 +71,8 @@ class DeepSpeedCheckpointer(Checkpointer):
 
 def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str | os.PathLike[str] | None = None,
            stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
-           keep_last: int | None = 3, timeout_s: float = 300.0,
-           **kwargs: Any) -> DeepSpeedCheckpointer:
+           keep_last: int | None = 3, keep_every: int | None = None, keep_best: KeepBest | None = None,
+           timeout_s: float = 300.0, **kwargs: Any) -> DeepSpeedCheckpointer:
     """Snapshot ``engine`` every ``every`` optimizer steps, asymmetrically, into a multi-rank store.
 
     ::
@@ -96,6 +97,10 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
         data: name -> object with ``state_dict``/``load_state_dict`` that advances when a batch is drawn
             (data loader, sampler): taken when the optimizer step returns, saved per rank.
         keep_last: global versions kept (when the store is built here).
+        keep_every: also keep every global version whose step is a multiple of it (when the store
+            is built here).
+        keep_best: also keep the best global versions by a metric given to ``log_metrics`` (when
+            the store is built here).
         timeout_s: how long rank 0 waits for every rank's shard at each commit.
         **kwargs: passed to :class:`asymcheck.Checkpointer` (``partitioning``, ``warmup``, ``max_inflight``,
             ``host_slots``, ``min_partition_bytes``, ``preempt_on``, ``preempt_deadline_s``...).
@@ -115,9 +120,11 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
     if isinstance(store_or_tiers, CollectiveStore):
         store = store_or_tiers
     elif isinstance(store_or_tiers, (str, os.PathLike)):
-        store = RankStore(store_or_tiers, keep_last=keep_last, timeout_s=timeout_s)
+        store = RankStore(store_or_tiers, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                          timeout_s=timeout_s)
     else:
         if root is None:
             raise ValueError("attach() with a list of tiers needs root= (the directory of the global manifests)")
-        store = RankStore(root, tiers=list(store_or_tiers), keep_last=keep_last, timeout_s=timeout_s)
+        store = RankStore(root, tiers=list(store_or_tiers), keep_last=keep_last, keep_every=keep_every,
+                          keep_best=keep_best, timeout_s=timeout_s)
     return DeepSpeedCheckpointer(engine, store, stateful=stateful, data=data, every=every, **kwargs)

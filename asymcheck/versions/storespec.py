@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from asymcheck.errors import UnsupportedConfigError
 from asymstore import AsymStore, KeepBest, LocalTier, Tier
 from asymstore.api import CheckpointStore, TierStatus
 
@@ -38,9 +37,7 @@ def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None
     directory is a :class:`~asymstore.multirank.RankStore` in a job of several ranks, or when it
     already holds a multi-rank checkpoint.
 
-    Raises:
-        UnsupportedConfigError: ``keep_every`` or ``keep_best`` for a multi-rank store (it keeps its
-            newest global versions, ``keep_last``, only).
+    ``keep_every`` and ``keep_best`` apply in either: a multi-rank store judges its global versions.
     """
     if isinstance(spec, CheckpointStore):  # AsymStore, RankStore
         return spec
@@ -50,12 +47,9 @@ def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None
         several = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1  # DDP, FSDP2: one shard per rank, a global commit
         if several or is_multirank(os.fspath(spec)):  # (or one process resuming a multi-rank job's root)
-            if keep_every is not None or keep_best is not None:
-                raise UnsupportedConfigError(
-                    "keep_every and keep_best apply to one process's store; a multi-rank store keeps its newest "
-                    "global versions (keep_last) only")
-            return RankStore(spec, keep_last=keep_last) if several else \
-                RankStore(spec, keep_last=keep_last, rank=0, world_size=1)
+            rank, world = (None, None) if several else (0, 1)
+            return RankStore(spec, rank=rank, world_size=world, keep_last=keep_last, keep_every=keep_every,
+                             keep_best=keep_best)
         return AsymStore([LocalTier(spec)], keep_last=keep_last, keep_every=keep_every, keep_best=keep_best)
     return AsymStore(list(spec), keep_last=keep_last, keep_every=keep_every, keep_best=keep_best)
 

@@ -16,6 +16,7 @@ from asymstore.dist.kv import KV
 from asymstore.errors import StoreClosedError
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.multirank import globaldir
+from asymstore.policy.retention import Retention
 from asymstore.tiers.protocol import Tier
 
 
@@ -32,6 +33,8 @@ class Job:
         timeout_s: longest wait of a global commit for every rank's report.
         restore_timeout_s: longest wait of the collective restore for the ranks.
         global_keep_last: global versions retention keeps (None: all).
+        rules: the retention rules beyond ``keep_last`` (``keep_every``, ``keep_best``), judged
+            on the global versions; None: the newest ``global_keep_last`` only.
         peer_tiers: unopened tiers to read another rank's shards from, by rank.
         global_cache: the coordinator's kept global manifests as it published them
             (retention reads them, not the files).
@@ -48,6 +51,7 @@ class Job:
     restore_timeout_s: float
     global_keep_last: int | None
     peer_tiers: Callable[[int], Sequence[Tier]]
+    rules: Retention | None = None
     global_cache: dict[int, GlobalManifest] = field(default_factory=dict)
     placement_cache: tuple[list[Any], str] | None = None
     client: KV | None = None

@@ -4,7 +4,13 @@
   (:func:`retain_globals`) and tells each rank, under ``retain/all`` (every
   rank alike: one request) or ``retain/<rank>`` of the coordination store,
   the oldest shard step a kept version still needs.
-* Each rank then deletes its own older shards (:func:`retain_shards`).
+* With ``keep_every`` or ``keep_best`` (``Job.rules``) the kept global versions
+  are not the newest ones only: the coordinator judges every global version by
+  the retention note its global manifest carries (written at publish, as a
+  single store writes it into a version's meta, so a restart keeps the same
+  set) and puts, under ``retain/set``, the shard steps each rank must keep up
+  to the newest kept one; below that, a rank deletes every other shard.
+* Each rank then deletes its own shards no kept version needs (:func:`retain_shards`).
 * Shards of ranks no longer in the job are retired by the coordinator
   (:func:`retire_departed_shards`, see :mod:`.departed`).
 * After a restore, a rank's own shards above the restored version that no
@@ -32,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 def _kept_globals(job: Job, keep_last: int) -> list[GlobalManifest] | None:
-    """The newest ``keep_last`` global versions, or None if one of them does not parse."""
+    """The global versions retention keeps, or None if one that might be kept does not parse."""
+    if job.rules is not None:
+        judged = _judge(job)
+        return None if judged is None else judged[0]
     kept = []
     for s in job.global_steps()[-keep_last:]:
         try:
@@ -40,6 +49,36 @@ def _kept_globals(job: Job, keep_last: int) -> list[GlobalManifest] | None:
         except (GlobalManifestError, OSError):
             return None
     return kept
+
+
+def _judge(job: Job) -> tuple[list[GlobalManifest], list[int]] | None:
+    """Under ``job.rules``: (the kept global versions, the steps to delete), or None if one does not parse."""
+    assert job.rules is not None
+    manifests: dict[int, GlobalManifest] = {}
+    for s in job.global_steps():
+        try:
+            manifests[s] = _global(job, s)
+        except (GlobalManifestError, OSError) as exc:
+            logger.warning("global version %d does not parse (%s): nothing is deleted", s, exc)
+            return None
+    notes = {s: job.rules.note_of(g.meta) for s, g in manifests.items()}
+    kept = job.rules.kept(notes, keep_last=job.global_keep_last)
+    return [manifests[s] for s in sorted(kept)], [s for s in sorted(manifests) if s not in kept]
+
+
+def _retain_by_rules(job: Job) -> None:
+    """Coordinator, under ``job.rules``: drop the global versions no rule keeps; publish the shards to keep."""
+    judged = _judge(job)
+    if judged is None:
+        return
+    kept, doomed = judged
+    for old in doomed:
+        globaldir.delete_global(job.global_dir, old, fsync=job.fsync)
+        job.global_cache.pop(old, None)
+    if not kept:
+        return
+    needed = {r: sorted({g.shard(r).step for g in kept if r < g.world_size}) for r in range(job.world_size)}
+    job.kv.put("retain/set", {"ranks": {str(r): steps for r, steps in needed.items() if steps}})
 
 
 def _global(job: Job, step: int) -> GlobalManifest:
@@ -52,6 +91,9 @@ def _global(job: Job, step: int) -> GlobalManifest:
 
 def retain_globals(job: Job) -> None:
     """Coordinator: drop global versions beyond ``keep_last``; tell each rank which shards are still needed."""
+    if job.rules is not None:
+        _retain_by_rules(job)
+        return
     if job.global_keep_last is None:
         return
     steps = job.global_steps()
@@ -78,9 +120,10 @@ def retain_globals(job: Job) -> None:
 
 async def retire_departed_shards(job: Job) -> None:
     """Coordinator: drop shards of ranks no longer in the job (it shrank) that no kept version needs."""
-    if job.global_keep_last is None or not any(r >= job.world_size for r in globaldir.rank_dirs(job.root)):
+    if (job.global_keep_last is None and job.rules is None) or \
+            not any(r >= job.world_size for r in globaldir.rank_dirs(job.root)):
         return
-    kept = _kept_globals(job, job.global_keep_last)
+    kept = _kept_globals(job, job.global_keep_last or 0)
     if kept is None:
         return  # an unreadable kept version: delete nothing it might need
     await retire_departed(job.root, job.world_size, kept, job.peer_tiers)
@@ -93,13 +136,32 @@ async def delete_shard(local: AsymStore, step: int) -> None:
             await tier.delete_version(step)
 
 
-async def retain_shards(local: AsymStore, kv: KV, rank: int) -> None:
-    """Delete ``rank``'s own shards older than the oldest one a kept global version needs."""
-    keep_from = max(await asyncio.to_thread(kv.read_int, f"retain/{rank}"),
-                    await asyncio.to_thread(kv.read_int, "retain/all")) - 1
-    if keep_from < 0:
-        return
-    old = sorted({v for vs in local.versions().values() for v in vs if v < keep_from})
+async def retain_shards(local: AsymStore, kv: KV, rank: int, *, by_rules: bool = False) -> None:
+    """Delete ``rank``'s own shards no kept global version needs.
+
+    Args:
+        local: the rank's own shards.
+        kv: the coordination store.
+        rank: the rank.
+        by_rules: the job keeps by ``keep_every``/``keep_best`` too: read ``retain/set``
+            (below the newest step it names, only those steps stay), else ``retain/<rank>``
+            and ``retain/all`` (every shard older than the step they name goes).
+    """
+    if by_rules:
+        record = await asyncio.to_thread(kv.get, "retain/set") if await asyncio.to_thread(kv.has, "retain/set") \
+            else None
+        ranks = record.get("ranks") if isinstance(record, dict) else None
+        steps = ranks.get(str(rank)) if isinstance(ranks, dict) else None
+        if not isinstance(steps, list) or not steps or not all(isinstance(s, int) for s in steps):
+            return
+        keep, top = set(steps), max(steps)
+        old = sorted({v for vs in local.versions().values() for v in vs if v < top and v not in keep})
+    else:
+        keep_from = max(await asyncio.to_thread(kv.read_int, f"retain/{rank}"),
+                        await asyncio.to_thread(kv.read_int, "retain/all")) - 1
+        if keep_from < 0:
+            return
+        old = sorted({v for vs in local.versions().values() for v in vs if v < keep_from})
     for s in old:
         await delete_shard(local, s)
     if old:

@@ -42,6 +42,7 @@ from asymstore.errors import (
     CoordinationTimeoutError,
     GlobalManifestError,
     GlobalVersionDroppedError,
+    InvalidMetaError,
     NoCheckpointError,
     describe,
 )
@@ -57,6 +58,7 @@ from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
 from asymstore.multirank.restore import restore_collective
 from asymstore.multirank.retention import delete_shard, retain_shards, retire_departed_shards, roll_back
+from asymstore.policy.retention import META_KEY, KeepBest, Retention
 from asymstore.store import AsymStore
 from asymstore.tiers.local import LocalTier
 from asymstore.tiers.protocol import Tier
@@ -88,6 +90,11 @@ class RankStore:
         kv: a ``torch.distributed.Store`` for coordination (default: a new TCPStore client
             to ``MASTER_ADDR:MASTER_PORT`` when ``world_size > 1``).
         keep_last: global versions kept; shards no kept version needs are deleted. None keeps all.
+        keep_every: also keep every global version whose step is a multiple of it, permanently.
+        keep_best: also keep the best global versions by a metric of the coordinator's
+            ``meta["metrics"]`` (see :class:`~asymstore.KeepBest`). Both are judged on the global
+            versions and recorded in their global manifests (a restart keeps the same set);
+            every rank must be given the same rules.
         timeout_s: how long the coordinator waits for every rank's report at a commit
             (and ranks with ``wait_global`` for the coordinator).
         restore_timeout_s: how long ranks wait for each other during ``restore``.
@@ -100,7 +107,8 @@ class RankStore:
 
     def __init__(self, root: str | os.PathLike[str], *, rank: int | None = None, world_size: int | None = None,
                  tiers: Sequence[Tier] | None = None, peer_tiers: Callable[[int], Sequence[Tier]] | None = None,
-                 kv: Any = None, keep_last: int | None = 3, timeout_s: float = 300.0,
+                 kv: Any = None, keep_last: int | None = 3, keep_every: int | None = None,
+                 keep_best: KeepBest | None = None, timeout_s: float = 300.0,
                  restore_timeout_s: float = 1800.0, wait_global: bool = False, namespace: str | None = None,
                  fsync: bool = True, **store_kwargs: Any) -> None:
         """Configure; nothing is opened before ``open``."""
@@ -109,12 +117,14 @@ class RankStore:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 (or None to keep everything)")
+        rules = Retention(keep_last, keep_every, keep_best)  # checks the rules
         abs_root = os.path.abspath(os.fspath(root))
         self.job = Job(
             root=abs_root, global_dir=os.path.join(abs_root, globaldir.GLOBAL_DIR), rank=rank, world_size=world_size,
             fsync=fsync, timeout_s=timeout_s, restore_timeout_s=restore_timeout_s, global_keep_last=keep_last,
             peer_tiers=peer_tiers or (lambda r: [LocalTier(os.path.join(abs_root, globaldir.rank_dirname(r)),
-                                                           fsync=fsync)]))
+                                                           fsync=fsync)]),
+            rules=rules if rules.reads_notes else None)
         """What the multi-rank helpers use of this store (rank, world, global directory, coordination, timeouts)."""
         self._global_lock = DirLock(self.job.global_dir)
         if tiers is None:
@@ -258,7 +268,7 @@ class RankStore:
             try:
                 await asyncio.to_thread(self.job.kv.wait, [f"{self._last_commit_key}/global"],
                                         min(self.timeout_s, 30.0), "the last global commit")
-                await retain_shards(self.local, self.job.kv, self.rank)
+                await retain_shards(self.local, self.job.kv, self.rank, by_rules=self.job.rules is not None)
             except (CoordinationTimeoutError, RuntimeError) as exc:
                 logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
             self._last_commit_key = None
@@ -399,6 +409,16 @@ class RankStore:
         key = f"s{self._session}/commit/{self._commit_tags.pop(step, str(step))}"
         clean_summary = validate_meta(summary)
         clean_global = validate_meta(global_meta)
+        rules = self.job.rules
+        if rules is not None and self.is_coordinator:  # the decision travels with the global version
+            if META_KEY in clean_global:
+                raise InvalidMetaError(f"global meta key {META_KEY!r} is the store's own record; use another key")
+            shard_meta = validate_meta(meta)
+            record = rules.note_meta(step, shard_meta)
+            assert record is not None  # rules.reads_notes
+            clean_global[META_KEY] = {"retention": record}
+            if rules.keep_best is not None and "metrics" in shard_meta:
+                clean_global.setdefault("metrics", shard_meta["metrics"])
         try:
             result = await self.local.commit(step, meta)
         except BaseException as exc:
@@ -423,7 +443,7 @@ class RankStore:
         except GlobalVersionDroppedError:
             await self._discard(step)  # no global version will ever use it
             raise
-        await retain_shards(self.local, kv, self.rank)
+        await retain_shards(self.local, kv, self.rank, by_rules=self.job.rules is not None)
         return result
 
     async def _discard(self, step: int) -> None:
@@ -466,7 +486,7 @@ class RankStore:
                     msg = await asyncio.to_thread(self.kv.get, f"{key}/global")
                     if "step" in msg:
                         self.published_step = int(msg["step"])
-                        await retain_shards(self.local, self.kv, self.rank)
+                        await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None)
                     await asyncio.to_thread(self.kv.put, f"{key}/flushed/{self.rank}", {"global": msg})
             except (CoordinationTimeoutError, RuntimeError) as exc:
                 logger.warning("rank %d: its last commit is not finished on every rank: %s", self.rank, exc)

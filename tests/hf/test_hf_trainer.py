@@ -236,12 +236,10 @@ def test_peft_model_refused() -> None:
         check_trainer(args(), model)  # type: ignore[arg-type]
 
 
-def test_deepspeed_refuses_single_store_retention(tmp_path: Path) -> None:
+def test_deepspeed_takes_the_retention_rules_to_its_multirank_store(tmp_path: Path) -> None:
     from asymcheck.hf import AsymCheckCallback
 
-    with pytest.raises(UnsupportedTrainerConfigError, match="deepspeed with keep_every"):
-        AsymCheckCallback(str(tmp_path), keep_every=10)._deepspeed_root()
-    assert AsymCheckCallback(str(tmp_path))._deepspeed_root() == str(tmp_path)
+    assert AsymCheckCallback(str(tmp_path), keep_every=10, keep_best=1)._deepspeed_root() == str(tmp_path)
 
 
 def test_keep_best_follows_metric_for_best_model(tmp_path: Path) -> None:
@@ -263,8 +261,6 @@ def test_keep_best_follows_metric_for_best_model(tmp_path: Path) -> None:
     for bad in (0, True, "eval_loss"):
         with pytest.raises(ValueError, match="keep_best"):
             AsymCheckCallback(str(tmp_path), keep_best=bad)
-    with pytest.raises(UnsupportedTrainerConfigError, match="deepspeed with keep_best"):
-        AsymCheckCallback(str(tmp_path), keep_best=1)._deepspeed_root()
 
 
 def test_errors_are_typed() -> None:

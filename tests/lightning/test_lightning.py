@@ -29,6 +29,7 @@ import torch
 
 from asymcheck.lightning import AsymCheck, ResumableLoader, UnsupportedLightningConfigError
 from asymstore import AsymStore, LocalTier
+from asymstore.multirank.globaldir import list_global_steps
 from tests.support.launch import proc_argv, proc_env
 from tests.support.mr_harness import free_ports
 
@@ -177,6 +178,11 @@ def test_ddp_kill_and_resume(ddp_reference: _Launch, tmp_path: Path) -> None:
     _run(out, "--dir", str(root), ddp=True)
     _check_same(ddp_reference.wait(), out, 2)
     assert (root / "global").is_dir()  # a multi-rank store: rank shards and global manifests
+    # retention on the global versions: the newest 2 plus the best by val_loss (validated after 4, 8, 12)
+    kept = list_global_steps(str(root / "global"))
+    assert kept[-2:] == [DDP_STEPS - 1, DDP_STEPS] and len(kept) <= 3 and set(kept[:-2]) <= {4, 8}, kept
+    for rank in (0, 1):
+        assert sorted(int(p.name[1:]) for p in (root / f"rank-{rank:05d}").glob("v*")) == kept
 
 
 class _Manual(pl.LightningModule):

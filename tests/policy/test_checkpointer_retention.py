@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from asymcheck import Checkpointer
-from asymcheck.errors import UnsupportedConfigError
 from asymcheck.versions.storespec import make_store
 from asymstore import InvalidMetaError, KeepBest
 from asymstore.multirank import RankStore
+from asymstore.multirank.globaldir import list_global_steps
 from tests.support.asymcheck_train import make_model, make_opt, step_once
 
 
@@ -34,7 +34,7 @@ def test_fifty_steps_then_a_restart_keep_every_tenth_the_best_and_the_newest_two
     assert train(tmp_path / "c", 56, keep_best=best) == {f"local:{tmp_path / 'c'}": [10, 15, 20, 30, 40, 50, 55, 56]}
 
 
-def test_metrics_must_be_finite_numbers_and_multirank_stores_refuse_the_new_rules(tmp_path: Path) -> None:
+def test_metrics_must_be_finite_numbers(tmp_path: Path) -> None:
     model = make_model()
     opt, _ = make_opt(model)
     with Checkpointer(model, opt, tmp_path / "c") as ckpt:
@@ -42,9 +42,14 @@ def test_metrics_must_be_finite_numbers_and_multirank_stores_refuse_the_new_rule
             ckpt.log_metrics({"loss": float("nan")})
         with pytest.raises(InvalidMetaError):
             ckpt.log_metrics({"loss": "low"})  # type: ignore[dict-item]
-    RankStore(tmp_path / "mr", rank=0, world_size=1)  # a multi-rank root
-    (tmp_path / "mr" / "global").mkdir(parents=True)
-    with pytest.raises(UnsupportedConfigError, match="keep_every"):
-        make_store(tmp_path / "mr", 3, keep_every=10)
-    assert isinstance(make_store(tmp_path / "mr", 3), RankStore)
 
+
+def test_a_multirank_root_keeps_by_the_same_rules(tmp_path: Path) -> None:
+    root = tmp_path / "mr"
+    (root / "global").mkdir(parents=True)  # a multi-rank root: the store is a RankStore (one rank here)
+    store = make_store(root, 2, keep_every=10, keep_best=KeepBest("eval_loss", "min", k=1))
+    assert isinstance(store, RankStore) and store.job.rules is not None and store.job.rules.keep_every == 10
+    best = KeepBest("eval_loss", "min", k=1)
+    assert list(train(root, 50, keep_best=best).values()) == [[10, 15, 20, 30, 40, 49, 50]]
+    assert list(train(root, 56, keep_best=best).values()) == [[10, 15, 20, 30, 40, 50, 55, 56]]
+    assert list_global_steps(str(root / "global")) == [10, 15, 20, 30, 40, 50, 55, 56]

@@ -127,7 +127,7 @@ def main() -> None:
         module.signal = signal.SIGTERM
     callbacks: list[pl.Callback] = []
     if args.dir:
-        options: dict[str, Any] = {"monitor": "val_loss", "save_top_k": 0 if args.ddp else 1}
+        options: dict[str, Any] = {"monitor": "val_loss", "save_top_k": 1}
         callbacks.append(AsymCheck(args.dir, keep_last=2, max_overhead=None, **options))
     trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -29,6 +29,7 @@ from asymstore.errors import DuplicateNameError, InvalidNameError, InvalidValueE
 from asymstore.format.checksum import checksum
 from asymstore.format.manifest import DTYPE_SIZES, validate_name, validate_names
 from asymstore.format.tensors import as_bytes, dtype_name, host_copy
+from asymstore.runtime.gcpause import gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +310,9 @@ class PendingStep:
                     refused = exc
                     del names[i:], tensors[i:], kinds[i:], sizes[i:]
                     break
-        for pack in pack_tensors(names, tensors, kinds, sizes, min(PACK_BYTES, self.chunk_bytes), adopted=adopted):
+        with gc_paused():  # thousands of fresh objects, no cycles: no collector pass over them all meanwhile
+            packs = pack_tensors(names, tensors, kinds, sizes, min(PACK_BYTES, self.chunk_bytes), adopted=adopted)
+        for pack in packs:
             staged.update(dict.fromkeys(pack.names, pack))
         if refused is not None:
             raise refused

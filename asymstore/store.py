@@ -326,8 +326,11 @@ class AsymStore:
 
         Small tensors are staged one after another on the event loop (no task
         each: 10,000 of them cost no more scheduling than a few), yielding
-        every 1024; large ones concurrently in threads. On an error the rest
-        of the small ones are not staged.
+        every 1024; large ones concurrently in threads. In a call of at least
+        32 tensors, those of at most 64 KiB are copied back to back into packs
+        (one buffer, one checksum and one chunk per pack of up to 16 MiB;
+        manifest format 3). On an error the rest of the small ones are not
+        staged.
 
         Raises:
             DuplicateNameError: a name of ``tensors`` was already put for ``step``
@@ -352,7 +355,10 @@ class AsymStore:
         """Stage every tensor of ``tensors`` without copying; ``release`` runs once when the store is done with all.
 
         Every tensor is checked before any is staged; their checksums are
-        computed in place (large ones in threads).
+        computed in place (large ones in threads). In a call of at least 32
+        tensors, those of at most 64 KiB are copied into packs all the same, as
+        :meth:`put_many` does (their bytes would be gathered for the segment
+        writer anyway).
 
         Raises:
             InvalidValueError: a tensor is not a contiguous CPU tensor of a storable dtype.

@@ -109,11 +109,11 @@ class Stager:
 
         Small tensors are staged one after another on the event loop (no task
         each: 10,000 of them cost no more scheduling than a few), yielding
-        every 1024; large ones concurrently in threads. A call of at least
-        :data:`~asymstore.write.staging.PACK_MIN_TENSORS` tensors copies its
-        small ones into packs (one buffer and one checksum per pack; see
-        :mod:`asymstore.write.staging`). On an error the rest of the small ones
-        are not staged.
+        every 1024 (4096 when packing); large ones concurrently in threads. A
+        call of at least :data:`~asymstore.write.staging.PACK_MIN_TENSORS`
+        tensors copies its small ones into packs (one buffer and one checksum
+        per pack; see :mod:`asymstore.write.staging`). On an error the rest of
+        the small ones are not staged.
         """
         await self._stage_many(step, tensors, adopted=False)
 

@@ -326,11 +326,11 @@ class AsymStore:
 
         Small tensors are staged one after another on the event loop (no task
         each: 10,000 of them cost no more scheduling than a few), yielding
-        every 1024; large ones concurrently in threads. In a call of at least
-        32 tensors, those of at most 64 KiB are copied back to back into packs
-        (one buffer, one checksum and one chunk per pack of up to 16 MiB;
-        manifest format 3). On an error the rest of the small ones are not
-        staged.
+        every 1024 (4096 when packing); large ones concurrently in threads. In
+        a call of at least 32 tensors, those of at most 64 KiB are copied back
+        to back into packs (one buffer, one checksum and one chunk per pack of
+        up to 16 MiB; manifest format 3). On an error the rest of the small
+        ones are not staged.
 
         Raises:
             DuplicateNameError: a name of ``tensors`` was already put for ``step``

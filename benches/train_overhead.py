@@ -21,7 +21,9 @@ Reported per config and method: median iteration time, its ratio to
 ``none``, and the stall per step (time the training thread spent inside the
 checkpointing code), and the process CPU seconds per step (training plus
 every background thread of the method) with, beside it, the CPU seconds per
-checkpoint (that figure less ``none``'s), and the peak RSS growth of each run
+checkpoint (that figure less ``none``'s) and per GiB checkpointed (that, over
+the state's bytes times the share of steps whose version was committed;
+``benches/cpu_profile.py`` splits it per thread), and the peak RSS growth of each run
 over the RSS at its start (sampled every 10 ms, and the kernel's VmHWM;
 median and max over the repetitions, in GiB and as a multiple of the state:
 fp32 parameters + two AdamW moments). Per config, for each asymcheck method,
@@ -216,6 +218,10 @@ def summarize(per: dict[str, dict[str, list[float]]], counts: dict[str, list[int
             "overhead_s": med - base if base is not None else None,
             "cpu_s_per_step_reps": data["cpu_s"],
             "cpu_s_per_checkpoint": cpu - base_cpu if base_cpu is not None else None,
+            # per GiB of state checkpointed (asymcheck-skip: of the versions it committed, not skipped)
+            "cpu_s_per_gib": ((cpu - base_cpu) / (state_bytes * _committed_share(counts.get(method)) / GIB)
+                              if base_cpu is not None and method != "none" and _committed_share(counts.get(method))
+                              else None),
             # peak RSS over the RSS at the start of each run (before the method allocated anything)
             "rss_growth_bytes": growth, "rss_baseline_bytes": [int(b) for b in data["rss_baseline"]],
             "median_rss_growth_bytes": statistics.median(growth), "max_rss_growth_bytes": max(growth),
@@ -225,6 +231,13 @@ def summarize(per: dict[str, dict[str, list[float]]], counts: dict[str, list[int
         if method in counts:
             summary[method]["versions_committed"], summary[method]["versions_skipped"] = counts[method]
     return summary
+
+
+def _committed_share(count: list[int] | None) -> float:
+    """The share of steps whose checkpoint was taken: committed / (committed + skipped); 1 for other methods."""
+    if not count or not sum(count):
+        return 1.0
+    return count[0] / sum(count)
 
 
 def _goal(value: float | None, target: float, **extra: Any) -> dict[str, Any]:
@@ -338,8 +351,9 @@ def main() -> int:
             ratio = f"{s['ratio_vs_none']:.3f}x" if s["ratio_vs_none"] else "-"
             extra = (f", {s['versions_committed']} versions committed, {s['versions_skipped']} skipped"
                      if "versions_committed" in s else "")
-            per_ckpt = (f" ({s['cpu_s_per_checkpoint']:+.2f} CPU s per checkpoint)"
-                        if s["cpu_s_per_checkpoint"] is not None else "")
+            per_ckpt = (f" ({s['cpu_s_per_checkpoint']:+.2f} CPU s per checkpoint"
+                        + (f", {s['cpu_s_per_gib']:.2f} CPU s per GiB" if s["cpu_s_per_gib"] is not None else "")
+                        + ")" if s["cpu_s_per_checkpoint"] is not None else "")
             print(f"  {method:>15}: median step {s['median_step_s']:.3f} s ({ratio}), "
                   f"median stall {s['median_stall_s']:.3f} s, {s['cpu_s_per_step']:.2f} CPU s/step{per_ckpt}, "
                   f"peak RSS growth median {s['median_rss_growth_bytes'] / GIB:.2f} GiB "

@@ -10,7 +10,11 @@ A slot's buffer is allocated once and reused by every version that fits
 anonymous mappings advised ``MADV_HUGEPAGE`` and aligned to 2 MiB when the
 kernel's transparent huge pages are not ``never``: the first copy faults
 512 times fewer pages, the copy and the checksum miss the TLB less, and
-pinning the pages for an O_DIRECT write walks fewer of them.
+pinning the pages for an O_DIRECT write walks fewer of them (on this
+2-core VM the store's threads spent 0.07 s less per GiB per version). The
+first touch of each huge page is paid once per slot; on a VM whose freed
+memory goes back to the host it can cost more than base pages do (2.9
+against 0.4 CPU s per GiB measured here), on bare metal less.
 """
 
 from __future__ import annotations

@@ -141,8 +141,16 @@ def resume(args: argparse.Namespace, rank: int, work: Path, method: str) -> dict
         from asymcheck import Checkpointer
 
         ckpt = Checkpointer(model, opt, str(work / "resume-asym"), max_overhead=None, save_on_close=False)
-        step = ckpt.resume()
-        seconds = time.perf_counter() - t0
+        if args.profile and rank == 0:
+            import cProfile
+
+            prof = cProfile.Profile()
+            step = prof.runcall(ckpt.resume)
+            seconds = time.perf_counter() - t0
+            prof.dump_stats(str(Path(args.out).with_suffix(f".resume{dist.get_world_size()}.prof")))
+        else:
+            step = ckpt.resume()
+            seconds = time.perf_counter() - t0
         ckpt.close()
         assert step == args.warmup, step
     else:
@@ -168,7 +176,7 @@ def worker(args: argparse.Namespace) -> None:
     work = Path(args.dir)
     results: list[dict[str, Any]] = []
     if args.phase == "train":
-        for rep in range(args.reps):
+        for rep in range(0 if args.resume_only else args.reps):
             for method in METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]:
                 results.append(run_method(args, method, rank, work) | {"rep": rep})
                 if rank == 0:
@@ -204,6 +212,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--dir", default="bench-out/fsdp2_overhead-work")
     ap.add_argument("--out", default="bench-out/fsdp2_overhead")
+    ap.add_argument("--resume-only", action="store_true",
+                    help="skip phase 1's per-iteration timing: train --warmup steps, save both ways, resume")
+    ap.add_argument("--resume-reps", type=int, default=1, help="resume launches per world (median reported)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile rank 0's asymcheck resume (writes OUT.resumeM.prof)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", default="train", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -217,7 +230,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     per_rank = launch(args, "train", args.world)
     methods: dict[str, Any] = {}
-    for method in METHODS:
+    for method in [] if args.resume_only else METHODS:
         runs = [[r for r in rank if r["method"] == method] for rank in per_rank]
         times = slowest_rank_times(runs)
         methods[method] = {"median_s": statistics.median(times), "n": len(times)}
@@ -225,12 +238,21 @@ def main() -> None:
         entry["ratio_to_none"] = entry["median_s"] / methods["none"]["median_s"]
     resumes: dict[str, Any] = {}
     for world in (int(w) for w in args.resume_worlds.split(",")):
-        ranks = launch(args, "resume", world)
-        for method in ("asymcheck", "dcp.load"):
-            rows = [next(r for r in rank if r["method"] == method) for rank in ranks]
-            resumes[f"{args.world}->{world} {method}"] = {"seconds": max(r["seconds"] for r in rows),
-                                                          "exact": all(r["exact"] for r in rows)}
-    results = {"config": args.config, "gpt2": GPT2_CONFIGS[args.config], "params": per_rank[0][0]["params"],
+        per_rep: dict[str, list[dict[str, Any]]] = {}
+        for _ in range(args.resume_reps):  # a fresh set of processes per repetition
+            ranks = launch(args, "resume", world)
+            for method in ("asymcheck", "dcp.load"):
+                rows = [next(r for r in rank if r["method"] == method) for rank in ranks]
+                per_rep.setdefault(method, []).append({"seconds": max(r["seconds"] for r in rows),
+                                                       "exact": all(r["exact"] for r in rows)})
+        for method, reps in per_rep.items():
+            resumes[f"{args.world}->{world} {method}"] = {
+                "seconds": statistics.median(r["seconds"] for r in reps), "all_s": [r["seconds"] for r in reps],
+                "exact": all(r["exact"] for r in reps)}
+        asym, ref = (resumes[f"{args.world}->{world} {m}"]["seconds"] for m in ("asymcheck", "dcp.load"))
+        resumes[f"{args.world}->{world} asymcheck"]["ratio_to_dcp_load"] = asym / ref
+    params = per_rank[0][0]["params"] if per_rank[0] else None  # --resume-only: no phase 1 rows
+    results = {"config": args.config, "gpt2": GPT2_CONFIGS[args.config], "params": params,
                "world": args.world, "seq": args.seq, "batch": args.batch, "steps": args.steps, "reps": args.reps,
                "threads": args.threads, "cpus": os.cpu_count(), "methods": methods, "resume": resumes,
                "load_avg": os.getloadavg()}
@@ -239,7 +261,8 @@ def main() -> None:
     for method, e in methods.items():
         print(f"{method:<16} median {e['median_s']:.3f} s  x{e['ratio_to_none']:.2f}")
     for key, e in resumes.items():
-        print(f"resume {key:<24} {e['seconds']:.3f} s  {'bit-exact' if e['exact'] else 'NOT EXACT'}")
+        ratio = f"  x{e['ratio_to_dcp_load']:.2f} dcp.load" if "ratio_to_dcp_load" in e else ""
+        print(f"resume {key:<24} {e['seconds']:.3f} s  {'bit-exact' if e['exact'] else 'NOT EXACT'}{ratio}")
     print(f"wrote {Path(args.out).with_suffix('.json')}")
 
 

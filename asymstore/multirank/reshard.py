@@ -8,11 +8,16 @@ global version written by N ranks on a job of M ranks (see
    digest against the global manifest, then parses each shard's tensor layouts
    (:func:`asymstore.format.pieces.read_layouts`);
 2. asks ``reshard`` which piece of each sharded global tensor it holds now;
-3. for each piece, plans the overlaps with the old pieces
-   (:func:`asymstore.read.reshardplan.plan_piece`) and reads, from each old shard, only
-   the chunks that hold the overlapping byte range, verifying their checksums
-   (a chunk is the unit of verification, so the bytes read are those ranges
-   rounded out to whole chunks), and copies the overlap into place;
+3. plans, for every piece of every tensor, the overlaps with the old pieces
+   (:func:`asymstore.read.reshardplan.plan_piece`), and from them the chunks
+   of each old shard that hold the overlapping byte ranges (a chunk is the
+   unit of verification, so the bytes read are those ranges rounded out to
+   whole chunks; a chunk, or a pack of small tensors, needed by several pieces
+   is read once); it then reads each old shard's chunks segment by segment,
+   a segment's chunks in one request (in batches of at most
+   :data:`READ_BATCH_BYTES`), the old shards concurrently (at most
+   :data:`READS_IN_FLIGHT` batches at a time), verifies each chunk and copies
+   its overlaps straight from the verified bytes into the new pieces;
 4. takes every tensor held whole (RNG states, step counters, buffers) and the
    JSON meta from old rank ``rank % N``, with ``meta["layout"]`` rewritten to
    describe the new pieces.
@@ -23,8 +28,12 @@ were recorded) is refused: where its pieces belong is unknown.
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import logging
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from asymstore.api import Checkpoint, Targets
@@ -32,7 +41,7 @@ from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, d
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import Chunk, Manifest
 from asymstore.format.pieces import LAYOUT_KEY, TensorLayout, layout_meta, read_layouts
-from asymstore.read.reshardplan import plan_piece, strides
+from asymstore.read.reshardplan import PieceRead, plan_piece, strides
 from asymstore.read.verify import decode_one, read_manifest, verify_segment
 from asymstore.tiers.protocol import ReadIntoTier, Tier
 
@@ -43,6 +52,100 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+READ_BATCH_BYTES = 64 << 20
+"""At most this many bytes of one segment's chunks in one read request (a larger chunk is read alone)."""
+
+READS_IN_FLIGHT = 3
+"""Read batches in flight at once, across the old shards: the read-ahead is at most this many batches."""
+
+
+@dataclass
+class _Fill:
+    """One byte range ``[start, stop)`` of an old rank's stored tensor, to land in ``dst`` (a view of a new tensor).
+
+    With ``flat`` (the range is exactly the elements of ``dst`` in order, and ``dst`` is contiguous), each
+    chunk's part is copied straight into its place; otherwise the range lands in ``dst`` as the strided box
+    ``shape`` of an old piece of row-major ``strides`` at once: straight from the chunk when one chunk holds
+    it all, else through ``staging`` once every chunk of it is verified.
+    """
+
+    start: int
+    stop: int
+    dst: torch.Tensor
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    flat: bool
+    left: int = 0
+    staging: bytearray | None = None
+
+
+@dataclass
+class _Need:
+    """A chunk of an old shard to read and verify once, and the parts of it the fills want."""
+
+    chunk: Chunk
+    name: str  # a tensor stored in it (named in errors)
+    parts: list[tuple[_Fill, int, int, int]] = field(default_factory=list)  # (fill, tensor position, raw lo, hi)
+
+
+def _positions(entry_pieces: list[tuple[Chunk, int, int]]) -> list[int]:
+    """Each piece's first byte in the tensor."""
+    out, pos = [], 0
+    for _, lo, hi in entry_pieces:
+        out.append(pos)
+        pos += hi - lo
+    return out
+
+
+def _land(fill: _Fill, raw: memoryview, at: int, lo: int, hi: int) -> None:
+    """Copy what ``fill`` wants of a verified chunk's raw bytes ``[lo, hi)``, tensor bytes from ``at``."""
+    a, b = max(fill.start, at), min(fill.stop, at + hi - lo)
+    if a >= b:
+        return
+    src = raw[lo + a - at:lo + b - at]
+    if fill.flat:
+        _bytes_of(fill.dst)[a - fill.start:b - fill.start].copy_(_u8(src))
+        return
+    if a == fill.start and b == fill.stop:  # one chunk holds the whole range: straight from it
+        _strided_copy(fill, src)
+        return
+    if fill.staging is None:
+        fill.staging = bytearray(fill.stop - fill.start)
+        fill.left = fill.stop - fill.start
+    fill.staging[a - fill.start:b - fill.start] = src
+    fill.left -= b - a
+    if fill.left == 0:
+        _strided_copy(fill, memoryview(fill.staging))
+        fill.staging = None
+
+
+def _u8(buf: memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``buf`` (no copy; read-only buffers are only read)."""
+    import warnings
+
+    import torch
+
+    if not len(buf):
+        return torch.empty(0, dtype=torch.uint8)
+    if buf.readonly:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # frombuffer of a read-only buffer: only read from here
+            return torch.frombuffer(buf, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous tensor ``t``, as a flat uint8 view."""
+    import torch
+
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _strided_copy(fill: _Fill, src: memoryview) -> None:
+    """Copy the box ``fill.shape`` (strided as the old piece) held by the bytes ``src`` into ``fill.dst``."""
+    data = _u8(src).view(fill.dst.dtype)
+    fill.dst.copy_(data.as_strided(fill.shape, fill.strides))
 
 
 async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop: int,
@@ -111,7 +214,6 @@ class ShardSet:
         self.layouts: dict[int, dict[str, TensorLayout]] = {}
         self.tiers: dict[int, Tier] = {}
         self._opened: list[Tier] = []
-        self._packs: dict[int, dict[tuple[str, int], memoryview]] = {}  # per rank: the last pack verified
 
     @classmethod
     def of_job(cls, job: Job, tiers: Sequence[Tier], g: GlobalManifest) -> ShardSet:
@@ -166,30 +268,156 @@ class ShardSet:
 
     async def tensor(self, rank: int, name: str) -> torch.Tensor:
         """The whole stored tensor ``name`` of old rank ``rank``."""
-        from asymstore.format.tensors import dtype_from_name, from_bytes
-
-        entry = self.manifests[rank].tensors[name]
-        data = await read_range(self.tiers[rank], self.manifests[rank], name, 0, entry.nbytes,
-                                self._packs.setdefault(rank, {}))
-        return from_bytes(memoryview(data), dtype_from_name(entry.dtype), list(entry.shape))
+        return (await self.fill({}, [name], rank))[name]
 
     async def piece(self, name: str, want: TensorLayout) -> torch.Tensor:
         """This rank's new piece ``want`` of global tensor ``name``, from the overlapping old pieces."""
+        return (await self.fill({name: want}, [], 0))[name]
+
+    async def fill(self, wanted: Mapping[str, TensorLayout], whole: Sequence[str],
+                   source: int) -> dict[str, torch.Tensor]:
+        """New pieces ``wanted`` of global tensors, and the stored tensors ``whole`` of old rank ``source``.
+
+        Every piece is planned first; then each old shard's chunks are read
+        once, a segment's together (see the module docstring), verified, and
+        their overlaps copied into the new tensors.
+
+        Raises:
+            CorruptVersionError: a chunk or segment fails verification.
+            LayoutError: the old pieces do not cover a wanted piece exactly.
+            TierError: a tier failed to read.
+        """
         import torch
 
         from asymstore.format.tensors import dtype_from_name
 
-        dtype = dtype_from_name(want.dtype)
-        old = {r: layouts[name] for r, layouts in self.layouts.items() if name in layouts}
-        out = torch.empty(want.shape, dtype=dtype)
-        for read in plan_piece(want, old):
-            data = await read_range(self.tiers[read.rank], self.manifests[read.rank], name, read.start, read.stop,
-                                    self._packs.setdefault(read.rank, {}))
-            flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-            src = flat.as_strided(read.shape, strides(old[read.rank].shape))
-            box = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(read.lo, read.hi, want.offsets, strict=True))
-            out[box].copy_(src)
+        out: dict[str, torch.Tensor] = {}
+        needs: dict[int, dict[tuple[str, int], _Need]] = {}
+        for name, want in wanted.items():
+            dest = out[name] = torch.empty(want.shape, dtype=dtype_from_name(want.dtype))
+            old = {r: layouts[name] for r, layouts in self.layouts.items() if name in layouts}
+            for read in plan_piece(want, old):
+                box = tuple(slice(lo - o, hi - o) for lo, hi, o in zip(read.lo, read.hi, want.offsets, strict=True))
+                self._want(needs, read.rank, name, _fill_of(read, dest[box], old[read.rank].shape))
+        for name in whole:
+            entry = self.manifests[source].tensors[name]
+            dest = out[name] = torch.empty(list(entry.shape), dtype=dtype_from_name(entry.dtype))
+            if entry.nbytes:
+                self._want(needs, source, name,
+                           _Fill(0, entry.nbytes, dest, tuple(entry.shape), strides(entry.shape), True))
+        sem = asyncio.Semaphore(READS_IN_FLIGHT)
+        await asyncio.gather(*(self._read_shard(rank, list(chunks.values()), sem)
+                               for rank, chunks in sorted(needs.items())))
         return out
+
+    def _want(self, needs: dict[int, dict[tuple[str, int], _Need]], rank: int, name: str, fill: _Fill) -> None:
+        """Note the chunks of old rank ``rank``'s tensor ``name`` that hold ``fill``'s range."""
+        entry = self.manifests[rank].tensors[name]
+        if fill.stop > entry.nbytes:  # read_layouts matched the layouts to the entries: never here
+            raise LayoutError(f"{name}: bytes [{fill.start}, {fill.stop}) wanted of rank {rank}'s "
+                              f"{entry.nbytes}-byte piece")
+        pieces = entry.pieces()
+        at = _positions(pieces)
+        shard = needs.setdefault(rank, {})
+        for i in range(max(0, bisect.bisect_right(at, fill.start) - 1), len(pieces)):
+            if at[i] >= fill.stop:
+                break
+            chunk, lo, hi = pieces[i]
+            if at[i] + hi - lo <= fill.start:
+                continue
+            need = shard.get((chunk.segment, chunk.offset))
+            if need is None:
+                need = shard[chunk.segment, chunk.offset] = _Need(chunk, name)
+            need.parts.append((fill, at[i], lo, hi))
+
+    async def _read_shard(self, rank: int, needs: list[_Need], sem: asyncio.Semaphore) -> None:
+        """Read, verify and land old rank ``rank``'s chunks ``needs``: per segment, in offset order, batched.
+
+        The chunks of one batch are verified and copied in a thread while the
+        next batch is read.
+        """
+        manifest, tier = self.manifests[rank], self.tiers[rank]
+        sizes = {s.name: s.size for s in manifest.segments}
+        by_segment: dict[str, list[_Need]] = {}
+        for need in needs:
+            by_segment.setdefault(need.chunk.segment, []).append(need)
+        landing: asyncio.Future[None] | None = None
+        for segment, group in sorted(by_segment.items()):
+            group.sort(key=lambda n: n.chunk.offset)
+            if isinstance(tier, ReadIntoTier):
+                for batch in _batches(group):
+                    bufs = [memoryview(bytearray(n.chunk.length)) for n in batch]
+                    async with sem:
+                        digests = await tier.read_segment_into(manifest.step, segment, sizes[segment],
+                                                               [(n.chunk.offset, b) for n, b in zip(batch, bufs,
+                                                                                                    strict=True)])
+                    if landing is not None:
+                        await landing
+                    landing = asyncio.ensure_future(asyncio.to_thread(_verify_and_land, batch, bufs, digests))
+            else:
+                async with sem:
+                    data = await tier.read_segment(manifest.step, segment, sizes[segment])
+                verify_segment(manifest, segment, data, deep=False)
+                view = memoryview(data).cast("B")
+                if landing is not None:
+                    await landing
+                landing = asyncio.ensure_future(asyncio.to_thread(
+                    _verify_and_land, group, [view[n.chunk.offset:n.chunk.offset + n.chunk.length] for n in group],
+                    None))
+        if landing is not None:
+            await landing
+        unfilled = {id(f) for n in needs for f, *_ in n.parts if f.staging is not None}
+        if unfilled:  # the chunks of a tensor cover its bytes (parse checks): never here
+            raise CorruptVersionError(f"rank {rank}'s shard: {len(unfilled)} range(s) not filled by their chunks")
+
+
+def _batches(group: list[_Need]) -> list[list[_Need]]:
+    """``group`` (one segment's chunks, in offset order) in runs of at most :data:`READ_BATCH_BYTES` each."""
+    out: list[list[_Need]] = []
+    size = 0
+    for need in group:
+        if not out or (size + need.chunk.length > READ_BATCH_BYTES and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(need)
+        size += need.chunk.length
+    return out
+
+
+def _verify_and_land(batch: Sequence[_Need], bufs: Sequence[memoryview], digests: list[str] | None) -> None:
+    """Verify each chunk of ``batch`` (its stored bytes ``bufs``), then copy its parts into the fills.
+
+    ``digests`` (from the tier, hashed as the bytes landed) stand for a
+    second hash pass over a raw chunk.
+
+    Raises:
+        CorruptVersionError: a chunk fails verification.
+    """
+    if digests is not None and len(digests) != len(batch):
+        raise CorruptVersionError(f"the tier returned {len(digests)} digests for {len(batch)} chunks")
+    for i, (need, buf) in enumerate(zip(batch, bufs, strict=True)):
+        chunk = need.chunk
+        if digests is not None and digests[i] != chunk.checksum:
+            raise CorruptVersionError(f"{need.name}: chunk in {chunk.segment} at {chunk.offset}: "
+                                      "stored checksum mismatch")
+        if digests is not None and _plain(chunk):
+            raw = buf  # raw, and its stored bytes hashed as they landed: verified
+        else:
+            raw = decode_one(need.name, chunk, buf, None)
+        for fill, at, lo, hi in need.parts:
+            _land(fill, raw, at, lo, hi)
+
+
+def _plain(chunk: Chunk) -> bool:
+    """Whether ``chunk`` is stored raw, its raw bytes the stored bytes (one checksum, no codec)."""
+    return (chunk.codec == "raw" and chunk.length == chunk.raw_length
+            and (chunk.raw_checksum is None or chunk.raw_checksum == chunk.checksum))
+
+
+def _fill_of(read: PieceRead, dst: torch.Tensor, old_shape: Sequence[int]) -> _Fill:
+    """The fill of ``dst`` (a box of a new piece) from ``read`` of an old piece of ``old_shape``."""
+    flat = dst.is_contiguous() and read.stop - read.start == math.prod(read.shape) * dst.element_size()
+    return _Fill(read.start, read.stop, dst, read.shape, strides(old_shape), flat)
 
 
 async def restore_resharded(job: Job, tiers: Sequence[Tier], g: GlobalManifest, targets: Targets) -> Checkpoint:
@@ -215,9 +443,8 @@ async def restore_resharded(job: Job, tiers: Sequence[Tier], g: GlobalManifest, 
             raise LayoutError(f"the live model does not take the pieces of global step {g.step}: {exc}") from exc
         if set(wanted) != set(sharded):
             raise LayoutError(f"the live model places {sorted(set(wanted) ^ set(sharded))[:5]} differently")
-        tensors: dict[str, torch.Tensor] = {}
-        for name in layouts:
-            tensors[name] = await (shards.piece(name, wanted[name]) if name in wanted else shards.tensor(source, name))
+        got = await shards.fill(wanted, [name for name in layouts if name not in wanted], source)
+        tensors = {name: got[name] for name in layouts}
         manifest = shards.manifests[source]
         meta = dict(manifest.meta)
         new_layouts = {name: wanted.get(name) or lay for name, lay in layouts.items()}

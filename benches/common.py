@@ -394,3 +394,14 @@ def run_ranks(argv: Sequence[str], world: int, threads: int, timeout: float | No
                     q.kill()
             codes.append(p.wait())
     return codes
+
+
+def order(methods: list[str], rnd: int) -> list[str]:
+    """Round ``rnd``'s order of ``methods``: rotated by ``rnd // 2``, reversed on odd rounds (ABC CBA BCA ACB ...).
+
+    Every method runs first, last and in between as often as the others, and each pair of rounds
+    is interleaved ABBA, so a drift of the machine during a bench does not favour one method.
+    """
+    k = (rnd // 2) % len(methods)
+    rotated = methods[k:] + methods[:k]
+    return rotated[::-1] if rnd % 2 else rotated

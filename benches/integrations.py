@@ -82,7 +82,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GPT2_CONFIGS, REPO, RssSampler, build_gpt2, cpu_seconds, git_state, release_free_memory, write_json
+from common import (
+    GPT2_CONFIGS,
+    REPO,
+    RssSampler,
+    build_gpt2,
+    cpu_seconds,
+    git_state,
+    order,
+    release_free_memory,
+    write_json,
+)
 
 FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp"]
 METHODS = ["none", "own", "asymcheck"]
@@ -381,13 +391,6 @@ def child(args: argparse.Namespace) -> None:
 
 
 # -- the parent: rounds of fresh processes, the summary ----------------------------------------
-
-
-def order(methods: list[str], rnd: int) -> list[str]:
-    """Round ``rnd``'s order: rotated by ``rnd // 2``, reversed on odd rounds (ABC CBA BCA ACB ...)."""
-    k = (rnd // 2) % len(methods)
-    rotated = methods[k:] + methods[:k]
-    return rotated[::-1] if rnd % 2 else rotated
 
 
 def run_child(framework: str, method: str, args: argparse.Namespace, work: Path, timeout: float) -> dict[str, Any]:

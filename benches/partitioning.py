@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GPT2_CONFIGS, REPO, build_gpt2, cpu_seconds, git_state, run_ranks, write_json
+from common import GPT2_CONFIGS, REPO, build_gpt2, cpu_seconds, git_state, order, run_ranks, write_json
 
 from asymcheck import PARTITIONINGS
 
@@ -253,13 +253,6 @@ def child(args: argparse.Namespace) -> None:
 
 
 # -- the parent: rounds of fresh processes, the summary -----------------------------------------
-
-
-def order(methods: list[str], rnd: int) -> list[str]:
-    """Round ``rnd``'s order: rotated by ``rnd // 2``, reversed on odd rounds (ABCD DCBA BCDA ADCB ...)."""
-    k = (rnd // 2) % len(methods)
-    rotated = methods[k:] + methods[:k]
-    return rotated[::-1] if rnd % 2 else rotated
 
 
 def run_one(setup: str, config: str, method: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:

@@ -258,15 +258,18 @@ _HASH_PIECE = 1 << 20  # bytes filled then hashed at once, while they are still 
 
 
 def read_ranges(path: str, size: int, ranges: Sequence[tuple[int, memoryview]], *,
-                hashes: bool = False) -> list[str] | None:
+                hashes: bool = False, direct: bool = True) -> list[str] | None:
     """Fill each ``(offset, view)`` of ``ranges`` with bytes ``[offset, offset + len(view))`` of ``path``.
 
     ``path`` must be a regular file of ``size`` bytes (checked on the open
-    descriptor, never following a symlink). A file of 8 MiB or more is read
-    with O_DIRECT in aligned windows through this thread's reused bounce
-    buffer, each window copied once into the views it overlaps: no page-cache
-    fill and no fresh memory per read. Otherwise (or where O_DIRECT is
-    refused) each range is read with ``preadv`` straight into its view.
+    descriptor, never following a symlink). With ``direct``, a file of 8 MiB
+    or more is read with O_DIRECT in aligned windows through this thread's
+    reused bounce buffer, each window copied once into the views it overlaps:
+    no page-cache fill and no fresh memory per read. Otherwise (small files,
+    ``direct`` off, or where O_DIRECT is refused) each range is read with
+    ``preadv`` straight into its view: on a file that is already memory
+    (tmpfs), that is the one copy, done by the kernel without the GIL, so
+    several segments read at once use several cores.
 
     With ``hashes``, each range's xxh3-64 digest is computed as it is filled,
     1 MiB at a time while those bytes are still in the cache, and the digests
@@ -286,7 +289,7 @@ def read_ranges(path: str, size: int, ranges: Sequence[tuple[int, memoryview]], 
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             raise CorruptVersionError(f"{path} is not a regular file of {size} bytes")
-        if size >= _DIRECT_MIN_BYTES and order and _set_direct(fd, True):
+        if direct and size >= _DIRECT_MIN_BYTES and order and _set_direct(fd, True):
             order = _read_ranges_direct(fd, size, order, states)
             _set_direct(fd, False)
         for off, view, i in order:

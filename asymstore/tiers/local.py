@@ -51,17 +51,20 @@ class LocalTier:
         name: the tier's name in reports (default: ``"local:<root>"``).
         keep_last: this tier's retention; None uses the store's.
         fsync: flush files and directories (turn off only for tmpfs).
+        direct_reads: read large segments with O_DIRECT (turn off only for tmpfs, whose files are memory:
+            there the bounce buffer would be a second copy).
     """
 
     persistent = True
 
     def __init__(self, root: str | os.PathLike[str], *, name: str | None = None,
-                 keep_last: int | None = None, fsync: bool = True) -> None:
+                 keep_last: int | None = None, fsync: bool = True, direct_reads: bool = True) -> None:
         """Create a tier over ``root``; nothing touches the disk before ``open``."""
         self.root = os.path.abspath(os.fspath(root))
         self.name = name or f"local:{self.root}"
         self.keep_last = keep_last
         self.fsync = fsync
+        self.direct_reads = direct_reads
         self._lock = DirLock(self.root)
         self._active: set[str] = set()  # this writer's temporary names in flight
 
@@ -151,7 +154,8 @@ class LocalTier:
         """
         path = os.path.join(self._vdir(step), validate_segment_name(name))
 
-        return await self._segment_io(step, name, path, lambda: read_ranges(path, size, ranges, hashes=True))
+        return await self._segment_io(step, name, path, lambda: read_ranges(path, size, ranges, hashes=True,
+                                                                                 direct=self.direct_reads))
 
     async def _segment_io(self, step: int, name: str, path: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` (reading segment ``name`` at ``path``) in a thread, after checking the version directory.

@@ -37,11 +37,15 @@ class ShmTier(BoundedTier):
         wait_timeout_s: longest wait under ``"wait"`` (None: no limit), then CapacityError.
     """
 
+    prefers_read_into = True
+    """Restore reads every raw tensor straight into fresh memory (one copy out of the file, hashed as it lands)."""
+
     def __init__(self, capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str], name: str | None = None,
                  keep_last: int | None = None, policy: BackPressure = "wait",
                  wait_timeout_s: float | None = None) -> None:
         """Create the tier; nothing touches the directory before ``open``."""
-        files = LocalTier(path, fsync=False)  # tmpfs: fsync is a no-op there, and nothing survives a reboot
+        # tmpfs: fsync is a no-op there, nothing survives a reboot, and the files are memory (no O_DIRECT bounce)
+        files = LocalTier(path, fsync=False, direct_reads=False)
         super().__init__(capacity_bytes, name=name or f"host:{files.root}", keep_last=keep_last, policy=policy,
                          wait_timeout_s=wait_timeout_s)
         self._files = files

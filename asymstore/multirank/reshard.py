@@ -342,18 +342,32 @@ class ShardSet:
         for need in needs:
             by_segment.setdefault(need.chunk.segment, []).append(need)
         landing: asyncio.Future[None] | None = None
+        slabs: list[memoryview | None] = [None, None]  # reused: batch k lands from one while k + 1 reads into the other
+        turn = 0
         for segment, group in sorted(by_segment.items()):
             group.sort(key=lambda n: n.chunk.offset)
             if isinstance(tier, ReadIntoTier):
                 for batch in _batches(group):
-                    bufs = [memoryview(bytearray(n.chunk.length)) for n in batch]
+                    direct = [_direct_view(n) for n in batch]
+                    slab, turn = slabs[turn % 2], turn + 1
+                    total = sum(n.chunk.length for n, d in zip(batch, direct, strict=True) if d is None)
+                    if total and (slab is None or len(slab) < total):
+                        slab = slabs[(turn - 1) % 2] = _scratch(max(total, min(READ_BATCH_BYTES, 2 * total)))
+                    bufs, at = [], 0
+                    for n, d in zip(batch, direct, strict=True):
+                        if d is None:
+                            assert slab is not None
+                            d = slab[at:at + n.chunk.length]
+                            at += n.chunk.length
+                        bufs.append(d)
                     async with sem:
                         digests = await tier.read_segment_into(manifest.step, segment, sizes[segment],
                                                                [(n.chunk.offset, b) for n, b in zip(batch, bufs,
                                                                                                     strict=True)])
                     if landing is not None:
                         await landing
-                    landing = asyncio.ensure_future(asyncio.to_thread(_verify_and_land, batch, bufs, digests))
+                    landed = [d is not None for d in direct]
+                    landing = asyncio.ensure_future(asyncio.to_thread(_verify_and_land, batch, bufs, digests, landed))
             else:
                 async with sem:
                     data = await tier.read_segment(manifest.step, segment, sizes[segment])
@@ -363,12 +377,19 @@ class ShardSet:
                     await landing
                 landing = asyncio.ensure_future(asyncio.to_thread(
                     _verify_and_land, group, [view[n.chunk.offset:n.chunk.offset + n.chunk.length] for n in group],
-                    None))
+                    None, None))
         if landing is not None:
             await landing
         unfilled = {id(f) for n in needs for f, *_ in n.parts if f.staging is not None}
         if unfilled:  # the chunks of a tensor cover its bytes (parse checks): never here
             raise CorruptVersionError(f"rank {rank}'s shard: {len(unfilled)} range(s) not filled by their chunks")
+
+
+def _scratch(size: int) -> memoryview:
+    """``size`` writable bytes, not zeroed (every byte read into is overwritten by the read)."""
+    import torch
+
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _batches(group: list[_Need]) -> list[list[_Need]]:
@@ -384,11 +405,13 @@ def _batches(group: list[_Need]) -> list[list[_Need]]:
     return out
 
 
-def _verify_and_land(batch: Sequence[_Need], bufs: Sequence[memoryview], digests: list[str] | None) -> None:
+def _verify_and_land(batch: Sequence[_Need], bufs: Sequence[memoryview], digests: list[str] | None,
+                     landed: Sequence[bool] | None) -> None:
     """Verify each chunk of ``batch`` (its stored bytes ``bufs``), then copy its parts into the fills.
 
     ``digests`` (from the tier, hashed as the bytes landed) stand for a
-    second hash pass over a raw chunk.
+    second hash pass over a raw chunk. A chunk ``landed`` was read straight
+    into its place in a new tensor (:func:`_direct_view`): it is only verified.
 
     Raises:
         CorruptVersionError: a chunk fails verification.
@@ -404,8 +427,25 @@ def _verify_and_land(batch: Sequence[_Need], bufs: Sequence[memoryview], digests
             raw = buf  # raw, and its stored bytes hashed as they landed: verified
         else:
             raw = decode_one(need.name, chunk, buf, None)
+        if landed is not None and landed[i]:
+            continue
         for fill, at, lo, hi in need.parts:
             _land(fill, raw, at, lo, hi)
+
+
+def _direct_view(need: _Need) -> memoryview | None:
+    """Where in a new tensor a chunk can be read straight to, verified there before the tensor is returned.
+
+    Only a raw chunk of one tensor (not a pack) wanted by one fill that takes
+    all of it, contiguously; None otherwise (read into scratch, verified, then copied).
+    """
+    if len(need.parts) != 1 or not _plain(need.chunk) or not need.chunk.length:
+        return None
+    fill, at, lo, hi = need.parts[0]
+    if not fill.flat or lo != 0 or hi != need.chunk.raw_length or at < fill.start or at + hi > fill.stop:
+        return None
+    dest = _bytes_of(fill.dst)[at - fill.start:at + hi - fill.start]
+    return memoryview(dest.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _plain(chunk: Chunk) -> bool:

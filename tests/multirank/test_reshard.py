@@ -284,9 +284,23 @@ def test_resharded_restore_reads_each_chunk_once_a_segment_at_a_time_and_is_bit_
             assert ranges == sorted(set(ranges)), ranges
 
 
+@pytest.mark.parametrize("digests", [True, False])
 @pytest.mark.parametrize("small", [0, 40])
-def test_a_corrupt_chunk_in_one_old_shard_fails_the_regrouped_restore(tmp_path: Path, small: int) -> None:
+def test_a_corrupt_chunk_in_one_old_shard_fails_the_regrouped_restore(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: int, digests: bool) -> None:
     commit_many(tmp_path, 2, 4, small=small)
+    if not digests:  # a tier that does not hash as it reads: the chunks are hashed after the read
+        real = LocalTier.read_segment_into
+
+        async def unhashed(self: LocalTier, step: int, name: str, size: int,
+                           ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:
+            await real(self, step, name, size, ranges)
+            return None
+
+        monkeypatch.setattr(LocalTier, "read_segment_into", unhashed)
+        fine = restore_many(tmp_path, 1)[0]
+        assert not isinstance(fine, BaseException), fine
+        assert all(torch.equal(fine.tensors[n], many_global(n)) for n in MANY)
     for seg in (tmp_path / "rank-00001" / "v000000000004").glob("seg-*"):  # rank 1's pieces, packed or not
         data = bytearray(seg.read_bytes())
         data[0] ^= 0x01

@@ -17,7 +17,8 @@ per repetition:
 Reported: per iteration the slowest rank's time, median per method, ratio to ``none``.
 
 Phase 2: the state after phase 1 is saved both ways on ``--world`` ranks, then resumed on each
-of ``--resume-worlds`` (default 1 and 2) ranks in fresh processes: ``Checkpointer.resume()``
+of ``--resume-worlds`` (default 1 and 2) ranks, each method in its own fresh processes, ``--resume-reps``
+times in ABBA order (median reported, with its ratio to ``dcp.load``): ``Checkpointer.resume()``
 (each rank reads the byte ranges its new pieces overlap) against ``dcp.load`` into
 ``get_state_dict`` then ``set_state_dict`` (DCP reshards through DTensor). Each resumed rank
 checks its local pieces against the saved global tensors. Writes JSON.
@@ -183,14 +184,14 @@ def worker(args: argparse.Namespace) -> None:
                     print(f"  {method:<16} median {statistics.median(results[-1]['times']):.3f} s", flush=True)
         save_both(args, rank, work)
     else:
-        for method in ("asymcheck", "dcp.load"):
+        for method in [args.resume_method] if args.resume_method else ["asymcheck", "dcp.load"]:
             results.append(resume(args, rank, work, method) | {"world": world})
     Path(args.out).with_suffix(f".{args.phase}{world}.rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def launch(args: argparse.Namespace, phase: str, world: int) -> list[list[dict[str, Any]]]:
-    argv = [sys.executable, __file__, "--worker", "--phase", phase, *sys.argv[1:]]
+def launch(args: argparse.Namespace, phase: str, world: int, *extra: str) -> list[list[dict[str, Any]]]:
+    argv = [sys.executable, __file__, "--worker", "--phase", phase, *sys.argv[1:], *extra]
     codes = run_ranks(argv, world, args.threads)
     if any(codes):
         raise SystemExit(f"{phase} workers on {world} rank(s) failed: {codes}")
@@ -215,6 +216,7 @@ def main() -> None:
     ap.add_argument("--resume-only", action="store_true",
                     help="skip phase 1's per-iteration timing: train --warmup steps, save both ways, resume")
     ap.add_argument("--resume-reps", type=int, default=1, help="resume launches per world (median reported)")
+    ap.add_argument("--resume-method", choices=["asymcheck", "dcp.load"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true",
                     help="cProfile rank 0's asymcheck resume (writes OUT.resumeM.prof)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -239,9 +241,9 @@ def main() -> None:
     resumes: dict[str, Any] = {}
     for world in (int(w) for w in args.resume_worlds.split(",")):
         per_rep: dict[str, list[dict[str, Any]]] = {}
-        for _ in range(args.resume_reps):  # a fresh set of processes per repetition
-            ranks = launch(args, "resume", world)
-            for method in ("asymcheck", "dcp.load"):
+        for rep in range(args.resume_reps):  # a fresh set of processes per method and repetition, ABBA
+            for method in ("asymcheck", "dcp.load")[::1 if rep % 2 == 0 else -1]:
+                ranks = launch(args, "resume", world, "--resume-method", method)
                 rows = [next(r for r in rank if r["method"] == method) for rank in ranks]
                 per_rep.setdefault(method, []).append({"seconds": max(r["seconds"] for r in rows),
                                                        "exact": all(r["exact"] for r in rows)})

@@ -17,7 +17,11 @@ global version written by N ranks on a job of M ranks (see
    a segment's chunks in one request (in batches of at most
    :data:`READ_BATCH_BYTES`), the old shards concurrently (at most
    :data:`READS_IN_FLIGHT` batches at a time), verifies each chunk and copies
-   its overlaps straight from the verified bytes into the new pieces;
+   its overlaps straight from the verified bytes into the new pieces (a raw
+   chunk that a new piece takes whole, contiguously, is read straight into
+   the new tensor and verified there: the new tensors reach the caller only
+   once every chunk has verified, as :func:`asymstore.read.load.load_version`
+   does for fresh tensors);
 4. takes every tensor held whole (RNG states, step counters, buffers) and the
    JSON meta from old rank ``rank % N``, with ``meta["layout"]`` rewritten to
    describe the new pieces.

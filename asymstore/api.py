@@ -246,11 +246,20 @@ class Checkpoint:
     """
 
     step: int
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(repr=False)
+    meta: dict[str, Any] = field(repr=False)
     tier: str
-    manifest: Manifest
+    manifest: Manifest = field(repr=False)
     fallbacks: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        """A short description: printing every tensor of a large version takes seconds.
+
+        (``asyncio.run`` on Python 3.11 builds the repr of the value a coroutine returns, so a
+        full repr would cost every ``asyncio.run(store.restore())`` that much.)
+        """
+        return (f"Checkpoint(step={self.step}, tier={self.tier!r}, tensors={len(self.tensors)}, "
+                f"nbytes={self.manifest.nbytes}, fallbacks={len(self.fallbacks)})")
 
     @property
     def fell_back(self) -> bool:

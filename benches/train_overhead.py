@@ -1,8 +1,9 @@
 """Training overhead of a checkpoint every iteration: none vs asymcheck vs torch.save vs DCP async_save.
 
 The same GPT-2 model, optimizer and synthetic data are trained with each
-method in turn (runs interleaved, method order rotated per repetition); every
-method checkpoints after every optimizer step into its own directory:
+method in turn, each run in a fresh process (runs interleaved, the method order
+rotated and reversed every other repetition, ABBA); every method checkpoints
+after every optimizer step into its own directory:
 
 - ``none``: no checkpoint (the baseline).
 - ``asymcheck``: ``asymcheck.Checkpointer`` into a LocalTier (fsynced, atomic);
@@ -41,11 +42,14 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import logging
 import os
 import platform
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +63,7 @@ from common import (
     RssSampler,
     build_gpt2,
     cpu_seconds,
+    order,
     pyplot,
     release_free_memory,
     save_figure,
@@ -305,8 +310,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dir", default="bench-out/train_overhead-work", help="scratch directory on the disk to test")
     ap.add_argument("--out", default="bench-out/train_overhead")
+    ap.add_argument("--child", nargs=4, metavar=("CONFIG", "METHOD", "FIRST_STEP", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.child:
+        return child(args)
     configs = (args.configs or ("tiny,8m" if args.quick else "30m,124m")).split(",")
     args.steps = args.steps or (4 if args.quick else 6)
     args.reps = args.reps or 2
@@ -317,8 +325,7 @@ def main() -> int:
                                "threads": torch.get_num_threads(), "batch": args.batch, "seq": args.seq,
                                "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "configs": {}}
     for name in configs:
-        model, opt, nparams = build_gpt2(name, args.seq)
-        vocab = GPT2_CONFIGS[name]["vocab_size"]
+        _, _, nparams = build_gpt2(name, args.seq)  # its size; every run builds its own in its process
         state_bytes = 3 * 4 * nparams
         per: dict[str, dict[str, list[float]]] = {
             m: {"iter_s": [], "stall_s": [], "cpu_s": [], "rss_growth": [], "rss_baseline": []} for m in methods}
@@ -326,9 +333,8 @@ def main() -> int:
         step = 0
         print(f"{name}: {nparams / 1e6:.1f}M parameters, {state_bytes / 2**30:.2f} GiB of state per checkpoint")
         for rep in range(args.reps):
-            order = methods[rep % len(methods):] + methods[:rep % len(methods)]
-            for method in order:
-                r = run(method, model, opt, vocab, args, Path(args.dir) / method.replace(".", "_"), step)
+            for method in order(methods, rep):  # each run in a fresh process: no method inherits another's heap
+                r = run_child(name, method, step, args)
                 step += args.warmup + args.steps
                 per[method]["iter_s"] += r["iter_s"]
                 per[method]["stall_s"] += r["stall_s"]
@@ -360,12 +366,41 @@ def main() -> int:
                   f"({s['median_rss_growth_x_state']:.2f}x state), max {s['max_rss_growth_bytes'] / GIB:.2f} GiB "
                   f"({s['max_rss_growth_x_state']:.2f}x state){extra}")
         print_targets(goals)
-        del model, opt
     out = Path(args.out)
     write_json(out.with_suffix(".json"), results, indent=1)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     shutil.rmtree(args.dir, ignore_errors=True)
+    return 0
+
+
+def child_argv(args: argparse.Namespace) -> list[str]:
+    """The options a child run shares with the parent."""
+    argv = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+            "--seq", str(args.seq), "--dir", args.dir]
+    return argv + (["--threads", str(args.threads)] if args.threads else [])
+
+
+def run_child(config: str, method: str, first_step: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of ``method`` in a fresh process; its result."""
+    result = Path(args.dir) / f"result-{method.replace('.', '_')}.json"
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, __file__, *child_argv(args), "--child", config, method, str(first_step),
+                    str(result)], check=True)
+    out: dict[str, Any] = json.loads(result.read_text())
+    result.unlink()
+    return out
+
+
+def child(args: argparse.Namespace) -> int:
+    """``--child``: build the model, run one method, write its result as JSON."""
+    config, method, first_step, result = args.child
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, opt, _ = build_gpt2(config, args.seq)
+    vocab = GPT2_CONFIGS[config]["vocab_size"]
+    r = run(method, model, opt, vocab, args, Path(args.dir) / method.replace(".", "_"), int(first_step))
+    Path(result).write_text(json.dumps(r))
     return 0
 
 

@@ -47,6 +47,7 @@ def train(root: str) -> None:
     full = {name: t.full_tensor() for name, t in model.state_dict().items()}  # collective
     if dist.get_rank() == 0:
         torch.save(full, f"{root}/expected.pt")
+    dist.barrier()  # both ranks leave together: no rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 
@@ -67,7 +68,8 @@ elif __name__ == "__main__":
                                            LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                            OMP_NUM_THREADS="1"))
                  for rank in range(2)]
-        assert all(p.wait(timeout=120) == 0 for p in procs)
+        codes = [p.wait(timeout=120) for p in procs]
+        assert codes == [0, 0], f"rank exit codes {codes}"
         model = make_model()                          # one process, no sharding: every tensor whole
         with Checkpointer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), f"{root}/ckpt") as ckpt:
             assert ckpt.resume() == STEPS

@@ -33,12 +33,14 @@ from asymstore.policy.retention import META_KEY, KeepBest, Retention
 from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
+from asymstore.write.copybuffers import CopyBuffers
 from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
 from asymstore.write.tierwrite import TierState, write_version
 
 if TYPE_CHECKING:
+    import torch
 
     from asymstore.api import Into
 
@@ -142,6 +144,7 @@ class AsymStore:
         self._commit_lock = asyncio.Lock()
         self._committed_steps: set[int] = set()  # committed through this store object
         self._background = Background()
+        self._copy_buffers = CopyBuffers()  # the background tiers' private copies of adopted versions, reused
         self.close_timeout_s = close_timeout_s
         self.backlog = backlog
         self.read_only = read_only
@@ -481,9 +484,11 @@ class AsymStore:
             self._stager.pending.pop(older).release_all()
         self._committed_steps.add(step)
         background = bool(self._background.flushers)
+        copy: torch.Tensor | None = None
         if background and pending.releases:  # adopted memory goes back now: slower tiers get a private copy
             try:
-                await asyncio.to_thread(plan.detach, pending.tensors)  # type: ignore[arg-type]
+                copy = await asyncio.to_thread(plan.detach, pending.tensors,  # type: ignore[arg-type]
+                                               self._copy_buffers)
             except BaseException:
                 background = False
                 logger.exception("step %d: no memory to copy it for the background tiers; they skip it", step)
@@ -491,7 +496,8 @@ class AsymStore:
         if background:
             only_copies = not self._tiers[self._durable].tier.persistent  # held until a slower tier has them
             self._background.submit(plan, [s.tier for s in self._tiers[: self._durable + 1]
-                                           if only_copies and step in s.versions])
+                                           if only_copies and step in s.versions],
+                                    None if copy is None else functools.partial(self._copy_buffers.give_back, copy))
         assert manifest is not None, "the durable tier either committed or raised"
         return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 

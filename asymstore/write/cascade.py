@@ -186,6 +186,20 @@ class Flusher:
         self.queue.clear()
 
 
+@dataclass
+class _Hold:
+    left: int  # flushers not done with the version yet
+    tiers: list[HoldingTier]  # fast tiers keeping their copy until then
+    on_done: Callable[[], None] | None
+
+
+def _call(fn: Callable[[], None], step: int) -> None:
+    try:
+        fn()
+    except Exception:
+        logger.exception("step %d: a callback after the background tiers failed", step)
+
+
 class Background:
     """The store's slower tiers: one :class:`Flusher` each, and the fast-tier copies held for them.
 
@@ -198,36 +212,43 @@ class Background:
     def __init__(self) -> None:
         """Start with no background tier."""
         self.flushers: dict[str, Flusher] = {}
-        self._holds: dict[int, tuple[int, list[HoldingTier]]] = {}  # step -> (flushers left, held tiers)
+        self._holds: dict[int, _Hold] = {}  # step -> flushers left, held tiers, what runs when all are done
         self._side_tasks: set[asyncio.Future[None]] = set()
 
     def add(self, name: str, write: Callable[[VersionPlan], Awaitable[object]], backlog: int) -> None:
         """Start a flusher for the tier ``name``."""
         self.flushers[name] = Flusher(name, write, backlog=backlog, on_finished=self._finished)
 
-    def submit(self, plan: VersionPlan, held: Sequence[object]) -> None:
-        """Hand ``plan`` to every flusher; ``held`` tiers keep their copy until all of them are done."""
+    def submit(self, plan: VersionPlan, held: Sequence[object],
+               on_done: Callable[[], None] | None = None) -> None:
+        """Hand ``plan`` to every flusher.
+
+        ``held`` tiers keep their copy until all of them are done with it, and
+        then ``on_done`` runs (on the event loop; its errors are logged).
+        """
         if not self.flushers:
+            if on_done is not None:
+                _call(on_done, plan.step)
             return
         holders = [t for t in held if isinstance(t, HoldingTier)]
-        if holders:
-            self._holds[plan.step] = (len(self.flushers), holders)
-            for tier in holders:
-                tier.hold(plan.step)
+        self._holds[plan.step] = _Hold(len(self.flushers), holders, on_done)
+        for tier in holders:
+            tier.hold(plan.step)
         for f in self.flushers.values():
             f.submit(plan)
 
     def _finished(self, step: int) -> None:
-        """A flusher is done with ``step``: release the held copies once every flusher is."""
-        entry = self._holds.get(step)
-        if entry is None:
+        """A flusher is done with ``step``: once every flusher is, release the held copies and run ``on_done``."""
+        hold = self._holds.get(step)
+        if hold is None:
             return
-        left, holders = entry
-        if left > 1:
-            self._holds[step] = (left - 1, holders)
+        hold.left -= 1
+        if hold.left > 0:
             return
         del self._holds[step]
-        for tier in holders:
+        if hold.on_done is not None:
+            _call(hold.on_done, step)
+        for tier in hold.tiers:
             task = asyncio.ensure_future(tier.release(step))
             self._side_tasks.add(task)
             task.add_done_callback(self._side_tasks.discard)

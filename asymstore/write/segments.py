@@ -30,6 +30,7 @@ between tiers that both compress them, within a byte budget.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import math
@@ -56,11 +57,12 @@ from asymstore.format.codec import (
 )
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.format.names import segment_filename
-from asymstore.format.tensors import as_bytes, dtype_name, host_copy
+from asymstore.format.tensors import as_bytes, dtype_name
 from asymstore.policy.compression import Compression, pays, worth_sampling
 from asymstore.policy.costmodel import optimal_segment_bytes, predicted_seconds
 from asymstore.runtime.gcpause import gc_paused
 from asymstore.tiers.protocol import Buffer
+from asymstore.write.copybuffers import CopyBuffers
 from asymstore.write.staging import StagedPack, StagedTensor
 
 logger = logging.getLogger(__name__)
@@ -203,13 +205,22 @@ class VersionPlan:
             self.owners.extend([name] * count)
             self.tensors[name] = (kind[0], tuple(t.shape), nbytes, count)
 
-    def detach(self, staged: Mapping[str, StagedTensor | StagedPack]) -> int:
-        """Point the chunks of adopted tensors at private copies (the owner gets its memory back); return bytes copied.
+    def detach(self, staged: Mapping[str, StagedTensor | StagedPack],
+               buffers: CopyBuffers | None = None) -> torch.Tensor | None:
+        """Point the chunks of adopted tensors at one private copy (the owner gets its memory back).
 
         ``staged`` is the mapping the plan was made from. Call it before any
-        background tier reads the plan.
+        background tier reads the plan. The copy is one flat buffer taken from
+        ``buffers`` (memory reused from an earlier version: no page faults) or
+        fresh memory.
+
+        Returns:
+            The buffer that now holds the adopted bytes (give it back to
+            ``buffers`` once no tier reads this plan any more), or None when
+            nothing was adopted.
         """
-        pos = copied = 0
+        spans: list[tuple[int, torch.Tensor, int]] = []  # (first chunk index, tensor, chunks)
+        total = pos = 0
         for item in self.order:
             if isinstance(item, StagedPack):  # a private copy already
                 pos += 1
@@ -218,15 +229,23 @@ class VersionPlan:
             assert isinstance(st, StagedTensor)
             count = self.tensors[item][3]
             if st.adopted:
-                data = as_bytes(host_copy(st.tensor))
-                at = 0
-                for k in range(pos, pos + count):
-                    n = len(self.views[k])
-                    self.views[k] = data[at:at + n]
-                    at += n
-                copied += at
+                spans.append((pos, st.tensor, count))
+                total += sum(len(self.views[k]) for k in range(pos, pos + count))
             pos += count
-        return copied
+        if not spans:
+            return None
+        buf = buffers.take(total) if buffers is not None else torch.empty(total, dtype=torch.uint8)
+        data = as_bytes(buf) if total else memoryview(bytearray())
+        at = 0
+        for first, tensor, count in spans:
+            n = sum(len(self.views[k]) for k in range(first, first + count))
+            if n:  # one memmove, GIL released: no OpenMP team competing with the training threads
+                ctypes.memmove(buf.data_ptr() + at, tensor.data_ptr(), n)
+            for k in range(first, first + count):
+                size = len(self.views[k])
+                self.views[k] = data[at:at + size]
+                at += size
+        return buf
 
     def chunk(self, index: int) -> ChunkRef:
         """Return chunk ``index`` (in version order)."""

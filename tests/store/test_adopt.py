@@ -9,7 +9,7 @@ import torch
 
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.errors import DuplicateNameError, InvalidValueError, TierError
-from asymstore.testing import FailingLocalTier
+from asymstore.testing import FailingLocalTier, SlowLocalTier
 
 FAST = {"compression": "never", "segment_bytes": 256 << 10}
 
@@ -122,6 +122,33 @@ async def test_background_tiers_get_a_private_copy_so_the_owner_gets_its_memory_
     async with AsymStore([slow], read_only=True) as reader:
         got = (await reader.restore()).tensors
     assert all(torch.equal(got[k], expect[k]) for k in expect)
+
+
+async def test_the_background_copy_reuses_one_buffer_and_never_while_a_tier_still_reads_it(tmp_path: object) -> None:
+    """Consecutive versions' private copies share memory, given back only once every background tier is done."""
+    slow = SlowLocalTier(os.path.join(str(tmp_path), "slow"), delay_s=0.05)
+    owned = tensors(0)  # the owner's buffers, refilled every step as a training loop refills its slots
+    rel = Releases()
+    expect: dict[int, dict[str, torch.Tensor]] = {}
+    memory = HostTier(64 << 20)
+    async with AsymStore([memory, slow], durable=memory.name, backlog=2, **FAST) as store:  # type: ignore[arg-type]
+        for step in range(1, 7):
+            for k, v in tensors(step).items():
+                owned[k].copy_(v)
+            expect[step] = {k: v.clone() for k, v in owned.items()}
+            await store.adopt_many(step, owned, release=rel)
+            await store.commit(step)
+            assert rel.calls == step  # the owner has its memory back at each commit
+            if step % 2 == 0:  # let the slow tier catch up now and then, so its buffers come back
+                await store.flushed(step)
+        await store.flushed()
+        buffers = store._copy_buffers
+        assert buffers.reuses >= 2 and buffers.allocations < 6, (buffers.reuses, buffers.allocations)
+        written = store.versions()[slow.name]
+    async with AsymStore([slow], read_only=True, keep_last=100) as reader:
+        for step in written:  # every version the slow tier has holds exactly its own step's bytes
+            got = (await reader.restore(step)).tensors
+            assert all(torch.equal(got[k], expect[step][k]) for k in expect[step]), step
 
 
 async def test_a_refused_batch_never_drops_what_an_earlier_call_adopted(tmp_path: object) -> None:

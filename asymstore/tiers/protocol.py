@@ -26,7 +26,8 @@ writer per root, leftovers swept), :class:`StatTier` (a segment's presence
 and size checked without reading it), :class:`ProbeableTier` (timed probe
 writes for the cost model) and :class:`HoldingTier` (a bounded tier keeps
 versions the store still needs), :class:`ReadIntoTier` (segment ranges read
-straight into caller buffers).
+straight into caller buffers), :class:`ViewTier` (a stored segment lent
+without a copy, held while lent).
 
 Buffers given to ``write_segment`` stay valid and unchanged until the call
 returns; a tier that keeps them longer must copy. Buffers returned by
@@ -36,6 +37,7 @@ returns; a tier that keeps them longer must copy. Buffers returned by
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 from asymstore.format.checksum import Buffer as Buffer  # the tier interface speaks in Buffers
@@ -201,5 +203,23 @@ class ReadIntoTier(Protocol):
         checks the chunk checksums on the filled buffers, or compares the
         xxh3-64 digests of the ranges when the tier returns them (computed
         while filling, in the order of ``ranges``; None: not computed).
+        """
+        ...
+
+
+@runtime_checkable
+class ViewTier(Protocol):
+    """A tier that lends a stored segment without copying it (optional; the peer tier's holder sends from it)."""
+
+    def view_segment(self, step: int, name: str, size: int | None = None) -> AbstractContextManager[memoryview]:
+        """A read-only view of the whole segment ``name`` of ``step``, valid until the context exits.
+
+        Entering raises as :meth:`Tier.read_segment` does (CorruptVersionError
+        for another size than ``size``, VersionNotFoundError or TierError when
+        absent). While the view is open the version's bytes stay as they were,
+        even if the version is deleted or evicted meanwhile: its memory is given
+        back (or its file's pages freed) once the last view is closed. Nothing
+        may use the view, or a slice of it, after the context exits. Entered and
+        exited on the tier's event loop thread, like every other call.
         """
         ...

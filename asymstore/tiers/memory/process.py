@@ -5,14 +5,20 @@
 memory otherwise) reused from version to version; versions die with the
 process. Capacity, eviction, holds and back-pressure are
 :class:`~asymstore.tiers.memory.capacity.BoundedTier`'s.
+
+:meth:`MemoryTier.view_segment` lends a segment's pool buffer itself (the
+peer tier's holder sends replicas from it): a version dropped while a view is
+open leaves the listing at once, and its buffers go back to the pool when the
+last view closes, so a lent buffer is never refilled under its reader.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +38,10 @@ logger = logging.getLogger(__name__)
 class _MemVersion:
     manifest: bytes = b""
     segments: dict[str, torch.Tensor] = field(default_factory=dict)
+    views: int = 0
+    """Views of its segments open (:meth:`MemoryTier.view_segment`): its buffers are not given back meanwhile."""
+    dropped: bool = False
+    """Deleted or evicted while viewed: the last view to close gives its buffers back."""
 
     @property
     def nbytes(self) -> int:
@@ -89,9 +99,16 @@ class MemoryTier(BoundedTier):
     async def _drop(self, step: int) -> None:
         version = self._mem.pop(step, None)
         if version is not None:
-            for buf in version.segments.values():
-                self._pool.release(buf)
+            if version.views:
+                version.dropped = True  # unlisted now; the buffers go back when the last view closes
+            else:
+                self._release(version)
         self._forget(step)
+
+    def _release(self, version: _MemVersion) -> None:
+        for buf in version.segments.values():
+            self._pool.release(buf)
+        version.segments.clear()
 
     async def read_manifest(self, step: int) -> bytes:
         """Return the manifest of ``step``."""
@@ -113,6 +130,30 @@ class MemoryTier(BoundedTier):
             raise CorruptVersionError(f"segment {name} of step {step} on {self.name} has "
                                       f"{buf.numel()} bytes, the manifest says {size}")
         return await asyncio.to_thread(_to_host, buf)
+
+    @contextlib.contextmanager
+    def view_segment(self, step: int, name: str, size: int | None = None) -> Iterator[memoryview]:
+        """Lend one segment's pool buffer, read-only, without a copy (see :class:`~asymstore.tiers.protocol.ViewTier`).
+
+        The version is held while the view is open: deleting or evicting it unlists it at once, but its
+        buffers return to the pool (to be refilled by another version) only when its last view closes.
+        A segment in device memory is lent as a host copy.
+        """
+        buf = self._segment(step, name)
+        if size is not None and buf.numel() != size:
+            raise CorruptVersionError(f"segment {name} of step {step} on {self.name} has "
+                                      f"{buf.numel()} bytes, the manifest says {size}")
+        if buf.device.type != "cpu":
+            yield memoryview(_to_host(buf)).toreadonly()
+            return
+        version = self._mem[step]
+        version.views += 1
+        try:
+            yield as_bytes(buf).toreadonly()
+        finally:
+            version.views -= 1
+            if version.dropped and not version.views:
+                self._release(version)
 
     async def read_segment_into(self, step: int, name: str, size: int,
                                 ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:

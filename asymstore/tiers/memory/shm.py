@@ -8,21 +8,41 @@ restarted on the same node and restore without touching disk, and fsck
 checks the directory like any other root. Capacity, eviction, holds and
 back-pressure are :class:`~asymstore.tiers.memory.capacity.BoundedTier`'s; the files a dead
 writer left count against the capacity until they are swept.
+
+:meth:`ShmTier.view_segment` lends a segment as a read-only shared mapping of
+its file (the peer tier's holder sends replicas from it, with no copy out of
+tmpfs). Deleting the version while it is mapped unlinks the file, and the
+mapping keeps its pages until it is closed: the view still shows the
+version's bytes. A stored segment is never rewritten or truncated in place
+by this package (a version is written under a temporary name and renamed);
+one truncated under the mapping by another program would end the reading
+process with SIGBUS, which is why restores read these files with ``preadv``
+and only the holder, lending its own replicas, maps them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
+import mmap
 import os
-from collections.abc import Sequence
+import stat
+from collections.abc import Iterator, Sequence
 
+from asymstore.errors import CorruptVersionError, TierError
+from asymstore.format.manifest import validate_segment_name
+from asymstore.io.files import check_directory
 from asymstore.io.rootlock import is_leftover_name
 from asymstore.tiers.local import LocalTier
 from asymstore.tiers.memory.capacity import BackPressure, BoundedTier, Reservation
 from asymstore.tiers.protocol import Buffer, VersionWriter
 
 logger = logging.getLogger(__name__)
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+"""Fault a lent segment's pages in when it is mapped, not one by one as it is sent."""
 
 
 class ShmTier(BoundedTier):
@@ -104,6 +124,54 @@ class ShmTier(BoundedTier):
     async def read_segment(self, step: int, name: str, size: int | None = None) -> Buffer:
         """Return a private copy of one segment (of ``size`` bytes when given)."""
         return await self._files.read_segment(step, name, size)
+
+    @contextlib.contextmanager
+    def view_segment(self, step: int, name: str, size: int | None = None) -> Iterator[memoryview]:
+        """Lend one segment as a read-only shared mapping of its file (see :class:`~asymstore.tiers.protocol.ViewTier`).
+
+        The file is opened without following a symlink and checked (a regular file, of ``size`` bytes when
+        given) on the descriptor that is mapped. A version deleted while mapped is unlinked, and its pages
+        stay until the mapping is closed (the module docstring says what a truncation would do).
+
+        Raises:
+            TierError: the segment is missing or cannot be mapped.
+            CorruptVersionError: it is a symlink, not a regular file, or not ``size`` bytes.
+        """
+        vdir = self._files._vdir(step)
+        path = os.path.join(vdir, validate_segment_name(name))
+        try:
+            check_directory(vdir)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CorruptVersionError(f"{path} is a symlink; only regular files are read") from exc
+            raise TierError(f"segment {name} of step {step} on {self.name}: {exc}") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptVersionError(f"{path} is not a regular file")
+            if size is not None and info.st_size != size:
+                raise CorruptVersionError(f"segment {name} of step {step} on {self.name} has "
+                                          f"{info.st_size} bytes, the manifest says {size}")
+            try:
+                mapped = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | _POPULATE,
+                                   prot=mmap.PROT_READ) if info.st_size else None
+            except OSError as exc:
+                raise TierError(f"segment {name} of step {step} on {self.name}: mapping it: {exc}") from exc
+        finally:
+            os.close(fd)
+        if mapped is None:
+            yield memoryview(b"")
+            return
+        view = memoryview(mapped)
+        try:
+            yield view
+        finally:
+            with contextlib.suppress(BufferError):  # something still references it: unmapped when that goes
+                view.release()
+                mapped.close()
 
     async def read_segment_into(self, step: int, name: str, size: int,
                                 ranges: Sequence[tuple[int, memoryview]]) -> list[str] | None:

@@ -121,7 +121,10 @@ class PeerLink:
         self.pg = pg
         self.rank = rank
         self.timeout_s = timeout_s
-        self._send_lock = threading.Lock()  # one frame at a time to any peer: frames never interleave
+        self._send_locks: dict[tuple[int, int], threading.Lock] = {}
+        """One frame at a time per (peer, tag) stream, so that a stream's frames never interleave. Not one lock
+        for the link: a gloo send waits until the receiver posts its receive, and a request waiting for a busy
+        neighbour must not hold up this rank's answers to it (the two directions of a restore overlap)."""
         self.broken: str | None = None
         """Why the link is unusable (a wait timed out or a peer hung up), or None."""
         self._cond = threading.Condition()
@@ -223,7 +226,9 @@ class PeerLink:
             for v in views:
                 first[pos:pos + len(v)] = v
                 pos += len(v)
-        with self._send_lock, self._io(to):
+        with self._cond:
+            lock = self._send_locks.setdefault((to, tag), threading.Lock())
+        with lock, self._io(to):
             try:
                 works = [self.pg.send([_as_tensor(first)], to, tag)]
                 works += [self.pg.send([_as_tensor(piece)], to, tag) for piece in pieces]

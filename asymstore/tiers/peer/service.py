@@ -15,8 +15,12 @@ shared memory that outlives the process). Two loops run there:
   verify is aborted, never published: no half replica is ever listed.
 - **serve** (``REQ`` from the source rank): ``list``, ``manifest``, ``segment`` and
   ``ranges`` (parts of a segment, which the reader receives straight into its
-  tensors), answered on ``RESP``; what is served is verified again by the
-  reader (restore), like any tier's bytes.
+  tensors), answered on ``RESP`` in the order asked, each answer carrying its
+  request's ``id``; what is served is verified again by the reader (restore),
+  like any tier's bytes. Segments are sent straight from the replica tier's
+  own memory where it lends it (:class:`~asymstore.tiers.protocol.ViewTier`:
+  the pool buffer of process memory, a mapping of a shared-memory file), the
+  version held until the send is over; other tiers' bytes are read first.
 
 Both end on the source's ``bye`` or when the link fails (the source died). A
 failure of either (or of the service's thread) is logged and kept in
@@ -28,6 +32,7 @@ before the interpreter finalizes (:mod:`asymstore.runtime.exiting`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -39,8 +44,8 @@ from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.manifest import MAX_MANIFEST_BYTES
 from asymstore.format.parse import parse_manifest
 from asymstore.runtime.exiting import EXIT_WAIT_S, at_exit, cancel
-from asymstore.tiers.peer.link import TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking
-from asymstore.tiers.protocol import Tier, VersionWriter
+from asymstore.tiers.peer.link import TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking, in_thread
+from asymstore.tiers.protocol import Buffer, Tier, VersionWriter, ViewTier
 
 logger = logging.getLogger(__name__)
 
@@ -257,12 +262,30 @@ class ReplicaService:
         await writer.publish(body)
         return None
 
-    async def _ranges(self, header: dict[str, Any]) -> list[memoryview]:
+    async def _segment(self, header: dict[str, Any], lent: contextlib.ExitStack) -> memoryview:
+        """The whole segment a request names (of the size it gives, when it gives one).
+
+        Lent by the replica tier without a copy where it can (the view closed with ``lent``), else read.
+        """
+        step, name, size = int(header["step"]), str(header["name"]), header.get("size")
+        size = None if size is None else int(size)
+        if isinstance(self.tier, ViewTier):
+            return lent.enter_context(self.tier.view_segment(step, name, size))
+        return memoryview(await self.tier.read_segment(step, name, size)).cast("B")
+
+    async def _ranges(self, header: dict[str, Any], lent: contextlib.ExitStack) -> list[memoryview]:
         """The byte ranges a ``ranges`` request names, of one segment of exactly the size it gives."""
-        data = memoryview(await self.tier.read_segment(int(header["step"]), str(header["name"]),
-                                                       int(header["size"]))).cast("B")
+        if header.get("size") is None:
+            raise ValueError("a ranges request without the segment's size")
+        ranges = header["ranges"]
+        if not isinstance(ranges, list):
+            raise ValueError("ranges is not a list")
+        data = await self._segment(header, lent)
         out = []
-        for offset, length in header["ranges"]:
+        for pair in ranges:
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise ValueError(f"range {str(pair)[:50]} is not [offset, length]")
+            offset, length = pair
             if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset
                     and 0 <= length <= len(data) - offset):
                 raise ValueError(f"range {offset!r}+{length!r} is outside a segment of {len(data)} bytes")
@@ -287,8 +310,12 @@ class ReplicaService:
                 self._protocol(f"request {op!r} with a payload")
             if op == "bye":
                 return
+            rid = header.get("id")
+            if rid is not None and not isinstance(rid, int):
+                self._protocol(f"request {op!r} with an id that is not an integer: {str(rid)[:50]}")
+            lent = contextlib.ExitStack()  # views of replicas being sent: closed once the send is over
             answer: dict[str, Any]
-            payload: list[Any] = []
+            payload: list[Buffer] = []
             try:
                 if op == "list":
                     answer = {"steps": await self.tier.list_versions()}
@@ -296,15 +323,41 @@ class ReplicaService:
                     body = await self.tier.read_manifest(int(header["step"]))
                     answer, payload = {}, [body]
                 elif op == "segment":
-                    size = header.get("size")
-                    data = await self.tier.read_segment(int(header["step"]), str(header["name"]),
-                                                        int(size) if size is not None else None)
-                    answer, payload = {}, [data]
+                    answer, payload = {}, [await self._segment(header, lent)]
                 elif op == "ranges":
-                    answer, payload = {}, await self._ranges(header)
+                    answer, payload = {}, list(await self._ranges(header, lent))
                 else:
                     self._protocol(f"unknown request {op!r}")
                 answer["ok"] = True
-            except (AsymstoreError, OSError, KeyError, ValueError) as exc:
+            except (AsymstoreError, OSError, KeyError, ValueError, TypeError) as exc:
+                lent.close()
                 answer, payload = {"ok": False, "error": type(exc).__name__, "message": describe(exc)}, []
-            await blocking(partial(self.link.send, self.src, TAG_RESP, answer, payload))
+            if rid is not None:
+                answer["id"] = rid
+            await self._answer(answer, payload, lent)
+
+    def _serving(self, header: dict[str, Any], nbytes: int) -> None:
+        """Called before each answer is sent, its views open (a hook for fault-injection tests)."""
+
+    async def _answer(self, answer: dict[str, Any], payload: list[Buffer], lent: contextlib.ExitStack) -> None:
+        """Send one answer; the views it is sent from are closed only once its send is over.
+
+        Even when this is cancelled (the service stops) the send's thread may still be reading them: the
+        thread closes them, through the loop, when it is done.
+        """
+        try:
+            self._serving(answer, sum(len(memoryview(p)) for p in payload))
+            sent = in_thread(partial(self.link.send, self.src, TAG_RESP, answer, payload))
+        except BaseException:
+            lent.close()
+            raise
+        loop = self._loop
+
+        def close(_: object) -> None:
+            if loop.is_closed():
+                return  # the service is gone, and its tier with it
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(lent.close)
+
+        sent.add_done_callback(close)
+        await asyncio.wrap_future(sent)

@@ -11,6 +11,15 @@ its own bounded memory before it acknowledges; reading (restore) asks the
 neighbour for the manifest and segments of a replica, which the store verifies
 like any other tier's bytes. Every rank of the job must use a PeerTier (the
 replication group is built collectively when the tiers open).
+
+Reading is pipelined: up to :data:`PIPELINE` requests are in flight at once
+(the store reads several segments concurrently), so the neighbour finds the
+next request waiting as soon as it has sent an answer. Requests go out in
+order, each with an ``id``; the answers come back in that order and each is
+received straight into its caller's buffers, after its ``id`` and its size are
+checked against the request. An answer that does not match leaves the link
+down (its bytes could no longer be told apart): every request still in flight
+then fails with a :class:`~asymstore.errors.PeerError`, never with wrong bytes.
 """
 
 from __future__ import annotations
@@ -20,13 +29,14 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from asymstore.errors import (
     CorruptVersionError,
     PeerError,
+    PeerProtocolError,
     TierError,
     VersionNotFoundError,
 )
@@ -37,6 +47,14 @@ from asymstore.tiers.peer.service import ReplicaService
 from asymstore.tiers.protocol import Buffer, Tier
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PIPELINE = 4
+"""Read requests in flight to the neighbour at most. Each answer lands in its caller's own buffer, so what
+they hold is what the callers asked for; the store itself reads a few segments at a time."""
+RANGES_HEADER = FRAME // 2
+"""Bytes of JSON a ``ranges`` request may take; more ranges than that go in several requests."""
 
 _ERRORS: dict[str, type[Exception]] = {"VersionNotFoundError": VersionNotFoundError,
                                        "CorruptVersionError": CorruptVersionError}
@@ -85,7 +103,10 @@ class PeerTier:
         self._store = store
         self._link: PeerLink | None = None
         self._service: ReplicaService | None = None
-        self._requests = asyncio.Lock()
+        self._order = asyncio.Lock()  # requests are sent one at a time, in the order their answers are read
+        self._slots = asyncio.Semaphore(PIPELINE)
+        self._next_id = 0
+        self._tail: asyncio.Future[None] | None = None  # done when the answer of the latest request is read
         self._held: list[int] | None = None
         self._deletes: set[int] = set()
         self._writing = asyncio.Lock()
@@ -161,7 +182,9 @@ class PeerTier:
             return
         self._keepalive.cancel()
         if link.broken is None:
-            async with self._writing, self._requests:
+            async with self._writing, self._order:
+                if self._tail is not None:  # the answers still due are read first
+                    await asyncio.shield(self._tail)
                 with contextlib.suppress(PeerError):
                     await self._send_deletes()
                 for tag in (TAG_REPL, TAG_REQ):
@@ -179,7 +202,7 @@ class PeerTier:
         """Keep the neighbour's idle receives from timing out (gloo closes a timed-out connection)."""
         while True:
             await asyncio.sleep(max(self.timeout_s / 4, 0.5))
-            for tag, lock in ((TAG_REPL, self._writing), (TAG_REQ, self._requests)):
+            for tag, lock in ((TAG_REPL, self._writing), (TAG_REQ, self._order)):
                 async with lock:
                     try:
                         await blocking(partial(self.link.send, self.ring.dst, tag, {"op": "ping"}))
@@ -203,22 +226,65 @@ class PeerTier:
 
     # -- reading ---------------------------------------------------------
 
+    async def _call(self, header: dict[str, Any], receive: Callable[[PeerLink, int, dict[str, Any], bytes | None], T],
+                    ) -> T:
+        """Send one request, and run ``receive(link, peer, answer, inline)`` on its answer (on a thread).
+
+        At most :data:`PIPELINE` requests are in flight; answers are read in the order the requests
+        went out. The exchange runs in a task of its own, shielded from the caller's cancellation: once a
+        request is sent its answer is always read (else every later answer would be taken for the one
+        before it); ``receive`` may then still write into the caller's buffers, which it keeps alive.
+        """
+        return await asyncio.shield(asyncio.get_running_loop().create_task(self._exchange(header, receive)))
+
+    async def _exchange(self, header: dict[str, Any],
+                        receive: Callable[[PeerLink, int, dict[str, Any], bytes | None], T]) -> T:
+        async with self._slots:
+            async with self._order:
+                link, dst = self.link, self.ring.dst
+                rid = self._next_id
+                self._next_id += 1
+                await blocking(partial(link.send, dst, TAG_REQ, {**header, "id": rid}))
+                before, mine = self._tail, asyncio.get_running_loop().create_future()
+                self._tail = mine
+            try:
+                if before is not None:
+                    await asyncio.shield(before)  # its answer first (the future only says when: it never fails)
+                return await blocking(partial(self._answer, link, dst, rid, header, receive))
+            finally:
+                if not mine.done():
+                    mine.set_result(None)
+                if self._tail is mine:
+                    self._tail = None
+
+    def _answer(self, link: PeerLink, dst: int, rid: int, header: dict[str, Any],
+                receive: Callable[[PeerLink, int, dict[str, Any], bytes | None], T]) -> T:
+        """Read the answer to request ``rid`` (its first message, checked), then ``receive`` the rest."""
+        answer, inline = link.recv_header(dst, TAG_RESP)
+        if answer.get("id") != rid:
+            link.broken = (f"rank {dst} answered request {answer.get('id')!r} where {rid} "
+                           f"({header.get('op')}) was due")
+            raise PeerProtocolError(link.broken)
+        if not answer.get("ok"):
+            if int(answer["nbytes"]):
+                link.discard(dst, TAG_RESP, answer, inline)
+            raise _ERRORS.get(str(answer.get("error")), TierError)(f"{self.name}: {answer.get('message')}")
+        return receive(link, dst, answer, inline)
+
     async def _request(self, header: dict[str, Any], out_size: int = 0) -> tuple[dict[str, Any], bytearray]:
         """Send one request and receive its answer (and its payload, at most ``out_size`` bytes)."""
-        async with self._requests:
-            link, dst = self.link, self.ring.dst
-            answer, inline = await blocking(partial(link.exchange, dst, TAG_REQ, header, (), TAG_RESP))
+        def receive(link: PeerLink, dst: int, answer: dict[str, Any], inline: bytes | None,
+                    ) -> tuple[dict[str, Any], bytearray]:
             n = int(answer["nbytes"])
-            if n > out_size:
-                await blocking(partial(link.discard, dst, TAG_RESP, answer, inline))
+            if n > out_size:  # refused unread, a piece at a time: the link stays in step
+                link.discard(dst, TAG_RESP, answer, inline)
                 raise CorruptVersionError(f"{self.name}: {header.get('op')} of step {header.get('step')}: "
                                           f"{n} bytes, at most {out_size} expected")
             body = bytearray(n)
-            await blocking(partial(link.payload, dst, TAG_RESP, answer, inline, memoryview(body)))
-        if not answer.get("ok"):
-            err = _ERRORS.get(str(answer.get("error")), TierError)
-            raise err(f"{self.name}: {answer.get('message')}")
-        return answer, body
+            link.payload(dst, TAG_RESP, answer, inline, memoryview(body))
+            return answer, body
+
+        return await self._call(header, receive)
 
     async def list_versions(self) -> list[int]:
         """The steps of this rank's replicas the neighbour holds, ascending.
@@ -252,26 +318,34 @@ class PeerTier:
         """Fill each ``(offset, view)`` with those bytes of segment ``name``.
 
         Only those bytes travel, straight into the views; the caller verifies them (no digests are returned).
+        Ranges too many for one request's header go in several, pipelined like any others.
         """
         views = [memoryview(v).cast("B") for _, v in ranges]
-        header = {"op": "ranges", "step": step, "name": name, "size": size,
-                  "ranges": [[int(o), len(v)] for (o, _), v in zip(ranges, views, strict=True)]}
-        if len(json.dumps(header)) > FRAME // 2:  # too many ranges for one request: the whole segment
-            data = memoryview(await self.read_segment(step, name, size)).cast("B")
-            for (offset, _), v in zip(ranges, views, strict=True):
-                if offset < 0 or offset + len(v) > len(data):
-                    raise CorruptVersionError(f"{self.name}: range {offset}+{len(v)} outside segment {name}")
-                v[:] = data[offset:offset + len(v)]
+        if not views:
             return None
-        async with self._requests:
-            link, dst = self.link, self.ring.dst
-            answer, inline = await blocking(partial(link.exchange, dst, TAG_REQ, header, (), TAG_RESP))
-            if answer.get("ok"):
-                await blocking(partial(link.scatter, dst, TAG_RESP, answer, inline, views))
-            elif int(answer["nbytes"]):
-                await blocking(partial(link.discard, dst, TAG_RESP, answer, inline))
-        if not answer.get("ok"):
-            raise _ERRORS.get(str(answer.get("error")), TierError)(f"{self.name}: {answer.get('message')}")
+        pairs = [[int(o), len(v)] for (o, _), v in zip(ranges, views, strict=True)]
+        for offset, length in pairs:
+            if offset < 0 or offset + length > size:
+                raise CorruptVersionError(f"{self.name}: range {offset}+{length} outside segment {name} "
+                                          f"of {size} bytes")
+        groups: list[tuple[int, int]] = []  # [start, end) of the pairs each request carries
+        start, room = 0, 0
+        for i, pair in enumerate(pairs):
+            cost = len(json.dumps(pair)) + 1
+            if i > start and room + cost > RANGES_HEADER:
+                groups.append((start, i))
+                start, room = i, 0
+            room += cost
+        groups.append((start, len(pairs)))
+
+        def receive(part: list[memoryview]) -> Callable[[PeerLink, int, dict[str, Any], bytes | None], None]:
+            def fill(link: PeerLink, dst: int, answer: dict[str, Any], inline: bytes | None) -> None:
+                link.scatter(dst, TAG_RESP, answer, inline, part)  # exactly their bytes, else the link is down
+            return fill
+
+        await asyncio.gather(*(self._call({"op": "ranges", "step": step, "name": name, "size": size,
+                                           "ranges": pairs[lo:hi]}, receive(views[lo:hi]))
+                               for lo, hi in groups))
         return None
 
     async def delete_version(self, step: int) -> None:

@@ -13,7 +13,17 @@ per restore):
    ``result/<k>/<rank>``; the first candidate that loads on every rank wins
    (``try/<k+1>`` says ``done``), otherwise the next one is tried;
 4. an error the coordinator hits (nothing published, another world size) is
-   posted as ``try/<k>`` so every rank raises the same error.
+   posted as ``try/<k>`` so every rank raises the same error; so is a
+   candidate whose destinations a rank refused (``into`` raised
+   :class:`~asymstore.errors.DestinationMismatchError`: the live objects do not
+   fit it, which an older version would not mend): that rank raises its own
+   error, the others a :class:`~asymstore.errors.DestinationMismatchError`
+   naming it.
+
+With ``into``, each rank reads its shard straight into its destinations (one
+read, the checksums hashed as the bytes land: :mod:`asymstore.read.load`). A
+candidate that fails on one rank may have written the destinations of the
+others; the next candidate is read into the same tensors on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from asymstore.api import Checkpoint
 from asymstore.errors import (
     AsymstoreError,
     CorruptVersionError,
+    DestinationMismatchError,
     GlobalManifestError,
     NoCheckpointError,
     VersionNotFoundError,
@@ -47,6 +58,7 @@ _ERRORS: dict[str, type[AsymstoreError]] = {
     "VersionNotFoundError": VersionNotFoundError,
     "WorldSizeMismatchError": WorldSizeMismatchError,
     "CorruptVersionError": CorruptVersionError,
+    "DestinationMismatchError": DestinationMismatchError,
 }
 
 Restored = tuple[GlobalManifest, Checkpoint, list[str]]
@@ -73,6 +85,7 @@ async def restore_collective(job: Job, local: AsymStore, reshard: Targets | None
     Raises:
         NoCheckpointError, VersionNotFoundError, WorldSizeMismatchError, CorruptVersionError,
         CoordinationTimeoutError: see :meth:`asymstore.multirank.RankStore.restore`.
+        DestinationMismatchError: a rank refused the destinations of the candidate (see the module docstring).
     """
     if job.is_coordinator:
         haves = await asyncio.to_thread(_gather_haves, job, local, key)
@@ -133,12 +146,19 @@ async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, key: 
         raise
     for k, g in enumerate(candidates):
         await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
-        ckpt, reason = await _try_shard(job, local, reshard, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", {"ok": ckpt is not None, "reason": reason})
+        ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", _result(ckpt, reason, refused))
         keys = [f"{key}/result/{k}/{r}" for r in range(job.world_size)]
         await asyncio.to_thread(kv.wait, keys, job.restore_timeout_s, f"ranks loading global step {g.step}")
         results = await asyncio.to_thread(kv.get_many, keys)
         bad = {r: res["reason"] for r, res in enumerate(results) if not res["ok"]}
+        refusals = {r: res["reason"] for r, res in enumerate(results) if res.get("refused")}
+        if refusals:  # the live objects do not fit this version: no older one is tried
+            msg = f"global step {g.step}: rank(s) {sorted(refusals)} refused it: " + "; ".join(
+                f"rank {r}: {why}" for r, why in sorted(refusals.items()))
+            await asyncio.to_thread(kv.put, f"{key}/try/{k + 1}", {"error": "DestinationMismatchError",
+                                                                   "message": msg})
+            raise refused or DestinationMismatchError(msg)
         if not bad and ckpt is not None:
             await asyncio.to_thread(kv.put, f"{key}/try/{k + 1}", {"done": g.step, "notes": notes})
             return g, ckpt, notes
@@ -155,33 +175,46 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str,
     k = 0
     ckpt: Checkpoint | None = None
     g: GlobalManifest | None = None
+    refused: DestinationMismatchError | None = None
     while True:
         await asyncio.to_thread(kv.wait, [f"{key}/try/{k}"], job.restore_timeout_s, "the coordinator's restore")
         msg = await asyncio.to_thread(kv.get, f"{key}/try/{k}")
         if "error" in msg:
+            if refused is not None and msg["error"] == "DestinationMismatchError":
+                raise refused  # this rank's own refusal, with its cause
             raise _ERRORS.get(msg["error"], CorruptVersionError)(msg["message"])
         if "done" in msg:
             assert ckpt is not None and g is not None and g.step == msg["done"]
             return g, ckpt, list(msg.get("notes", []))
         g = GlobalManifest.from_json(msg["global"].encode())
-        ckpt, reason = await _try_shard(job, local, reshard, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", {"ok": ckpt is not None, "reason": reason})
+        ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", _result(ckpt, reason, refused))
         k += 1
 
 
+def _result(ckpt: Checkpoint | None, reason: str, refused: DestinationMismatchError | None) -> dict[str, object]:
+    out: dict[str, object] = {"ok": ckpt is not None, "reason": reason}
+    if refused is not None:
+        out["refused"] = True
+    return out
+
+
 async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: GlobalManifest,
-                     into: Into | None) -> tuple[Checkpoint | None, str]:
+                     into: Into | None) -> tuple[Checkpoint | None, str, DestinationMismatchError | None]:
+    """Load this rank's part of ``g``: the checkpoint, or None with the reason (and the refusal, if refused)."""
     if g.world_size != job.world_size and reshard is not None:
         try:
-            return await restore_resharded(job, local.tiers, g, reshard), ""
+            return await restore_resharded(job, local.tiers, g, reshard), "", None
         except (AsymstoreError, OSError) as exc:
-            return None, describe(exc)
+            return None, describe(exc), None
     shard = g.shard(job.rank)
     try:
         ckpt = await local.restore(step=shard.step, into=into)
+    except DestinationMismatchError as exc:
+        return None, describe(exc), exc
     except (AsymstoreError, OSError) as exc:
-        return None, describe(exc)
+        return None, describe(exc), None
     digest = shard_digest(ckpt.manifest)
     if digest != shard.digest:
-        return None, f"shard {shard.step} digest {digest} != {shard.digest} in the global manifest"
-    return ckpt, ""
+        return None, f"shard {shard.step} digest {digest} != {shard.digest} in the global manifest", None
+    return ckpt, "", None

@@ -57,6 +57,29 @@ def _targets(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> dict[str, 
 
 
 _Direct = list[tuple[str, Chunk, memoryview]]
+"""Chunks of one segment read into place: (tensor or pack label, chunk, where its bytes land)."""
+
+
+class _SegmentPlan:
+    """What one segment's ranged read fills: raw chunks into their destinations, other chunks into scratch.
+
+    ``direct`` chunks are raw and land where they belong (a destination
+    tensor, a pack's buffer): verified there, by the digests the tier hashed
+    as they landed or by a pass right after. ``staged`` chunks (compressed,
+    or with no destination to land in) land in scratch buffers of their
+    stored length; those with a destination (``decode``: the destination's
+    slice) are verified and decoded into it as soon as their segment is read,
+    beside the other reads; the rest by :func:`decode_tensors`, like a chunk
+    of a whole segment.
+    """
+
+    __slots__ = ("decode", "direct", "staged")
+
+    def __init__(self) -> None:
+        """Nothing planned yet."""
+        self.direct: _Direct = []
+        self.staged: _Direct = []
+        self.decode: list[memoryview | None] = []  # per staged chunk: its destination slice, or None
 
 def resolve_into(manifest: Manifest, into: Into | None) -> dict[str, torch.Tensor]:
     """The destinations for ``manifest``: ``into`` itself, or what ``into(manifest)`` returns.
@@ -144,30 +167,45 @@ def pack_label(index: int, pack: Chunk) -> str:
 
 
 def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview],
-                   packs: Mapping[PackKey, memoryview]) -> dict[str, _Direct]:
-    """Segments whose every chunk is raw and lands in a destination: segment -> (tensor, chunk, destination slice).
+                   packs: Mapping[PackKey, memoryview]) -> dict[str, _SegmentPlan]:
+    """How each segment is read by ranges: raw chunks into their destinations, the others into scratch.
 
-    A raw pack lands whole in its buffer of ``packs``.
+    A raw pack lands whole in its buffer of ``packs``. A segment with no raw
+    chunk that lands in place is left out (read whole: nothing is saved by
+    ranges there).
     """
-    ranges: dict[str, _Direct] = {s.name: [] for s in manifest.segments}
-    mixed: set[str] = set()
+    import torch
+
+    from asymstore.format.codec import RAW
+    from asymstore.format.tensors import as_bytes
+
+    plans: dict[str, _SegmentPlan] = {s.name: _SegmentPlan() for s in manifest.segments}
+
+    def scratch(n: int) -> memoryview:
+        return as_bytes(torch.empty(n, dtype=torch.uint8)) if n else memoryview(bytearray())
+
     for name, entry in manifest.tensors.items():
         if entry.pack_offset is not None:
             continue
         dest = targets.get(name)
         pos = 0
         for c in entry.chunks:
-            if dest is None or c.codec != "raw":
-                mixed.add(c.segment)
+            plan = plans[c.segment]
+            if dest is not None and c.codec == RAW:
+                plan.direct.append((name, c, dest[pos:pos + c.raw_length]))
             else:
-                ranges[c.segment].append((name, c, dest[pos:pos + c.raw_length]))
+                plan.staged.append((name, c, scratch(c.length)))
+                plan.decode.append(None if dest is None else dest[pos:pos + c.raw_length])
             pos += c.raw_length
     for i, pack in enumerate(manifest.packs):
-        if pack.codec != "raw":
-            mixed.add(pack.segment)
+        plan = plans[pack.segment]
+        if pack.codec == RAW:
+            plan.direct.append((pack_label(i, pack), pack, packs[pack.segment, pack.offset]))
         else:
-            ranges[pack.segment].append((pack_label(i, pack), pack, packs[pack.segment, pack.offset]))
-    return {seg: r for seg, r in ranges.items() if seg not in mixed}
+            plan.staged.append((pack_label(i, pack), pack, scratch(pack.length)))
+            plan.decode.append(None)  # decoded into its buffer before its tensors are built: decode_tensors
+    # a segment where nothing lands in a destination is read whole (its tensors are views of it)
+    return {seg: plan for seg, plan in plans.items() if plan.direct or any(d is not None for d in plan.decode)}
 
 
 async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
@@ -209,23 +247,31 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
     direct = _direct_ranges(manifest, targets, packs) if isinstance(tier, ReadIntoTier) else {}
     sem = asyncio.Semaphore(READ_AHEAD)
 
+    staged: dict[PackKey, memoryview] = {}
+
     async def fetch(name: str, size: int) -> tuple[str, memoryview | None]:
         async with sem:
-            if name in direct:
+            plan = direct.get(name)
+            if plan is not None:
                 assert isinstance(tier, ReadIntoTier)
-                digests = await tier.read_segment_into(step, name, size,
-                                                       [(c.offset, view) for _, c, view in direct[name]])
-                if digests is not None:  # hashed by the tier as the bytes landed
-                    _check_digests(direct[name], digests)
+                digests = await tier.read_segment_into(step, name, size, [
+                    (c.offset, view) for _, c, view in (*plan.direct, *plan.staged)])
+                if digests is not None:  # hashed by the tier as the bytes landed (staged ones: checked on decode)
+                    _check_digests(plan.direct, digests[:len(plan.direct)])
+                    if any(d is not None for d in plan.decode):
+                        await asyncio.to_thread(_decode_staged, plan)
                 else:  # verified right away, while this segment's bytes are still warm, and beside the next reads
-                    await asyncio.to_thread(_verify_in_place, direct[name])
+                    await asyncio.to_thread(_verify_in_place, plan)
+                for (_, c, view), dest in zip(plan.staged, plan.decode, strict=True):
+                    if dest is None:
+                        staged[c.segment, c.offset] = view
                 return name, None
             data = await tier.read_segment(step, name, size)
             verify_segment(manifest, name, data, deep=False)
             return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
 
     segments = dict(await asyncio.gather(*(fetch(s.name, s.size) for s in manifest.segments)))
-    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, dests, packs)
+    return manifest, await asyncio.to_thread(decode_tensors, manifest, segments, targets, dests, packs, staged)
 
 
 def _check_digests(items: _Direct, digests: list[str]) -> None:
@@ -236,20 +282,31 @@ def _check_digests(items: _Direct, digests: list[str]) -> None:
             raise CorruptVersionError(f"{name}: chunk in {chunk.segment} at {chunk.offset}: stored checksum mismatch")
 
 
-def _verify_in_place(items: _Direct) -> None:
-    for name, chunk, view in items:
+def _verify_in_place(plan: _SegmentPlan) -> None:
+    for name, chunk, view in plan.direct:
         decode_one(name, chunk, view, None)  # raw: checks the length and the checksum of the destination bytes
+    _decode_staged(plan)
+
+
+def _decode_staged(plan: _SegmentPlan) -> None:
+    """Verify and decode each staged chunk that has a destination into it (from its scratch buffer)."""
+    for (name, chunk, view), dest in zip(plan.staged, plan.decode, strict=True):
+        if dest is not None:
+            decode_one(name, chunk, view, dest)
 
 
 def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None],
                    targets: Mapping[str, memoryview] | None = None,
                    into: Mapping[str, torch.Tensor] | None = None,
-                   packs: Mapping[PackKey, memoryview] | None = None) -> dict[str, torch.Tensor]:
-    """Verify and decode every tensor of ``manifest`` from its segments (None: already verified in its destination).
+                   packs: Mapping[PackKey, memoryview] | None = None,
+                   staged: Mapping[PackKey, memoryview] | None = None) -> dict[str, torch.Tensor]:
+    """Verify and decode every tensor of ``manifest`` from its segments (None: read by ranges).
 
-    ``packs`` holds a buffer per pack (:func:`_pack_buffers`; made here when
-    not given): every pack is verified (and decoded) into its buffer before
-    any tensor is built from it.
+    A segment read by ranges has each chunk either already verified in its
+    destination, or its stored bytes in ``staged`` (by segment and offset),
+    verified and decoded here. ``packs`` holds a buffer per pack
+    (:func:`_pack_buffers`; made here when not given): every pack is
+    verified (and decoded) into its buffer before any tensor is built from it.
     """
     import torch
 
@@ -258,13 +315,21 @@ def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None]
 
     targets = targets or {}
     into = into or {}
+    staged = staged or {}
     if packs is None:
         packs = _pack_buffers(manifest)
+
+    def stored_bytes(chunk: Chunk) -> memoryview | None:
+        """The chunk's stored bytes to verify and decode, or None: verified in its destination already."""
+        whole = segments[chunk.segment]
+        if whole is not None:
+            return whole[chunk.offset:chunk.offset + chunk.length]
+        return staged.get((chunk.segment, chunk.offset))
+
     for i, pack in enumerate(manifest.packs):
-        stored = segments[pack.segment]
-        if stored is not None:  # None: read straight into its buffer and verified there already
-            decode_one(pack_label(i, pack), pack, stored[pack.offset:pack.offset + pack.length],
-                       packs[pack.segment, pack.offset])
+        stored = stored_bytes(pack)
+        if stored is not None:
+            decode_one(pack_label(i, pack), pack, stored, packs[pack.segment, pack.offset])
     out: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     frombuffer = torch.frombuffer
@@ -297,10 +362,9 @@ def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None]
         pos = 0
         for chunk in entry.chunks:
             target = buf[pos:pos + chunk.raw_length]
-            stored = segments[chunk.segment]
+            stored = stored_bytes(chunk)
             if stored is not None:  # None: read straight into the destination and verified there already
-                raw = decode_one(name, chunk, stored[chunk.offset:chunk.offset + chunk.length],
-                                 None if single else target)
+                raw = decode_one(name, chunk, stored, None if single else target)
                 if single:
                     buf = raw
             pos += chunk.raw_length

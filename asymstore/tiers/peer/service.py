@@ -32,6 +32,7 @@ before the interpreter finalizes (:mod:`asymstore.runtime.exiting`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -303,12 +304,20 @@ class ReplicaService:
     # -- serving ---------------------------------------------------------
 
     async def _serve(self) -> None:
+        """Answer requests in order; each answer is made ready while the one before it is still being sent.
+
+        At most two answers are under way (one sending, the next waiting for it), whatever the requester
+        sends: the loop reads the request after next only once the earlier answer is out.
+        """
+        sending: concurrent.futures.Future[None] | None = None
         while True:
             header, _ = await self._header(TAG_REQ)
             op = header.get("op")
             if header["nbytes"]:
                 self._protocol(f"request {op!r} with a payload")
             if op == "bye":
+                if sending is not None:
+                    await asyncio.wrap_future(sending)
                 return
             rid = header.get("id")
             if rid is not None and not isinstance(rid, int):
@@ -334,20 +343,33 @@ class ReplicaService:
                 answer, payload = {"ok": False, "error": type(exc).__name__, "message": describe(exc)}, []
             if rid is not None:
                 answer["id"] = rid
-            await self._answer(answer, payload, lent)
+            sent = self._answer(answer, payload, lent, sending)
+            if sending is not None:
+                await asyncio.wrap_future(sending)
+            sending = sent
 
     def _serving(self, header: dict[str, Any], nbytes: int) -> None:
         """Called before each answer is sent, its views open (a hook for fault-injection tests)."""
 
-    async def _answer(self, answer: dict[str, Any], payload: list[Buffer], lent: contextlib.ExitStack) -> None:
-        """Send one answer; the views it is sent from are closed only once its send is over.
+    def _answer(self, answer: dict[str, Any], payload: list[Buffer], lent: contextlib.ExitStack,
+                after: concurrent.futures.Future[None] | None) -> concurrent.futures.Future[None]:
+        """Start sending one answer, once ``after`` (the answer before it) is sent; the send's future.
 
-        Even when this is cancelled (the service stops) the send's thread may still be reading them: the
-        thread closes them, through the loop, when it is done.
+        The views it is sent from are closed only once its send is over, by its thread through the loop,
+        even when the serve loop has stopped waiting (the service stops).
         """
         try:
             self._serving(answer, sum(len(memoryview(p)) for p in payload))
-            sent = in_thread(partial(self.link.send, self.src, TAG_RESP, answer, payload))
+            send = partial(self.link.send, self.src, TAG_RESP, answer, payload)
+
+            def run() -> None:
+                if after is not None:  # in the order asked (a failed one ends the serve loop, and the
+                    # requester, finding this answer's id where the other's was due, takes the link down)
+                    with contextlib.suppress(Exception):
+                        after.result()
+                send()
+
+            sent = in_thread(run)
         except BaseException:
             lent.close()
             raise
@@ -360,4 +382,4 @@ class ReplicaService:
                 loop.call_soon_threadsafe(lent.close)
 
         sent.add_done_callback(close)
-        await asyncio.wrap_future(sent)
+        return sent

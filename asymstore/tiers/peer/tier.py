@@ -41,7 +41,17 @@ from asymstore.errors import (
     VersionNotFoundError,
 )
 from asymstore.tiers.memory.factory import HostTier
-from asymstore.tiers.peer.link import FRAME, TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, PeerLink, blocking, connect
+from asymstore.tiers.peer.link import (
+    FRAME,
+    TAG_ACK,
+    TAG_REPL,
+    TAG_REQ,
+    TAG_RESP,
+    PeerLink,
+    blocking,
+    connect,
+    in_thread,
+)
 from asymstore.tiers.peer.ring import Ring, ring_of
 from asymstore.tiers.peer.service import ReplicaService
 from asymstore.tiers.protocol import Buffer, Tier
@@ -247,15 +257,29 @@ class PeerTier:
                 await blocking(partial(link.send, dst, TAG_REQ, {**header, "id": rid}))
                 before, mine = self._tail, asyncio.get_running_loop().create_future()
                 self._tail = mine
+            loop = asyncio.get_running_loop()
             try:
                 if before is not None:
                     await asyncio.shield(before)  # its answer first (the future only says when: it never fails)
-                return await blocking(partial(self._answer, link, dst, rid, header, receive))
-            finally:
-                if not mine.done():
-                    mine.set_result(None)
-                if self._tail is mine:
-                    self._tail = None
+                reading = in_thread(partial(self._answer, link, dst, rid, header, receive))
+            except BaseException:  # cancelled before its answer was read: the next one reads it, and refuses it
+                self._turn(mine)
+                raise
+
+            def done(_: object) -> None:  # the next answer is read only once this thread has stopped reading
+                if not loop.is_closed():
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(self._turn, mine)
+
+            reading.add_done_callback(done)
+            return await asyncio.wrap_future(reading)
+
+    def _turn(self, mine: asyncio.Future[None]) -> None:
+        """The answer ``mine`` stands for is read (or never will be): the next request's turn."""
+        if not mine.done():
+            mine.set_result(None)
+        if self._tail is mine:
+            self._tail = None
 
     def _answer(self, link: PeerLink, dst: int, rid: int, header: dict[str, Any],
                 receive: Callable[[PeerLink, int, dict[str, Any], bytes | None], T]) -> T:

@@ -21,7 +21,12 @@ of ``--resume-worlds`` (default 1 and 2) ranks, each method in its own fresh pro
 times in ABBA order (median reported, with its ratio to ``dcp.load``): ``Checkpointer.resume()``
 (each rank reads the byte ranges its new pieces overlap) against ``dcp.load`` into
 ``get_state_dict`` then ``set_state_dict`` (DCP reshards through DTensor). Each resumed rank
-checks its local pieces against the saved global tensors. Writes JSON.
+checks its local pieces against the saved global tensors. The floor is measured in the same run,
+in fresh processes like the methods (``floor``): each rank reads the segment files the resume reads
+(its own shard's on the same world, every shard's on one rank) as the tier does (O_DIRECT, a 16 MiB
+bounce), then one xxh3 pass over those bytes (what "never wrong" adds); and the DCP files it reads,
+buffered (from the page cache where they are), plus one xxh3 pass over them: ``dcp.load`` with our
+verification added costs about ``dcp.load + dcp_hash_s``. Writes JSON.
 """
 
 from __future__ import annotations
@@ -138,6 +143,8 @@ def resume(args: argparse.Namespace, rank: int, work: Path, method: str) -> dict
     train_step(model, opt, args, 0, rank)  # the optimizer state exists, as in a job that resumes mid-run
     dist.barrier()
     t0 = time.perf_counter()
+    if method == "floor":
+        return floor(args, dist.get_rank(), dist.get_world_size(), work)
     if method == "asymcheck":
         from asymcheck import Checkpointer
 
@@ -167,6 +174,36 @@ def resume(args: argparse.Namespace, rank: int, work: Path, method: str) -> dict
     return {"method": method, "seconds": seconds, "exact": exact}
 
 
+def floor(args: argparse.Namespace, rank: int, world: int, work: Path) -> dict[str, Any]:
+    """Read the files this rank's resume reads, as the tier reads them, and hash them once; the same for DCP's."""
+    import torch.distributed as dist
+    import xxhash
+
+    from asymstore.io.files import read_large, read_whole
+    from asymstore.multirank.globaldir import list_global_steps, read_global
+
+    root = work / "resume-asym"
+    g = read_global(str(root / "global"), max(list_global_steps(str(root / "global"))))
+    old = [r for r in range(g.world_size) if world == 1 or r == rank]  # the same world: its own shard only
+    segs = [f for r in old for f in sorted((root / f"rank-{r:05d}" / f"v{g.shard(r).step:012d}").glob("seg-*"))]
+    dcp_files = [f for f in sorted((work / "resume-dcp").glob("*.distcp"))
+                 if world == 1 or f.name.startswith(f"__{rank}_")]
+    out: dict[str, Any] = {"method": "floor"}
+    for key, files, read in (("", segs, read_large), ("dcp_", dcp_files, read_whole)):
+        t0 = time.perf_counter()
+        bufs = [read(str(f)) for f in files]
+        t1 = time.perf_counter()
+        for b in bufs:
+            xxhash.xxh3_64(b).digest()
+        out |= {f"{key}read_s": t1 - t0, f"{key}hash_s": time.perf_counter() - t1,
+                f"{key}bytes": sum(len(b) for b in bufs)}
+        del bufs
+        dist.barrier()
+    out["seconds"] = out["read_s"] + out["hash_s"]
+    out["exact"] = True
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -184,7 +221,7 @@ def worker(args: argparse.Namespace) -> None:
                     print(f"  {method:<16} median {statistics.median(results[-1]['times']):.3f} s", flush=True)
         save_both(args, rank, work)
     else:
-        for method in [args.resume_method] if args.resume_method else ["asymcheck", "dcp.load"]:
+        for method in [args.resume_method] if args.resume_method else ["asymcheck", "dcp.load", "floor"]:
             results.append(resume(args, rank, work, method) | {"world": world})
     Path(args.out).with_suffix(f".{args.phase}{world}.rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -216,7 +253,7 @@ def main() -> None:
     ap.add_argument("--resume-only", action="store_true",
                     help="skip phase 1's per-iteration timing: train --warmup steps, save both ways, resume")
     ap.add_argument("--resume-reps", type=int, default=1, help="resume launches per world (median reported)")
-    ap.add_argument("--resume-method", choices=["asymcheck", "dcp.load"], help=argparse.SUPPRESS)
+    ap.add_argument("--resume-method", choices=["asymcheck", "dcp.load", "floor"], help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true",
                     help="cProfile rank 0's asymcheck resume (writes OUT.resumeM.prof)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -242,17 +279,26 @@ def main() -> None:
     for world in (int(w) for w in args.resume_worlds.split(",")):
         per_rep: dict[str, list[dict[str, Any]]] = {}
         for rep in range(args.resume_reps):  # a fresh set of processes per method and repetition, ABBA
-            for method in ("asymcheck", "dcp.load")[::1 if rep % 2 == 0 else -1]:
+            for method in ("asymcheck", "dcp.load", "floor")[::1 if rep % 2 == 0 else -1]:
                 ranks = launch(args, "resume", world, "--resume-method", method)
                 rows = [next(r for r in rank if r["method"] == method) for rank in ranks]
-                per_rep.setdefault(method, []).append({"seconds": max(r["seconds"] for r in rows),
-                                                       "exact": all(r["exact"] for r in rows)})
+                row: dict[str, Any] = {"seconds": max(r["seconds"] for r in rows),
+                                       "exact": all(r["exact"] for r in rows)}
+                if method == "floor":  # the slowest rank's of each part
+                    row |= {k: max(r[k] for r in rows) for k in ("read_s", "hash_s", "dcp_read_s", "dcp_hash_s")}
+                per_rep.setdefault(method, []).append(row)
         for method, reps in per_rep.items():
-            resumes[f"{args.world}->{world} {method}"] = {
-                "seconds": statistics.median(r["seconds"] for r in reps), "all_s": [r["seconds"] for r in reps],
-                "exact": all(r["exact"] for r in reps)}
+            entry: dict[str, Any] = {"seconds": statistics.median(r["seconds"] for r in reps),
+                                     "all_s": [r["seconds"] for r in reps], "exact": all(r["exact"] for r in reps)}
+            if method == "floor":
+                entry |= {k: statistics.median(r[k] for r in reps)
+                          for k in ("read_s", "hash_s", "dcp_read_s", "dcp_hash_s")}
+            resumes[f"{args.world}->{world} {method}"] = entry
         asym, ref = (resumes[f"{args.world}->{world} {m}"]["seconds"] for m in ("asymcheck", "dcp.load"))
-        resumes[f"{args.world}->{world} asymcheck"]["ratio_to_dcp_load"] = asym / ref
+        fl = resumes[f"{args.world}->{world} floor"]
+        resumes[f"{args.world}->{world} asymcheck"] |= {
+            "ratio_to_dcp_load": asym / ref, "ratio_to_floor": asym / fl["seconds"],
+            "ratio_to_dcp_load_plus_hash": asym / (ref + fl["dcp_hash_s"])}
     params = per_rank[0][0]["params"] if per_rank[0] else None  # --resume-only: no phase 1 rows
     results = {"config": args.config, "gpt2": GPT2_CONFIGS[args.config], "params": params,
                "world": args.world, "seq": args.seq, "batch": args.batch, "steps": args.steps, "reps": args.reps,
@@ -263,7 +309,12 @@ def main() -> None:
     for method, e in methods.items():
         print(f"{method:<16} median {e['median_s']:.3f} s  x{e['ratio_to_none']:.2f}")
     for key, e in resumes.items():
-        ratio = f"  x{e['ratio_to_dcp_load']:.2f} dcp.load" if "ratio_to_dcp_load" in e else ""
+        if key.endswith(" floor"):
+            print(f"resume {key:<24} {e['seconds']:.3f} s  (O_DIRECT read {e['read_s']:.3f} + xxh3 {e['hash_s']:.3f}; "
+                  f"DCP files buffered read {e['dcp_read_s']:.3f} + xxh3 {e['dcp_hash_s']:.3f})")
+            continue
+        ratio = (f"  x{e['ratio_to_dcp_load']:.2f} dcp.load, x{e['ratio_to_dcp_load_plus_hash']:.2f} dcp.load+xxh3, "
+                 f"x{e['ratio_to_floor']:.2f} floor") if "ratio_to_dcp_load" in e else ""
         print(f"resume {key:<24} {e['seconds']:.3f} s  {'bit-exact' if e['exact'] else 'NOT EXACT'}{ratio}")
     print(f"wrote {Path(args.out).with_suffix('.json')}")
 

@@ -13,6 +13,7 @@ Run as a test; the ranks run this file's ``child`` (``python -m tests.fsdp2.test
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -125,11 +126,18 @@ def launch(root: Path, phase: str, world: int) -> None:
         assert p.returncode == 0 and f"rank {r} {phase} ok" in out, f"{phase} rank {r}:\n{out[-4000:]}"
 
 
-@pytest.mark.parametrize("world", [2, 1])
-def test_fsdp2_resume_after_a_step_is_bit_exact_and_in_place(tmp_path: Path, world: int) -> None:
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch.distributed.fsdp", reason="no FSDP in this torch")
-    launch(tmp_path, "save", 2)
-    launch(tmp_path, "resume", world)
+    root = tmp_path_factory.mktemp("fsdp2-inplace")
+    launch(root, "save", 2)
+    return root
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_fsdp2_resume_after_a_step_is_bit_exact_and_in_place(saved: Path, tmp_path: Path, world: int) -> None:
+    shutil.copytree(saved, tmp_path / "job")  # the resumed job commits the step it trains after: its own copy
+    launch(tmp_path / "job", "resume", world)
 
 
 if __name__ == "__main__":

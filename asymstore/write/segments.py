@@ -31,6 +31,7 @@ between tiers that both compress them, within a byte budget.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import math
@@ -317,10 +318,19 @@ class VersionPlan:
             seg, source = optimal_segment_bytes(cal.latency_s, exposed, n_stored, max_b), "cost-model"
         predicted = predicted_seconds(cal.latency_s, cal.seconds_per_byte, exposed, n_stored, seg) + compress_s
         plan = TierPlan(tier, cal, masks, seg, source, n_stored, compress_s, sample_s,
-                        self.chunks_nbytes + self.manifest_bound(seg), predicted)
+                        self.chunks_nbytes + self.padding_bound + self.manifest_bound(seg), predicted)
         logger.debug("step %d on %s: B=%d (%s), %d/%d chunks compressed, ~%d of %d bytes stored",
                      self.step, tier, seg, source, plan.compressed_chunks, len(masks), n_stored, self.raw_bytes)
         return plan
+
+    @functools.cached_property
+    def padding_bound(self) -> int:
+        """Most zero bytes the segments can hold.
+
+        A raw chunk of at least ``SMALL_CHUNK_BYTES`` starts on a ``SEGMENT_ALIGN``
+        boundary (a chunk planned compressed that does not shrink is stored raw, so all count).
+        """
+        return sum(SEGMENT_ALIGN - 1 for view in self.views if len(view) >= SMALL_CHUNK_BYTES)
 
     def manifest_bound(self, segment_bytes: int) -> int:
         """An upper bound on the manifest's size in bytes for segments of ``segment_bytes``."""

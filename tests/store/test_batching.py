@@ -103,6 +103,27 @@ def test_tiers_that_both_compress_share_the_encoded_chunks() -> None:
     assert first.manifest().tensors == second.manifest().tensors
 
 
+@pytest.mark.parametrize("segment_bytes", [None, 256 << 10])
+def test_a_tier_reservation_bounds_what_the_version_stores_alignment_padding_included(
+        segment_bytes: int | None) -> None:
+    """Many large-enough chunks of odd sizes: each is aligned to 4 KiB in its segment, and the reservation covers it.
+
+    A peer holder (and any tier that enforces it) refuses a version whose segments exceed what was reserved.
+    """
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"w{i}": torch.randn(64 << 10 | (i * 37 + 1), generator=g) for i in range(300)}  # 256 KiB + odd
+    staged = {n: stage(t, 1 * MIB) for n, t in tensors.items()}
+    plan = VersionPlan(1, staged, {}, 0.0, codec=PlaneCodec(threads=0))
+    tier_plan = plan.plan_tier("memory", FAST, policy="never", segment_bytes=segment_bytes)
+    builder = SegmentBuilder(plan, tier_plan)
+    stored = 0
+    while (seg := builder.next_segment()) is not None:
+        stored += seg.size
+    manifest = builder.manifest().to_json()
+    assert stored >= plan.chunks_nbytes
+    assert stored + len(manifest) <= tier_plan.reserve_bytes, (stored, len(manifest), tier_plan.reserve_bytes)
+
+
 def test_incompressible_data_stays_raw_even_on_a_slow_tier() -> None:
     g = torch.Generator().manual_seed(3)
     noise = torch.randint(0, 256, (2 * MIB,), dtype=torch.uint8, generator=g)

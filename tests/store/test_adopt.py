@@ -151,6 +151,23 @@ async def test_the_background_copy_reuses_one_buffer_and_never_while_a_tier_stil
             assert all(torch.equal(got[k], expect[step][k]) for k in expect[step]), step
 
 
+async def test_closing_with_versions_still_queued_for_a_background_tier_gives_every_copy_back(
+        tmp_path: object) -> None:
+    """Versions the slow tier never writes (skipped for newer ones, or dropped at close) still end their holds."""
+    slow = SlowLocalTier(os.path.join(str(tmp_path), "slow"), delay_s=0.3)
+    memory = HostTier(64 << 20)
+    store = AsymStore([memory, slow], durable=memory.name, backlog=1, **FAST)  # type: ignore[arg-type]
+    await store.open()
+    for step in range(1, 5):
+        await store.adopt_many(step, {k: v.clone() for k, v in tensors(step).items()}, release=Releases())
+        await store.commit(step)
+    background = store._background
+    assert background._holds  # versions 3 and 4 at least are still with the slow tier
+    await store.close()
+    assert not background._holds  # each ended: written, skipped for a newer one, or dropped at close
+    assert store._copy_buffers.idle_bytes > 0 and store._copy_buffers.reuses >= 1
+
+
 async def test_a_refused_batch_never_drops_what_an_earlier_call_adopted(tmp_path: object) -> None:
     first, second = Releases(), Releases()
     async with AsymStore([LocalTier(os.path.join(str(tmp_path), "a"))], **FAST) as store:  # type: ignore[arg-type]

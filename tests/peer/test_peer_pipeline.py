@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +133,9 @@ def _faulty(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     monkeypatch.setattr(ReplicaService, "_serving", serving)
 
 
-@pytest.mark.parametrize("fault", ["short", "id"])
-def test_an_answer_of_the_wrong_size_or_order_is_a_protocol_error_not_data(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
-    manifest, segments = a_version(tmp_path / "src")
-    _faulty(monkeypatch, fault)
+def _restore_from_rank_1(manifest: Any, segments: Any,
+                         check: Callable[[PeerTier, dict[str, torch.Tensor]], Awaitable[str]]) -> Any:
+    """Rank 0 replicates a version to rank 1, then runs ``check`` on restoring it into zeros; rank 0's result."""
     kv = dist.HashStore()
 
     async def rank_fn(rank: int) -> Any:
@@ -146,17 +145,27 @@ def test_an_answer_of_the_wrong_size_or_order_is_a_protocol_error_not_data(
             if rank == 1:
                 return None
             await send(tier, manifest, segments)
-            dests = {n: torch.zeros_like(t) for n, t in state().items()}
-            with pytest.raises(PeerProtocolError):
-                await load_version(tier, STEP, into=dests)
-            with pytest.raises(PeerError, match="down"):  # nothing more is read from that link
-                await tier.read_segment(STEP, sorted(segments)[0])
-            return "refused"
+            return await check(tier, {n: torch.zeros_like(t) for n, t in state().items()})
         finally:
             await tier.close()
 
-    out = run_ranks(2, rank_fn)
-    assert out[0] == "refused", out
+    return run_ranks(2, rank_fn)[0]
+
+
+@pytest.mark.parametrize("fault", ["short", "id"])
+def test_an_answer_of_the_wrong_size_or_order_is_a_protocol_error_not_data(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    manifest, segments = a_version(tmp_path / "src")
+    _faulty(monkeypatch, fault)
+
+    async def check(tier: PeerTier, dests: dict[str, torch.Tensor]) -> str:
+        with pytest.raises(PeerProtocolError):
+            await load_version(tier, STEP, into=dests)
+        with pytest.raises(PeerError, match="down"):  # nothing more is read from that link
+            await tier.read_segment(STEP, sorted(segments)[0])
+        return "refused"
+
+    assert _restore_from_rank_1(manifest, segments, check) == "refused"
 
 
 def test_a_holder_gone_mid_restore_is_a_peer_error_not_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -170,24 +179,13 @@ def test_a_holder_gone_mid_restore_is_a_peer_error_not_data(tmp_path: Path, monk
                 self.link.end("killed by the test", timeout_s=5.0)
 
     monkeypatch.setattr(ReplicaService, "_serving", serving)
-    kv = dist.HashStore()
 
-    async def rank_fn(rank: int) -> Any:
-        tier = peer(rank, kv, None)
-        await tier.open()
-        try:
-            if rank == 1:
-                return None
-            await send(tier, manifest, segments)
-            dests = {n: torch.zeros_like(t) for n, t in state().items()}
-            with pytest.raises(PeerError):
-                await load_version(tier, STEP, into=dests)
-            return "lost"
-        finally:
-            await tier.close()
+    async def check(tier: PeerTier, dests: dict[str, torch.Tensor]) -> str:
+        with pytest.raises(PeerError):
+            await load_version(tier, STEP, into=dests)
+        return "lost"
 
-    out = run_ranks(2, rank_fn)
-    assert out[0] == "lost" and served["n"] == 3, out
+    assert _restore_from_rank_1(manifest, segments, check) == "lost" and served["n"] == 3
 
 
 # -- the replica tiers' views -------------------------------------------------

@@ -153,15 +153,20 @@ def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
     return []
 
 
-def check_regular(path: str, *, expected_size: int | None = None, max_size: int | None = None) -> int:
-    """Return the size of ``path`` after checking it is a plain file of an acceptable size.
+def open_regular(path: str, *, expected_size: int | None = None, max_size: int | None = None) -> tuple[int, int]:
+    """Open ``path`` read-only and check, on that descriptor, that it is a plain file of an acceptable size.
 
     Opened without following a symlink and without blocking (a FIFO or a
-    device never hangs the caller); nothing is read.
+    device never hangs the caller); nothing is read. The caller closes the
+    descriptor.
+
+    Returns:
+        ``(fd, size)``.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         CorruptVersionError: it is a symlink, not a regular file, or its size is not the one expected.
+        OSError: it cannot be opened.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -171,15 +176,28 @@ def check_regular(path: str, *, expected_size: int | None = None, max_size: int 
         raise
     try:
         info = os.fstat(fd)
-    finally:
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptVersionError(f"{path} is not a regular file")
+        if expected_size is not None and info.st_size != expected_size:
+            raise CorruptVersionError(f"{path} has {info.st_size} bytes, the manifest says {expected_size}")
+        if max_size is not None and info.st_size > max_size:
+            raise CorruptVersionError(f"{path} has {info.st_size} bytes, more than the {max_size} accepted")
+    except BaseException:
         os.close(fd)
-    if not stat.S_ISREG(info.st_mode):
-        raise CorruptVersionError(f"{path} is not a regular file")
-    if expected_size is not None and info.st_size != expected_size:
-        raise CorruptVersionError(f"{path} has {info.st_size} bytes, the manifest says {expected_size}")
-    if max_size is not None and info.st_size > max_size:
-        raise CorruptVersionError(f"{path} has {info.st_size} bytes, more than the {max_size} accepted")
-    return info.st_size
+        raise
+    return fd, info.st_size
+
+
+def check_regular(path: str, *, expected_size: int | None = None, max_size: int | None = None) -> int:
+    """Return the size of ``path`` after checking it is a plain file of an acceptable size (:func:`open_regular`).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CorruptVersionError: it is a symlink, not a regular file, or its size is not the one expected.
+    """
+    fd, size = open_regular(path, expected_size=expected_size, max_size=max_size)
+    os.close(fd)
+    return size
 
 
 def check_directory(path: str) -> None:

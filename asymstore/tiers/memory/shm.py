@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import mmap
 import os
-import stat
 from collections.abc import Iterator, Sequence
 
-from asymstore.errors import CorruptVersionError, TierError
+from asymstore.errors import TierError
 from asymstore.format.manifest import validate_segment_name
-from asymstore.io.files import check_directory
+from asymstore.io.files import check_directory, open_regular
 from asymstore.io.rootlock import is_leftover_name
 from asymstore.tiers.local import LocalTier
 from asymstore.tiers.memory.capacity import BackPressure, BoundedTier, Reservation
@@ -141,25 +139,15 @@ class ShmTier(BoundedTier):
         path = os.path.join(vdir, validate_segment_name(name))
         try:
             check_directory(vdir)
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd, nbytes = open_regular(path, expected_size=size)
         except FileNotFoundError as exc:
             raise TierError(f"segment {name} of step {step} missing on {self.name}") from exc
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CorruptVersionError(f"{path} is a symlink; only regular files are read") from exc
+        except OSError as exc:  # CorruptVersionError (a symlink, another file, another size) is not one
             raise TierError(f"segment {name} of step {step} on {self.name}: {exc}") from exc
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise CorruptVersionError(f"{path} is not a regular file")
-            if size is not None and info.st_size != size:
-                raise CorruptVersionError(f"segment {name} of step {step} on {self.name} has "
-                                          f"{info.st_size} bytes, the manifest says {size}")
-            try:
-                mapped = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED | _POPULATE,
-                                   prot=mmap.PROT_READ) if info.st_size else None
-            except OSError as exc:
-                raise TierError(f"segment {name} of step {step} on {self.name}: mapping it: {exc}") from exc
+            mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ) if nbytes else None
+        except OSError as exc:
+            raise TierError(f"segment {name} of step {step} on {self.name}: mapping it: {exc}") from exc
         finally:
             os.close(fd)
         if mapped is None:

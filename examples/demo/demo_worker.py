@@ -109,9 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiers", default="local")
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
+    if args.device == "cuda":
+        # cuBLAS is deterministic only with a fixed workspace; set before CUDA starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = make_model(args.seed)
+    model = make_model(args.seed).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.98 ** s)
     stateful: dict[str, Any] = {"sched": sched}
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(out / "losses.jsonl", "a") as losses:
         for step in range(start, args.steps):
             began = time.perf_counter()
-            tokens = batch(args.seed, step)
+            tokens = batch(args.seed, step).to(args.device)
             loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
             opt.step()

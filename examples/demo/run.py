@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per child (default 1: the other core is the checkpointer's, and every "
                          "process sums floats in one order)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the children train (cuda: deterministic kernels, the snapshot copied from the GPU)")
     args = ap.parse_args(argv)
     from demo_worker import shm_path
 
@@ -213,9 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(path, ignore_errors=True)
     rng = random.Random(args.seed)
     kill_after = args.kill_after or rng.randint(max(1, args.steps // 4), max(2, 3 * args.steps // 4))
-    common = ["--steps", str(args.steps), "--seed", str(args.seed), "--threads", str(args.threads)]
+    common = ["--steps", str(args.steps), "--seed", str(args.seed), "--threads", str(args.threads),
+              "--device", args.device]
     train = [*common, "--role", "train", "--dir", args.dir, "--tiers", args.tiers]
-    print(f"asymcheck demo: GPT-2 (2 layers, d=128) on synthetic tokens, {args.steps} steps, "
+    print(f"asymcheck demo: GPT-2 (2 layers, d=128) on synthetic tokens ({args.device}), {args.steps} steps, "
           f"a checkpoint every step into [{args.tiers}] at {args.dir}")
     print(f"seed {args.seed}: the training child will be SIGKILLed right after step {kill_after}")
 

@@ -2,9 +2,13 @@
 
 When a version opens, every source's version counter, data address and
 storage need are recorded (the copy engine checks them right before and after
-each copy), and a sparse byte sample of every contiguous CPU parameter is taken:
+each copy), and a sparse byte sample of every contiguous parameter is taken:
 ``p.data.mul_()`` and other edits through ``.data`` do not move the version
 counter PyTorch keeps, but a whole-tensor edit changes the sampled bytes.
+On a CUDA device the sample is gathered by one kernel on the compute stream
+right after the step (so it holds the step's bytes, whatever is queued after
+it) and copied to pinned host memory; :meth:`Snapshot.verify` compares it once
+the side stream's copies have landed (it waits for their event).
 :meth:`Snapshot.verify` names the tensors that changed before their copy.
 """
 
@@ -32,7 +36,18 @@ def _sample_view(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _sampled(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.is_contiguous() and t.numel() > 0
+    return t.device.type in ("cpu", "cuda") and t.is_contiguous() and t.numel() > 0
+
+
+def _gather(sources: list[torch.Tensor], indices: list[int]) -> torch.Tensor | None:
+    """The byte samples of ``sources[i]`` for ``i`` in ``indices``, concatenated, on the host."""
+    if not indices:
+        return None
+    sample = torch.cat([_sample_view(sources[i].reshape(-1).view(torch.uint8)) for i in indices])
+    if sample.device.type == "cpu":
+        return sample
+    # queued on the compute stream after the step; lands in pinned memory before any later copy's event
+    return sample.to("cpu", non_blocking=True)
 
 
 def _need(t: torch.Tensor) -> int:
@@ -78,10 +93,18 @@ class Snapshot:
         self.versions = [t._version for t in capture.versioned]  # a DTensor's, not its local tensor's
         self.ptrs = [t.data_ptr() for t in srcs]
         self.needs = [_need(t) for t in srcs]
-        self._sampled = [i for i, (t, owner) in enumerate(zip(srcs, capture.owners, strict=False))
-                         if owner is not None and _sampled(t)]  # parameters: what ``p.data`` edits reach
-        self._sample = (torch.cat([_sample_view(srcs[i].reshape(-1).view(torch.uint8)) for i in self._sampled])
-                        if self._sampled else None)
+        sampled = [i for i, (t, owner) in enumerate(zip(srcs, capture.owners, strict=False))
+                   if owner is not None and _sampled(t)]  # parameters: what ``p.data`` edits reach
+        self._sampled: list[list[int]] = []  # per device: indices of the tensors sampled there
+        self._samples: list[torch.Tensor] = []  # their samples (host), in the same order
+        self._device_samples = False  # some sample comes from a CUDA device (its copy is asynchronous)
+        for device in dict.fromkeys(srcs[i].device for i in sampled):
+            indices = [i for i in sampled if srcs[i].device == device]
+            sample = _gather(srcs, indices)
+            if sample is not None:
+                self._sampled.append(indices)
+                self._samples.append(sample)
+                self._device_samples |= device.type != "cpu"
 
     def _job(self, i: int, start: int, stop: int) -> CopyJob:
         return CopyJob(self.capture.sources[i], self.slot.region(i), start, stop, self.versions[i], self.ptrs[i],
@@ -137,13 +160,18 @@ class Snapshot:
             The names found changed (also kept in ``dirty``); empty for a clean version.
         """
         idx = set(bad)
-        if self._sample is not None:
-            copied = torch.cat([_sample_view(self.slot.region(i)) for i in self._sampled])
-            if not torch.equal(copied, self._sample):  # find which (rare)
+        if self._device_samples:  # the host slot and the samples are filled by queued device copies
+            if self.ready is not None:
+                self.ready.synchronize()  # type: ignore[attr-defined]
+            else:
+                torch.cuda.synchronize()
+        for indices, sample in zip(self._sampled, self._samples, strict=True):
+            copied = torch.cat([_sample_view(self.slot.region(i)) for i in indices])
+            if not torch.equal(copied, sample):  # find which (rare)
                 at = 0
-                for i in self._sampled:
+                for i in indices:
                     n = _sample_view(self.slot.region(i)).numel()
-                    if not torch.equal(_sample_view(self.slot.region(i)), self._sample[at:at + n]):
+                    if not torch.equal(_sample_view(self.slot.region(i)), sample[at:at + n]):
                         idx.add(i)
                     at += n
         for i, owner in enumerate(self.capture.owners):

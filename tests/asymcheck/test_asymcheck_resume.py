@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -243,13 +244,26 @@ class SlowTier(LocalTier):
         return await super().begin(step, nbytes)
 
 
+class GatedTier(LocalTier):
+    """A LocalTier that starts no version until ``gate`` is set: busy for as long as the test wants."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = threading.Event()
+
+    async def begin(self, step: int, nbytes: int) -> Any:
+        await asyncio.to_thread(self.gate.wait, 60)
+        return await super().begin(step, nbytes)
+
+
 def test_busy_store_skips_versions_by_policy(tmp_path: Path) -> None:
     model = make_model()
     opt, _ = make_opt(model)
-    with open_ckpt(model, opt, [SlowTier(tmp_path)], when_busy="skip") as ckpt:
+    tier = GatedTier(tmp_path)  # busy until the loop ends, however fast or slow the steps run
+    with open_ckpt(model, opt, [tier], when_busy="skip") as ckpt:
         for it in range(8):
             step_once(model, opt, it)
-            time.sleep(0.02)
+        tier.gate.set()
     stats = ckpt.stats()
     assert stats.versions_skipped > 0
     assert stats.versions_committed + stats.versions_skipped == stats.versions_sealed == 8

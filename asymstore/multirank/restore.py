@@ -8,22 +8,27 @@ per restore):
    newest first (or only the step asked for), whose shards every rank holds,
    or, with ``reshard`` set, versions of another world size (read from every
    old rank's shard, :mod:`.reshardread`);
-3. for each candidate in turn it posts ``try/<k>``; every rank loads and
-   verifies its shard against the digest in the global manifest and reports
-   ``result/<k>/<rank>``; the first candidate that loads on every rank wins
-   (``try/<k+1>`` says ``done``), otherwise the next one is tried;
+3. for each candidate in turn it posts ``try/<k>``; every rank checks its
+   destinations against its shard's manifest (nothing read into them yet) and
+   reports ``fit/<k>/<rank>``; the coordinator posts ``go/<k>`` once every rank
+   fits; then every rank loads and verifies its shard against the digest in
+   the global manifest and reports ``result/<k>/<rank>``; the first candidate
+   that loads on every rank wins (``try/<k+1>`` says ``done``), otherwise the
+   next one is tried;
 4. an error the coordinator hits (nothing published, another world size) is
-   posted as ``try/<k>`` so every rank raises the same error; so is a
-   candidate whose destinations a rank refused (``into`` raised
+   posted as ``try/<k>`` so every rank raises the same error; a candidate
+   whose destinations a rank refused (``into`` raised
    :class:`~asymstore.errors.DestinationMismatchError`: the live objects do not
-   fit it, which an older version would not mend): that rank raises its own
-   error, the others a :class:`~asymstore.errors.DestinationMismatchError`
-   naming it.
+   fit it, which an older version would not mend) is posted as ``go/<k>``,
+   before any rank has written a byte into its destinations: that rank raises
+   its own error, the others a :class:`~asymstore.errors.DestinationMismatchError`
+   naming it, and every rank's destinations are as they were.
 
 With ``into``, each rank reads its shard straight into its destinations (one
 read, the checksums hashed as the bytes land: :mod:`asymstore.read.load`). A
-candidate that fails on one rank may have written the destinations of the
-others; the next candidate is read into the same tensors on every rank.
+candidate that fails verification on one rank may have written the
+destinations of the others; the next candidate is read into the same tensors
+on every rank.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from asymstore.errors import (
 )
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.multirank.reshard import restore_resharded
+from asymstore.read.load import check_destinations
 
 if TYPE_CHECKING:
     from asymstore.api import Into, Targets
@@ -146,6 +152,18 @@ async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, key: 
         raise
     for k, g in enumerate(candidates):
         await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
+        refused = await _check_fit(job, local, reshard, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/fit/{k}/{job.rank}", _fit(refused))
+        keys = [f"{key}/fit/{k}/{r}" for r in range(job.world_size)]
+        await asyncio.to_thread(kv.wait, keys, job.restore_timeout_s, f"ranks checking global step {g.step}")
+        misfits = {r: res["reason"] for r, res in enumerate(await asyncio.to_thread(kv.get_many, keys))
+                   if not res["ok"]}
+        if misfits:  # the live objects do not fit this version: nothing is read, no older one is tried
+            msg = f"global step {g.step}: rank(s) {sorted(misfits)} refused it: " + "; ".join(
+                f"rank {r}: {why}" for r, why in sorted(misfits.items()))
+            await asyncio.to_thread(kv.put, f"{key}/go/{k}", {"error": "DestinationMismatchError", "message": msg})
+            raise refused or DestinationMismatchError(msg)
+        await asyncio.to_thread(kv.put, f"{key}/go/{k}", {"go": True})
         ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
         await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", _result(ckpt, reason, refused))
         keys = [f"{key}/result/{k}/{r}" for r in range(job.world_size)]
@@ -187,9 +205,47 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str,
             assert ckpt is not None and g is not None and g.step == msg["done"]
             return g, ckpt, list(msg.get("notes", []))
         g = GlobalManifest.from_json(msg["global"].encode())
+        refused = await _check_fit(job, local, reshard, g, into)
+        await asyncio.to_thread(kv.put, f"{key}/fit/{k}/{job.rank}", _fit(refused))
+        await asyncio.to_thread(kv.wait, [f"{key}/go/{k}"], job.restore_timeout_s, "the coordinator's restore")
+        go = await asyncio.to_thread(kv.get, f"{key}/go/{k}")
+        if "error" in go:
+            if refused is not None:
+                raise refused  # this rank's own refusal, with its cause
+            raise _ERRORS.get(go["error"], CorruptVersionError)(go["message"])
         ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
         await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", _result(ckpt, reason, refused))
         k += 1
+
+
+async def _check_fit(job: Job, local: AsymStore, reshard: Targets | None, g: GlobalManifest,
+                     into: Into | None) -> DestinationMismatchError | None:
+    """Whether this rank's destinations fit its shard of ``g`` (checked on the manifest; nothing is read).
+
+    Returns:
+        The refusal, or None: they fit, or no manifest of the shard could be read here (the load that
+        follows then fails and says why), or nothing is read into destinations (no ``into``; a reshard).
+    """
+    if into is None or g.world_size != job.world_size:
+        return None
+    step = g.shard(job.rank).step
+    versions = local.versions()
+    for tier in local.tiers:
+        if step not in versions.get(tier.name, []):
+            continue
+        try:
+            await check_destinations(tier, step, into)
+        except DestinationMismatchError as exc:
+            return exc
+        except (AsymstoreError, OSError) as exc:  # this copy's manifest: the next tier's, or the load reports it
+            logger.debug("restore: checking destinations on %s: %s", tier.name, describe(exc))
+            continue
+        return None
+    return None
+
+
+def _fit(refused: DestinationMismatchError | None) -> dict[str, object]:
+    return {"ok": refused is None, "reason": describe(refused) if refused is not None else ""}
 
 
 def _result(ckpt: Checkpoint | None, reason: str, refused: DestinationMismatchError | None) -> dict[str, object]:

@@ -97,6 +97,25 @@ def resolve_into(manifest: Manifest, into: Into | None) -> dict[str, torch.Tenso
     return dict(into)
 
 
+async def check_destinations(tier: Tier, step: int, into: Into | None) -> None:
+    """Check ``into`` against the manifest of ``step`` on ``tier``; read no tensor byte and write none.
+
+    What :func:`load_version` checks before it writes anything, alone: a
+    collective restore agrees on it across ranks before any rank reads.
+
+    Raises:
+        DestinationMismatchError: a name of ``into`` is not stored or has another dtype or shape, or
+            ``into(manifest)`` raised (its cause).
+        CorruptVersionError: the manifest fails verification.
+        VersionNotFoundError: the tier does not hold ``step``.
+        TierError: the tier failed to read.
+    """
+    if into is None:
+        return
+    manifest = await read_manifest(tier, step)
+    _targets(manifest, resolve_into(manifest, into))
+
+
 _ALIGN = 64  # byte alignment of each fresh tensor in its block (a cache line; every dtype's itemsize divides it)
 
 

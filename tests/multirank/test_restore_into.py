@@ -149,13 +149,14 @@ def test_destinations_refused_on_one_rank_are_refused_on_every_rank_without_tryi
     kv = dist.HashStore()
     commit_ranks(tmp_path, kv, [1, 2])
     seen: dict[int, list[int]] = {0: [], 1: []}
+    live = destinations()  # rank 0's live tensors: they fit, and must not be written
 
     def into(rank: int) -> Any:
         def fn(manifest: Manifest) -> dict[str, torch.Tensor]:
             seen[rank].append(manifest.step)
             if rank == 1:
                 raise ValueError("the live model has another layer")
-            return destinations()
+            return live
         return fn
 
     out = restore_ranks(tmp_path, kv, into)
@@ -164,3 +165,5 @@ def test_destinations_refused_on_one_rank_are_refused_on_every_rank_without_tryi
         assert "refused" in str(out[r]) or r == 1
         assert seen[r] == [2], seen  # no older version is tried: it would not fit either
     assert isinstance(out[1].__cause__, ValueError)  # the refusing rank raises its own error, with its cause
+    for name, before in destinations().items():  # agreed before any read: the fitting rank read nothing either
+        assert torch.equal(live[name], before), name

@@ -152,7 +152,7 @@ async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, key: 
         raise
     for k, g in enumerate(candidates):
         await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
-        refused = await _check_fit(job, local, reshard, g, into)
+        refused = await _check_fit(job, local, g, into)
         await asyncio.to_thread(kv.put, f"{key}/fit/{k}/{job.rank}", _fit(refused))
         keys = [f"{key}/fit/{k}/{r}" for r in range(job.world_size)]
         await asyncio.to_thread(kv.wait, keys, job.restore_timeout_s, f"ranks checking global step {g.step}")
@@ -205,7 +205,7 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str,
             assert ckpt is not None and g is not None and g.step == msg["done"]
             return g, ckpt, list(msg.get("notes", []))
         g = GlobalManifest.from_json(msg["global"].encode())
-        refused = await _check_fit(job, local, reshard, g, into)
+        refused = await _check_fit(job, local, g, into)
         await asyncio.to_thread(kv.put, f"{key}/fit/{k}/{job.rank}", _fit(refused))
         await asyncio.to_thread(kv.wait, [f"{key}/go/{k}"], job.restore_timeout_s, "the coordinator's restore")
         go = await asyncio.to_thread(kv.get, f"{key}/go/{k}")
@@ -218,7 +218,7 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str,
         k += 1
 
 
-async def _check_fit(job: Job, local: AsymStore, reshard: Targets | None, g: GlobalManifest,
+async def _check_fit(job: Job, local: AsymStore, g: GlobalManifest,
                      into: Into | None) -> DestinationMismatchError | None:
     """Whether this rank's destinations fit its shard of ``g`` (checked on the manifest; nothing is read).
 

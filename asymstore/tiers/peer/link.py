@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import torch
 
 from asymstore.errors import PeerError, PeerProtocolError
+from asymstore.runtime.daemons import DaemonWorkers
 from asymstore.runtime.exiting import EXIT_WAIT_S, at_exit, cancel
 from asymstore.tiers.protocol import Buffer
 
@@ -79,8 +80,12 @@ _STUCK: list[Any] = []
 """Groups a thread may still be blocked in (:meth:`PeerLink.end` could not fail its wait): never destroyed."""
 
 
+_WORKERS = DaemonWorkers("asymstore-peer-io")
+"""The daemon threads blocking link calls run on (a call stuck in gloo keeps its thread, never the exit)."""
+
+
 def in_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-    """Run ``fn`` on a new daemon thread; its result or exception lands in the returned future."""
+    """Run ``fn`` on a daemon thread (an idle one reused); its result or exception lands in the returned future."""
     fut: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
@@ -93,7 +98,7 @@ def in_thread(fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         else:
             fut.set_result(result)
 
-    threading.Thread(target=run, name="asymstore-peer-io", daemon=True).start()
+    _WORKERS.submit(run)
     return fut
 
 

@@ -6,13 +6,15 @@ thread must then never keep the interpreter from exiting, so it is a daemon, whi
 every call costs the caller a start-up handshake each time (about 1 ms on a loaded 2-core machine:
 a peer restore of 344 MiB made 46 of them on its event loop). :class:`DaemonWorkers` keeps the
 threads that finished a call waiting for the next one; a thread stuck in a call simply never
-comes back.
+comes back. A forked child starts with none (the parent's threads do not exist there).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 
 Job = Callable[[], None]
@@ -33,6 +35,15 @@ class DaemonWorkers:
         self.idle_max = idle_max
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue[Job]] = []  # each idle thread waits on its own queue
+        ref = weakref.ref(self)
+
+        def forget() -> None:  # in a forked child: no thread waits on those queues there
+            workers = ref()
+            if workers is not None:
+                workers._lock = threading.Lock()
+                workers._idle = []
+
+        os.register_at_fork(after_in_child=forget)
 
     def submit(self, job: Job) -> None:
         """Run ``job`` on an idle thread, or on a new one when none is idle."""

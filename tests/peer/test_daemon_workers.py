@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 
 from asymstore.runtime.daemons import DaemonWorkers
@@ -49,3 +50,31 @@ def test_at_most_idle_max_threads_wait() -> None:
         threading.Event().wait(0.05)
     assert workers.idle == 1
     assert sum(t.name == "test-daemons-max" for t in threading.enumerate()) == 1
+
+
+def test_a_forked_child_starts_its_own_threads() -> None:
+    workers = DaemonWorkers("test-daemons-fork")
+    done = threading.Event()
+    workers.submit(done.set)
+    assert done.wait(10)
+    for _ in range(100):
+        if workers.idle:
+            break
+        threading.Event().wait(0.05)
+    assert workers.idle == 1  # a parent's thread waits: it does not exist in a forked child
+
+    def child(conn: object) -> None:
+        ran = threading.Event()
+        workers.submit(ran.set)
+        conn.send(ran.wait(10))  # type: ignore[attr-defined]
+
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=child, args=(child_end,))
+    proc.start()
+    try:
+        assert parent_end.poll(30) and parent_end.recv() is True
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()

@@ -284,3 +284,24 @@ def test_the_holder_sends_a_replica_deleted_and_refilled_mid_send_as_it_was(
     out = run_ranks(2, rank_fn)
     assert out[0] is True and hits["n"] == 1 and refilled.is_set(), out
 
+
+
+def test_a_link_broken_by_a_violation_says_so_to_every_later_call() -> None:
+    """Requests in flight beside the one that met a violation fail with the same kind of error.
+
+    With four requests in flight, whichever ends first is what the restore raises: a link down
+    because a peer broke the protocol must not read as a mere transport failure there.
+    """
+    from asymstore.tiers.peer.link import PeerLink
+
+    link = PeerLink(None, 0, 1.0)
+    raised = link.violated("rank 1 sent 3 bytes where 4 were asked for")
+    assert isinstance(raised, PeerProtocolError)
+    for _ in range(2):
+        with pytest.raises(PeerProtocolError, match="down: rank 1 sent 3 bytes"):
+            link.recv_header(1, 0)
+    gone = PeerLink(None, 0, 1.0)
+    gone._fail("receiving from rank 1", RuntimeError("connection reset"))
+    with pytest.raises(PeerError, match="down") as info:
+        gone.recv_header(1, 0)
+    assert not isinstance(info.value, PeerProtocolError)  # a transport failure stays one

@@ -131,6 +131,7 @@ class PeerLink:
         for the link: a gloo send waits until the receiver posts its receive, and a request waiting for a busy
         neighbour must not hold up this rank's answers to it (the two directions of a restore overlap)."""
         self.broken: str | None = None
+        self._violated = False  # broken by a peer's malformed or unexpected frame (not by a failed transport)
         """Why the link is unusable (a wait timed out or a peer hung up), or None."""
         self._cond = threading.Condition()
         self._inflight = 0  # threads inside a gloo call of this group
@@ -194,9 +195,20 @@ class PeerLink:
     def _at_exit(self) -> None:
         self.end("the process is exiting")
 
+    def violated(self, why: str) -> PeerProtocolError:
+        """Mark the link down by a protocol violation (the first reason kept); return the error to raise.
+
+        Every later call on the link then raises :class:`PeerProtocolError` too, so requests in flight
+        beside the one that met the violation report the same kind of failure, whichever ends first.
+        """
+        self.broken = self.broken or why
+        self._violated = True
+        return PeerProtocolError(why)
+
     def _check(self) -> None:
         if self.broken is not None:
-            raise PeerError(f"peer link of rank {self.rank} is down: {self.broken}")
+            kind = PeerProtocolError if self._violated else PeerError
+            raise kind(f"peer link of rank {self.rank} is down: {self.broken}")
 
     def _fail(self, what: str, exc: BaseException) -> PeerError:
         self.broken = self.broken or f"{what}: {exc}"
@@ -261,17 +273,15 @@ class PeerLink:
         raw = memoryview(first.numpy().tobytes())
         magic, size, inline = struct.unpack("<qqq", raw[:_PREFIX])
         if magic != MAGIC or not 0 < size <= FRAME - _PREFIX or not -1 <= inline <= FRAME - _PREFIX - size:
-            self.broken = f"rank {frm} sent a malformed frame (magic {magic:#x}, header {size} bytes)"
-            raise PeerProtocolError(self.broken)
+            raise self.violated(f"rank {frm} sent a malformed frame (magic {magic:#x}, header {size} bytes)")
         try:
             header = json.loads(bytes(raw[_PREFIX:_PREFIX + size]))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            self.broken = f"rank {frm} sent a frame header that is not JSON"
-            raise PeerProtocolError(self.broken) from exc
+            raise self.violated(f"rank {frm} sent a frame header that is not JSON") from exc
         if not isinstance(header, dict) or not isinstance(header.get("nbytes"), int) or header["nbytes"] < 0 \
                 or inline not in (-1, header["nbytes"]):
-            self.broken = f"rank {frm} sent a frame header without a consistent payload size: {str(header)[:200]}"
-            raise PeerProtocolError(self.broken)
+            raise self.violated(f"rank {frm} sent a frame header without a consistent payload size: "
+                                f"{str(header)[:200]}")
         data = bytes(raw[_PREFIX + size:_PREFIX + size + inline]) if inline >= 0 else None
         return header, data
 
@@ -289,8 +299,7 @@ class PeerLink:
             return [min(CHUNK, nbytes - pos) for pos in range(0, nbytes, CHUNK)]
         if not isinstance(pieces, list) or len(pieces) > MAX_PIECES or sum(pieces) != nbytes \
                 or not all(isinstance(n, int) and 0 < n <= CHUNK for n in pieces):
-            self.broken = f"rank {frm} sent a frame whose pieces do not add up to its {nbytes} bytes"
-            raise PeerProtocolError(self.broken)
+            raise self.violated(f"rank {frm} sent a frame whose pieces do not add up to its {nbytes} bytes")
         return pieces
 
     def payload(self, frm: int, tag: int, header: dict[str, Any], inline: bytes | None, out: memoryview) -> None:
@@ -305,8 +314,7 @@ class PeerLink:
         """
         total = sum(len(v) for v in views)
         if int(header["nbytes"]) != total:  # its messages cannot be matched any more: the link is down
-            self.broken = f"rank {frm} sent {header['nbytes']} bytes where {total} were asked for"
-            raise PeerProtocolError(self.broken)
+            raise self.violated(f"rank {frm} sent {header['nbytes']} bytes where {total} were asked for")
         if inline is not None:
             pos = 0
             for v in views:

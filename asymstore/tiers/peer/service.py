@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, NoReturn
 
-from asymstore.errors import AsymstoreError, CorruptVersionError, PeerError, PeerProtocolError, describe
+from asymstore.errors import AsymstoreError, CorruptVersionError, PeerError, describe
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.manifest import MAX_MANIFEST_BYTES
 from asymstore.format.parse import parse_manifest
@@ -166,8 +166,7 @@ class ReplicaService:
             await self._receive_version(header, inline)
 
     def _protocol(self, what: str) -> NoReturn:
-        self.link.broken = f"rank {self.src}: {what}"
-        raise PeerProtocolError(self.link.broken)
+        raise self.link.violated(f"rank {self.src}: {what}")
 
     async def _receive_version(self, header: dict[str, Any], inline: bytes | None) -> None:
         """Receive the frames of one version, ``header`` (with ``inline``) the first; every frame names the step."""

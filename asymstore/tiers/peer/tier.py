@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 from asymstore.errors import (
     CorruptVersionError,
     PeerError,
-    PeerProtocolError,
     TierError,
     VersionNotFoundError,
 )
@@ -286,9 +285,8 @@ class PeerTier:
         """Read the answer to request ``rid`` (its first message, checked), then ``receive`` the rest."""
         answer, inline = link.recv_header(dst, TAG_RESP)
         if answer.get("id") != rid:
-            link.broken = (f"rank {dst} answered request {answer.get('id')!r} where {rid} "
-                           f"({header.get('op')}) was due")
-            raise PeerProtocolError(link.broken)
+            raise link.violated(f"rank {dst} answered request {answer.get('id')!r} where {rid} "
+                                f"({header.get('op')}) was due")
         if not answer.get("ok"):
             if int(answer["nbytes"]):
                 link.discard(dst, TAG_RESP, answer, inline)

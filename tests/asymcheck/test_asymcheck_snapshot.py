@@ -23,6 +23,7 @@ from tests.support.asymcheck_train import (
     Recorder,
     check_version,
     data,
+    finish_iteration,
     make_model,
     make_opt,
     open_ckpt,
@@ -67,14 +68,7 @@ def train(root: Path, iterations: int, *, accum: int = 1, every: int = 1, freeze
                     out = out + model.extra(x)
                 loss = nn.functional.mse_loss(out, y) / accum
                 (amp.scale(loss) if amp is not None else loss).backward()
-            if amp is not None:
-                amp.step(opt)
-                amp.update()
-            else:
-                opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            rec.end_of_body(ckpt.step, opt, stateful)
+            finish_iteration(opt, sched, amp, rec, lambda: ckpt.step, stateful)
     return rec, ckpt
 
 

@@ -23,7 +23,16 @@ from torch import nn
 
 from asymcheck import Checkpointer, DroppedVersionWarning
 from asymstore import HostTier, LocalTier
-from tests.support.asymcheck_train import Recorder, check_version, data, make_model, make_opt, open_ckpt, read_versions
+from tests.support.asymcheck_train import (
+    Recorder,
+    check_version,
+    data,
+    finish_iteration,
+    make_model,
+    make_opt,
+    open_ckpt,
+    read_versions,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a GPU machine)")]
@@ -77,14 +86,7 @@ def train(root: Path, iterations: int, *, accum: int = 1, amp: bool = False, hos
                     out = model(x).float()
                 loss = nn.functional.mse_loss(out, y) / accum
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            rec.end_of_body(ckpt.step, opt, stateful)
+            finish_iteration(opt, sched, scaler, rec, lambda: ckpt.step, stateful)
     return rec, ckpt, stateful
 
 

@@ -90,6 +90,20 @@ class Recorder:
                                       **{k: tensors_of(v.state_dict()) for k, v in stateful.items()}}
 
 
+def finish_iteration(opt: torch.optim.Optimizer, sched: Any, scaler: Any, rec: Recorder,
+                     steps: Callable[[], int], stateful: dict[str, Any]) -> None:
+    """The tail of a recorded loop body: the optimizer step (through ``scaler`` when given), the scheduler,
+    ``zero_grad(set_to_none=True)``, and the recorder's note of what the step left."""
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    rec.end_of_body(steps(), opt, stateful)
+
+
 def check_version(ckpt: Checkpoint, rec: Recorder, model: nn.Module, opt: torch.optim.Optimizer,
                   stateful: dict[str, Any]) -> None:
     """Load a version into fresh objects and compare with what the loop recorded for that step."""

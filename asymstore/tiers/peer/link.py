@@ -19,6 +19,17 @@ segment is a single message. A receiver checks the magic and the lengths
 against its own limits before it allocates anything, so a peer's bytes can
 never make it read without bound.
 
+Both directions of one pair share a TCP connection per group, and gloo sends
+a receiver's "ready" notice in line with the bulk going the same way: in a
+ring of two nodes, where each rank is both the source and the holder of its
+neighbour, a restore's notices would queue behind the other direction's
+segments (measured: a 16 KiB header took 4 to 9 ms). There the link builds a
+second group (``lanes``), so each rank's own flow — its versions and requests
+out, their acknowledgements and answers back — has a connection to itself.
+A reader that knows another frame follows posts that frame's first receive
+as soon as the current payload's receives are posted (:meth:`PeerLink.reading_ahead`,
+:meth:`PeerLink.post_header`), so a frame never waits for its receiver to ask.
+
 gloo waits are blocking C++ calls: they run on daemon threads (a dead peer's
 wait must never keep the process from exiting). An idle ``recv`` of gloo times
 out after the group's timeout and then closes the connection, so the sending
@@ -36,6 +47,7 @@ message nobody sends from each peer until no thread is left inside gloo.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import datetime
@@ -113,17 +125,26 @@ def _as_tensor(buf: Buffer) -> torch.Tensor:
 
 
 class PeerLink:
-    """Framed point-to-point messages over the replication process group.
+    """Framed point-to-point messages over the replication process groups.
 
     Args:
-        pg: the replication ``ProcessGroupGloo`` (see :func:`connect`).
+        pg: the replication ``ProcessGroupGloo`` (see :func:`connect`), or one per lane.
         rank: this rank.
-        timeout_s: the group's timeout (every single wait is bounded by it).
+        timeout_s: the groups' timeout (every single wait is bounded by it).
+        lanes: the group (index into ``pg``) of each rank's own flow (its ``REPL`` and ``REQ`` out,
+            their ``ACK`` and ``RESP`` back); None: every flow on the one group.
     """
 
-    def __init__(self, pg: Any, rank: int, timeout_s: float) -> None:
+    def __init__(self, pg: Any, rank: int, timeout_s: float, lanes: Sequence[int] | None = None) -> None:
         """Wrap ``pg``."""
-        self.pg = pg
+        self.groups: tuple[Any, ...] = tuple(pg) if isinstance(pg, (list, tuple)) else (pg,)
+        self.pg = self.groups[0]
+        if lanes is not None and not all(0 <= lane < len(self.groups) for lane in lanes):
+            raise ValueError(f"lanes {list(lanes)[:8]} name groups beyond the {len(self.groups)} given")
+        self._lanes = tuple(lanes) if lanes is not None else None
+        self._posted: dict[tuple[int, int], collections.deque[tuple[torch.Tensor, Any]]] = {}
+        """First messages of frames received ahead (:meth:`post_header`), per (peer, tag), in the order posted."""
+        self._armed: set[tuple[int, int]] = set()
         self.rank = rank
         self.timeout_s = timeout_s
         self._send_locks: dict[tuple[int, int], threading.Lock] = {}
@@ -154,12 +175,81 @@ class PeerLink:
                 self._inflight -= 1
                 self._cond.notify_all()
 
+    def group(self, peer: int, tag: int, sending: bool) -> Any:
+        """The group a message to (``sending``) or from ``peer`` with ``tag`` travels on: its flow's lane."""
+        if self._lanes is None:
+            return self.groups[0]
+        source = self.rank if (tag in (TAG_REPL, TAG_REQ)) == sending else peer
+        return self.groups[self._lanes[source]]
+
+    def post_header(self, frm: int, tag: int) -> None:
+        """Post the receive of the next frame's first message from ``frm`` now (the caller knows one follows).
+
+        :meth:`recv_header` takes it, in the order posted. Only after every receive of the frame before it
+        is posted: gloo matches a stream's messages to its receives in the order they were posted.
+        """
+        first = torch.empty(FRAME, dtype=torch.uint8)
+        with self._cond:
+            if self._ended is not None or self.broken is not None:
+                return  # nothing more is read on this link
+            try:
+                work = self.group(frm, tag, False).recv([first], frm, tag)
+            except RuntimeError as exc:
+                raise self._fail(f"receiving from rank {frm}", exc) from exc
+            self._posted.setdefault((frm, tag), collections.deque()).append((first, work))
+            self._peers.add(frm)
+
+    @contextlib.contextmanager
+    def reading_ahead(self, frm: int, tag: int, enabled: bool = True) -> Iterator[None]:
+        """Within it, the frame being read is followed by another: its first receive is posted early.
+
+        Posted as soon as the current frame's payload receives are (:meth:`scatter`, :meth:`discard`), else
+        when the block ends without an error (an inline frame); never after an error (the link is down,
+        or the frame was refused and the caller stops).
+        """
+        if not enabled:
+            yield
+            return
+        with self._cond:
+            self._armed.add((frm, tag))
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            with self._cond:
+                still = (frm, tag) in self._armed
+                self._armed.discard((frm, tag))
+            if still and ok:
+                self.post_header(frm, tag)
+
+    def _payload_posted(self, frm: int, tag: int) -> None:
+        """Every receive of the current frame's payload is posted: post the next frame's first one, if armed."""
+        with self._cond:
+            if (frm, tag) not in self._armed:
+                return
+            self._armed.discard((frm, tag))
+        self.post_header(frm, tag)
+
+    def _drain_posted(self) -> bool:
+        """Wait 1 ms on each receive posted ahead that nobody took: the timeout fails the group's waits."""
+        with self._cond:
+            posted = [item for queue in self._posted.values() for item in queue]
+            self._posted.clear()
+        for _, work in posted:
+            try:
+                work.wait(datetime.timedelta(milliseconds=1))
+            except RuntimeError:
+                pass
+        return bool(posted)
+
     def end(self, why: str, grace_s: float = 0.0, timeout_s: float = EXIT_WAIT_S) -> bool:
         """Refuse new gloo operations, and fail those still in flight after ``grace_s`` (blocking).
 
         A receive from each peer with a tag nobody sends, waited 1 ms, times out, and a gloo timeout
         closes every connection of the group and fails every pending operation: the threads blocked in
-        one come back with an error (nothing else can interrupt a gloo wait).
+        one come back with an error (nothing else can interrupt a gloo wait). Receives posted ahead
+        that no reader took are failed the same way.
 
         Returns:
             True when no thread is left inside gloo (within ``timeout_s``): the group can be dropped.
@@ -170,6 +260,7 @@ class PeerLink:
             self.broken = self.broken or why
             self._cond.wait_for(lambda: self._inflight == 0, grace_s)
             peers = sorted(self._peers)
+        self._drain_posted()
         deadline = time.monotonic() + timeout_s
         while True:
             with self._cond:
@@ -179,17 +270,18 @@ class PeerLink:
                     return True
             if time.monotonic() > deadline:
                 break
-            for peer in peers:
-                try:
-                    self.pg.recv([torch.empty(1, dtype=torch.uint8)], peer, TAG_POKE).wait(
-                        datetime.timedelta(milliseconds=1))
-                except RuntimeError:
-                    pass  # the timeout (or the connection to a dead peer, already failed)
+            for pg in self.groups:
+                for peer in peers:
+                    try:
+                        pg.recv([torch.empty(1, dtype=torch.uint8)], peer, TAG_POKE).wait(
+                            datetime.timedelta(milliseconds=1))
+                    except RuntimeError:
+                        pass  # the timeout (or the connection to a dead peer, already failed)
             with self._cond:
                 self._cond.wait_for(lambda: self._inflight == 0, 0.05)
         logger.warning("peer link of rank %d: %d gloo wait(s) still blocked %.0f s after ending it (%s); "
                        "the group is kept until the process ends", self.rank, self._inflight, timeout_s, why)
-        _STUCK.append(self.pg)
+        _STUCK.append(self.groups)
         return False
 
     def _at_exit(self) -> None:
@@ -247,8 +339,9 @@ class PeerLink:
             lock = self._send_locks.setdefault((to, tag), threading.Lock())
         with lock, self._io(to):
             try:
-                works = [self.pg.send([_as_tensor(first)], to, tag)]
-                works += [self.pg.send([_as_tensor(piece)], to, tag) for piece in pieces]
+                pg = self.group(to, tag, True)
+                works = [pg.send([_as_tensor(first)], to, tag)]
+                works += [pg.send([_as_tensor(piece)], to, tag) for piece in pieces]
                 for work in works:
                     work.wait()
             except RuntimeError as exc:
@@ -264,10 +357,17 @@ class PeerLink:
             PeerProtocolError: the bytes are not a frame.
         """
         self._check()
-        first = torch.empty(FRAME, dtype=torch.uint8)
+        with self._cond:
+            queue = self._posted.get((frm, tag))
+            ahead = queue.popleft() if queue else None
         try:
             with self._io(frm):
-                self.pg.recv([first], frm, tag).wait()
+                if ahead is None:
+                    first = torch.empty(FRAME, dtype=torch.uint8)
+                    self.group(frm, tag, False).recv([first], frm, tag).wait()
+                else:
+                    first, work = ahead
+                    work.wait()
         except RuntimeError as exc:
             raise self._fail(f"receiving from rank {frm}", exc) from exc
         raw = memoryview(first.numpy().tobytes())
@@ -327,6 +427,7 @@ class PeerLink:
             starts.append(pos)
             pos += len(v)
         pending: list[tuple[Any, bytearray | None, int]] = []
+        pg = self.group(frm, tag, False)
         try:
             with self._io(frm):
                 pos, i = 0, 0
@@ -335,11 +436,12 @@ class PeerLink:
                         i += 1
                     inside = pos - starts[i]
                     if inside + n <= len(views[i]):  # the message lands inside one view: no copy
-                        pending.append((self.pg.recv([_as_tensor(views[i][inside:inside + n])], frm, tag), None, pos))
+                        pending.append((pg.recv([_as_tensor(views[i][inside:inside + n])], frm, tag), None, pos))
                     else:
                         scratch = bytearray(n)
-                        pending.append((self.pg.recv([_as_tensor(scratch)], frm, tag), scratch, pos))
+                        pending.append((pg.recv([_as_tensor(scratch)], frm, tag), scratch, pos))
                     pos += n
+                self._payload_posted(frm, tag)
                 for work, copy, at in pending:
                     work.wait()
                     if copy is not None:
@@ -353,10 +455,14 @@ class PeerLink:
             return
         sizes = self._sizes(frm, header)
         scratch = memoryview(bytearray(max(sizes, default=0)))
+        pg = self.group(frm, tag, False)
         try:
             with self._io(frm):
-                for n in sizes:
-                    self.pg.recv([_as_tensor(scratch[:n])], frm, tag).wait()
+                for i, n in enumerate(sizes):
+                    work = pg.recv([_as_tensor(scratch[:n])], frm, tag)
+                    if i == len(sizes) - 1:
+                        self._payload_posted(frm, tag)
+                    work.wait()
         except RuntimeError as exc:
             raise self._fail(f"receiving from rank {frm}", exc) from exc
 
@@ -412,19 +518,24 @@ def _cut(views: list[memoryview]) -> list[memoryview]:
     return out
 
 
-def connect(store: Any, rank: int, world_size: int, generation: int, timeout_s: float) -> PeerLink:
-    """Build this rank's end of the replication group (every rank of the job calls it; blocking).
+def connect(store: Any, rank: int, world_size: int, generation: int, timeout_s: float,
+            lanes: Sequence[int] | None = None) -> PeerLink:
+    """Build this rank's end of the replication groups (every rank of the job calls it, alike; blocking).
 
     Args:
         store: the job's c10d store (a prefix of it is used).
         rank: this rank.
         world_size: the job's number of ranks.
         generation: distinguishes successive groups built over the same store.
-        timeout_s: the group's timeout: connecting, and every single wait.
+        timeout_s: the groups' timeout: connecting, and every single wait.
+        lanes: per rank, the group its own flow travels on (one group per distinct lane is built);
+            None: one group for every flow.
     """
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"asymstore-peer/{generation}/", store)  # type: ignore[attr-defined]
-    pg = dist.ProcessGroupGloo(prefixed, rank, world_size,
-                               datetime.timedelta(seconds=timeout_s))
-    return PeerLink(pg, rank, timeout_s)
+    groups = []
+    for lane in range(max(lanes, default=0) + 1 if lanes is not None else 1):
+        prefix = f"asymstore-peer/{generation}/" + (f"lane-{lane}/" if lane else "")
+        prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+        groups.append(dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s)))
+    return PeerLink(groups, rank, timeout_s, lanes)

@@ -85,3 +85,17 @@ def ring_of(rank: int, world_size: int, *, node_of: Sequence[int] | None = None,
     dst = members[order[(node + 1) % len(order)]][local]
     src = members[order[(node - 1) % len(order)]][local]
     return Ring(rank, world_size, nodes, dst, src)
+
+
+def lanes_of(ring: Ring) -> list[int] | None:
+    """Per rank, the replication group its own flow travels on; None: one group carries every flow.
+
+    In a ring of two nodes each pair of ranks carries both flows (each is the other's source and holder),
+    and gloo queues a receiver's "ready" notices behind the bulk going the same way: there the first
+    node's flows get group 0 and the second node's group 1, so that neither direction's notices wait
+    behind the other's segments. With more nodes a pair carries one flow only.
+    """
+    if ring.nodes != 2:
+        return None
+    first = min(ring.node_of)
+    return [0 if node == first else 1 for node in ring.node_of]

@@ -149,9 +149,33 @@ class ReplicaService:
 
     # -- receiving -------------------------------------------------------
 
+    def _read_header(self, tag: int) -> tuple[dict[str, Any], bytes | None]:
+        """Receive a frame's first message (blocking); once a frame is whole, the next one's is posted.
+
+        Every frame but ``bye`` is followed by another on its stream (or the link fails), so the next
+        first message is asked for at once, not after this frame is handled: gloo sends it only once asked.
+        A frame with a payload posts it when its payload's receives are (:meth:`_take`).
+        """
+        header, inline = self.link.recv_header(self.src, tag)
+        if inline is not None and header.get("op") != "bye":
+            self.link.post_header(self.src, tag)
+        return header, inline
+
+    def _take(self, header: dict[str, Any], inline: bytes | None, into: memoryview | None) -> None:
+        """Receive a ``REPL`` frame's payload into ``into`` (None: drop it).
+
+        The next frame's first message is posted as soon as this payload's receives are; a frame that came
+        whole (inline) had it posted by :meth:`_read_header` already.
+        """
+        with self.link.reading_ahead(self.src, TAG_REPL, enabled=inline is None):
+            if into is None:
+                self.link.discard(self.src, TAG_REPL, header, inline)
+            else:
+                self.link.payload(self.src, TAG_REPL, header, inline, into)
+
     async def _header(self, tag: int) -> tuple[dict[str, Any], bytes | None]:
         while True:
-            header, inline = await blocking(partial(self.link.recv_header, self.src, tag))
+            header, inline = await blocking(partial(self._read_header, tag))
             if header.get("op") != "ping":
                 return header, inline
 
@@ -192,17 +216,17 @@ class ReplicaService:
                     total += nbytes
                     if writer is None or total > reserve or name in digests:
                         refusal = refusal or f"segment {name!r} of {nbytes} bytes does not fit the reservation"
-                        await blocking(partial(self.link.discard, self.src, TAG_REPL, header, inline))
+                        await blocking(partial(self._take, header, inline, None))
                     else:
                         buf = self._buffer(nbytes)  # reused: fresh memory costs a page fault per page
-                        await blocking(partial(self.link.payload, self.src, TAG_REPL, header, inline, buf))
+                        await blocking(partial(self._take, header, inline, buf))
                         digests[name] = (nbytes, StreamingChecksum([buf]).hexdigest())
                         await writer.write_segment(name, [buf])
                 elif op == "manifest":
                     if nbytes > MAX_MANIFEST_BYTES:
                         self._protocol(f"manifest of {nbytes} bytes")
                     body = memoryview(bytearray(nbytes))
-                    await blocking(partial(self.link.payload, self.src, TAG_REPL, header, inline, body))
+                    await blocking(partial(self._take, header, inline, body))
                     if writer is not None and refusal is None:
                         refusal = await self._publish(writer, step, bytes(body), digests)
                     break

@@ -51,7 +51,7 @@ from asymstore.tiers.peer.link import (
     connect,
     in_thread,
 )
-from asymstore.tiers.peer.ring import Ring, ring_of
+from asymstore.tiers.peer.ring import Ring, lanes_of, ring_of
 from asymstore.tiers.peer.service import ReplicaService
 from asymstore.tiers.protocol import Buffer, Tier
 
@@ -174,7 +174,8 @@ class PeerTier:
                                 "(torchrun does) or pass store=")
             store = await asyncio.to_thread(store_from_env, "peer", timeout_s=self.timeout_s)
         generation = await asyncio.to_thread(store.add, f"asymstore-peer-generation/{ring.rank}", 1)
-        self._link = await blocking(partial(connect, store, ring.rank, ring.world_size, generation, self.timeout_s))
+        self._link = await blocking(partial(connect, store, ring.rank, ring.world_size, generation, self.timeout_s,
+                                            lanes_of(ring)))
         self._service = ReplicaService(self._link, ring.src, self.replica_tier(), keep=self.keep)
         await asyncio.to_thread(self._service.start)
         self._keepalive = asyncio.get_running_loop().create_task(self._ping())
@@ -287,11 +288,13 @@ class PeerTier:
         if answer.get("id") != rid:
             raise link.violated(f"rank {dst} answered request {answer.get('id')!r} where {rid} "
                                 f"({header.get('op')}) was due")
-        if not answer.get("ok"):
-            if int(answer["nbytes"]):
-                link.discard(dst, TAG_RESP, answer, inline)
-            raise _ERRORS.get(str(answer.get("error")), TierError)(f"{self.name}: {answer.get('message')}")
-        return receive(link, dst, answer, inline)
+        # a later request is out: its answer's first message is received as soon as this one's payload is asked for
+        with link.reading_ahead(dst, TAG_RESP, self._next_id > rid + 1):
+            if not answer.get("ok"):
+                if int(answer["nbytes"]):
+                    link.discard(dst, TAG_RESP, answer, inline)
+                raise _ERRORS.get(str(answer.get("error")), TierError)(f"{self.name}: {answer.get('message')}")
+            return receive(link, dst, answer, inline)
 
     async def _request(self, header: dict[str, Any], out_size: int = 0) -> tuple[dict[str, Any], bytearray]:
         """Send one request and receive its answer (and its payload, at most ``out_size`` bytes)."""

@@ -357,11 +357,11 @@ class PeerLink:
             PeerProtocolError: the bytes are not a frame.
         """
         self._check()
-        with self._cond:
-            queue = self._posted.get((frm, tag))
-            ahead = queue.popleft() if queue else None
         try:
-            with self._io(frm):
+            with self._io(frm):  # taken inside it: a receive posted ahead is either waited here, or drained by end()
+                with self._cond:
+                    queue = self._posted.get((frm, tag))
+                    ahead = queue.popleft() if queue else None
                 if ahead is None:
                     first = torch.empty(FRAME, dtype=torch.uint8)
                     self.group(frm, tag, False).recv([first], frm, tag).wait()

@@ -9,6 +9,8 @@ typed error; tests/peer/test_peer_multirank.py kills real processes.
 from __future__ import annotations
 
 import asyncio
+import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.errors import PeerError, PeerProtocolError
 from asymstore.read.load import load_version
 from asymstore.tiers.peer import PeerTier, ring_of
-from asymstore.tiers.peer.link import MAGIC, TAG_REPL, connect
+from asymstore.tiers.peer.link import FRAME, MAGIC, TAG_REPL, connect
 from tests.support.ranks import run_ranks
 
 
@@ -175,3 +177,65 @@ async def _list(tier: HostTier) -> list[int]:
         return await tier.list_versions()
     finally:
         await tier.close()
+
+
+def test_the_link_is_calibrated_by_probes_the_neighbour_acknowledges_and_keeps_nothing_of(tmp_path: Path) -> None:
+    from asymstore.policy.calibration import calibrate
+    from asymstore.tiers.peer.service import MAX_PROBE_BYTES
+
+    manifest, segment = a_version(tmp_path / "src")
+    kv = dist.HashStore()
+
+    async def rank_fn(rank: int) -> Any:
+        tier = peer(rank, kv)
+        await tier.open()
+        try:
+            if rank == 1:
+                return None
+            cal = await calibrate(tier, None)  # never cached: the link's cost depends on the neighbour
+            assert cal.source == "measured" and cal.seconds_per_byte > 0 and cal.key is None, cal
+            assert tier.calibration_key() is None
+            with pytest.raises(ValueError, match="not within"):
+                await tier.probe_writes([MAX_PROBE_BYTES + 1])
+            w = await tier.begin(5, len(segment))  # the probes left no replica; replication goes on as before
+            await w.write_segment("seg-000000.bin", [segment])
+            await w.publish(manifest)
+            tier._held = None  # ask the neighbour, not the cache
+            return await tier.list_versions()
+        finally:
+            await tier.close()
+
+    out = run_ranks(2, rank_fn)
+    assert out == {0: [5], 1: None}, out
+
+
+def test_a_probe_larger_than_the_bound_is_a_protocol_violation_read_in_bounded_memory() -> None:
+    from asymstore.tiers.peer.service import MAX_PROBE_BYTES
+
+    kv = dist.HashStore()
+
+    async def rank_fn(rank: int) -> Any:
+        tier = peer(rank, kv)
+        await tier.open()
+        try:
+            if rank == 1:
+                service = tier.service
+                assert service is not None
+                for _ in range(200):  # the source's frame arrives, and the receive loop stops on it
+                    if service.last_error is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                return service.last_error, len(service._recv)
+            header = {"op": "probe", "nbytes": MAX_PROBE_BYTES + 1, "pieces": [1 << 20] * 64 + [1]}
+            body = json.dumps(header, separators=(",", ":")).encode()
+            first = torch.zeros(FRAME, dtype=torch.uint8)  # a first message claiming 64 MiB + 1 of payload
+            first[:24] = torch.frombuffer(bytearray(struct.pack("<qqq", MAGIC, len(body), -1)), dtype=torch.uint8)
+            first[24:24 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            tier.link.group(1, TAG_REPL, True).send([first], 1, TAG_REPL).wait()
+            return None
+        finally:
+            await tier.close()
+
+    out = run_ranks(2, rank_fn)
+    error, buffered = out[1]
+    assert out[0] is None and "probe of" in str(error) and buffered == 0, out

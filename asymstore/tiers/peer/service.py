@@ -11,6 +11,8 @@ shared memory that outlives the process). Two loops run there:
   (step, and every segment's size and checksum against what arrived) before the
   tier publishes it atomically; then an ``ACK`` says whether the replica is
   there (with the steps now held, so the sender need not ask). ``delete`` drops a replica.
+  ``probe`` (calibration: a frame of at most :data:`MAX_PROBE_BYTES`, outside any version) is
+  received and checksummed as a segment is, then acknowledged; nothing is kept.
   A version whose sender dies, aborts or sends anything that does not
   verify is aborted, never published: no half replica is ever listed.
 - **serve** (``REQ`` from the source rank): ``list``, ``manifest``, ``segment`` and
@@ -49,6 +51,9 @@ from asymstore.tiers.peer.link import TAG_ACK, TAG_REPL, TAG_REQ, TAG_RESP, Peer
 from asymstore.tiers.protocol import Buffer, Tier, VersionWriter, ViewTier
 
 logger = logging.getLogger(__name__)
+
+MAX_PROBE_BYTES = 64 << 20
+"""A calibration probe's payload at most (the store probes with 8 MiB); a larger one is a protocol violation."""
 
 
 class ReplicaService:
@@ -187,6 +192,9 @@ class ReplicaService:
             if header.get("op") == "delete":
                 await self._delete(header.get("step"))
                 continue
+            if header.get("op") == "probe":
+                await self._probe(header, inline)
+                continue
             await self._receive_version(header, inline)
 
     def _protocol(self, what: str) -> NoReturn:
@@ -254,6 +262,16 @@ class ReplicaService:
             held = await self.tier.list_versions()
             await blocking(partial(self.link.send, self.src, TAG_ACK, {"step": step, "ok": refusal is None,
                                                                         "reason": refusal, "held": held}))
+
+    async def _probe(self, header: dict[str, Any], inline: bytes | None) -> None:
+        """A calibration frame: received into the segment buffer and checksummed, as a segment is; acknowledged."""
+        nbytes = int(header["nbytes"])
+        if nbytes > MAX_PROBE_BYTES:
+            self._protocol(f"a probe of {nbytes} bytes (at most {MAX_PROBE_BYTES})")
+        buf = self._buffer(nbytes)
+        await blocking(partial(self._take, header, inline, buf))
+        StreamingChecksum([buf]).hexdigest()
+        await blocking(partial(self.link.send, self.src, TAG_ACK, {"op": "probe", "ok": True}))
 
     async def _delete(self, step: object) -> None:
         if not isinstance(step, int):

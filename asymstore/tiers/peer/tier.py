@@ -12,6 +12,12 @@ neighbour for the manifest and segments of a replica, which the store verifies
 like any other tier's bytes. Every rank of the job must use a PeerTier (the
 replication group is built collectively when the tiers open).
 
+Its write cost is measured like a disk's (:class:`~asymstore.tiers.protocol.ProbeableTier`): at ``open``
+the store times frames of two sizes sent to the neighbour, which receives and checksums each as it does a
+segment and acknowledges it (``probe``; nothing is kept), so the segment size the cost model picks for
+the peer follows what a frame really costs on this link, not an assumed disk. Never cached: it depends
+on the neighbour and the network.
+
 Reading is pipelined: up to :data:`PIPELINE` requests are in flight at once
 (the store reads several segments concurrently), so the neighbour finds the
 next request waiting as soon as it has sent an answer. Requests go out in
@@ -29,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -52,7 +59,7 @@ from asymstore.tiers.peer.link import (
     in_thread,
 )
 from asymstore.tiers.peer.ring import Ring, lanes_of, ring_of
-from asymstore.tiers.peer.service import ReplicaService
+from asymstore.tiers.peer.service import MAX_PROBE_BYTES, ReplicaService
 from asymstore.tiers.protocol import Buffer, Tier
 
 logger = logging.getLogger(__name__)
@@ -218,6 +225,38 @@ class PeerTier:
                         await blocking(partial(self.link.send, self.ring.dst, tag, {"op": "ping"}))
                     except PeerError:
                         return
+
+    # -- calibration -----------------------------------------------------
+
+    def calibration_key(self) -> str | None:
+        """None: a link's cost is measured at every open, never cached (it depends on the neighbour)."""
+        return None
+
+    async def probe_writes(self, sizes: Sequence[int]) -> list[float]:
+        """Seconds to send one frame of each size and have the neighbour receive, checksum and acknowledge it.
+
+        Raises:
+            OSError: the neighbour did not answer a probe as one (the link is then down; the store falls
+                back to the assumed calibration, and writes to this tier fail as they would anyway).
+        """
+        link, dst = self.link, self.ring.dst
+        if any(not 0 <= n <= MAX_PROBE_BYTES for n in sizes):
+            raise ValueError(f"probe sizes {list(sizes)} are not within 0..{MAX_PROBE_BYTES}")
+        payload = memoryview(bytearray(max(sizes, default=0)))
+        out: list[float] = []
+        async with self._writing:
+            for n in sizes:
+                t0 = time.perf_counter()
+                try:
+                    ack, _ = await blocking(partial(link.exchange, dst, TAG_REPL, {"op": "probe"}, [payload[:n]],
+                                                    TAG_ACK), self.timeout_s)
+                except (PeerError, TimeoutError) as exc:
+                    link.broken = link.broken or f"probing the link: {exc!r}"  # a wait may still be in flight
+                    raise OSError(f"{self.name}: probe of {n} bytes: {exc!r}") from exc
+                out.append(time.perf_counter() - t0)
+                if ack.get("op") != "probe" or ack.get("nbytes") != 0 or ack.get("ok") is not True:
+                    raise OSError(f"{self.name}: {link.violated(f'rank {dst} answered a probe with {str(ack)[:200]}')}")
+        return out
 
     # -- writing ---------------------------------------------------------
 

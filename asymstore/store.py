@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -34,6 +35,7 @@ from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
+from asymstore.write.lending import lend_from
 from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
@@ -483,22 +485,31 @@ class AsymStore:
             logger.warning("step %d was put but never committed before step %d; dropping it", older, step)
             self._stager.pending.pop(older).release_all()
         self._committed_steps.add(step)
+        assert manifest is not None, "the durable tier either committed or raised"
         background = bool(self._background.flushers)
         copy: torch.Tensor | None = None
-        if background and pending.releases:  # adopted memory goes back now: slower tiers get a private copy
-            try:
-                copy = await asyncio.to_thread(plan.detach, pending.tensors,  # type: ignore[arg-type]
-                                               self._copy_buffers)
-            except BaseException:
-                background = False
-                logger.exception("step %d: no memory to copy it for the background tiers; they skip it", step)
+        lent: contextlib.ExitStack | None = None
+        if background and pending.releases:  # adopted memory goes back now: slower tiers read another copy
+            try:  # the durable tier's own, where it lends it (lending); else a private copy
+                lent = lend_from(self._tiers[self._durable].tier, manifest, plan,
+                                 pending.tensors)  # type: ignore[arg-type]
+            except (AsymstoreError, OSError) as exc:
+                logger.info("step %d: the durable tier could not lend it (%s); copying it for the background "
+                            "tiers", step, exc)
+            if lent is None:
+                try:
+                    copy = await asyncio.to_thread(plan.detach, pending.tensors,  # type: ignore[arg-type]
+                                                   self._copy_buffers)
+                except BaseException:
+                    background = False
+                    logger.exception("step %d: no memory to copy it for the background tiers; they skip it", step)
         pending.release_all()
         if background:
             only_copies = not self._tiers[self._durable].tier.persistent  # held until a slower tier has them
+            done_with = (functools.partial(self._copy_buffers.give_back, copy) if copy is not None
+                         else lent.close if lent is not None else None)
             self._background.submit(plan, [s.tier for s in self._tiers[: self._durable + 1]
-                                           if only_copies and step in s.versions],
-                                    None if copy is None else functools.partial(self._copy_buffers.give_back, copy))
-        assert manifest is not None, "the durable tier either committed or raised"
+                                           if only_copies and step in s.versions], done_with)
         return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 
     async def _unpublish(self, step: int, states: list[TierState]) -> None:

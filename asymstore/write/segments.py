@@ -37,7 +37,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,6 +247,38 @@ class VersionPlan:
                 self.views[k] = data[at:at + size]
                 at += size
         return buf
+
+    def lend(self, staged: Mapping[str, StagedTensor | StagedPack],
+             chunks_of: Callable[[str], list[memoryview] | None]) -> bool:
+        """Point the chunks of adopted tensors at views of the same bytes held elsewhere (the durable tier's).
+
+        ``chunks_of(name)`` gives an adopted tensor's chunks, in order, or None where it cannot. All or
+        nothing: when any adopted tensor has no views, or views of other sizes, nothing changes and the
+        caller copies instead (:meth:`detach`). Call it before any background tier reads the plan.
+
+        Returns:
+            Whether every adopted chunk now reads from its view (True also when nothing was adopted).
+        """
+        spans: list[tuple[int, list[memoryview]]] = []
+        pos = 0
+        for item in self.order:
+            if isinstance(item, StagedPack):  # a private copy already
+                pos += 1
+                continue
+            st = staged[item]
+            assert isinstance(st, StagedTensor)
+            count = self.tensors[item][3]
+            if st.adopted:
+                views = chunks_of(item)
+                if views is None or len(views) != count or any(
+                        len(v) != len(self.views[k]) for k, v in zip(range(pos, pos + count), views, strict=True)):
+                    return False
+                spans.append((pos, views))
+            pos += count
+        for first, views in spans:
+            for k, view in enumerate(views):
+                self.views[first + k] = view
+        return True
 
     def chunk(self, index: int) -> ChunkRef:
         """Return chunk ``index`` (in version order)."""

@@ -130,8 +130,8 @@ async def test_the_background_copy_reuses_one_buffer_and_never_while_a_tier_stil
     owned = tensors(0)  # the owner's buffers, refilled every step as a training loop refills its slots
     rel = Releases()
     expect: dict[int, dict[str, torch.Tensor]] = {}
-    memory = HostTier(64 << 20)
-    async with AsymStore([memory, slow], durable=memory.name, backlog=2, **FAST) as store:  # type: ignore[arg-type]
+    disk = LocalTier(os.path.join(str(tmp_path), "fast"))  # a durable tier that lends nothing: the store copies
+    async with AsymStore([disk, slow], durable=disk.name, backlog=2, **FAST) as store:  # type: ignore[arg-type]
         for step in range(1, 7):
             for k, v in tensors(step).items():
                 owned[k].copy_(v)
@@ -155,8 +155,8 @@ async def test_closing_with_versions_still_queued_for_a_background_tier_gives_ev
         tmp_path: object) -> None:
     """Versions the slow tier never writes (skipped for newer ones, or dropped at close) still end their holds."""
     slow = SlowLocalTier(os.path.join(str(tmp_path), "slow"), delay_s=0.3)
-    memory = HostTier(64 << 20)
-    store = AsymStore([memory, slow], durable=memory.name, backlog=1, **FAST)  # type: ignore[arg-type]
+    disk = LocalTier(os.path.join(str(tmp_path), "fast"))  # lends nothing: the background tiers get copies
+    store = AsymStore([disk, slow], durable=disk.name, backlog=1, **FAST)  # type: ignore[arg-type]
     await store.open()
     for step in range(1, 5):
         await store.adopt_many(step, {k: v.clone() for k, v in tensors(step).items()}, release=Releases())

@@ -220,6 +220,9 @@ class ViewTier(Protocol):
         even if the version is deleted or evicted meanwhile: its memory is given
         back (or its file's pages freed) once the last view is closed. Nothing
         may use the view, or a slice of it, after the context exits. Entered and
-        exited on the tier's event loop thread, like every other call.
+        exited on the tier's event loop thread, like every other call. A tier
+        whose views are copies (device memory lent as a host copy) says so with
+        a true ``lends_copies`` attribute: the store then never borrows its
+        segments for background tiers (:mod:`asymstore.write.lending`).
         """
         ...

@@ -42,7 +42,7 @@ def lend_from(tier: object, manifest: Manifest, plan: VersionPlan,
     Raises:
         AsymstoreError, OSError: a segment could not be lent (nothing changed; copy instead).
     """
-    if not isinstance(tier, ViewTier):
+    if not isinstance(tier, ViewTier) or getattr(tier, "lends_copies", False):  # device memory: a copy anyway
         return None
     sizes = {s.name: s.size for s in manifest.segments}
     stack = contextlib.ExitStack()

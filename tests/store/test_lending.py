@@ -73,3 +73,17 @@ async def test_a_chunk_the_memory_tier_compressed_is_copied_for_the_slow_tier_in
     async with AsymStore([slow], read_only=True) as reader:
         got = (await reader.restore(3)).tensors
     assert all(torch.equal(got[k], expect[k]) for k in expect)
+
+
+def test_a_tier_whose_views_are_copies_is_never_borrowed_from() -> None:
+    """Device memory is lent as a host copy, on the store's loop: the store copies off the loop instead."""
+    from asymstore.write.lending import lend_from
+
+    class DeviceViews:
+        lends_copies = True
+
+        def view_segment(self, step: int, name: str, size: int | None = None) -> object:
+            raise AssertionError("a segment was borrowed from a tier that lends copies")
+
+    assert lend_from(DeviceViews(), None, None, {}) is None  # type: ignore[arg-type]
+    assert HostTier(1 << 20).lends_copies is False  # type: ignore[attr-defined]

@@ -131,6 +131,11 @@ class MemoryTier(BoundedTier):
                                       f"{buf.numel()} bytes, the manifest says {size}")
         return await asyncio.to_thread(_to_host, buf)
 
+    @property
+    def lends_copies(self) -> bool:
+        """Whether :meth:`view_segment` copies (the pool is in device memory) rather than lends."""
+        return self._device() != "cpu"
+
     @contextlib.contextmanager
     def view_segment(self, step: int, name: str, size: int | None = None) -> Iterator[memoryview]:
         """Lend one segment's pool buffer, read-only, without a copy (see :class:`~asymstore.tiers.protocol.ViewTier`).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -87,3 +88,20 @@ def test_a_tier_whose_views_are_copies_is_never_borrowed_from() -> None:
 
     assert lend_from(DeviceViews(), None, None, {}) is None  # type: ignore[arg-type]
     assert HostTier(1 << 20).lends_copies is False  # type: ignore[attr-defined]
+
+
+async def test_closing_with_versions_still_queued_closes_every_view(tmp_path: Path) -> None:
+    """Versions the slow tier never writes (skipped for newer ones, or dropped at close) still give their views back."""
+    slow = SlowLocalTier(os.path.join(str(tmp_path), "slow"), delay_s=0.3)
+    host = HostTier(64 << 20)
+    store = AsymStore([host, slow], durable=host.name, backlog=1, compression="never",
+                      **FAST)  # type: ignore[arg-type]
+    await store.open()
+    for step in range(1, 5):
+        await store.adopt_many(step, {k: v.clone() for k, v in tensors(step).items()}, release=lambda: None)
+        await store.commit(step)
+    memory: Any = host  # its versions and their open views
+    assert any(v.views for v in memory._mem.values())  # the slow tier still reads some version's segments
+    await store.close()
+    assert not store._background._holds and not any(v.views for v in memory._mem.values())
+    assert store._copy_buffers.allocations == 0

@@ -488,7 +488,7 @@ class Checkpointer:
             if snap.next_pending:
                 snap = self._cycle.snap = self._cycle.capture_next(snap)
             if not snap.verified:
-                snap.issue_event(ordinal, self._engine)
+                snap.issue_event(ordinal, self._engine, phase)
         self._recorder.leave()
         self._hook_s += time.perf_counter() - started
 

@@ -15,6 +15,7 @@ the side stream's copies have landed (it waits for their event).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -68,19 +69,31 @@ def extents_of(sources: list[torch.Tensor]) -> list[Extent]:
 class Snapshot:
     """Copies one version's flat state into a host slot, partition by partition.
 
+    The host slot may come later than the version opens (every slot still held by an earlier version
+    being committed): a hook that finds none free skips its partition, and the first hook that finds
+    one issues every partition skipped so far with its own; the drain (:meth:`issue_rest`) waits for
+    one. So one slot costs back-pressure only when an earlier version's commit outlasts the next
+    forward and backward, not at every step boundary.
+
     Args:
         step: the version (optimizer steps completed).
         capture: the state captured right after the step.
         plan: the partitions to issue.
-        slot: the host slot the flat state is copied into (already arranged).
+        slot: the host slot the flat state is copied into (already arranged), or None: none free yet.
+        acquire: takes a free slot (``acquire(wait)``: waiting for one, or None at once when none is
+            free); needed when ``slot`` is None.
     """
 
-    def __init__(self, step: int, capture: Capture, plan: Plan, slot: HostSlot) -> None:
+    def __init__(self, step: int, capture: Capture, plan: Plan, slot: HostSlot | None,
+                 acquire: Callable[[bool], HostSlot | None] | None = None) -> None:
         """Prepare; nothing is copied yet."""
+        if slot is None and acquire is None:
+            raise ValueError("a snapshot without a slot needs a way to acquire one")
         self.step = step
         self.capture = capture
         self.plan = plan
         self.slot = slot
+        self._acquire = acquire
         self.next_pending = True  # param groups and stateful objects not captured yet
         self._issued = [False] * len(plan.partitions)
         self.issued_bytes = 0
@@ -107,8 +120,20 @@ class Snapshot:
                 self._device_samples |= device.type != "cpu"
 
     def _job(self, i: int, start: int, stop: int) -> CopyJob:
+        assert self.slot is not None
         return CopyJob(self.capture.sources[i], self.slot.region(i), start, stop, self.versions[i], self.ptrs[i],
                        self.needs[i], i, self.capture.versioned[i])
+
+    def take_slot(self, wait: bool) -> bool:
+        """Make sure the version has its host slot (arranged for its sources); False: none free (``wait`` off)."""
+        if self.slot is None:
+            assert self._acquire is not None
+            slot = self._acquire(wait)
+            if slot is None:
+                return False
+            slot.arrange(self.capture.sources)
+            self.slot = slot
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -120,24 +145,37 @@ class Snapshot:
         """Whether every partition was issued."""
         return all(self._issued)
 
-    def issue(self, part: Partition, engine: CopyEngine) -> int:
-        """Issue one partition (once); return its bytes."""
-        if self._issued[part.index]:
+    def issue(self, part: Partition, engine: CopyEngine, phase: str | None = None) -> int:
+        """Issue one partition (once), counted under ``phase`` (default: its planned one); return its bytes.
+
+        Returns 0 when no slot is free yet: it is issued later.
+        """
+        if self._issued[part.index] or not self.take_slot(False):
             return 0
         self._issued[part.index] = True
         jobs = [self._job(s.tensor, s.start, s.stop) for s in part.spans]
         engine.submit(jobs)
         self.issued_bytes += part.nbytes
-        self.issued_by_phase[part.phase] += part.nbytes
+        self.issued_by_phase[phase or part.phase] += part.nbytes
         return part.nbytes
 
-    def issue_event(self, ordinal: int, engine: CopyEngine) -> int:
-        """Issue the partition planned for hook event ``ordinal``, if any."""
+    def issue_event(self, ordinal: int, engine: CopyEngine, phase: str | None = None) -> int:
+        """Issue the partition planned for hook event ``ordinal`` (of ``phase``), and any skipped before it.
+
+        Partitions skipped for want of a slot are counted under the phase of the hook that issued them.
+        """
+        if self.slot is None:
+            if not self.take_slot(False):
+                return 0
+            late = [p for p in self.plan.partitions  # this event's, and those skipped before it
+                    if p.event is not None and p.event <= ordinal and not self._issued[p.index]]
+            return sum(self.issue(p, engine, phase) for p in late)
         part = self.plan.for_event(ordinal)
         return self.issue(part, engine) if part is not None else 0
 
     def issue_rest(self, engine: CopyEngine) -> int:
-        """Issue every partition not issued yet (the drain); return their bytes."""
+        """Issue every partition not issued yet (the drain), waiting for a slot if none came yet; return their bytes."""
+        self.take_slot(True)
         total = 0
         pending = [p for p in self.plan.partitions if not self._issued[p.index]]
         if pending:  # one batch, so the copy thread sees one job list
@@ -160,18 +198,20 @@ class Snapshot:
             The names found changed (also kept in ``dirty``); empty for a clean version.
         """
         idx = set(bad)
+        slot = self.slot
+        assert slot is not None, "verified before every partition was issued"
         if self._device_samples:  # the host slot and the samples are filled by queued device copies
             if self.ready is not None:
                 self.ready.synchronize()  # type: ignore[attr-defined]
             else:
                 torch.cuda.synchronize()
         for indices, sample in zip(self._sampled, self._samples, strict=True):
-            copied = torch.cat([_sample_view(self.slot.region(i)) for i in indices])
+            copied = torch.cat([_sample_view(slot.region(i)) for i in indices])
             if not torch.equal(copied, sample):  # find which (rare)
                 at = 0
                 for i in indices:
-                    n = _sample_view(self.slot.region(i)).numel()
-                    if not torch.equal(_sample_view(self.slot.region(i)), sample[at:at + n]):
+                    n = _sample_view(slot.region(i)).numel()
+                    if not torch.equal(_sample_view(slot.region(i)), sample[at:at + n]):
                         idx.add(i)
                     at += n
         for i, owner in enumerate(self.capture.owners):
@@ -183,7 +223,7 @@ class Snapshot:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the version: eager copies plus typed views into the slot."""
-        if not self.complete:
+        if not self.complete or self.slot is None:
             raise RuntimeError(f"version {self.step} sealed with partitions not issued")
         out = dict(self.capture.eager)
         for i, (name, src) in enumerate(zip(self.capture.names, self.capture.sources, strict=True)):

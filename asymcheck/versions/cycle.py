@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from asymcheck.errors import StepConflictError
 from asymcheck.snapshot.copyengine import CopyEngine
 from asymcheck.snapshot.edits import EditTracker
-from asymcheck.snapshot.hostpool import HostPool
+from asymcheck.snapshot.hostpool import HostPool, HostSlot
 from asymcheck.snapshot.partition import Planner
 from asymcheck.snapshot.version import Snapshot, extents_of
 from asymcheck.state.dtensors import check_tensors
@@ -112,11 +112,19 @@ class VersionCycle:
         if self.edits.eager:
             cap.make_eager(self.edits.eager)
         plan = self.planner.plan(extents_of(cap.sources))
-        slot = self.pool.acquire()
-        assert slot is not None
-        slot.arrange(cap.sources)
-        self.snap = Snapshot(step, cap, plan, slot)
+        slot = self.pool.acquire(timeout=0)  # none free: the hooks take one once an earlier commit gives it back
+        if slot is not None:
+            slot.arrange(cap.sources)
+        self.snap = Snapshot(step, cap, plan, slot, self._acquire)
         self.stats.versions_opened += 1
+
+    def _acquire(self, wait: bool) -> HostSlot | None:
+        """A free host slot: waiting for one (back-pressure: an earlier commit still holds them), or None now."""
+        return self.pool.acquire(None if wait else 0)
+
+    def _release(self, snap: Snapshot) -> None:
+        if snap.slot is not None:
+            self.pool.release(snap.slot)
 
     def capture_next(self, snap: Snapshot) -> Snapshot:
         """Capture param groups and stateful objects; re-open the version if parameters were added."""
@@ -129,8 +137,9 @@ class VersionCycle:
             if self.edits.eager:
                 cap.make_eager(self.edits.eager)
             plan = self.planner.plan(extents_of(cap.sources))
-            snap.slot.arrange(cap.sources)
-            snap = Snapshot(snap.step, cap, plan, snap.slot)
+            if snap.slot is not None:
+                snap.slot.arrange(cap.sources)
+            snap = Snapshot(snap.step, cap, plan, snap.slot, self._acquire)
             self.on_recapture()
         self.state.capture_next(snap.capture)
         snap.next_pending = False
@@ -151,7 +160,7 @@ class VersionCycle:
         else:
             snap.ready = self.engine.wait() or snap.ready
         if snap.dirty:
-            self.pool.release(snap.slot)
+            self._release(snap)
             self.edits.dropped_version(snap.step, snap.dirty)
             self.commits.report_dropped(snap.step, f"{len(snap.dirty)} tensor(s) changed before their copy")
             return Sealed(False, 0.0, snap.nbytes, True, dict(snap.issued_by_phase))
@@ -165,8 +174,9 @@ class VersionCycle:
         meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
                                      "partitions": len(snap.plan.partitions),
                                      "partitioning": snap.plan.partitioning}
+        tensors = snap.tensors()  # the slot is there: every partition was issued
         slot = snap.slot
-        tensors = snap.tensors()
+        assert slot is not None
         layouts = self.state.layout_meta(tensors, snap.capture)
         if layouts is not None:  # where each tensor sits in its global tensor (asymstore.format.pieces)
             meta[LAYOUT_KEY] = layouts
@@ -190,4 +200,4 @@ class VersionCycle:
             if snap is not None:
                 self.seal(snap, force=True)
         elif snap is not None:
-            self.pool.release(snap.slot)
+            self._release(snap)

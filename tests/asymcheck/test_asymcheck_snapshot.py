@@ -12,6 +12,9 @@ call, GradScaler-skipped steps, and inline copies.
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from asymstore import LocalTier
 from tests.support.asymcheck_train import (
     Recorder,
     check_version,
@@ -178,3 +182,51 @@ def test_copy_engine_never_reads_memory_that_is_no_longer_the_tensors() -> None:
         assert int(out.count_nonzero()) == 0
     finally:
         engine.close()
+
+
+class HeldTier(LocalTier):
+    """A LocalTier whose commit of step ``hold`` starts only once ``gate`` is set (or after 5 s)."""
+
+    def __init__(self, root: Path, hold: int) -> None:
+        super().__init__(root)
+        self.hold = hold
+        self.gate = threading.Event()
+
+    async def begin(self, step: int, nbytes: int) -> Any:
+        if step == self.hold:
+            await asyncio.to_thread(self.gate.wait, 5.0)
+        return await super().begin(step, nbytes)
+
+
+def test_one_slot_copies_in_the_hooks_once_an_earlier_commit_gives_it_back(tmp_path: Path) -> None:
+    """With one host slot, a version opened while the previous one still commits does not block the step.
+
+    Version HOLD's commit is held; version HOLD + 1 opens without a slot, its forward hooks find none,
+    the commit is let go between forward and backward, and the backward hooks then copy what the
+    forward hooks skipped along with their own partitions. Every version is still one step's state.
+    """
+    hold = 5
+    model = make_model()
+    opt, sched = make_opt(model)
+    stateful: dict[str, Any] = {"sched": sched}
+    tier = HeldTier(tmp_path, hold)
+    rec = Recorder()
+    with open_ckpt(model, opt, [tier], stateful=stateful, host_slots=1) as ckpt:
+        rec.hook(model, opt, lambda: ckpt.step)
+        for it in range(9):
+            x, y = data(it)
+            out = model(x)
+            if ckpt.step == hold + 1:  # version hold + 1 is open; its forward ran without the slot
+                tier.gate.set()
+                deadline = time.monotonic() + 10
+                while ckpt._pool.free_slots == 0 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            nn.functional.mse_loss(out, y).backward()
+            finish_iteration(opt, sched, None, rec, lambda: ckpt.step, stateful)
+    versions = read_versions(tmp_path)
+    assert sorted(versions) == list(range(1, 10))
+    for ck in versions.values():
+        check_version(ck, rec, *fresh())
+    late = next(r for r in ckpt.stats().steps if r.step == hold + 1 and r.sealed)
+    assert late.forward_bytes == 0 and late.backward_bytes > 0, late  # copied by the backward hooks, not the drain
+    assert late.open_s < 2.0, late  # opening did not wait for the held commit

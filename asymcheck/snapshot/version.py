@@ -15,6 +15,7 @@ the side stream's copies have landed (it waits for their event).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -94,6 +95,8 @@ class Snapshot:
         self.plan = plan
         self.slot = slot
         self._acquire = acquire
+        self.slot_wait_s = 0.0
+        """Seconds the drain waited for a slot (back-pressure: an earlier commit still held them all)."""
         self.next_pending = True  # param groups and stateful objects not captured yet
         self._issued = [False] * len(plan.partitions)
         self.issued_bytes = 0
@@ -128,7 +131,10 @@ class Snapshot:
         """Make sure the version has its host slot (arranged for its sources); False: none free (``wait`` off)."""
         if self.slot is None:
             assert self._acquire is not None
+            started = time.perf_counter()
             slot = self._acquire(wait)
+            if wait:
+                self.slot_wait_s += time.perf_counter() - started
             if slot is None:
                 return False
             slot.arrange(self.capture.sources)

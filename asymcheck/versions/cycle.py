@@ -29,7 +29,7 @@ class Sealed:
 
     Attributes:
         submitted: handed to the commit queue.
-        waited: seconds of back-pressure (an earlier commit still running).
+        waited: seconds of back-pressure (an earlier commit still running: waiting for its slot, or to submit).
         nbytes: bytes of the flat state.
         dropped: not committed, because a captured tensor changed before its copy.
         by_phase: bytes issued by forward hooks, backward hooks and at the step boundary
@@ -155,10 +155,19 @@ class VersionCycle:
         """Finish the copy and hand the version to the commit queue, or drop it if it is not clean."""
         if snap.next_pending:
             snap = self.capture_next(snap)
+        if (not force and self.commits.when_busy == "skip" and not snap.verified
+                and not snap.take_slot(False)):  # no slot yet: an earlier commit is still running; never wait for it
+            logger.info("version %d skipped: no host slot free (an earlier commit is still running)", snap.step)
+            self.commits.report_dropped(snap.step, "skipped: earlier commits still in flight")
+            self.stats.versions_sealed += 1
+            self.stats.versions_skipped += 1
+            return Sealed(False, 0.0, snap.nbytes, False, dict(snap.issued_by_phase))
+        slot_wait = snap.slot_wait_s
         if not snap.verified:
             self.finish_copy(snap)
         else:
             snap.ready = self.engine.wait() or snap.ready
+        slot_wait = snap.slot_wait_s - slot_wait  # inside this seal (the step pre-hook's stall), not editing()'s
         if snap.dirty:
             self._release(snap)
             self.edits.dropped_version(snap.step, snap.dirty)
@@ -187,7 +196,7 @@ class VersionCycle:
             self.progress.saved_step = snap.step
         else:
             self.stats.versions_skipped += 1
-        return Sealed(submitted, waited, snap.nbytes, False, dict(snap.issued_by_phase))
+        return Sealed(submitted, waited + slot_wait, snap.nbytes, False, dict(snap.issued_by_phase))
 
     def seal_last(self, save: bool) -> None:
         """Seal the open version, or the newest completed step if none is open and it was not saved."""

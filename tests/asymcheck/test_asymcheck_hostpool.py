@@ -80,7 +80,7 @@ def test_checkpointer_reuses_its_slots_across_versions(tmp_path: Path) -> None:
     opt, _ = make_opt(model)
     states = {}
     ptrs: list[set[int]] = []
-    with open_ckpt(model, opt, tmp_path) as ckpt:
+    with open_ckpt(model, opt, tmp_path, host_slots=2) as ckpt:  # both slots in turn
         pool = ckpt._pool
         for it in range(6):
             step_once(model, opt, it)

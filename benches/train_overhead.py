@@ -13,8 +13,9 @@ after every optimizer step into its own directory:
 - ``asymcheck-inline`` (only with ``--methods``): copies inside the hooks
   instead of on the copy thread, to measure what the thread buys.
 - ``asymcheck-1slot`` (only with ``--methods``): one host slot instead of the
-  default two: the next version's copy waits until the last one is written,
-  for half the staging memory.
+  default two, for half the staging memory: a version opened while the last
+  one is still written is copied by the hooks once that write gives the slot
+  back (only the drain waits for it).
 - ``torch.save``: ``torch.save`` of the model and optimizer state dicts to a
   temporary file, fsync, ``os.replace`` (synchronous, the classic way).
 - ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` (stages a

@@ -206,6 +206,25 @@ class VersionPlan:
             self.owners.extend([name] * count)
             self.tensors[name] = (kind[0], tuple(t.shape), nbytes, count)
 
+    def _adopted(self, staged: Mapping[str, StagedTensor | StagedPack]) -> list[tuple[int, str, StagedTensor, int]]:
+        """The adopted tensors of ``staged`` (the mapping the plan was made from), in version order.
+
+        Each as (index of its first chunk, name, staged tensor, chunk count); packs are private copies already.
+        """
+        out: list[tuple[int, str, StagedTensor, int]] = []
+        pos = 0
+        for item in self.order:
+            if isinstance(item, StagedPack):
+                pos += 1
+                continue
+            st = staged[item]
+            assert isinstance(st, StagedTensor)
+            count = self.tensors[item][3]
+            if st.adopted:
+                out.append((pos, item, st, count))
+            pos += count
+        return out
+
     def detach(self, staged: Mapping[str, StagedTensor | StagedPack],
                buffers: CopyBuffers | None = None) -> torch.Tensor | None:
         """Point the chunks of adopted tensors at one private copy (the owner gets its memory back).
@@ -220,19 +239,8 @@ class VersionPlan:
             ``buffers`` once no tier reads this plan any more), or None when
             nothing was adopted.
         """
-        spans: list[tuple[int, torch.Tensor, int]] = []  # (first chunk index, tensor, chunks)
-        total = pos = 0
-        for item in self.order:
-            if isinstance(item, StagedPack):  # a private copy already
-                pos += 1
-                continue
-            st = staged[item]
-            assert isinstance(st, StagedTensor)
-            count = self.tensors[item][3]
-            if st.adopted:
-                spans.append((pos, st.tensor, count))
-                total += sum(len(self.views[k]) for k in range(pos, pos + count))
-            pos += count
+        spans = [(first, st.tensor, count) for first, _, st, count in self._adopted(staged)]
+        total = sum(len(self.views[k]) for first, _, count in spans for k in range(first, first + count))
         if not spans:
             return None
         buf = buffers.take(total) if buffers is not None else torch.empty(total, dtype=torch.uint8)
@@ -260,21 +268,12 @@ class VersionPlan:
             Whether every adopted chunk now reads from its view (True also when nothing was adopted).
         """
         spans: list[tuple[int, list[memoryview]]] = []
-        pos = 0
-        for item in self.order:
-            if isinstance(item, StagedPack):  # a private copy already
-                pos += 1
-                continue
-            st = staged[item]
-            assert isinstance(st, StagedTensor)
-            count = self.tensors[item][3]
-            if st.adopted:
-                views = chunks_of(item)
-                if views is None or len(views) != count or any(
-                        len(v) != len(self.views[k]) for k, v in zip(range(pos, pos + count), views, strict=True)):
-                    return False
-                spans.append((pos, views))
-            pos += count
+        for first, name, _, count in self._adopted(staged):
+            views = chunks_of(name)
+            if views is None or len(views) != count or any(
+                    len(v) != len(self.views[k]) for k, v in zip(range(first, first + count), views, strict=True)):
+                return False
+            spans.append((first, views))
         for first, views in spans:
             for k, view in enumerate(views):
                 self.views[first + k] = view

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,22 @@ def peer(rank: int, kv: Any, capacity: int = 1 << 20) -> PeerTier:
                     close_timeout_s=10.0)
 
 
+def on_source(kv: Any, fn: Callable[[PeerTier], Awaitable[Any]], capacity: int = 1 << 20) -> dict[int, Any]:
+    """Open a PeerTier on both ranks, run ``fn`` on rank 0's while rank 1 only holds its replicas, close both.
+
+    Returns each rank's outcome (rank 1's is None), exceptions as values.
+    """
+    async def rank_fn(rank: int) -> Any:
+        tier = peer(rank, kv, capacity)
+        await tier.open()
+        try:
+            return None if rank == 1 else await fn(tier)
+        finally:
+            await tier.close()
+
+    return run_ranks(2, rank_fn)
+
+
 def a_version(root: Path) -> tuple[bytes, bytes]:
     """The manifest and only segment of a real committed version."""
     async def go() -> tuple[bytes, bytes]:
@@ -59,59 +76,43 @@ def a_version(root: Path) -> tuple[bytes, bytes]:
 def test_replicas_round_trip_and_a_segment_changed_in_flight_is_never_published(tmp_path: Path) -> None:
     manifest, segment = a_version(tmp_path / "src")
     name = "seg-000000.bin"
-    kv = dist.HashStore()
 
-    async def rank_fn(rank: int) -> Any:
-        tier = peer(rank, kv)
-        await tier.open()
-        try:
-            if rank == 1:
-                return None
-            w = await tier.begin(5, len(segment))
-            await w.write_segment(name, [segment])
-            await w.publish(manifest)  # whole: verified and published on rank 1
-            assert await tier.list_versions() == [5]
-            assert bytes(await tier.read_segment(5, name, len(segment))) == segment
-            dest = torch.empty(1000, dtype=torch.float32)  # a restore into live tensors: only their bytes travel
-            _, tensors = await load_version(tier, 5, into={"w": dest})
-            assert tensors["w"] is dest and torch.equal(dest, torch.arange(1000, dtype=torch.float32))
-            await tier.delete_version(5)
-            bad = bytearray(segment)
-            bad[len(bad) // 2] ^= 1
-            w = await tier.begin(5, len(segment))
-            await w.write_segment(name, [bad])
-            with pytest.raises(PeerError, match="does not verify"):
-                await w.publish(manifest)
-            tier._held = None  # ask the neighbour, not the cache
-            return await tier.list_versions()
-        finally:
-            await tier.close()
+    async def source(tier: PeerTier) -> Any:
+        w = await tier.begin(5, len(segment))
+        await w.write_segment(name, [segment])
+        await w.publish(manifest)  # whole: verified and published on rank 1
+        assert await tier.list_versions() == [5]
+        assert bytes(await tier.read_segment(5, name, len(segment))) == segment
+        dest = torch.empty(1000, dtype=torch.float32)  # a restore into live tensors: only their bytes travel
+        _, tensors = await load_version(tier, 5, into={"w": dest})
+        assert tensors["w"] is dest and torch.equal(dest, torch.arange(1000, dtype=torch.float32))
+        await tier.delete_version(5)
+        bad = bytearray(segment)
+        bad[len(bad) // 2] ^= 1
+        w = await tier.begin(5, len(segment))
+        await w.write_segment(name, [bad])
+        with pytest.raises(PeerError, match="does not verify"):
+            await w.publish(manifest)
+        tier._held = None  # ask the neighbour, not the cache
+        return await tier.list_versions()
 
-    out = run_ranks(2, rank_fn)
+    out = on_source(dist.HashStore(), source)
     assert out == {0: [], 1: None}, out
 
 
 def test_a_version_larger_than_the_receivers_capacity_is_refused_and_drained(tmp_path: Path) -> None:
     manifest, segment = a_version(tmp_path / "src")
-    kv = dist.HashStore()
 
-    async def rank_fn(rank: int) -> Any:
-        tier = peer(rank, kv, capacity=1024)  # the version is 4 KiB
-        await tier.open()
-        try:
-            if rank == 1:
-                return None
-            w = await tier.begin(5, len(segment))
-            await w.write_segment("seg-000000.bin", [segment])
-            with pytest.raises(PeerError, match="refused"):
-                await w.publish(manifest)
-            w = await tier.begin(6, 10)  # the link still works after the refusal
-            await w.abort()
-            return await tier.list_versions()
-        finally:
-            await tier.close()
+    async def source(tier: PeerTier) -> Any:
+        w = await tier.begin(5, len(segment))
+        await w.write_segment("seg-000000.bin", [segment])
+        with pytest.raises(PeerError, match="refused"):
+            await w.publish(manifest)
+        w = await tier.begin(6, 10)  # the link still works after the refusal
+        await w.abort()
+        return await tier.list_versions()
 
-    out = run_ranks(2, rank_fn)
+    out = on_source(dist.HashStore(), source, capacity=1024)  # the version is 4 KiB
     assert out == {0: [], 1: None}, out
 
 
@@ -184,28 +185,20 @@ def test_the_link_is_calibrated_by_probes_the_neighbour_acknowledges_and_keeps_n
     from asymstore.tiers.peer.service import MAX_PROBE_BYTES
 
     manifest, segment = a_version(tmp_path / "src")
-    kv = dist.HashStore()
 
-    async def rank_fn(rank: int) -> Any:
-        tier = peer(rank, kv)
-        await tier.open()
-        try:
-            if rank == 1:
-                return None
-            cal = await calibrate(tier, None)  # never cached: the link's cost depends on the neighbour
-            assert cal.source == "measured" and cal.seconds_per_byte > 0 and cal.key is None, cal
-            assert tier.calibration_key() is None
-            with pytest.raises(ValueError, match="not within"):
-                await tier.probe_writes([MAX_PROBE_BYTES + 1])
-            w = await tier.begin(5, len(segment))  # the probes left no replica; replication goes on as before
-            await w.write_segment("seg-000000.bin", [segment])
-            await w.publish(manifest)
-            tier._held = None  # ask the neighbour, not the cache
-            return await tier.list_versions()
-        finally:
-            await tier.close()
+    async def source(tier: PeerTier) -> Any:
+        cal = await calibrate(tier, None)  # never cached: the link's cost depends on the neighbour
+        assert cal.source == "measured" and cal.seconds_per_byte > 0 and cal.key is None, cal
+        assert tier.calibration_key() is None
+        with pytest.raises(ValueError, match="not within"):
+            await tier.probe_writes([MAX_PROBE_BYTES + 1])
+        w = await tier.begin(5, len(segment))  # the probes left no replica; replication goes on as before
+        await w.write_segment("seg-000000.bin", [segment])
+        await w.publish(manifest)
+        tier._held = None  # ask the neighbour, not the cache
+        return await tier.list_versions()
 
-    out = run_ranks(2, rank_fn)
+    out = on_source(dist.HashStore(), source)
     assert out == {0: [5], 1: None}, out
 
 

@@ -231,7 +231,7 @@ class PeerLink:
             self._armed.discard((frm, tag))
         self.post_header(frm, tag)
 
-    def _drain_posted(self) -> bool:
+    def _drain_posted(self) -> None:
         """Wait 1 ms on each receive posted ahead that nobody took: the timeout fails the group's waits."""
         with self._cond:
             posted = [item for queue in self._posted.values() for item in queue]
@@ -241,7 +241,6 @@ class PeerLink:
                 work.wait(datetime.timedelta(milliseconds=1))
             except RuntimeError:
                 pass
-        return bool(posted)
 
     def end(self, why: str, grace_s: float = 0.0, timeout_s: float = EXIT_WAIT_S) -> bool:
         """Refuse new gloo operations, and fail those still in flight after ``grace_s`` (blocking).

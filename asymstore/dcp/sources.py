@@ -74,7 +74,7 @@ class Version:
         """One line per copy that failed and was skipped."""
         self._close = close
         self._segment: tuple[int, int, str, memoryview] | None = None  # (rank, tier index, segment, bytes)
-        self._pack: tuple[tuple[int, int, str, int], memoryview] | None = None  # ((rank, tier, segment, at), raw)
+        self._pack: tuple[tuple[int, int, Chunk], memoryview] | None = None  # ((rank, tier, pack), raw)
 
     @property
     def world_size(self) -> int:
@@ -194,7 +194,7 @@ class Version:
 
     async def _pack_bytes(self, copies: ShardCopies, i: int, manifest: Manifest, pack: Chunk) -> memoryview:
         """The verified raw bytes of a pack (the last one is kept: packed tensors are read in stored order)."""
-        key = (copies.rank, i, pack.segment, pack.offset)
+        key = (copies.rank, i, pack)  # the pack itself: an empty one shares its place with the next
         cached = self._pack
         if cached is not None and cached[0] == key:
             return cached[1]

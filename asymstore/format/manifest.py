@@ -301,12 +301,11 @@ class Manifest:
     @functools.cached_property
     def packs(self) -> tuple[Chunk, ...]:
         """The packs of the packed tensors, in order of first use (empty below format 3)."""
-        seen: dict[tuple[str, int], Chunk] = {}
+        seen: dict[Chunk, None] = {}  # by value, not by place: an empty pack shares its offset with what follows
         for t in self.tensors.values():
             if t.pack_offset is not None:
-                c = t.chunks[0]
-                seen.setdefault((c.segment, c.offset), c)
-        return tuple(seen.values())
+                seen.setdefault(t.chunks[0])
+        return tuple(seen)
 
     def to_json(self) -> bytes:
         """Serialize to UTF-8 JSON bytes.
@@ -339,7 +338,7 @@ class Manifest:
         packs = self.packs
         if not packs:
             return None
-        pack_index = {(c.segment, c.offset): i for i, c in enumerate(packs)}
+        pack_index = {c: i for i, c in enumerate(packs)}
         dtypes: dict[str, int] = {}
         names: list[str] = []
         kinds: list[int] = []
@@ -356,7 +355,7 @@ class Manifest:
             names.append(name)
             kinds.append(kind)
             shapes.append(t.shape)
-            where.append(pack_index[c.segment, c.offset])
+            where.append(pack_index[c])
             offsets.append(t.pack_offset)
         order = list(zip(where, offsets, strict=True))
         if any(a > b for a, b in itertools.pairwise(order)):  # the table lists each pack's tensors in place order

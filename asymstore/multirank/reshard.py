@@ -45,6 +45,7 @@ from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, d
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import Chunk, Manifest
 from asymstore.format.pieces import LAYOUT_KEY, TensorLayout, layout_meta, read_layouts
+from asymstore.multirank.rootlayout import is_single_root
 from asymstore.read.reshardplan import PieceRead, plan_piece, strides
 from asymstore.read.verify import decode_one, read_manifest, verify_segment
 from asymstore.tiers.protocol import ReadIntoTier, Tier
@@ -153,7 +154,7 @@ def _strided_copy(fill: _Fill, src: memoryview) -> None:
 
 
 async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop: int,
-                     packs: dict[tuple[str, int], memoryview] | None = None) -> bytearray:
+                     packs: dict[Chunk, memoryview] | None = None) -> bytearray:
     """Bytes ``[start, stop)`` of tensor ``name`` of ``manifest``, reading and verifying only the chunks they touch.
 
     A packed tensor reads and verifies its whole pack; ``packs`` (when given)
@@ -170,7 +171,7 @@ async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop
     pos = 0
     for chunk, lo, hi in entry.pieces():
         if pos < stop and pos + hi - lo > start:
-            raw = packs.get((chunk.segment, chunk.offset)) if packs is not None and packed else None
+            raw = packs.get(chunk) if packs is not None and packed else None
             if raw is None:
                 touched.setdefault(chunk.segment, []).append((chunk, pos, lo, hi))
             else:
@@ -192,7 +193,7 @@ async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop
             _copy_range(out, start, stop, raw, at, lo, hi)
             if packs is not None and packed:
                 packs.clear()
-                packs[chunk.segment, chunk.offset] = raw
+                packs[chunk] = raw  # by value: an empty pack shares its place with the next
     return out
 
 
@@ -221,7 +222,15 @@ class ShardSet:
 
     @classmethod
     def of_job(cls, job: Job, tiers: Sequence[Tier], g: GlobalManifest) -> ShardSet:
-        """The shards as ``job``'s rank sees them: its own ``tiers`` (open already), the others' peer tiers."""
+        """The shards as ``job``'s rank sees them: its own ``tiers`` (open already), the others' peer tiers.
+
+        A single-process version of the root (:func:`~asymstore.multirank.rootlayout.is_single_root`)
+        is read by every rank from the root itself.
+        """
+        if is_single_root(g):
+            from asymstore.tiers.local import LocalTier
+
+            return cls(g, lambda r: ([LocalTier(job.root, fsync=False)], True))
         return cls(g, lambda r: (tiers, False) if r == job.rank else (job.peer_tiers(r), True))
 
     @classmethod
@@ -296,7 +305,7 @@ class ShardSet:
         from asymstore.format.tensors import dtype_from_name
 
         out: dict[str, torch.Tensor] = {}
-        needs: dict[int, dict[tuple[str, int], _Need]] = {}
+        needs: dict[int, dict[Chunk, _Need]] = {}
         for name, want in wanted.items():
             dest = out[name] = torch.empty(want.shape, dtype=dtype_from_name(want.dtype))
             old = {r: layouts[name] for r, layouts in self.layouts.items() if name in layouts}
@@ -314,7 +323,7 @@ class ShardSet:
                                for rank, chunks in sorted(needs.items())))
         return out
 
-    def _want(self, needs: dict[int, dict[tuple[str, int], _Need]], rank: int, name: str, fill: _Fill) -> None:
+    def _want(self, needs: dict[int, dict[Chunk, _Need]], rank: int, name: str, fill: _Fill) -> None:
         """Note the chunks of old rank ``rank``'s tensor ``name`` that hold ``fill``'s range."""
         entry = self.manifests[rank].tensors[name]
         if fill.stop > entry.nbytes:  # read_layouts matched the layouts to the entries: never here
@@ -329,9 +338,9 @@ class ShardSet:
             chunk, lo, hi = pieces[i]
             if at[i] + hi - lo <= fill.start:
                 continue
-            need = shard.get((chunk.segment, chunk.offset))
+            need = shard.get(chunk)  # by value: an empty chunk shares its place with the next
             if need is None:
-                need = shard[chunk.segment, chunk.offset] = _Need(chunk, name)
+                need = shard[chunk] = _Need(chunk, name)
             need.parts.append((fill, at[i], lo, hi))
 
     async def _read_shard(self, rank: int, needs: list[_Need], sem: asyncio.Semaphore) -> None:

@@ -167,17 +167,18 @@ def _fresh_destinations(manifest: Manifest, into: Mapping[str, torch.Tensor]) ->
     return out
 
 
-PackKey = tuple[str, int]
-"""A pack by its place: (segment, offset)."""
+def _pack_buffers(manifest: Manifest) -> dict[Chunk, memoryview]:
+    """One fresh buffer per pack for its raw bytes (verified there; its tensors are views of it or copied out).
 
-
-def _pack_buffers(manifest: Manifest) -> dict[PackKey, memoryview]:
-    """One fresh buffer per pack for its raw bytes (verified there; its tensors are views of it or copied out)."""
+    Packs, like staged chunks, are found by the chunk itself, never by its
+    place: a chunk of no bytes (an empty tensor, a pack of empty tensors)
+    shares its segment and offset with the chunk stored after it.
+    """
     import torch
 
     from asymstore.format.tensors import as_bytes
 
-    return {(p.segment, p.offset): as_bytes(torch.empty(p.raw_length, dtype=torch.uint8)) for p in manifest.packs}
+    return {p: as_bytes(torch.empty(p.raw_length, dtype=torch.uint8)) for p in manifest.packs}
 
 
 def pack_label(index: int, pack: Chunk) -> str:
@@ -186,7 +187,7 @@ def pack_label(index: int, pack: Chunk) -> str:
 
 
 def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview],
-                   packs: Mapping[PackKey, memoryview]) -> dict[str, _SegmentPlan]:
+                   packs: Mapping[Chunk, memoryview]) -> dict[str, _SegmentPlan]:
     """How each segment is read by ranges: raw chunks into their destinations, the others into scratch.
 
     A raw pack lands whole in its buffer of ``packs``. A segment with no raw
@@ -219,7 +220,7 @@ def _direct_ranges(manifest: Manifest, targets: Mapping[str, memoryview],
     for i, pack in enumerate(manifest.packs):
         plan = plans[pack.segment]
         if pack.codec == RAW:
-            plan.direct.append((pack_label(i, pack), pack, packs[pack.segment, pack.offset]))
+            plan.direct.append((pack_label(i, pack), pack, packs[pack]))
         else:
             plan.staged.append((pack_label(i, pack), pack, scratch(pack.length)))
             plan.decode.append(None)  # decoded into its buffer before its tensors are built: decode_tensors
@@ -266,7 +267,7 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
     direct = _direct_ranges(manifest, targets, packs) if isinstance(tier, ReadIntoTier) else {}
     sem = asyncio.Semaphore(READ_AHEAD)
 
-    staged: dict[PackKey, memoryview] = {}
+    staged: dict[Chunk, memoryview] = {}
 
     async def fetch(name: str, size: int) -> tuple[str, memoryview | None]:
         async with sem:
@@ -283,7 +284,7 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
                     await asyncio.to_thread(_verify_in_place, plan)
                 for (_, c, view), dest in zip(plan.staged, plan.decode, strict=True):
                     if dest is None:
-                        staged[c.segment, c.offset] = view
+                        staged[c] = view
                 return name, None
             data = await tier.read_segment(step, name, size)
             verify_segment(manifest, name, data, deep=False)
@@ -317,13 +318,13 @@ def _decode_staged(plan: _SegmentPlan) -> None:
 def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None],
                    targets: Mapping[str, memoryview] | None = None,
                    into: Mapping[str, torch.Tensor] | None = None,
-                   packs: Mapping[PackKey, memoryview] | None = None,
-                   staged: Mapping[PackKey, memoryview] | None = None) -> dict[str, torch.Tensor]:
+                   packs: Mapping[Chunk, memoryview] | None = None,
+                   staged: Mapping[Chunk, memoryview] | None = None) -> dict[str, torch.Tensor]:
     """Verify and decode every tensor of ``manifest`` from its segments (None: read by ranges).
 
     A segment read by ranges has each chunk either already verified in its
     destination, or its stored bytes in ``staged`` (by segment and offset),
-    verified and decoded here. ``packs`` holds a buffer per pack
+    verified and decoded here (keyed by the chunk itself). ``packs`` holds a buffer per pack
     (:func:`_pack_buffers`; made here when not given): every pack is
     verified (and decoded) into its buffer before any tensor is built from it.
     """
@@ -343,12 +344,12 @@ def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None]
         whole = segments[chunk.segment]
         if whole is not None:
             return whole[chunk.offset:chunk.offset + chunk.length]
-        return staged.get((chunk.segment, chunk.offset))
+        return staged.get(chunk)
 
     for i, pack in enumerate(manifest.packs):
         stored = stored_bytes(pack)
         if stored is not None:
-            decode_one(pack_label(i, pack), pack, stored, packs[pack.segment, pack.offset])
+            decode_one(pack_label(i, pack), pack, stored, packs[pack])
     out: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     frombuffer = torch.frombuffer
@@ -360,7 +361,7 @@ def decode_tensors(manifest: Manifest, segments: Mapping[str, memoryview | None]
         offset = entry.pack_offset
         if offset is not None:  # a view of its verified pack, or copied out of it into the destination
             pack = entry.chunks[0]
-            data = packs[pack.segment, pack.offset]
+            data = packs[pack]
             if dest is not None:
                 dest[:] = data[offset:offset + entry.nbytes]
                 out[name] = into[name]

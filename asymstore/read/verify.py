@@ -85,12 +85,12 @@ def verify_chunks(manifest: Manifest, segment: str, data: memoryview) -> list[st
         One problem line per chunk that fails; empty when all verify.
     """
     problems = []
-    members: dict[tuple[str, int], list[str]] = {}  # a pack: the tensors it holds
+    members: dict[Chunk, list[str]] = {}  # a pack (by value: an empty one shares its place): the tensors it holds
     for tname, entry in manifest.tensors.items():
         if entry.pack_offset is not None:
             pack = entry.chunks[0]
             if pack.segment == segment:
-                members.setdefault((pack.segment, pack.offset), []).append(tname)
+                members.setdefault(pack, []).append(tname)
             continue
         for c in entry.chunks:
             if c.segment != segment:
@@ -105,7 +105,7 @@ def verify_chunks(manifest: Manifest, segment: str, data: memoryview) -> list[st
         try:  # once for all its tensors
             decode_one(f"pack {i}", pack, data[pack.offset:pack.offset + pack.length], None)
         except CorruptVersionError as exc:
-            names = members.get((pack.segment, pack.offset), [])
+            names = members.get(pack, [])
             shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             problems.append(f"tensor {names[0]!r}: {exc} (one checksum covers the {len(names)} packed tensors "
                             f"{shown})" if names else f"{exc} (a pack that holds no tensor)")

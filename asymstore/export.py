@@ -4,8 +4,13 @@
 
 LOCATION is any tier location fsck takes (a directory, ``file://``, ``s3://``,
 ``hdfs://``) or a multi-rank root (then rank 0's shard of the newest global
-version: the whole model under DDP). The newest version that verifies is
-exported (``--step`` picks one). Tensors whose names start with ``--prefix``
+version: the whole model under DDP). Without ``--step`` the newest version
+that verifies is exported: a version whose manifest, shard manifests or any
+chunk fails verification is discarded (its temporary output removed) and the
+one before it is tried (for a multi-rank root, the previous global version);
+the versions skipped are named in the summary (``"skipped"``) and on stderr.
+With ``--step`` exactly that version is exported, or nothing (exit 1). No
+output is ever left half-written. Tensors whose names start with ``--prefix``
 are exported with the prefix removed: ``model/`` is what
 :class:`asymcheck.Checkpointer` stores the model's ``state_dict`` under, so
 the output loads with ``model.load_state_dict``; ``--prefix ""`` exports
@@ -19,7 +24,9 @@ every tensor under its stored name.
 - ``dcp``: a ``torch.distributed.checkpoint`` directory that
   ``torch.distributed.checkpoint.load`` reads. DCP's writer takes whole
   tensors, so each tensor is decoded (and verified) into memory first;
-  memory is the exported tensors' size.
+  memory is the exported tensors' size. The directory is written under a
+  temporary name and renamed into place; an existing OUT is replaced only when
+  it is empty or holds a DCP checkpoint's files alone (else ``ExportError``).
 
 A multi-rank root whose shards record tensor layouts (FSDP2's sharded
 parameters, :mod:`asymstore.format.pieces`) is consolidated: every rank's
@@ -38,12 +45,22 @@ import json
 import logging
 import math
 import os
+import shutil
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-from asymstore.errors import AsymstoreError, ExportError, NoCheckpointError, VersionNotFoundError
+from asymstore.errors import (
+    AsymstoreError,
+    CorruptVersionError,
+    ExportError,
+    NoCheckpointError,
+    RemoteUnavailableError,
+    TierError,
+    VersionNotFoundError,
+    describe,
+)
 from asymstore.format.manifest import Manifest, TensorEntry
 from asymstore.format.pieces import TensorLayout
 from asymstore.multirank.reshard import ShardSet
@@ -78,38 +95,61 @@ def open_tier(location: str) -> tuple[Tier, str]:
     return LocalTier(location, fsync=False), location
 
 
-def _global_step(location: str, step: int | None) -> int | None:
-    """For a multi-rank root: rank 0's shard step of the global version ``step`` (or the newest)."""
+def _global_candidates(location: str, step: int | None) -> list[int] | None:
+    """For a local multi-rank root: the global steps to try, newest first (only ``step`` when given); else None.
+
+    Raises:
+        NoCheckpointError: no global version is published.
+        VersionNotFoundError: ``step`` is not published.
+    """
     from asymstore.multirank import globaldir
 
     gdir = os.path.join(location, globaldir.GLOBAL_DIR)
     if "://" in location or not os.path.isdir(gdir):
-        return step
+        return None
     steps = globaldir.list_global_steps(gdir)
-    if not steps:
-        raise NoCheckpointError(f"no global version under {gdir}")
-    chosen = step if step is not None else steps[-1]
-    if chosen not in steps:
-        raise VersionNotFoundError(f"global step {chosen} is not published under {gdir}")
-    return globaldir.read_global(gdir, chosen).shard(0).step
-
-
-async def _pick(tier: Tier, step: int | None) -> Manifest:
-    """The manifest of ``step``, or of the newest version whose manifest verifies."""
-    from asymstore.read.verify import read_manifest
-
-    steps = await tier.list_versions()
     if step is not None:
         if step not in steps:
-            raise VersionNotFoundError(f"step {step} is not on {tier.name}")
-        return await read_manifest(tier, step)
-    errors = []
-    for s in reversed(steps):
+            raise VersionNotFoundError(f"global step {step} is not published under {gdir}")
+        return [step]
+    if not steps:
+        raise NoCheckpointError(f"no global version under {gdir}")
+    return steps[::-1]
+
+
+def _does_not_verify(exc: AsymstoreError) -> bool:
+    """Whether ``exc`` says the version itself is unusable (damaged, missing parts), so an older one is tried.
+
+    A remote that is unreachable says nothing about the version; an ``ExportError`` (a dtype the format lacks,
+    nothing under the prefix) would be the same for every version.
+    """
+    return (isinstance(exc, CorruptVersionError | TierError | VersionNotFoundError)
+            and not isinstance(exc, RemoteUnavailableError | NoCheckpointError))
+
+
+async def _first_that_verifies(candidates: Sequence[int], attempt: Callable[[int], Awaitable[dict[str, Any]]],
+                               where: str, *, fall_back: bool) -> dict[str, Any]:
+    """Export the first of ``candidates`` (newest first) that verifies; name the ones skipped in the summary.
+
+    Raises:
+        NoCheckpointError: every candidate failed verification (each one named).
+        AsymstoreError: without ``fall_back`` (``--step``), the candidate's own failure.
+    """
+    skipped: list[dict[str, Any]] = []
+    for step in candidates:
         try:
-            return await read_manifest(tier, s)
+            summary = await attempt(step)
         except AsymstoreError as exc:
-            errors.append(f"step {s}: {exc}")
-    raise NoCheckpointError(f"no version of {tier.name} verifies" + (": " + "; ".join(errors) if errors else ""))
+            if not fall_back or not _does_not_verify(exc):
+                raise
+            skipped.append({"step": step, "error": describe(exc)})
+            logger.warning("skipped step %d of %s (it does not verify; trying the version before it): %s",
+                           step, where, describe(exc))
+            continue
+        summary["skipped"] = skipped
+        return summary
+    raise NoCheckpointError(f"no version of {where} verifies (nothing written): "
+                            + "; ".join(f"step {d['step']}: {d['error']}" for d in skipped))
 
 
 def select(manifest: Manifest, prefix: str) -> dict[str, tuple[str, TensorEntry]]:
@@ -196,6 +236,7 @@ async def export_dcp(reader: _ChunkReader | _WholeReader, chosen: dict[str, tupl
                      progress: Callable[[int], None] | None = None) -> int:
     """Write the chosen tensors as a ``torch.distributed.checkpoint`` directory ``out``."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -215,8 +256,56 @@ async def export_dcp(reader: _ChunkReader | _WholeReader, chosen: dict[str, tupl
                 progress(len(data))
         await reader.tensor_bytes(stored, entry, sink)
         state[out_name] = tensor
-    await asyncio.to_thread(save, state, storage_writer=FileSystemWriter(out), no_dist=True)
+    tmp = f"{os.path.normpath(out)}.tmp-{os.getpid()}"
+    try:
+        try:
+            await asyncio.to_thread(save, state, storage_writer=FileSystemWriter(tmp), no_dist=True)
+        except CheckpointException as exc:  # DCP's own failure (a BaseException), e.g. a full disk
+            raise ExportError(f"writing the DCP checkpoint {out} failed (nothing written): {exc}") from exc
+        await asyncio.to_thread(_replace_dir, tmp, out)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _is_dcp_file(name: str) -> bool:
+    return name == ".metadata" or name.endswith(".distcp")
+
+
+def _check_dcp_out(out: str) -> None:
+    """Refuse a DCP OUT that exists and is not an empty directory or one holding a DCP checkpoint alone.
+
+    Raises:
+        ExportError: it is something else (it would be replaced, so it is left alone).
+    """
+    if not os.path.lexists(out):
+        return
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise ExportError(f"{out} exists and is not a directory; the DCP export would replace it")
+    others = sorted(n for n in os.listdir(out) if not _is_dcp_file(n))
+    if others:
+        raise ExportError(f"{out} holds more than a DCP checkpoint (e.g. {others[:3]}); the export would "
+                          "replace it: choose another OUT or empty it")
+
+
+def _replace_dir(tmp: str, out: str) -> None:
+    """Put the finished directory ``tmp`` at ``out`` (replacing an empty or DCP-only ``out``) by renames."""
+    from asymstore.io.files import fsync_dir
+
+    _check_dcp_out(out)
+    old = None
+    if os.path.lexists(out):
+        old = f"{os.path.normpath(out)}.old-{os.getpid()}"
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if old is not None:
+            os.rename(old, out)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(out)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 class _WholeReader:
@@ -241,24 +330,34 @@ class _WholeReader:
             sink(data[at:at + (16 << 20)])
 
 
-async def _open_sharded(location: str, step: int | None) -> tuple[ShardSet, dict[str, TensorLayout]] | None:
-    """For a local multi-rank root whose version has sharded tensors: its shards (opened) and those layouts."""
+async def _export_global(location: str, step: int, to: Format, out: str, prefix: str,
+                         progress: Callable[[int], Callable[[int], None]] | None) -> dict[str, Any]:
+    """Export global version ``step`` of a local multi-rank root.
+
+    Every rank's shard manifest is checked against the global manifest; a
+    version whose shards record sharded layouts (FSDP2) is assembled whole,
+    any other is rank 0's shard.
+    """
     from asymstore.multirank import globaldir
 
     gdir = os.path.join(location, globaldir.GLOBAL_DIR)
-    if "://" in location or not os.path.isdir(gdir):
-        return None
-    steps = globaldir.list_global_steps(gdir)
-    chosen = step if step is not None else (steps[-1] if steps else None)
-    if chosen is None or chosen not in steps:
-        return None  # _global_step reports it
-    shards = ShardSet.of_root(location, globaldir.read_global(gdir, chosen))
-    await shards.open()
-    sharded = {n: lay for n, lay in shards.layouts[0].items() if not lay.is_whole or lay.mesh is not None}
-    if not sharded:
+    try:
+        g = await asyncio.to_thread(globaldir.read_global, gdir, step)
+    except FileNotFoundError as exc:
+        raise VersionNotFoundError(f"global step {step} is gone from {gdir}") from exc
+    shards = ShardSet.of_root(location, g)
+    try:
+        await shards.open()
+        manifest = shards.manifests[0]
+        chosen = select(manifest, prefix)
+        sharded = {n: lay for n, lay in shards.layouts[0].items() if not lay.is_whole or lay.mesh is not None}
+        if sharded:  # FSDP2-style shards: assemble each global tensor from every rank's piece
+            return await _write(to, _WholeReader(shards, sharded), manifest, _whole_entries(chosen, sharded), out,
+                                f"{location} ({g.world_size} ranks, global step {g.step})", progress)
+        return await _write(to, _ChunkReader(shards.tiers[0], manifest), manifest, chosen, out,
+                            f"{location} (rank 0)", progress)
+    finally:
         await shards.close()
-        return None
-    return shards, sharded
 
 
 def _whole_entries(chosen: dict[str, tuple[str, TensorEntry]],
@@ -280,30 +379,47 @@ async def export(location: str, to: Format, out: str, *, step: int | None = None
                  progress: Callable[[int], Callable[[int], None]] | None = None) -> dict[str, Any]:
     """Export one verified version of ``location`` (see the module docstring); return a summary.
 
+    Without ``step``, the newest version that verifies is written: one that
+    fails verification (its manifest, a shard manifest or any chunk, found as
+    the chunks are written) is discarded, its temporary output removed, and the
+    one before it is tried. The summary's ``"skipped"`` lists the versions
+    passed over (``{"step": N, "error": "..."}``), newest first; each is also
+    logged as a WARNING. With ``step``, that version is written or nothing is.
+
     Raises:
-        ExportError: nothing under ``prefix``, or a dtype the format lacks.
-        NoCheckpointError, VersionNotFoundError: no such version.
-        CorruptVersionError: a chunk fails verification (the output is not written).
+        ExportError: nothing under ``prefix``, a dtype the format lacks, or a
+            ``dcp`` OUT that exists and holds more than a DCP checkpoint.
+        NoCheckpointError: no version, or (without ``step``) none that verifies.
+        VersionNotFoundError: ``step`` is not there.
+        CorruptVersionError: (with ``step``) the version fails verification; nothing is written.
     """
     if to not in ("safetensors", "dcp"):
         raise ValueError(f"--to must be safetensors or dcp, got {to!r}")
-    found = await _open_sharded(location, step)
-    if found is not None:  # FSDP2-style shards: assemble each global tensor from every rank's piece
-        shards, sharded = found
-        try:
-            manifest = shards.manifests[0]
-            chosen = _whole_entries(select(manifest, prefix), sharded)
-            reader: _ChunkReader | _WholeReader = _WholeReader(shards, sharded)
-            where = f"{location} ({shards.g.world_size} ranks, global step {shards.g.step})"
-            return await _write(to, reader, manifest, chosen, out, where, progress)
-        finally:
-            await shards.close()
+    if to == "dcp":
+        _check_dcp_out(out)  # before any work: never replace what is not a DCP checkpoint
+    fall_back = step is None
+    global_steps = _global_candidates(location, step)
+    if global_steps is not None:  # a local multi-rank root: global versions, the previous one on failure
+        return await _first_that_verifies(
+            global_steps, lambda s: _export_global(location, s, to, out, prefix, progress), location,
+            fall_back=fall_back)
     tier, where = open_tier(location)
     await tier.open()
     try:
-        manifest = await _pick(tier, _global_step(location, step))
-        chosen = select(manifest, prefix)
-        return await _write(to, _ChunkReader(tier, manifest), manifest, chosen, out, where, progress)
+        steps = await tier.list_versions()
+        if step is not None and step not in steps:
+            raise VersionNotFoundError(f"step {step} is not on {tier.name}")
+        if not steps:
+            raise NoCheckpointError(f"no version on {tier.name}")
+
+        async def attempt(s: int) -> dict[str, Any]:
+            from asymstore.read.verify import read_manifest
+
+            manifest = await read_manifest(tier, s)
+            return await _write(to, _ChunkReader(tier, manifest), manifest, select(manifest, prefix), out, where,
+                                progress)
+        return await _first_that_verifies([step] if step is not None else steps[::-1], attempt, where,
+                                          fall_back=fall_back)
     finally:
         await tier.close()
 
@@ -322,7 +438,10 @@ async def _write(to: Format, reader: _ChunkReader | _WholeReader, manifest: Mani
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the exporter; return the exit status (0 done, 1 nothing exportable, 2 usage)."""
+    """Run the exporter; return the exit status (0 done, 1 nothing exportable, 2 usage).
+
+    The JSON summary goes to stdout; each version skipped (it did not verify) is a line on stderr.
+    """
     parser = argparse.ArgumentParser(prog="python -m asymstore.export", description=__doc__.splitlines()[0])
     parser.add_argument("location", help="a tier's directory, a multi-rank root, or a file://, s3://, hdfs:// URI")
     parser.add_argument("--to", required=True, choices=["safetensors", "dcp"])
@@ -330,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="export this step (default: the newest that verifies)")
     parser.add_argument("--prefix", default="model/", help="export tensors named PREFIX* without it (default model/)")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="export: %(message)s")  # the versions skipped, on stderr
 
     def bar(total: int) -> Callable[[int], None]:
         from tqdm import tqdm

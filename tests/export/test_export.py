@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from asymcheck import Checkpointer
-from asymstore import AsymStore, CorruptVersionError, LocalTier
+from asymstore import AsymStore, CorruptVersionError, LocalTier, NoCheckpointError
 from asymstore.errors import ExportError
 from asymstore.export import export, main
 from asymstore.format.names import version_dirname
@@ -110,8 +110,10 @@ async def test_export_verifies_every_chunk_and_writes_nothing_on_damage(tmp_path
     data[len(data) // 2] ^= 0x04
     seg.write_bytes(bytes(data))
     bad = tmp_path / "bad.safetensors"
-    with pytest.raises(CorruptVersionError):
+    with pytest.raises(NoCheckpointError, match="step 1: CorruptVersionError"):  # the only version: none verifies
         await export(str(root), "safetensors", str(bad))
+    with pytest.raises(CorruptVersionError):
+        await export(str(root), "safetensors", str(bad), step=1)
     assert not bad.exists() and not [p for p in os.listdir(tmp_path) if p.startswith("bad.")]
 
 

@@ -197,6 +197,9 @@ class TierStatus:
         queue_depth: versions waiting for or being written to the tier.
         retries: background write attempts that failed and were retried.
         skipped: versions the tier skipped (superseded while behind, or no room).
+        quarantined: where this store's sweeps moved version directories found without a manifest that
+            retention cannot have been deleting (under the tier's ``.quarantine/``; each also logged as a
+            WARNING saying why, and listed by fsck).
     """
 
     name: str
@@ -212,6 +215,7 @@ class TierStatus:
     queue_depth: int = 0
     retries: int = 0
     skipped: int = 0
+    quarantined: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -39,7 +39,7 @@ from asymstore.write.lending import lend_from
 from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
-from asymstore.write.tierwrite import TierState, write_version
+from asymstore.write.tierwrite import TierState, sweep, write_version
 
 if TYPE_CHECKING:
     import torch
@@ -191,7 +191,7 @@ class AsymStore:
                 opened.append(state.tier)
                 if isinstance(state.tier, ExclusiveTier) and not self.read_only:
                     await state.tier.lock_root()
-                    await state.tier.sweep_leftovers()
+                    await self._sweep_at_open(state)
         except BaseException:
             for tier in reversed(opened):
                 await self._close_tier(tier)
@@ -205,6 +205,20 @@ class AsymStore:
             self._background.add(state.tier.name, functools.partial(self._write_locked, state), self.backlog)
         self._open = True
         return self
+
+    async def _sweep_at_open(self, state: TierState) -> None:
+        """Sweep what dead writers left on a tier just locked (a version without a manifest: see ``tierwrite.sweep``).
+
+        The tier's versions are listed first, so that retention can say which
+        manifest-less versions it would have deleted; a tier that cannot list
+        removes none of them (they are quarantined), and ``refresh`` reports it.
+        """
+        try:
+            state.versions = set(await state.tier.list_versions())
+        except (TierError, OSError) as exc:
+            logger.debug("%s: cannot list before the sweep: %s", state.tier.name, exc)
+            state.versions = set()
+        await sweep(state, self.retention)
 
     async def _calibrate(self, *, refresh: bool) -> None:
         for state in self._tiers:
@@ -409,7 +423,8 @@ class AsymStore:
                 sorted(p.step for p in [*f.queue, *([f.current] if f.current else [])]) if f else [],
                 newest=have, lag_versions=lag, lag_bytes=f.lag_bytes if f else 0,
                 bytes_per_second=f.stats.bytes_per_second if f else 0.0, queue_depth=f.depth if f else 0,
-                retries=f.stats.retries if f else 0, skipped=f.stats.skipped if f else 0)
+                retries=f.stats.retries if f else 0, skipped=f.stats.skipped if f else 0,
+                quarantined=list(s.quarantined))
         return out
 
     def _committed_anywhere(self, step: int) -> bool:

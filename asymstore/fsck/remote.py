@@ -133,8 +133,13 @@ async def _repair(report: FsckReport) -> list[str]:
                         tier.fs.move(src, dest)
                     await asyncio.to_thread(move)
                     actions.append(f"moved unreferenced {e.name}/{f} to {QUARANTINE}/")
-        for name in await tier.sweep_leftovers():  # after quarantines: a marker store leaves the segments behind
-            actions.append(f"removed leftover {name}")
+        # after quarantines (a marker store leaves the segments behind); what the report calls orphaned (older than
+        # every committed version) is removed, any other version without a manifest moved aside, as it reports
+        committed = [e.step for e in report.entries if e.status in ("committed", "corrupt") and e.step is not None
+                     and LOST_MANIFEST not in e.problems]  # those with a manifest, as the report judged them
+        for swept in await tier.sweep_leftovers(oldest_kept=min(committed) if committed else None):
+            actions.append(f"removed leftover {swept.name}" if swept.action == "removed"
+                           else f"moved {swept.name} to {QUARANTINE}/ ({swept.reason})")
         if report.latest_problem and report.newest_restorable is not None:
             await tier.write_latest(report.newest_restorable)
             actions.append(f"set LATEST to {report.newest_restorable}")

@@ -10,8 +10,11 @@ writer never blocks the next one; a second live writer gets
 
 Holding the lock, the writer knows that every ``.tmp-*`` entry it did not
 create itself belongs to a dead writer, and :func:`sweep_directory` removes
-those, ``LATEST`` temp files and version directories left without a manifest
-by an interrupted delete. The store sweeps at open and after each publish.
+those and ``LATEST`` temp files. A version directory left without a manifest
+is removed only when it is what an interrupted retention delete left (older
+than the oldest version retention keeps, a retention rule being in force);
+any other one is moved to ``.quarantine/`` and reported. The store sweeps at
+open and after each publish; each entry swept is a :class:`Swept`.
 
 The lock file is never removed (removing it would let two writers lock two
 different files of the same name).
@@ -29,16 +32,59 @@ import socket
 import sys
 import time
 from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
 
 from asymstore.errors import RootLockedError
 from asymstore.format.manifest import MANIFEST_NAME
-from asymstore.format.names import LATEST, TMP_PREFIX, parse_version_dirname, retention_leftover
+from asymstore.format.names import LATEST, TMP_PREFIX, parse_version_dirname
 from asymstore.io.files import fsync_dir, quarantine_entry
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 _HOLDER_MAX_BYTES = 4096
+
+SweepAction = Literal["removed", "quarantined"]
+"""What a sweep did with a leftover: removed it, or moved it to ``.quarantine/`` (its bytes kept)."""
+
+
+@dataclass(frozen=True)
+class Swept:
+    """One entry a sweep of dead writers' leftovers removed or moved aside.
+
+    Attributes:
+        name: the entry's name in the root.
+        action: ``"removed"`` or ``"quarantined"``.
+        reason: why, in words.
+        path: where it is now (under ``.quarantine/``), or where it was (removed).
+    """
+
+    name: str
+    action: SweepAction
+    reason: str
+    path: str
+
+
+def orphan_verdict(step: int, oldest_kept: int | None) -> tuple[SweepAction, str]:
+    """What to do with version directory ``step`` found without a manifest, and why.
+
+    Retention deletes only versions older than the oldest it keeps, manifest
+    first; so a manifest-less version older than ``oldest_kept`` (given only
+    while a retention rule is in force) is what an interrupted delete left, and
+    is removed. Any other one (no rule in force, or newer than that) may be
+    the only copy of a committed version that lost its manifest, or a commit
+    cut short: it is quarantined, never deleted.
+    """
+    if oldest_kept is not None and step < oldest_kept:
+        return "removed", (f"no manifest, older than step {oldest_kept}, the oldest version retention keeps: "
+                           "an interrupted retention delete")
+    if oldest_kept is None:
+        return "quarantined", ("no manifest and no retention rule in force that would have deleted it (a version "
+                               "that lost its manifest, or a commit cut short)")
+    return "quarantined", (f"no manifest, yet not older than step {oldest_kept}, the oldest version retention "
+                           "keeps: no retention delete left it (a version that lost its manifest, or a commit cut "
+                           "short)")
 
 
 def holder_info() -> dict[str, object]:
@@ -132,27 +178,25 @@ def is_leftover_name(name: str) -> bool:
     return name.startswith(TMP_PREFIX) or (name.startswith(f".{LATEST}.") and name.endswith(".tmp"))
 
 
-def sweep_directory(root: str, active: Collection[str] = (), *, fsync: bool = True) -> list[str]:
-    """Remove what dead writers left in ``root``; return the names removed or moved aside.
+def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int | None = None,
+                    fsync: bool = True) -> list[Swept]:
+    """Remove what dead writers left in ``root``, moving aside what may be data; return what was swept.
 
     Call it only while holding the root's :class:`DirLock`: then every
     temporary entry not in ``active`` (this writer's own in-flight names)
     belongs to a writer that is gone. Removed: ``.tmp-*`` files and
-    directories, ``LATEST`` temp files, and version directories without a
-    manifest that a retention delete cut short (older than the oldest
-    committed version, :func:`asymstore.format.names.retention_leftover`). A version
-    directory without a manifest that retention cannot have been deleting
-    (a committed version whose manifest was lost) is moved to ``.quarantine/``
-    with a WARNING, never deleted. Symlinks are unlinked, never followed.
-    Committed versions are never touched.
+    directories and ``LATEST`` temp files. A version directory without a
+    manifest is judged by :func:`orphan_verdict`: removed only when older than
+    ``oldest_kept`` (the oldest version retention keeps; pass it only while a
+    retention rule is in force), else moved to ``.quarantine/`` with a WARNING
+    naming it and why. Symlinks are unlinked, never followed. Committed
+    versions are never touched.
     """
-    removed: list[str] = []
+    swept: list[Swept] = []
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
-        return removed
-    committed = [s for s in (parse_version_dirname(e.name) for e in entries if e.is_dir(follow_symlinks=False)
-                             and os.path.lexists(os.path.join(e.path, MANIFEST_NAME))) if s is not None]
+        return swept
     for entry in entries:
         name = entry.name
         if name in active:
@@ -162,15 +206,16 @@ def sweep_directory(root: str, active: Collection[str] = (), *, fsync: bool = Tr
         orphan = step is not None and is_dir and not os.path.lexists(os.path.join(entry.path, MANIFEST_NAME))
         if not (is_leftover_name(name) or orphan):
             continue
-        if orphan and step is not None and not retention_leftover(step, committed):
+        action, reason = orphan_verdict(step, oldest_kept) if orphan and step is not None else (
+            "removed", "a temporary entry of a writer that is gone")
+        if action == "quarantined":
             try:
                 dest = quarantine_entry(root, entry.path, name, fsync=fsync)
             except OSError as exc:
                 logger.warning("could not move %s aside: %s", entry.path, exc)
                 continue
-            logger.warning("%s: version directory %s has no manifest but is no retention leftover (a version "
-                           "older than it is committed): moved to %s, not deleted", root, name, dest)
-            removed.append(name)
+            logger.warning("%s: %s; moved to %s, not deleted", entry.path, reason, dest)
+            swept.append(Swept(name, "quarantined", reason, dest))
             continue
         try:
             if is_dir:
@@ -182,9 +227,11 @@ def sweep_directory(root: str, active: Collection[str] = (), *, fsync: bool = Tr
         except OSError as exc:
             logger.warning("could not remove leftover %s: %s", entry.path, exc)
             continue
-        removed.append(name)
-    if removed:
+        swept.append(Swept(name, "removed", reason, entry.path))
+    if swept:
         if fsync:
             fsync_dir(root)
-        logger.info("removed %d leftover(s) of dead writers in %s: %s", len(removed), root, ", ".join(sorted(removed)))
-    return removed
+        removed = sorted(s.name for s in swept if s.action == "removed")
+        if removed:
+            logger.info("removed %d leftover(s) of dead writers in %s: %s", len(removed), root, ", ".join(removed))
+    return swept

@@ -28,7 +28,7 @@ from asymstore.io.files import (
     write_parts,
 )
 from asymstore.io.probes import filesystem_key, probe_directory
-from asymstore.io.rootlock import DirLock, sweep_directory
+from asymstore.io.rootlock import DirLock, Swept, sweep_directory
 from asymstore.io.smallfiles import read_small
 from asymstore.tiers.protocol import Buffer
 
@@ -90,11 +90,18 @@ class LocalTier:
         """Give the writer lock up."""
         self._lock.release()
 
-    async def sweep_leftovers(self) -> list[str]:
-        """Remove dead writers' leftovers (only while holding the root; a no-op otherwise)."""
+    async def sweep_leftovers(self, *, oldest_kept: int | None = None) -> list[Swept]:
+        """Remove dead writers' leftovers (only while holding the root; a no-op otherwise).
+
+        A version directory without a manifest is removed only when older than
+        ``oldest_kept`` (the oldest version retention keeps, given while a
+        retention rule is in force), else moved to ``.quarantine/``; see
+        :func:`asymstore.io.rootlock.sweep_directory`.
+        """
         if not self._lock.held:
             return []
-        return await asyncio.to_thread(sweep_directory, self.root, set(self._active), fsync=self.fsync)
+        return await asyncio.to_thread(sweep_directory, self.root, set(self._active), oldest_kept=oldest_kept,
+                                       fsync=self.fsync)
 
     async def list_versions(self) -> list[int]:
         """Return the steps whose directory holds a manifest, ascending."""

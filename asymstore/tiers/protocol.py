@@ -41,6 +41,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
 from asymstore.format.checksum import Buffer as Buffer  # the tier interface speaks in Buffers
+from asymstore.io.rootlock import Swept
 
 
 @runtime_checkable
@@ -125,7 +126,9 @@ class ExclusiveTier(Protocol):
     gets :class:`~asymstore.errors.RootLockedError`), then ``sweep_leftovers``;
     it sweeps again after each publish and calls ``unlock_root`` after
     ``close``. Holding the root, the tier may remove every temporary entry
-    it did not create itself: only a dead writer can have left it.
+    it did not create itself: only a dead writer can have left it. A version
+    without a manifest is removed only when older than ``oldest_kept``;
+    any other one is moved to ``.quarantine/`` and reported.
     """
 
     async def lock_root(self) -> None:
@@ -136,8 +139,15 @@ class ExclusiveTier(Protocol):
         """Give the root up (idempotent)."""
         ...
 
-    async def sweep_leftovers(self) -> list[str]:
-        """Remove what dead writers left under the root; return the names removed."""
+    async def sweep_leftovers(self, *, oldest_kept: int | None = None) -> list[Swept]:
+        """Remove what dead writers left under the root, quarantine what may be data; return what was swept.
+
+        Args:
+            oldest_kept: the oldest version retention keeps, given only while a
+                retention rule is in force: a version without a manifest older than
+                it is an interrupted retention delete, removed. Every other version
+                without a manifest is moved to ``.quarantine/`` (None: all of them).
+        """
         ...
 
 

@@ -10,6 +10,7 @@ from asymstore.api import FlushStats, TierCalibration
 from asymstore.errors import AsymstoreError, TierError, describe
 from asymstore.format.manifest import Manifest
 from asymstore.format.parse import parse_manifest
+from asymstore.io.rootlock import Swept
 from asymstore.policy.compression import Compression
 from asymstore.policy.costmodel import assumed_calibration
 from asymstore.policy.retention import Note, Retention, beyond_keep_last, keep_last_of
@@ -32,6 +33,7 @@ class TierState:
         self.calibration: TierCalibration | None = None
         self.last_flush: FlushStats | None = None
         self.notes: dict[int, Note] = {}  # retention notes of the versions here, read once (see _retain)
+        self.quarantined: list[str] = []  # where this store's sweeps moved versions without a manifest
 
 
 async def write_version(state: TierState, plan: VersionPlan, *, compression: Compression,
@@ -72,8 +74,7 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
     try:
         await tier.write_latest(max(state.versions))
         await _retain(state, retention)  # retries a delete that failed earlier, so reconcile after it
-        if isinstance(tier, ExclusiveTier):
-            await tier.sweep_leftovers()
+        await sweep(state, retention)
         # a bounded tier (HostTier) evicts old versions on its own in ``begin``
         state.versions &= set(await tier.list_versions()) | {step}
     except Exception as exc:  # the version is committed; housekeeping can wait
@@ -99,20 +100,52 @@ async def _stream_segments(builder: SegmentBuilder, writer: VersionWriter) -> No
             nxt.exception()  # retrieved: the error that matters is already propagating
 
 
-async def _retain(state: TierState, retention: Retention) -> None:
+async def _victims(state: TierState, retention: Retention) -> list[int]:
+    """The versions of ``state.versions`` that no retention rule keeps, oldest first (reading notes once)."""
     tier = state.tier
     if not retention.reads_notes:
-        victims = beyond_keep_last(state.versions, keep_last_of(tier.keep_last, retention.keep_last))
-    else:
-        for step in sorted(state.versions - set(state.notes)):  # listed at open: read each note once
-            try:
-                state.notes[step] = retention.note_of(parse_manifest(await tier.read_manifest(step)).meta)
-            except (AsymstoreError, OSError) as exc:  # never delete what cannot be judged: it stays
-                logger.warning("%s: retention cannot read step %d's manifest, keeping it: %s", tier.name, step, exc)
-        judged = {s: state.notes[s] for s in state.versions if s in state.notes}
-        victims = retention.to_delete(judged, keep_last=tier.keep_last, persistent=tier.persistent)
-    for old in victims:
+        return beyond_keep_last(state.versions, keep_last_of(tier.keep_last, retention.keep_last))
+    for step in sorted(state.versions - set(state.notes)):  # listed at open: read each note once
+        try:
+            state.notes[step] = retention.note_of(parse_manifest(await tier.read_manifest(step)).meta)
+        except (AsymstoreError, OSError) as exc:  # never delete what cannot be judged: it stays
+            logger.warning("%s: retention cannot read step %d's manifest, keeping it: %s", tier.name, step, exc)
+    judged = {s: state.notes[s] for s in state.versions if s in state.notes}
+    return retention.to_delete(judged, keep_last=tier.keep_last, persistent=tier.persistent)
+
+
+async def _retain(state: TierState, retention: Retention) -> None:
+    for old in await _victims(state, retention):
         await state.tier.delete_version(old)
         state.versions.discard(old)
         state.bad.discard(old)
         state.notes.pop(old, None)
+
+
+def retention_in_force(tier: Tier, retention: Retention) -> bool:
+    """Whether a retention rule is in force on ``tier``: ``keep_last``, ``keep_every`` or ``keep_best``."""
+    return keep_last_of(tier.keep_last, retention.keep_last) is not None or retention.reads_notes
+
+
+async def oldest_kept(state: TierState, retention: Retention) -> int | None:
+    """The oldest of ``state.versions`` that retention keeps, or None (no rule in force, or no version)."""
+    if not retention_in_force(state.tier, retention):
+        return None
+    kept = state.versions - set(await _victims(state, retention))
+    return min(kept) if kept else None
+
+
+async def sweep(state: TierState, retention: Retention) -> list[Swept]:
+    """Sweep dead writers' leftovers from ``state.tier`` (an :class:`ExclusiveTier`; others have none).
+
+    ``state.versions`` must be the tier's committed versions. A version
+    without a manifest is removed only when retention would have deleted it
+    (older than :func:`oldest_kept`); any other one is quarantined by the tier
+    and recorded in ``state.quarantined`` (``AsymStore.status()``).
+    """
+    tier = state.tier
+    if not isinstance(tier, ExclusiveTier):
+        return []
+    swept = await tier.sweep_leftovers(oldest_kept=await oldest_kept(state, retention))
+    state.quarantined += [entry.path for entry in swept if entry.action == "quarantined"]
+    return swept

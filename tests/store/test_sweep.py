@@ -1,7 +1,11 @@
-"""Sweeping with judgment: a version directory without a manifest is removed at open only when an interrupted
-retention delete can have left it (older than the oldest committed version); any other one — a committed version
-whose manifest a person, a disk or a tool lost — is moved to ``.quarantine/`` with a WARNING, and fsck says so.
-Real directories with fsync, a real pyarrow file:// filesystem and the loopback moto S3 server.
+"""Sweeping with judgment: a version directory without a manifest is removed only when retention would have
+deleted it — a retention rule in force (keep_last, keep_every, keep_best) and the directory older than the oldest
+version retention keeps: what an interrupted retention delete leaves. Every other one — a committed version whose
+manifest a person, a disk or a tool lost, under no retention at all or newer than the oldest kept version — is moved
+to ``.quarantine/`` (bytes intact) and reported: a WARNING naming the path and why, ``status()[tier].quarantined``,
+the entries ``sweep_leftovers`` returns, and fsck. At open and after each publish; on a directory tier, a
+shared-memory HostTier(path=...) and a remote tier. Real directories with fsync, /dev/shm, a real pyarrow file://
+filesystem and the loopback moto S3 server.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from asymstore import AsymStore, LocalTier
+from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.fsck import check, repair
 from asymstore.tiers.remote.tier import RemoteTier
 
@@ -26,46 +30,139 @@ def tensor(step: int) -> torch.Tensor:
     return torch.arange(1024, dtype=torch.float32) + step
 
 
-async def commit_all(tier: Any) -> None:
-    async with AsymStore([tier], keep_last=None, segment_bytes=1 << 20, compression="never") as s:
+async def commit_all(tier: Any, **rules: Any) -> None:
+    async with AsymStore([tier], **{"keep_last": None, **rules}, segment_bytes=1 << 20, compression="never") as s:
         for step in STEPS:
             await s.put(step, "w", tensor(step))
             await s.commit(step)
 
 
-async def reopen(tier: Any) -> tuple[list[int], int]:
-    async with AsymStore([tier], keep_last=None, segment_bytes=1 << 20, compression="never") as s:
+async def reopen(tier: Any, **rules: Any) -> tuple[list[int], int, list[str]]:
+    """Open a store on ``tier`` with ``rules``; return the versions listed, the step restored, what was quarantined."""
+    async with AsymStore([tier], **{"keep_last": None, **rules}, segment_bytes=1 << 20, compression="never") as s:
         ckpt = await s.restore()
         assert torch.equal(ckpt.tensors["w"], tensor(ckpt.step))
-        return await tier.list_versions(), ckpt.step
+        return await tier.list_versions(), ckpt.step, s.status()[tier.name].quarantined
+
+
+def files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def warned(caplog: pytest.LogCaptureFixture, *words: str) -> bool:
+    return any(r.levelno == logging.WARNING and all(w in r.getMessage() for w in words) for r in caplog.records)
+
+
+def test_under_no_retention_the_oldest_version_that_lost_its_manifest_is_quarantined_not_removed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "t"
+    asyncio.run(commit_all(LocalTier(root)))
+    (root / "v000000000001" / "MANIFEST.json").unlink()  # the oldest: what a retention delete would look like
+    segments = files(root / "v000000000001")
+    with caplog.at_level(logging.WARNING):
+        listed, newest, quarantined = asyncio.run(reopen(LocalTier(root), keep_last=None))
+    assert listed == [2, 3, 4, 5] and newest == 5
+    [moved] = list((root / ".quarantine").iterdir())
+    assert moved.name.startswith("v000000000001-") and files(moved) == segments  # every byte still there
+    assert quarantined == [str(moved)]
+    assert warned(caplog, str(root / "v000000000001"), "no retention rule", str(moved))
+    report = check(str(root))
+    assert [(e.name, e.status) for e in report.entries if e.name.startswith(".quarantine/")] == [
+        (f".quarantine/{moved.name}", "quarantined")]
 
 
 def test_a_committed_version_that_lost_its_manifest_is_quarantined_not_deleted(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = tmp_path / "t"
     asyncio.run(commit_all(LocalTier(root)))
-    segments = sorted(p.name for p in (root / "v000000000003").iterdir() if p.name != "MANIFEST.json")
+    segments = files(root / "v000000000003")
+    del segments["MANIFEST.json"]
     (root / "v000000000003" / "MANIFEST.json").unlink()
     with caplog.at_level(logging.WARNING):
-        listed, newest = asyncio.run(reopen(LocalTier(root)))
+        listed, newest, quarantined = asyncio.run(reopen(LocalTier(root)))
     assert listed == [1, 2, 4, 5] and newest == 5
     [moved] = list((root / ".quarantine").iterdir())
-    assert moved.name.startswith("v000000000003-") and sorted(p.name for p in moved.iterdir()) == segments
-    assert any("v000000000003" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert moved.name.startswith("v000000000003-") and files(moved) == segments
+    assert quarantined == [str(moved)]
+    assert warned(caplog, "v000000000003")
     report = check(str(root))
     assert [e.status for e in report.entries if e.name.startswith(".quarantine/")] == ["quarantined"]
 
 
-def test_an_interrupted_retention_delete_is_still_swept_silently(
+@pytest.mark.parametrize(("rules", "gone"), [({"keep_last": 2}, 3), ({"keep_last": None, "keep_every": 2}, 1)],
+                         ids=["keep_last", "keep_every"])
+def test_under_retention_one_older_than_the_oldest_kept_version_is_removed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, rules: dict[str, Any], gone: int) -> None:
+    root = tmp_path / "t"
+    # every version written (keep_every's pins recorded); then keep_last=2 keeps 4 and 5, so 3 is older than the
+    # oldest kept; keep_every=2 with keep_last=None keeps all, so only 1 is older than the oldest kept (2)
+    asyncio.run(commit_all(LocalTier(root), keep_every=rules.get("keep_every")))
+    (root / f"v00000000000{gone}" / "MANIFEST.json").unlink()
+    with caplog.at_level(logging.INFO):
+        listed, _, quarantined = asyncio.run(reopen(LocalTier(root), **rules))
+    assert listed == [s for s in STEPS if s != gone]
+    assert not (root / f"v00000000000{gone}").exists() and not (root / ".quarantine").exists()
+    assert quarantined == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(f"v00000000000{gone}" in r.getMessage() for r in caplog.records)  # said at INFO: removed
+
+
+def test_under_retention_one_newer_than_the_oldest_kept_version_is_quarantined(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root = tmp_path / "t"
     asyncio.run(commit_all(LocalTier(root)))
-    (root / "v000000000001" / "MANIFEST.json").unlink()  # retention removes the oldest's manifest first
+    (root / "v000000000004" / "MANIFEST.json").unlink()  # keep_last=3 keeps 2, 3, 5: 4 is newer than 2
     with caplog.at_level(logging.WARNING):
-        listed, _ = asyncio.run(reopen(LocalTier(root)))
-    assert listed == [2, 3, 4, 5]
-    assert not (root / "v000000000001").exists() and not (root / ".quarantine").exists()
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "v000000000001" in r.getMessage()]
+        listed, _, quarantined = asyncio.run(reopen(LocalTier(root), keep_last=3))
+    assert listed == [1, 2, 3, 5]
+    [moved] = list((root / ".quarantine").iterdir())
+    assert moved.name.startswith("v000000000004-") and quarantined == [str(moved)]
+    assert warned(caplog, str(root / "v000000000004"), "oldest version retention keeps")
+
+
+async def test_the_sweep_says_what_it_removed_and_what_it_moved_aside(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    await commit_all(LocalTier(root))
+    for step in (1, 4):
+        (root / f"v00000000000{step}" / "MANIFEST.json").unlink()
+    (root / ".tmp-v000000000009-dead").mkdir()
+    tier = LocalTier(root)
+    await tier.open()
+    await tier.lock_root()
+    try:
+        swept = {e.name: e for e in await tier.sweep_leftovers(oldest_kept=2)}
+    finally:
+        await tier.unlock_root()
+    assert {n: e.action for n, e in swept.items()} == {
+        "v000000000001": "removed", "v000000000004": "quarantined", ".tmp-v000000000009-dead": "removed"}
+    assert Path(swept["v000000000004"].path).parent == root / ".quarantine"
+    assert "older than step 2" in swept["v000000000001"].reason
+
+
+async def test_the_sweep_after_a_publish_judges_the_same_way(tmp_path: Path) -> None:
+    root = tmp_path / "t"
+    async with AsymStore([LocalTier(root)], keep_last=None, segment_bytes=1 << 20, compression="never") as s:
+        for step in (1, 2):
+            await s.put(step, "w", tensor(step))
+            await s.commit(step)
+        (root / "v000000000001" / "MANIFEST.json").unlink()  # lost while the store is open
+        await s.put(3, "w", tensor(3))
+        await s.commit(3)
+        [moved] = list((root / ".quarantine").iterdir())
+        assert moved.name.startswith("v000000000001-") and any(moved.iterdir())
+        assert s.status()[s.tiers[0].name].quarantined == [str(moved)]
+
+
+def test_a_shared_memory_tier_quarantines_the_same_way(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    root = Path(shm_dir) / "host"
+    asyncio.run(commit_all(HostTier(64 << 20, path=root)))
+    (root / "v000000000001" / "MANIFEST.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        listed, newest, quarantined = asyncio.run(reopen(HostTier(64 << 20, path=root)))
+    assert listed == [2, 3, 4, 5] and newest == 5
+    [moved] = list((root / ".quarantine").iterdir())
+    assert moved.name.startswith("v000000000001-") and any(moved.iterdir()) and quarantined == [str(moved)]
+    assert warned(caplog, "v000000000001", "no retention rule")
 
 
 def test_fsck_calls_a_lost_manifest_corrupt_and_repair_moves_it_aside(tmp_path: Path) -> None:
@@ -89,22 +186,31 @@ def _remote_files(tier: RemoteTier, prefix: str) -> list[str]:
                   if i.type == pafs.FileType.File)
 
 
+@pytest.mark.parametrize("keep_last", [None, 4])
 @pytest.mark.parametrize("kind", ["file", "s3"])
-def test_remote_prefixes_get_the_same_judgment(tmp_path: Path, kind: str, s3_uri: str,
-                                               caplog: pytest.LogCaptureFixture) -> None:
-    uri = (tmp_path / "remote").as_uri() if kind == "file" else s3_uri
+def test_remote_prefixes_get_the_same_judgment(tmp_path: Path, kind: str, keep_last: int | None,
+                                               caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
+                                               ) -> None:
     if kind == "file":
         (tmp_path / "remote").mkdir()
+        uri = (tmp_path / "remote").as_uri()
+    else:
+        uri = request.getfixturevalue("s3_uri")
     asyncio.run(commit_all(RemoteTier(uri)))
     tier = RemoteTier(uri)
     tier.fs.delete_file(f"{tier.root}/v000000000003/MANIFEST.json")  # a committed version loses its manifest
-    tier.fs.delete_file(f"{tier.root}/v000000000001/MANIFEST.json")  # an interrupted retention delete
-    segments = [f for f in _remote_files(tier, "v000000000003")]
-    assert segments
+    tier.fs.delete_file(f"{tier.root}/v000000000001/MANIFEST.json")  # the oldest: a retention delete cut short?
+    segments = {s: _remote_files(tier, f"v00000000000{s}") for s in (1, 3)}
+    assert all(segments.values())
     with caplog.at_level(logging.WARNING):
-        listed, newest = asyncio.run(reopen(RemoteTier(uri)))
+        listed, newest, quarantined = asyncio.run(reopen(RemoteTier(uri), keep_last=keep_last))
     assert listed == [2, 4, 5] and newest == 5
     assert _remote_files(tier, "v000000000001") == [] and _remote_files(tier, "v000000000003") == []
     moved = _remote_files(tier, ".quarantine")
-    assert [m.split("/", 1)[1] for m in moved] == segments and moved[0].startswith("v000000000003-")
-    assert any("v000000000003" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    # keep_last=4 keeps 2, 4 and 5: 1 is older than the oldest kept (removed), 3 is not; with no rule, neither is
+    aside = [3] if keep_last == 4 else [1, 3]
+    assert [m.split("/", 1)[1] for m in moved] == [f for s in aside for f in segments[s]]
+    assert sorted(m.split("/", 1)[0].split("-")[0] for m in moved) == sorted(
+        f"v00000000000{s}" for s in aside for _ in segments[s])
+    assert len(quarantined) == len(aside)
+    assert warned(caplog, "v000000000003") and warned(caplog, "v000000000001") is (keep_last is None)

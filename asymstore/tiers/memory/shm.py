@@ -31,8 +31,9 @@ from collections.abc import Iterator, Sequence
 
 from asymstore.errors import TierError
 from asymstore.format.manifest import validate_segment_name
+from asymstore.format.names import QUARANTINE
 from asymstore.io.files import check_directory, open_regular
-from asymstore.io.rootlock import is_leftover_name
+from asymstore.io.rootlock import Swept, is_leftover_name
 from asymstore.tiers.local import LocalTier
 from asymstore.tiers.memory.capacity import BackPressure, BoundedTier, Reservation
 from asymstore.tiers.protocol import Buffer, VersionWriter
@@ -94,9 +95,9 @@ class ShmTier(BoundedTier):
         """Give the writer lock up."""
         await self._files.unlock_root()
 
-    async def sweep_leftovers(self) -> list[str]:
-        """Remove dead writers' files; what cannot be removed counts against the capacity."""
-        removed = await self._files.sweep_leftovers()
+    async def sweep_leftovers(self, *, oldest_kept: int | None = None) -> list[Swept]:
+        """Sweep as :meth:`LocalTier.sweep_leftovers` does; what cannot be removed counts against the capacity."""
+        removed = await self._files.sweep_leftovers(oldest_kept=oldest_kept)
         self._leftover_bytes = await asyncio.to_thread(_leftover_size, self._files.root, set(self._files._active))
         return removed
 
@@ -209,12 +210,16 @@ class _ShmWriter:
 
 
 def _leftover_size(root: str, active: set[str]) -> int:
-    """Bytes under ``root``'s temporary entries that are not this writer's own."""
+    """Bytes under ``root``'s temporary entries that are not this writer's own, and under ``.quarantine/``."""
     total = 0
     for entry in os.scandir(root):
         if is_leftover_name(entry.name) and entry.name not in active:
             total += _dir_size(entry.path) if entry.is_dir(follow_symlinks=False) else entry.stat(
                 follow_symlinks=False).st_size
+    qdir = os.path.join(root, QUARANTINE)
+    if os.path.isdir(qdir) and not os.path.islink(qdir):  # what was moved aside stays memory until removed
+        total += _dir_size(qdir)
+        total += sum(_dir_size(e.path) for e in os.scandir(qdir) if e.is_dir(follow_symlinks=False))
     return total
 
 

@@ -32,15 +32,8 @@ import pyarrow.fs as pafs
 from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
-from asymstore.format.names import (
-    LATEST,
-    QUARANTINE,
-    TMP_PREFIX,
-    parse_version_dirname,
-    retention_leftover,
-    version_dirname,
-)
-from asymstore.io.rootlock import is_leftover_name
+from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, parse_version_dirname, version_dirname
+from asymstore.io.rootlock import Swept, is_leftover_name, orphan_verdict
 from asymstore.tiers.protocol import Buffer
 from asymstore.tiers.remote.fs import open_filesystem, read_all, write_all
 from asymstore.tiers.remote.lease import RemoteLease
@@ -149,31 +142,29 @@ class RemoteTier:
         except OSError as exc:
             logger.warning("%s: could not delete the writer lease (it lapses by itself): %s", self.name, exc)
 
-    async def sweep_leftovers(self) -> list[str]:
-        """Remove dead writers' leftovers (only while holding the lease).
+    async def sweep_leftovers(self, *, oldest_kept: int | None = None) -> list[Swept]:
+        """Remove dead writers' leftovers (only while holding the lease), quarantine what may be data.
 
-        Temporary directories and files (``.tmp-*``, ``LATEST`` temp files) and
-        version prefixes without a manifest (uploads aborted while the remote
-        was down, or cut short by a crash, or a retention delete cut short) that
-        are not this writer's own. A version prefix without a manifest that is
-        newer than a committed version (not a retention leftover: see
-        :func:`asymstore.format.names.retention_leftover`) is moved under
-        ``.quarantine/`` with a WARNING instead: it may be a committed
-        version that lost its manifest.
+        Temporary directories and files (``.tmp-*``, ``LATEST`` temp files) that
+        are not this writer's own are removed. A version prefix without a
+        manifest (an upload cut short by a crash, a retention delete cut short,
+        or a committed version that lost its manifest) is removed only when it
+        is older than ``oldest_kept`` (the oldest version retention keeps, given
+        while a retention rule is in force: :func:`asymstore.io.rootlock.orphan_verdict`);
+        any other one is moved under ``.quarantine/`` with a WARNING naming it and why.
         """
         if not self._lease.held:
             return []
         active = set(self._active)
 
-        def sweep() -> list[str]:
-            removed = []
+        def sweep() -> list[Swept]:
+            swept = []
             sel = pafs.FileSelector(self.root, allow_not_found=True, recursive=False)
             listing = list(self.fs.get_file_info(sel))
             has_manifest = {info.base_name: self.fs.get_file_info(f"{info.path}/{MANIFEST_NAME}").type
                             == pafs.FileType.File for info in listing
                             if parse_version_dirname(info.base_name) is not None
                             and info.type == pafs.FileType.Directory}
-            committed = [s for n, ok in has_manifest.items() if ok for s in [parse_version_dirname(n)] if s is not None]
             for info in listing:
                 name = info.base_name
                 if name in active:
@@ -182,26 +173,28 @@ class RemoteTier:
                 orphan = name in has_manifest and not has_manifest[name]
                 if not (orphan or is_leftover_name(name)):
                     continue
-                if orphan and step is not None and not retention_leftover(step, committed):
+                action, reason = orphan_verdict(step, oldest_kept) if orphan and step is not None else (
+                    "removed", "a temporary entry of a writer that is gone")
+                if action == "quarantined":
                     dest = self._move_aside(info.path, name)
-                    logger.warning("%s: version prefix %s has no manifest but is no retention leftover (a version "
-                                   "older than it is committed): moved to %s, not deleted", self.name, name, dest)
-                    removed.append(name)
+                    logger.warning("%s: %s: %s; moved to %s, not deleted", self.name, info.path, reason, dest)
+                    swept.append(Swept(name, "quarantined", reason, dest))
                     continue
                 if info.type == pafs.FileType.Directory:
                     self.fs.delete_dir(info.path)
                 else:
                     self.fs.delete_file(info.path)
-                removed.append(name)
-            return removed
+                swept.append(Swept(name, "removed", reason, info.path))
+            return swept
         try:
-            removed = await asyncio.to_thread(sweep)
+            swept = await asyncio.to_thread(sweep)
         except OSError as exc:
             logger.info("%s: sweeping leftovers failed (will retry after the next commit): %s", self.name, exc)
             return []
-        for name in removed:
-            logger.info("%s: removed leftover %s", self.name, name)
-        return removed
+        for entry in swept:
+            if entry.action == "removed":
+                logger.info("%s: removed leftover %s (%s)", self.name, entry.name, entry.reason)
+        return swept
 
     def _move_aside(self, path: str, name: str) -> str:
         """Move the prefix ``path`` under ``.quarantine/`` (file by file where directories cannot be renamed)."""

@@ -122,3 +122,19 @@ class UnsupportedLightningConfigError(UnsupportedConfigError):
 
     The message names the setting; raised when ``fit`` starts, before anything is hooked.
     """
+
+
+# -- the data position (Lightning, Accelerate, HF Trainer) -----------------------
+
+
+class UnresumableDataError(AsymcheckError, ValueError):
+    """A train loader whose position a resume could not set back exactly; the message names it and what would differ.
+
+    Raised before the first training step (Lightning: ``on_train_start``; Accelerate: ``attach()``;
+    HF Trainer: ``on_train_begin``). Each integration has an option that trains anyway and warns
+    with :class:`InexactResumeWarning` naming the same (Lightning: ``AsymCheck(inexact_data="warn")``).
+    """
+
+
+class InexactResumeWarning(UserWarning):
+    """A resume will not continue the data exactly as an uninterrupted run would; the message says what differs."""

@@ -30,13 +30,24 @@ schedulers and the loop state (recorded in ``on_train_batch_end`` of the step's 
 After a resume, the RNG states are set back in the first ``on_train_batch_start``, since Lightning's new
 loader iterator has drawn from them; so a restart at an epoch's end or in its middle continues exactly.
 
-The data position: a train loader wrapped in :class:`ResumableLoader` continues the interrupted
-epoch after the batches already trained, without reading them (the skipped batches' indices are
-drawn, their samples are not loaded), in the order the interrupted pass had (the pass's starting RNG
-states are part of the version). Any other loader with ``state_dict``/``load_state_dict`` is saved
-and restored through Lightning's own loop state, as ``fit(ckpt_path=...)`` does (torchdata's
-``StatefulDataLoader``). A plain ``DataLoader`` restarts the interrupted epoch from its first batch,
-as ``fit(ckpt_path=...)`` does (Lightning warns).
+The data position: a plain ``DataLoader`` returned by ``train_dataloader()`` (a map-style dataset,
+``num_workers=0``, a torch ``BatchSampler`` over a torch sampler: ``shuffle=True`` or not, a
+``DistributedSampler`` that Lightning put in under DDP) is positioned by the callback itself: in
+``on_train_start`` (Lightning has created the loader's iterator, but without workers its
+``BatchSampler`` draws nothing until the first batch) it puts a sampler in front of the
+``BatchSampler``'s ``sampler`` (given back at ``teardown``) that records the RNG states each pass
+begins with (the global torch generator, the sampler's ``generator``); ``on_train_batch_end``
+counts the batches of the pass trained, and both go into the version with the loop state. After a
+resume the first pass draws its order from the interrupted pass's RNG states and drops the indices
+of the batches already trained (never reading their samples), so the interrupted epoch goes on at
+the next batch of its own order; ``DistributedSampler``'s epoch comes back with Lightning's loop
+state (``set_epoch``). A train loader wrapped in :class:`ResumableLoader` positions itself the same
+way (with workers too). Any other loader with ``state_dict``/``load_state_dict`` is saved and
+restored through Lightning's own loop state, as ``fit(ckpt_path=...)`` does (torchdata's
+``StatefulDataLoader``). Any other train loader (an ``IterableDataset`` without state, workers, a
+custom batch sampler or sampler, an iterable that is not a ``DataLoader``, several plain loaders)
+is named in ``on_train_start``, before the first training step: :class:`UnresumableDataError`, or
+with ``inexact_data="warn"`` an :class:`InexactResumeWarning` (see :func:`data_problems`).
 
 Refused with :class:`UnsupportedLightningConfigError` naming the setting, when ``fit`` starts and
 before anything is hooked: manual optimization (``automatic_optimization=False``), more than one
@@ -50,7 +61,9 @@ Lightning names relied on (checked against lightning 2.6): the Callback hooks ``
 ``on_validation_end``, ``on_fit_end``, ``on_exception``, ``teardown``; ``Trainer.optimizers``,
 ``Trainer.lr_scheduler_configs``, ``Trainer.strategy``, ``Trainer.precision``,
 ``Trainer.callback_metrics``, ``Trainer.sanity_checking``, ``Trainer.train_dataloader``,
-``Trainer.ckpt_path``, ``Trainer.world_size``,
+``Trainer.ckpt_path``, ``Trainer.world_size``, the hooks ``on_train_start`` and ``on_train_epoch_start``,
+the public attributes of torch's ``DataLoader`` (``dataset``, ``num_workers``, ``batch_sampler``) and
+``BatchSampler`` (``sampler``, ``batch_size``; ``sampler`` is set while ``fit`` runs),
 ``Trainer.fit_loop`` with its ``state_dict()`` / ``load_state_dict()`` (public methods of Lightning's
 loops, what ``fit(ckpt_path=...)`` calls) and one key of that state's undocumented layout
 (``["state_dict"]["combined_loader"]``, the list of the train loaders' states, which the callback
@@ -67,6 +80,7 @@ import copy
 import itertools
 import logging
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -76,7 +90,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
-from asymcheck.errors import UnsupportedLightningConfigError
+from asymcheck.errors import (
+    InexactResumeWarning,
+    StateMismatchError,
+    UnresumableDataError,
+    UnsupportedLightningConfigError,
+)
 from asymcheck.integration import untested_version
 from asymcheck.snapshot.hooks import HookSet
 from asymcheck.state import rng
@@ -87,13 +106,19 @@ from asymstore import KeepBest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsymCheck", "LightningCheckpointer", "ResumableLoader", "UnsupportedLightningConfigError",
-           "unsupported_settings"]
+__all__ = ["AsymCheck", "InexactResumeWarning", "LightningCheckpointer", "ResumableLoader", "UnresumableDataError",
+           "UnsupportedLightningConfigError", "data_problems", "unsupported_settings"]
 
 TESTED = (2, 6)  # major, minor of the Lightning versions the tests exercise (pyproject.toml: >=2.6,<2.7)
 LOOPS_NAME = "lightning.fit_loop"
 SCHEDULER_PREFIX = "lightning.scheduler."
 MARKED = "asymcheck_marked"  # in the recorded loop state: the version's small state was taken before training_step
+DATA = "asymcheck_data"  # in the recorded loop state: the positions of the plain DataLoaders the callback positions
+InexactData = Literal["raise", "warn"]
+# samplers whose pass is decided by the global torch RNG, their ``generator`` and Lightning's set_epoch alone
+_SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
+             torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler,
+             torch.utils.data.DistributedSampler)
 
 
 # -- what is refused -----------------------------------------------------------
@@ -274,6 +299,189 @@ class ResumableLoader:
             self._skip, self._resume_start = 0, None
 
 
+class _PositionedSampler(torch.utils.data.Sampler[int]):
+    """The sampler of a plain ``DataLoader``'s ``BatchSampler`` while :class:`AsymCheck` positions it.
+
+    Put in place of ``loader.batch_sampler.sampler`` in ``on_train_start`` (before the pass's first
+    batch is drawn: without workers a ``DataLoader`` draws nothing from its sampler until then), and
+    given back at ``teardown``. A pass yields the inner sampler's indices unchanged and records the
+    RNG states it began with (the global torch generator and the sampler's ``generator``), read right
+    before the inner sampler draws. After a resume the first pass sets those states back while the
+    inner sampler draws (so the order is the interrupted pass's), drops the indices of the batches
+    already trained (their samples are never read), then puts the global torch RNG back.
+
+    Attributes:
+        inner: the loader's own sampler.
+        batch_size: the ``BatchSampler``'s batch size (a trained batch is that many indices).
+        trained: batches of the current pass trained (set by :class:`AsymCheck`).
+    """
+
+    def __init__(self, inner: Any, batch_size: int) -> None:
+        """Wrap ``inner``."""
+        self.inner = inner
+        self.batch_size = batch_size
+        self.trained = 0
+        self._start: dict[str, torch.Tensor] = {}
+        self._skip = 0
+        self._resume_start: dict[str, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        """The inner sampler's length."""
+        return len(self.inner)
+
+    def _generator(self) -> torch.Generator | None:
+        g = getattr(self.inner, "generator", None)
+        return g if isinstance(g, torch.Generator) else None
+
+    def _rng_now(self) -> dict[str, torch.Tensor]:
+        states = {"torch": torch.get_rng_state()}
+        if (g := self._generator()) is not None:
+            states["generator"] = g.get_state()
+        return states
+
+    def _set_rng(self, states: Mapping[str, torch.Tensor]) -> None:
+        torch.set_rng_state(states["torch"].clone())
+        if "generator" in states and (g := self._generator()) is not None:
+            g.set_state(states["generator"].clone())
+
+    def __iter__(self) -> Iterator[int]:
+        """The pass's indices (after a resume: those of the interrupted pass's batches not yet trained)."""
+        skip, start = self._skip, self._resume_start  # until resumed(): Lightning may begin a pass twice
+        self.trained = skip
+        if start is None:
+            self._start = self._rng_now()
+            yield from self.inner
+            return
+        outer = torch.get_rng_state()
+        self._set_rng(start)
+        self._start = self._rng_now()
+        it = iter(self.inner)
+        try:
+            for _ in range(skip * self.batch_size):  # whole batches: the pass's draws, as in the interrupted pass
+                next(it)
+            first = next(it)
+        except StopIteration:
+            return
+        finally:
+            torch.set_rng_state(outer)
+        yield first
+        yield from it
+
+    def resumed(self) -> None:
+        """The continued pass trains: passes after it are the sampler's own."""
+        self._skip, self._resume_start = 0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Batches of the current pass trained, and the RNG states the pass began with."""
+        return {"trained": self.trained, "start": dict(self._start)}
+
+    def load_state_dict(self, state: Mapping[str, Any], batches: int) -> None:
+        """Make the next pass continue the one ``state`` describes (a finished pass: a new pass).
+
+        Args:
+            state: what :meth:`state_dict` returned in the interrupted fit.
+            batches: batches per pass of the loader now.
+        """
+        trained = int(state["trained"])
+        start = {str(k): v for k, v in dict(state["start"]).items() if isinstance(v, torch.Tensor)}
+        if 0 <= trained < batches and "torch" in start:
+            self._skip, self._resume_start = trained, start
+        else:
+            self._skip, self._resume_start = 0, None
+
+
+def _flatten(found: Any) -> list[Any]:
+    if isinstance(found, Mapping):
+        return [x for v in found.values() for x in _flatten(v)]
+    if isinstance(found, list | tuple):
+        return [x for v in found for x in _flatten(v)]
+    return [] if found is None else [found]
+
+
+def _stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+def _plain_problem(loader: Any) -> str | None:
+    """Why :class:`AsymCheck` cannot position ``loader`` itself (None: it can)."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return ("not a torch DataLoader and has no state_dict/load_state_dict: a resume inside an epoch would "
+                "take the epoch's remaining batches from the start of a new pass")
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return ("reads an IterableDataset, whose stream has no position to set: a resume inside an epoch would "
+                "take the epoch's remaining batches from the start of the stream")
+    if loader.num_workers > 0:
+        return (f"num_workers={loader.num_workers}: its iterator draws the pass's first indices when Lightning "
+                "creates it, before any callback hook of a resumed fit, so the resumed epoch would take its "
+                "remaining batches from the start of a new order")
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None or type(batch_sampler) is not torch.utils.data.BatchSampler:
+        what = "batch_size=None" if batch_sampler is None else f"its batch_sampler is a {type(batch_sampler).__name__}"
+        return (f"{what}: the callback positions a torch BatchSampler only; a resume inside an epoch would take "
+                "the epoch's remaining batches from the start of a new pass")
+    sampler = batch_sampler.sampler
+    if isinstance(sampler, _PositionedSampler):
+        sampler = sampler.inner
+    if not isinstance(sampler, _SAMPLERS):
+        return (f"its sampler is a {type(sampler).__name__}, whose draws the callback cannot replay: a resume "
+                "inside an epoch would take the epoch's remaining batches from the start of a new pass")
+    return None
+
+
+def _describe(i: int, loader: Any) -> str:
+    dataset = getattr(loader, "dataset", None)
+    of = f" of {type(dataset).__name__}" if dataset is not None else ""
+    return f"train loader {i} ({type(loader).__name__}{of})"
+
+
+def data_problems(trainer: Trainer) -> tuple[list[str], list[torch.utils.data.DataLoader[Any]]]:
+    """What :class:`AsymCheck` cannot resume exactly in the trainer's train loaders, and the loaders it positions.
+
+    A :class:`ResumableLoader` positions itself; a loader with ``state_dict``/``load_state_dict``
+    (torchdata's ``StatefulDataLoader``) is positioned by Lightning's loop state; one plain
+    ``DataLoader`` over a map-style dataset, without workers, batched by a torch ``BatchSampler``
+    over a torch sampler, is positioned by the callback. Anything else is a problem.
+
+    Args:
+        trainer: the trainer, its train loader set up (``on_train_start`` or later).
+
+    Returns:
+        One line per loader a resume would not continue exactly (naming it and what would differ),
+        and the plain loaders the callback positions.
+    """
+    problems: list[str] = []
+    plain: list[torch.utils.data.DataLoader[Any]] = []
+    for i, loader in enumerate(_flatten(trainer.train_dataloader)):
+        if isinstance(loader, ResumableLoader) or _stateful(loader):
+            continue
+        problem = _plain_problem(loader)
+        if problem is not None:
+            problems.append(f"{_describe(i, loader)}: {problem}")
+        else:
+            plain.append(loader)
+    if len(plain) > 1:
+        problems.append(f"{len(plain)} plain train loaders: the callback positions one (a shorter loader "
+                        "starts over inside an epoch); wrap each in ResumableLoader")
+        plain = []
+    return problems, plain
+
+
+def _install(loader: torch.utils.data.DataLoader[Any]) -> _PositionedSampler:
+    batch_sampler = loader.batch_sampler
+    assert isinstance(batch_sampler, torch.utils.data.BatchSampler)
+    if isinstance(batch_sampler.sampler, _PositionedSampler):
+        return batch_sampler.sampler
+    positioned = _PositionedSampler(batch_sampler.sampler, batch_sampler.batch_size)
+    batch_sampler.sampler = positioned
+    return positioned
+
+
+def _uninstall(loader: torch.utils.data.DataLoader[Any], positioned: _PositionedSampler) -> None:
+    batch_sampler = loader.batch_sampler
+    if isinstance(batch_sampler, torch.utils.data.BatchSampler) and batch_sampler.sampler is positioned:
+        batch_sampler.sampler = positioned.inner
+
+
 def _loaders(trainer: Trainer) -> list[ResumableLoader]:
     found = trainer.train_dataloader
     if isinstance(found, ResumableLoader):
@@ -350,6 +558,10 @@ class AsymCheck(Callback):
         save_top_k: keep the ``save_top_k`` best versions by ``monitor`` beside ``keep_last``
             (:class:`asymstore.KeepBest`; one process only). 0: record the metric only (under DDP).
         resume: load the newest version that verifies when ``fit`` starts.
+        inexact_data: what to do, in ``on_train_start`` (before the first training step), with a train
+            loader a resume could not continue exactly (see :func:`data_problems`): ``"raise"``
+            :class:`UnresumableDataError` naming it and what would differ, or ``"warn"``
+            (:class:`InexactResumeWarning`, the same words) and train.
         **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (``max_overhead``,
             ``on_error``, ``preempt_on``, ...).
 
@@ -360,10 +572,13 @@ class AsymCheck(Callback):
 
     def __init__(self, root_or_store: StoreSpec, *, every: int = 1, keep_last: int | None = 3,
                  keep_every: int | None = None, monitor: str | None = None, mode: Literal["min", "max"] = "min",
-                 save_top_k: int = 1, resume: bool = True, **checkpointer_options: Any) -> None:
+                 save_top_k: int = 1, resume: bool = True, inexact_data: InexactData = "raise",
+                 **checkpointer_options: Any) -> None:
         """Keep the options; nothing is opened until ``fit`` starts."""
         if every < 1:
             raise ValueError("every must be >= 1")
+        if inexact_data not in ("raise", "warn"):
+            raise ValueError(f"inexact_data must be 'raise' or 'warn', got {inexact_data!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         self.root_or_store = root_or_store
@@ -374,6 +589,7 @@ class AsymCheck(Callback):
         self.mode = mode
         self.save_top_k = save_top_k
         self.resume = resume
+        self.inexact_data: InexactData = inexact_data
         self.options = checkpointer_options
         self.checkpointer: LightningCheckpointer | None = None
         self.restored: RestoreInfo | None = None
@@ -382,6 +598,9 @@ class AsymCheck(Callback):
         self._validated = False  # the monitored metric comes from validation
         self._resuming = False  # until the first batch after a resume
         self._marked = self._recorded = 0  # the steps whose version took its state / whose loop state is recorded
+        self._positioned: list[tuple[torch.utils.data.DataLoader[Any], _PositionedSampler]] = []
+        self._data_loaded: list[Any] | None = None  # the positions of the version resumed, until on_train_start
+        self._data_told: set[str] = set()  # the problems already warned about in this fit
 
     @property
     def state_key(self) -> str:
@@ -410,6 +629,7 @@ class AsymCheck(Callback):
             stateful[f"{SCHEDULER_PREFIX}{i}"] = config.scheduler
         self.restored = None
         self._rng = None
+        self._positioned, self._data_loaded, self._data_told = [], None, set()
         ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.root_or_store, stateful=stateful,
                                      every=self.every, keep_last=self.keep_last, keep_every=self.keep_every,
                                      keep_best=keep_best, **self.options)
@@ -429,9 +649,57 @@ class AsymCheck(Callback):
         self.restored = ckpt.restored
         self._resuming = True
         trainer.fit_loop.load_state_dict(self._loops.loaded)  # what fit(ckpt_path=...) does
+        self._data_loaded = list(self._loops.loaded.get(DATA) or [])
         if self._loops.loaded.get(MARKED):  # taken right before training_step: set back then (below)
             tensors: dict[str, torch.Tensor] = {}
             self._rng = (rng.capture(tensors), tensors)
+
+    # -- the data position ------------------------------------------------
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Check the train loaders and position the plain one, before its first batch is drawn.
+
+        Lightning has created the loader's iterator (``fit_loop.setup_data``) but, without workers,
+        its ``BatchSampler`` has not drawn yet: the callback puts a :class:`_PositionedSampler` in front
+        of the sampler here, and after a resume gives it the interrupted pass's position.
+
+        Raises:
+            UnresumableDataError: a train loader could not be resumed exactly (``inexact_data="raise"``).
+            StateMismatchError: the version holds positions for other train loaders than these.
+        """
+        self._position(trainer)
+        loaded, self._data_loaded = self._data_loaded, None
+        if loaded is None or not self._positioned:
+            return
+        if len(loaded) != len(self._positioned):
+            raise StateMismatchError(f"the version holds the positions of {len(loaded)} plain train loaders, this "
+                                     f"fit has {len(self._positioned)}")
+        for (loader, positioned), state in zip(self._positioned, loaded, strict=True):
+            positioned.load_state_dict(state, len(loader))
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Position a train loader Lightning reloaded (``reload_dataloaders_every_n_epochs``) before its pass."""
+        self._position(trainer)
+
+    def _position(self, trainer: Trainer) -> None:
+        problems, plain = data_problems(trainer)
+        new = [p for p in problems if p not in self._data_told]
+        if new:
+            message = ("asymcheck.lightning.AsymCheck cannot resume these train loaders exactly (the losses after a "
+                       "resume would differ from an uninterrupted fit): " + "; ".join(new) + ". Return "
+                       "asymcheck.lightning.ResumableLoader(loader) from train_dataloader(), or pass "
+                       "AsymCheck(inexact_data='warn') to train anyway")
+            if self.inexact_data == "raise":
+                raise UnresumableDataError(message)
+            self._data_told.update(new)
+            warnings.warn(message, InexactResumeWarning, stacklevel=2)
+        held = {id(loader) for loader, _ in self._positioned}
+        for loader in plain:
+            if id(loader) not in held:
+                self._positioned.append((loader, _install(loader)))
+
+    def _positions(self) -> list[dict[str, Any]]:
+        return [positioned.state_dict() for _, positioned in self._positioned]
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -446,6 +714,8 @@ class AsymCheck(Callback):
             self._resuming = False
             for loader in _loaders(trainer):
                 loader.resumed()
+            for _, positioned in self._positioned:
+                positioned.resumed()
         if self._rng is not None:
             meta, tensors = self._rng
             self._rng = None
@@ -459,6 +729,8 @@ class AsymCheck(Callback):
         if isinstance(found, ResumableLoader) and isinstance(loops.get("state_dict"), dict):
             # the loader's position now: at an epoch's end a new pass has started since the step
             loops["state_dict"] = {**loops["state_dict"], "combined_loader": [found.state_dict()]}
+        if self._positioned:  # likewise: the pass and its batches trained now
+            loops[DATA] = self._positions()
         self._loops.recorded = loops
         ckpt.mark()
 
@@ -480,7 +752,11 @@ class AsymCheck(Callback):
             self._recorded = ckpt.step
             for loader in _loaders(trainer):
                 loader.trained = batch_idx + 1
+            for _, positioned in self._positioned:
+                positioned.trained = batch_idx + 1
             self._loops.recorded = trainer.fit_loop.state_dict()
+            if self._positioned:
+                self._loops.recorded[DATA] = self._positions()
         if not self._validated:  # a validation metric stays in callback_metrics: record it once, after validation
             self._log_monitor(trainer)
 
@@ -518,7 +794,11 @@ class AsymCheck(Callback):
             ckpt.__exit__(type(exception), exception, exception.__traceback__)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Close the store if ``fit`` ended without ``on_fit_end`` (it is already closed otherwise)."""
+        """Give the plain train loader its sampler back; close the store if ``fit`` ended without ``on_fit_end``."""
+        if stage == "fit":
+            for loader, positioned in self._positioned:
+                _uninstall(loader, positioned)
+            self._positioned = []
         ckpt = self.checkpointer
         if ckpt is not None and stage == "fit":
             try:

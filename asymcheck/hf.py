@@ -35,7 +35,9 @@ and puts the RNG states back where the Trainer's own resume would. The directory
 
 Refused, with :class:`asymcheck.errors.UnsupportedTrainerConfigError` naming the setting, before
 anything is hooked: ``fsdp``, ``fp16`` (the GradScaler's skipped steps), ``auto_find_batch_size``,
-``ignore_data_skip`` (the data position would not come back), ``torch_compile``, several GPUs in
+``ignore_data_skip`` (the data position would not come back), ``accelerator_config.use_seedable_sampler=False``
+and ``train_sampling_strategy="group_by_length"`` (the order of a resumed epoch would be drawn anew),
+``torch_compile``, several GPUs in
 one process (``n_gpu > 1``), several processes without DeepSpeed, and PEFT models (the Trainer's
 resume loads adapters from the directory). Under DeepSpeed, what :func:`asymcheck.deepspeed.attach`
 refuses.
@@ -155,6 +157,14 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
         problems.append("auto_find_batch_size=True (the Trainer restarts its loop with another batch size)")
     if args.ignore_data_skip:
         problems.append("ignore_data_skip=True (the data position would not be restored)")
+    if getattr(getattr(args, "accelerator_config", None), "use_seedable_sampler", True) is False:
+        problems.append("accelerator_config.use_seedable_sampler=False (the train sampler's own generator decides "
+                        "each epoch's order and is not in the version: the epochs after a resume would be shuffled "
+                        "anew)")
+    if getattr(args, "train_sampling_strategy", None) == "group_by_length":
+        problems.append("train_sampling_strategy='group_by_length' (LengthGroupedSampler draws an epoch's order from "
+                        "the global RNG when the epoch starts; the Trainer resumes inside an epoch with other RNG "
+                        "states, so the rest of the epoch would come in a new order)")
     if args.torch_compile:
         problems.append("torch_compile=True (untested: the snapshot hooks run inside the compiled modules)")
     if args.n_gpu > 1:

@@ -220,6 +220,8 @@ def args(**over: Any) -> SimpleNamespace:
     ("fsdp", ["full_shard"], "fsdp="), ("fp16", True, "fp16="), ("auto_find_batch_size", True, "auto_find_batch_size"),
     ("ignore_data_skip", True, "ignore_data_skip"), ("torch_compile", True, "torch_compile"), ("n_gpu", 2, "n_gpu=2"),
     ("world_size", 2, "world_size=2 without deepspeed"),
+    ("accelerator_config", SimpleNamespace(use_seedable_sampler=False), "use_seedable_sampler=False"),
+    ("train_sampling_strategy", "group_by_length", "group_by_length"),
 ])
 def test_refused_settings_are_named(setting: str, value: Any, named: str) -> None:
     with pytest.raises(UnsupportedTrainerConfigError, match=named) as info:

@@ -50,9 +50,18 @@ from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.cycle import VersionCycle
 from asymcheck.versions.progress import Progress
 from asymcheck.versions.storeloop import StoreLoop
-from asymcheck.versions.storespec import RestoreInfo, StoreSpec, make_store, on_cuda, status_of, versions_of
+from asymcheck.versions.storespec import (
+    RestoreInfo,
+    StoreSpec,
+    layout_recorder,
+    make_store,
+    on_cuda,
+    status_of,
+    versions_of,
+)
 from asymstore import CorruptVersionError, InvalidMetaError, KeepBest, NoCheckpointError
 from asymstore.api import CheckpointStore, TierStatus
+from asymstore.multirank.rootlayout import AcrossLayouts
 
 logger = logging.getLogger(__name__)
 
@@ -162,12 +171,23 @@ class Checkpointer:
             the measured overhead exceeds the budget, versions are taken every
             few steps instead of every step (see :mod:`asymcheck.policy.pacing` and
             ``stats().pacing``). None: a version every ``every`` steps, always.
+        across_layouts: a directory ``store_or_tiers`` whose recorded layout (see
+            :mod:`asymstore.multirank.rootlayout`) is single-process, opened by a job of several ranks:
+            ``"resume"`` (default) makes :meth:`resume` take its newest version, each rank its part
+            (as a version of another world size is resharded), or raise a typed error saying what the
+            root holds; ``"start_fresh"`` leaves those versions unread (``resume()`` returns None) and the
+            job's multi-rank versions begin beside them. One process opening a multi-rank root always
+            resumes it and goes on in the multi-rank layout.
 
     Raises:
         UnsupportedModelError: a parameter, buffer or optimizer tensor is a
             tensor subclass other than DTensor, or a DTensor placed other
             than by ``Shard(d)`` / ``Replicate()``: nothing was hooked.
         InvalidOptionError: ``partitioning`` is not one of the modes: nothing was hooked.
+        RootLayoutError: (one process, a directory) the root's ``LAYOUT.json`` is not valid; its
+            subclass RootLayoutConflictError: the root holds both layouts and no record says which
+            is current. Nothing was hooked. (Under several ranks the same errors come from ``resume()``.)
+        ValueError: ``across_layouts`` is not one of its modes.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
@@ -180,7 +200,7 @@ class Checkpointer:
                  on_error: OnError = "budget", max_steps_without_durable: int | None = None,
                  max_seconds_without_durable: float | None = 1800.0, save_on_close: bool = True,
                  preempt_on: PreemptOn = "sigterm", preempt_deadline_s: float | None = DEFAULT_DEADLINE_S,
-                 max_overhead: float | None = 0.05) -> None:
+                 max_overhead: float | None = 0.05, across_layouts: AcrossLayouts = "resume") -> None:
         """Open the store on its own thread and register the hooks."""
         if every < 1:
             raise ValueError("every must be >= 1")
@@ -205,10 +225,13 @@ class Checkpointer:
                                 min_bytes=min_partition_bytes, partitioning=partitioning)
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(host_slots, pin=cuda)
-        self._loop = StoreLoop(make_store(store_or_tiers, keep_last, keep_every=keep_every, keep_best=keep_best))
+        store = make_store(store_or_tiers, keep_last, keep_every=keep_every, keep_best=keep_best,
+                           across_layouts=across_layouts)
+        self._loop = StoreLoop(store)
         enable_resharding(self._loop.store, state)  # a RankStore resumes versions of another world size
         try:
-            self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy)
+            self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy,
+                                        first_committed=layout_recorder(store_or_tiers, store))
             self._engine = CopyEngine(copy)
         except BaseException:
             self._loop.close()

@@ -151,6 +151,22 @@ class GlobalManifestError(CorruptVersionError):
     """A global manifest is not valid JSON of a known format version."""
 
 
+class RootLayoutError(AsymstoreError):
+    """A root's layout record (``LAYOUT.json``) is not a valid record: a symlink, too large, not JSON, unknown fields.
+
+    Nothing is guessed in its place: fix or remove the file (fsck names it), then open the root again.
+    See :mod:`asymstore.multirank.rootlayout`.
+    """
+
+
+class RootLayoutConflictError(RootLayoutError):
+    """A root holds versions of two layouts (single-process and multi-rank) and nothing says which is current.
+
+    A root written before layouts were recorded that holds both, or a record that contradicts what
+    the root holds. The message names each layout found, its world size and its newest step.
+    """
+
+
 # -- remote tiers and export ---------------------------------------------------
 
 

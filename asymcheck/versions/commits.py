@@ -16,7 +16,7 @@ from asymcheck.stats import StatsRecorder
 from asymcheck.versions.storeloop import StoreLoop
 from asymstore import CommitResult
 from asymstore.api import DropReportingStore
-from asymstore.errors import GlobalVersionDroppedError
+from asymstore.errors import AsymstoreError, GlobalVersionDroppedError
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,12 @@ class CommitQueue:
         stats: where commits, skips and failures are counted.
         max_inflight: commits running at once.
         when_busy: ``"wait"`` or ``"skip"``.
+        first_committed: run (in a thread of the store's loop) once, after the first commit that
+            succeeds: the root's layout record (:func:`asymcheck.versions.storespec.layout_recorder`).
     """
 
     def __init__(self, loop: StoreLoop, stats: StatsRecorder, *, max_inflight: int = 1,
-                 when_busy: str = "wait") -> None:
+                 when_busy: str = "wait", first_committed: Callable[[], None] | None = None) -> None:
         """Configure the queue."""
         if max_inflight < 1:
             raise ValueError("max_inflight must be >= 1")
@@ -50,6 +52,7 @@ class CommitQueue:
         self.when_busy = when_busy
         self._inflight: deque[concurrent.futures.Future[CommitResult]] = deque()
         self._errors: list[BaseException] = []
+        self._first_committed = first_committed
 
     def _prune(self) -> None:
         while self._inflight and self._inflight[0].done():
@@ -159,6 +162,12 @@ class CommitQueue:
                 logger.debug("abandon(%d) failed", step, exc_info=True)
             raise
         self.stats.committed(step, result.nbytes, result.seconds)
+        if self._first_committed is not None:
+            record, self._first_committed = self._first_committed, None
+            try:
+                await asyncio.to_thread(record)
+            except (AsymstoreError, OSError) as exc:  # the version is committed; a root without a record is inferred
+                logger.warning("version %d committed, but the root's layout was not recorded: %s", step, exc)
         logger.debug("version %d committed to %s in %.3f s", step, result.tiers, result.seconds)
         return result
 

@@ -52,6 +52,11 @@ def _print_text(report: FsckReport) -> None:
             print(f"      problem: {p}")
     print(f"LATEST: {report.latest}" + (f"  problem: {report.latest_problem}" if report.latest_problem else ""))
     print(f"newest restorable: {report.newest_restorable}")
+    if report.layout is not None:
+        record = "recorded" if report.layout_record is not None else "not recorded"
+        print(f"layout: {report.layout} ({record})")
+    for p in report.layout_problems:
+        print(f"  layout problem: {p}")
     for a in report.repaired:
         print(f"repaired: {a}")
     print("verdict: " + ("OK" if report.ok else f"{len(report.problems)} problem(s)"))

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 
-from asymstore.format.names import is_uri
+from asymstore.errors import RootLayoutError
+from asymstore.format.names import LATEST, is_uri
 from asymstore.fsck.multirank import MultiRankFsckReport, check_multirank, repair_multirank
 from asymstore.fsck.report import FsckReport, Progress
 from asymstore.fsck.tier import check_tier, repair_tier
 from asymstore.io.rootlock import DirLock
+from asymstore.multirank.globaldir import GLOBAL_DIR
+from asymstore.multirank.rootlayout import RootSurvey, drop_single_latest, survey
 
 
 def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None,
           node_local: Sequence[str] = ()) -> FsckReport:
     """Examine every entry of ``root`` and return the report.
+
+    A directory is judged as the root of a store: its layout record is read
+    (:mod:`asymstore.multirank.rootlayout`) and every version of every layout
+    it holds is listed. A multi-rank root's single-process versions are
+    ``superseded`` when its record says the multi-rank layout replaced them;
+    otherwise they are a layout problem (two layouts and nothing saying which
+    is current), as are a damaged record and a single-process ``LATEST`` in a
+    multi-rank root (``layout_problems``; the verdict is not OK).
 
     Args:
         root: the tier's directory or URI, or a multi-rank root (``rank-NNNNN/`` shards and ``global/``).
@@ -29,11 +41,51 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
         FileNotFoundError: ``root`` is not a directory.
         ValueError: ``node_local`` given for a root that is not multi-rank.
     """
-    if not is_uri(root) and os.path.isdir(os.path.join(os.path.abspath(root), "global")):
-        return check_multirank(os.path.abspath(root), deep=deep, progress=progress, node_local=node_local)
-    if node_local:
-        raise ValueError(f"{root} is not a multi-rank root: --node-local applies to multi-rank roots only")
-    return check_tier(root, deep=deep, progress=progress)
+    if is_uri(root):
+        if node_local:
+            raise ValueError(f"{root} is not a multi-rank root: --node-local applies to multi-rank roots only")
+        return check_tier(root, deep=deep, progress=progress)
+    path = os.path.abspath(root)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a directory")
+    problems: list[str] = []
+    try:
+        found = survey(path)
+    except RootLayoutError as exc:
+        problems.append(f"{exc} (judged by what the root holds; repair does not touch the record)")
+        found = survey(path, with_record=False)
+    report: FsckReport
+    if os.path.isdir(os.path.join(path, GLOBAL_DIR)):
+        report = check_multirank(path, deep=deep, progress=progress, node_local=node_local)
+        if found.single_steps or found.latest:
+            _fold_single(report, check_tier(path, deep=deep, progress=progress), found, problems)
+        report.layout = "multirank"
+    else:
+        if node_local:
+            raise ValueError(f"{root} is not a multi-rank root: --node-local applies to multi-rank roots only")
+        report = check_tier(path, deep=deep, progress=progress)
+        report.layout = "single" if found.record is None else found.record.layout
+    report.layout_record = None if found.record is None else json.loads(found.record.to_json())
+    report.layout_problems = problems
+    return report
+
+
+def _fold_single(report: FsckReport, single: FsckReport, found: RootSurvey, problems: list[str]) -> None:
+    """Add a multi-rank root's single-process versions to ``report``, and what is wrong about them."""
+    superseded = found.superseded_single()
+    for e in single.entries:
+        if e.status == "committed" and superseded:
+            e.status = "superseded"
+        report.entries.append(e)
+    if found.single_steps and not superseded:
+        problems.append(f"two layouts: {found.found()}; the single-process versions "
+                        f"{list(found.single_steps)} are not recorded as replaced by the multi-rank layout, so "
+                        "which one is current is not known (a job opening the root refuses it: "
+                        "RootLayoutConflictError). Move the versions of the layout no longer wanted out of the root")
+    if found.latest:
+        report.stale_single_latest = True
+        problems.append(f"{LATEST}: a single-process hint (says {single.latest}) in a multi-rank root, stale: "
+                        f"the root's hint is {GLOBAL_DIR}/{LATEST} (repair removes it)")
 
 
 def repair(report: FsckReport) -> list[str]:
@@ -41,8 +93,11 @@ def repair(report: FsckReport) -> list[str]:
 
     Never touches a committed version without problems. Corrupt versions and
     unreferenced files are moved to ``.quarantine/``; partial and orphaned
-    data is removed; LATEST is rewritten to the newest restorable version.
-    Takes the root's writer lock (the writer lease on a remote root) first.
+    data is removed; LATEST is rewritten to the newest restorable version; a
+    multi-rank root's stale single-process ``LATEST`` is removed. Superseded
+    single-process versions, the layout record and a root of two layouts are
+    left as they are. Takes the root's writer lock (the writer lease on a
+    remote root) first.
 
     Raises:
         RootLockedError: a live writer holds the root.
@@ -51,7 +106,10 @@ def repair(report: FsckReport) -> list[str]:
         lock = DirLock(report.root)
         lock.acquire()  # never repair under a live writer: its commit in progress would look partial
         try:
-            return repair_multirank(report)
+            actions = repair_multirank(report)
+            if report.stale_single_latest and drop_single_latest(report.root):
+                actions.append(f"removed the stale single-process {LATEST} (the root is multi-rank)")
+            return actions
         finally:
             lock.release()
     return repair_tier(report)

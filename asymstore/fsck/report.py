@@ -34,8 +34,8 @@ class VersionReport:
 
     @property
     def ok(self) -> bool:
-        """True for a committed version without problems, a quarantined entry, or a live writer's work."""
-        return self.status in ("committed", "quarantined", "in_progress") and not self.problems
+        """True for a committed or superseded version without problems, a quarantined entry, a live writer's work."""
+        return self.status in ("committed", "superseded", "quarantined", "in_progress") and not self.problems
 
 
 @dataclass
@@ -51,11 +51,20 @@ class FsckReport:
     repaired: list[str] = field(default_factory=list)
     writer: str | None = None
     """The live writer holding the root while it was checked (None: nobody)."""
+    layout: str | None = None
+    """The root's layout as fsck judged it: ``"single"``, ``"multirank"`` or None (a tier that is no root)."""
+    layout_record: dict[str, Any] | None = None
+    """The root's ``LAYOUT.json`` as parsed (None: none, or not valid: see ``layout_problems``)."""
+    layout_problems: list[str] = field(default_factory=list)
+    """What is wrong with the root's layout: a damaged record, versions of two layouts that no record
+    explains, a single-process ``LATEST`` in a multi-rank root (see :mod:`asymstore.multirank.rootlayout`)."""
+    stale_single_latest: bool = False
+    """The root's single-process ``LATEST`` is stale (the root is multi-rank): ``repair`` removes it."""
 
     @property
     def ok(self) -> bool:
-        """True when every entry verifies and LATEST is right."""
-        return self.latest_problem is None and all(e.ok for e in self.entries)
+        """True when every entry verifies, LATEST is right and the root's layout is unambiguous."""
+        return self.latest_problem is None and not self.layout_problems and all(e.ok for e in self.entries)
 
     @property
     def problems(self) -> list[str]:
@@ -63,6 +72,7 @@ class FsckReport:
         lines = [f"{e.name}: {e.status}: {p}" for e in self.entries for p in e.problems]
         if self.latest_problem:
             lines.append(f"{LATEST}: {self.latest_problem}")
+        lines += [f"layout: {p}" for p in self.layout_problems]
         return lines
 
     def to_json(self) -> dict[str, Any]:
@@ -79,4 +89,7 @@ class FsckReport:
             "problems": self.problems,
             "repaired": self.repaired,
             "writer": self.writer,
+            "layout": self.layout,
+            "layout_record": self.layout_record,
+            "layout_problems": self.layout_problems,
         }

@@ -16,6 +16,7 @@ from asymstore.dist.kv import KV
 from asymstore.errors import StoreClosedError
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.multirank import globaldir
+from asymstore.multirank.rootlayout import AcrossLayouts
 from asymstore.policy.retention import Retention
 from asymstore.tiers.protocol import Tier
 
@@ -56,6 +57,12 @@ class Job:
     placement_cache: tuple[list[Any], str] | None = None
     client: KV | None = None
     """The coordination store client, set when the store opens."""
+    across_layouts: AcrossLayouts = "resume"
+    """What ``restore`` does with the versions of a single-process root (see :mod:`.rootlayout`)."""
+    resumed_single: int | None = None
+    """The single-process version ``restore`` resumed (the coordinator records it with the layout)."""
+    layout_recorded: bool = False
+    """The coordinator recorded the root's layout as this job's (see :mod:`.rootlayout`)."""
 
     @property
     def kv(self) -> KV:

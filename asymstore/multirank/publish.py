@@ -21,10 +21,11 @@ from asymstore.errors import (
     GlobalCommitTimeoutError,
     GlobalManifestError,
     GlobalVersionDroppedError,
+    RootLayoutError,
 )
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
 from asymstore.format.placement import Placement, RankPlacement
-from asymstore.multirank import globaldir
+from asymstore.multirank import globaldir, rootlayout
 from asymstore.multirank.job import Job
 from asymstore.multirank.retention import retain_globals
 
@@ -78,9 +79,18 @@ def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> Globa
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
         globaldir.delete_global(job.global_dir, stale, fsync=job.fsync)
         job.global_cache.pop(stale, None)
+    if not job.layout_recorded:  # the root's layout record says multi-rank of this size before the version exists
+        try:
+            rootlayout.record_multirank(job.root, job.world_size, resumed_single=job.resumed_single, fsync=job.fsync)
+        except RootLayoutError as exc:
+            kv.put(f"{key}/global", {"failed": f"step {step}: {exc}; the global version is not published"})
+            raise
     globaldir.publish_global(job.global_dir, manifest, fsync=job.fsync)
     job.global_cache[step] = manifest
     globaldir.write_global_latest(job.global_dir, step, fsync=job.fsync)
+    if not job.layout_recorded:  # a single-process LATEST would point at a layout no longer current
+        rootlayout.drop_single_latest(job.root, fsync=job.fsync)
+        job.layout_recorded = True
     retain_globals(job)
     kv.put(f"{key}/global", {"step": step})
     logger.debug("published global version %d (%d ranks, %d bytes)", step, job.world_size, manifest.nbytes)

@@ -44,11 +44,14 @@ from asymstore.errors import (
     DestinationMismatchError,
     GlobalManifestError,
     NoCheckpointError,
+    RootLayoutConflictError,
+    RootLayoutError,
     VersionNotFoundError,
     WorldSizeMismatchError,
     describe,
 )
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
+from asymstore.multirank import rootlayout
 from asymstore.multirank.reshard import restore_resharded
 from asymstore.read.load import check_destinations
 
@@ -65,6 +68,8 @@ _ERRORS: dict[str, type[AsymstoreError]] = {
     "WorldSizeMismatchError": WorldSizeMismatchError,
     "CorruptVersionError": CorruptVersionError,
     "DestinationMismatchError": DestinationMismatchError,
+    "RootLayoutError": RootLayoutError,
+    "RootLayoutConflictError": RootLayoutConflictError,
 }
 
 Restored = tuple[GlobalManifest, Checkpoint, list[str]]
@@ -110,7 +115,14 @@ def _gather_haves(job: Job, local: AsymStore, key: str) -> dict[int, set[int]]:
 
 def _candidates(job: Job, reshard: Targets | None, haves: dict[int, set[int]], step: int | None,
                 notes: list[str]) -> list[GlobalManifest]:
+    found = rootlayout.survey(job.root)  # RootLayoutError: a damaged record
+    _ = found.layout  # RootLayoutConflictError: both layouts and nothing saying which is current
     steps = sorted(job.global_steps(), reverse=True)
+    if not steps and found.adoptable_single():
+        if job.across_layouts == "resume":
+            return _single_candidates(job, found, reshard, step, notes)
+        logger.warning("%s: not resuming them (across_layouts='start_fresh'): this job's multi-rank versions "
+                       "begin beside them", found.found())
     if step is not None:
         if step not in steps:
             raise VersionNotFoundError(f"global step {step} is not published under {job.global_dir}")
@@ -141,13 +153,35 @@ def _candidates(job: Job, reshard: Targets | None, haves: dict[int, set[int]], s
     return out
 
 
+def _single_candidates(job: Job, found: rootlayout.RootSurvey, reshard: Targets | None, step: int | None,
+                       notes: list[str]) -> list[GlobalManifest]:
+    """The single-process versions of the root, newest first, each as a global version of one rank."""
+    steps = sorted(found.adoptable_single(), reverse=True)
+    if step is not None:
+        if step not in steps:
+            raise VersionNotFoundError(f"{found.found()}: step {step} is not among its single-process versions")
+        steps = [step]
+    if reshard is None:
+        raise WorldSizeMismatchError(
+            f"{found.found()}: its versions were written by a single process; this job has {job.world_size} "
+            "rank(s). Resuming them needs resharding (RankStore.reshard, which the Checkpointer sets), or "
+            "across_layouts='start_fresh' to start beside them")
+    out: list[GlobalManifest] = []
+    for s in steps:
+        try:
+            out.append(rootlayout.single_version(job.root, s))
+        except (CorruptVersionError, OSError) as exc:
+            notes.append(f"single-process version {s} of {job.root}: {describe(exc)}")
+    return out
+
+
 async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, key: str, haves: dict[int, set[int]],
                       step: int | None, into: Into | None) -> Restored:
     kv = job.kv
     notes: list[str] = []
     try:
         candidates = _candidates(job, reshard, haves, step, notes)
-    except (NoCheckpointError, WorldSizeMismatchError) as exc:
+    except (NoCheckpointError, WorldSizeMismatchError, RootLayoutError) as exc:
         await asyncio.to_thread(kv.put, f"{key}/try/0", {"error": type(exc).__name__, "message": str(exc)})
         raise
     for k, g in enumerate(candidates):
@@ -226,7 +260,7 @@ async def _check_fit(job: Job, local: AsymStore, g: GlobalManifest,
         The refusal, or None: they fit, or no manifest of the shard could be read here (the load that
         follows then fails and says why), or nothing is read into destinations (no ``into``; a reshard).
     """
-    if into is None or g.world_size != job.world_size:
+    if into is None or _resharded(job, g):
         return None
     step = g.shard(job.rank).step
     versions = local.versions()
@@ -258,7 +292,7 @@ def _result(ckpt: Checkpoint | None, reason: str, refused: DestinationMismatchEr
 async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: GlobalManifest,
                      into: Into | None) -> tuple[Checkpoint | None, str, DestinationMismatchError | None]:
     """Load this rank's part of ``g``: the checkpoint, or None with the reason (and the refusal, if refused)."""
-    if g.world_size != job.world_size and reshard is not None:
+    if _resharded(job, g) and reshard is not None:
         try:
             return await restore_resharded(job, local.tiers, g, reshard), "", None
         except (AsymstoreError, OSError) as exc:
@@ -274,3 +308,8 @@ async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: Glo
     if digest != shard.digest:
         return None, f"shard {shard.step} digest {digest} != {shard.digest} in the global manifest", None
     return ckpt, "", None
+
+
+def _resharded(job: Job, g: GlobalManifest) -> bool:
+    """Whether ``g`` is read through the resharding path: another world size, or a single-process version."""
+    return g.world_size != job.world_size or rootlayout.is_single_root(g)

@@ -51,13 +51,14 @@ from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_dig
 from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.format.placement import RankPlacement
 from asymstore.io.rootlock import DirLock, sweep_directory
-from asymstore.multirank import globaldir
+from asymstore.multirank import globaldir, rootlayout
 from asymstore.multirank.job import Job
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
 from asymstore.multirank.restore import restore_collective
 from asymstore.multirank.retention import delete_shard, retain_shards, retire_departed_shards, roll_back
+from asymstore.multirank.rootlayout import AcrossLayouts, check_across
 from asymstore.policy.retention import META_KEY, KeepBest, Retention
 from asymstore.store import AsymStore
 from asymstore.tiers.local import LocalTier
@@ -102,6 +103,11 @@ class RankStore:
             version is published (the coordinator always waits).
         namespace: key prefix in the c10d store (default: derived from ``root``).
         fsync: flush files and directories (the default tiers and the global directory).
+        across_layouts: what ``restore`` does when ``root`` holds single-process versions and no global
+            version (:data:`~asymstore.multirank.rootlayout.AcrossLayouts`): ``"resume"`` the newest (every rank
+            reads its part from the root, as from a version of another world size: ``reshard`` must be set,
+            else :class:`WorldSizeMismatchError`), or ``"start_fresh"`` beside them. The first global commit
+            records the root as multi-rank (:mod:`.rootlayout`).
         **store_kwargs: passed to :class:`~asymstore.AsymStore` (``segment_bytes``, ``compression``...).
     """
 
@@ -110,7 +116,7 @@ class RankStore:
                  kv: Any = None, keep_last: int | None = 3, keep_every: int | None = None,
                  keep_best: KeepBest | None = None, timeout_s: float = 300.0,
                  restore_timeout_s: float = 1800.0, wait_global: bool = False, namespace: str | None = None,
-                 fsync: bool = True, **store_kwargs: Any) -> None:
+                 fsync: bool = True, across_layouts: AcrossLayouts = "resume", **store_kwargs: Any) -> None:
         """Configure; nothing is opened before ``open``."""
         rank, world_size = env_rank_world(rank, world_size)
         if not 0 <= rank < world_size:
@@ -124,7 +130,7 @@ class RankStore:
             fsync=fsync, timeout_s=timeout_s, restore_timeout_s=restore_timeout_s, global_keep_last=keep_last,
             peer_tiers=peer_tiers or (lambda r: [LocalTier(os.path.join(abs_root, globaldir.rank_dirname(r)),
                                                            fsync=fsync)]),
-            rules=rules if rules.reads_notes else None)
+            rules=rules if rules.reads_notes else None, across_layouts=check_across(across_layouts))
         """What the multi-rank helpers use of this store (rank, world, global directory, coordination, timeouts)."""
         self._global_lock = DirLock(self.job.global_dir)
         if tiers is None:
@@ -522,6 +528,8 @@ class RankStore:
             self._floor = -1
             raise
         self.restored_global = g
+        if rootlayout.is_single_root(g):  # recorded with the layout at the first global commit
+            self.job.resumed_single = g.step
         self._floor = g.shard(self.rank).step if self.rank < g.world_size else g.step
         if notes:
             logger.warning("restored global step %d after: %s", g.step, "; ".join(notes))

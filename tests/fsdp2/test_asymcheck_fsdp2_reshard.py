@@ -9,7 +9,7 @@ saved, bit for bit, and the tensors held whole (step counters, RNG states) come 
 trains to 12, checked the same way. After each change of size, training goes on with losses (and ends in a
 state) bit-identical to a reference run of the new size that loaded the old job's final state through torch's
 own ``set_model_state_dict`` / ``set_optimizer_state_dict`` (mode ``"ref_from"`` of tests/support/fsdp2_cases.py).
-fsck finds the root clean at the end. And FSDP2 on a single rank (an ordinary store, resume reading
+fsck finds the root clean after each change of size (its layout record: multi-rank, of the new size). And FSDP2 on a single rank (an ordinary store, resume reading
 straight into the local shards) stops after 3 iterations and resumes bit-exact.
 """
 
@@ -36,7 +36,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = {"kind": "fsdp2", "mode": "attach", "dir": ck, "dump_resumed": True}
     run_cases([{**base, "name": "save2", "iterations": 4}], 2, root / "out")
     solo = {"kind": "fsdp2", "mode": "attach", "dir": str(root / "solo")}
-    run_cases([{**base, "name": "one", "iterations": 6}, ref("one", "save2", 2, 6),
+    run_cases([{**base, "name": "one", "iterations": 6, "fsck": True}, ref("one", "save2", 2, 6),
                {"kind": "fsdp2", "mode": "ref", "name": "solo_ref", "iterations": 5},
                {**solo, "name": "solo_a", "iterations": 3}, {**solo, "name": "solo_b", "iterations": 5}],
               1, root / "out")
@@ -75,6 +75,9 @@ def test_fsdp2_version_of_two_ranks_resumes_on_one(out: Path) -> None:
     [resumed] = one.events(0, "resumed")
     assert resumed["step"] == 4 and resumed["tier"] == "resharded from 2 rank(s)"
     assert_resharded(save2, 2, one, 1, 4, 6)
+    report = one.fsck()  # one process goes on in the multi-rank layout, recorded as of one rank
+    assert report["ok"], report["problems"]
+    assert (report["layout"], report["layout_record"]["world_size"]) == ("multirank", 1)
     after = one.final(0, "resumed")
     w = read_layouts(after.manifest)["model/0.weight"]
     assert w == TensorLayout.sharded((37, 16), "float32", w.mesh, ["S(0)"]) and w.shape == (37, 16)
@@ -107,6 +110,7 @@ def test_fsdp2_version_of_one_rank_resumes_on_two(out: Path) -> None:
     two = Case(out, "two", 2)
     report = two.fsck()
     assert report["ok"], report["problems"]
+    assert (report["layout"], report["layout_record"]["world_size"]) == ("multirank", 2)
     assert_resharded(Case(out, "one", 1), 1, two, 2, 6, 8)
 
 

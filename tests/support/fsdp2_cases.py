@@ -8,6 +8,8 @@ are unsharded at the first forward hook. Case fields beyond those of tests/suppo
 - ``raf``: ``reshard_after_forward`` (default True);
 - ``accum``: micro-batches per step (gradients synced and resharded after the last one only);
 - ``dump_resumed``: save the state as ``resume()`` left it to ``resumed-rankR`` (resharding tests);
+- ``across``: the Checkpointer's ``across_layouts`` (default ``"resume"``);
+- ``expect_error``: ``resume()`` must raise; its type and message go to the ``error`` event, and the case ends;
 - ``edit``: after the step of this iteration, ``weight.mul_(1.0)`` on a DTensor parameter outside
   ``ckpt.editing()`` (its version must be dropped), and the same inside ``editing()`` one iteration later.
 
@@ -143,8 +145,19 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
         tiers = rank_tiers(case, rank)
         where: Any = case["dir"] if tiers is None and "timeout_s" not in case else RankStore(
             case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0))
-        ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512)
+        ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512,
+                            across_layouts=case.get("across", "resume"))
         assert isinstance(ckpt.store, RankStore) or (dist.get_world_size() == 1 and tiers is None)
+        if case.get("expect_error"):  # resume() must raise the same typed error on every rank, and train nothing
+            try:
+                ckpt.resume()
+            except Exception as exc:
+                log.event(event="error", type=type(exc).__name__, message=str(exc))
+                dist.barrier()  # rank 0 hosts the job's TCPStore: it stays until every rank has read the error
+                ckpt.close()
+                dist.destroy_process_group()
+                return
+            raise AssertionError("resume() did not raise")
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration,
                   tier=ckpt.restored.tier if ckpt.restored else None)

@@ -1,0 +1,426 @@
+"""A root's layout, recorded in the root: single-process or multi-rank, its world size, and what came before.
+
+::
+
+    ROOT/
+      LAYOUT.json      {"format": 1, "layout": "multirank", "world_size": 3,
+                        "previous": [{"layout": "single", "world_size": 1, "newest_step": 6, "resumed": true}]}
+      v000000000006/   single-process versions (a LocalTier root)        } at most one of the two is
+      global/ rank-*/  multi-rank versions (:mod:`.globaldir`)           } the root's current layout
+
+A job opens a root through its recorded layout, never through a guess from
+which files happen to exist. The record is written atomically (temporary
+file, fsync, rename, fsync of the root) by the first commit of a layout: a
+single-process :class:`~asymcheck.Checkpointer` store's first version, and a
+:class:`~asymstore.multirank.RankStore` coordinator's first global version
+under a layout or world size the record does not say yet. A multi-rank job
+that takes over a single-process root (resuming its versions, or starting
+fresh beside them on request) records the single-process layout it replaced
+in ``previous``: those versions stay where they are (retention of the new
+layout never deletes them) and fsck lists them as ``superseded``; the root's
+single-process ``LATEST`` hint is removed once the first global version is
+published, so no hint points at a layout no longer current. A job of one
+process on a multi-rank root goes on in the multi-rank layout (a
+``RankStore`` of world size 1): once multi-rank, a root stays multi-rank.
+
+The record is read as untrusted input: a regular file of at most
+:data:`MAX_RECORD_BYTES`, strict JSON, known fields and values only. Anything
+else is a :class:`~asymstore.errors.RootLayoutError`, never a guess.
+
+Roots written before layouts were recorded have no record: their layout is
+inferred once from what they hold (:attr:`RootSurvey.layout`) and recorded by
+their next commit. A root holding published versions of both layouts and no
+record saying which is current is a
+:class:`~asymstore.errors.RootLayoutConflictError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from asymstore.errors import CorruptVersionError, RootLayoutConflictError, RootLayoutError
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
+from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
+from asymstore.format.names import LATEST, parse_version_dirname, version_dirname
+from asymstore.format.parse import parse_manifest
+from asymstore.io.files import atomic_write, check_regular, fsync_dir, read_whole
+from asymstore.multirank import globaldir
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_FILE = "LAYOUT.json"
+"""The record's name in the root."""
+FORMAT = 1
+"""The record's format version."""
+MAX_RECORD_BYTES = 64 << 10
+"""The largest record read."""
+MAX_PREVIOUS = 64
+"""The most earlier layouts a record lists."""
+
+RootKind = Literal["single", "multirank"]
+"""A root's layout: one process's versions in the root itself, or ``global/`` and ``rank-NNNNN/``."""
+AcrossLayouts = Literal["resume", "start_fresh"]
+"""What a multi-rank job does with the versions of a single-process root it opens.
+
+``"resume"`` (default): ``restore`` reads the newest one, each rank taking its part as from a version
+of another world size (resharding); if none can be read the error says why. ``"start_fresh"``: they
+are not read; the job starts from nothing and its versions begin beside them (the record keeps them
+listed as superseded).
+"""
+
+_KINDS: tuple[RootKind, ...] = ("single", "multirank")
+_ACROSS: tuple[AcrossLayouts, ...] = ("resume", "start_fresh")
+
+
+def check_across(value: object) -> AcrossLayouts:
+    """Return ``value`` if it is an :data:`AcrossLayouts` mode.
+
+    Raises:
+        ValueError: it is not.
+    """
+    for mode in _ACROSS:
+        if value == mode:
+            return mode
+    raise ValueError(f"across_layouts must be one of {_ACROSS}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PreviousLayout:
+    """A layout a root held before its current one.
+
+    Attributes:
+        layout: the layout.
+        world_size: its number of ranks.
+        newest_step: its newest version when it was replaced (None: it held none).
+        resumed: whether the job that replaced it resumed that version.
+    """
+
+    layout: RootKind
+    world_size: int
+    newest_step: int | None
+    resumed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the JSON object."""
+        return {"layout": self.layout, "world_size": self.world_size, "newest_step": self.newest_step,
+                "resumed": self.resumed}
+
+
+@dataclass(frozen=True)
+class RootLayout:
+    """What ``LAYOUT.json`` says (see the module docstring).
+
+    Attributes:
+        layout: the root's current layout.
+        world_size: the number of ranks of the job that last recorded it (1 for ``"single"``).
+        previous: the layouts it replaced, oldest first.
+    """
+
+    layout: RootKind
+    world_size: int
+    previous: tuple[PreviousLayout, ...] = field(default=())
+
+    def to_json(self) -> bytes:
+        """Serialize to UTF-8 JSON."""
+        doc = {"format": FORMAT, "layout": self.layout, "world_size": self.world_size,
+               "previous": [p.to_json() for p in self.previous]}
+        return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+    def describe(self) -> str:
+        """One line: the layout and its world size."""
+        return _kind_name(self.layout, self.world_size)
+
+    @classmethod
+    def from_json(cls, data: bytes | bytearray) -> RootLayout:
+        """Parse and validate a record.
+
+        Raises:
+            RootLayoutError: it is not a valid record of a known format.
+        """
+        try:
+            doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_refuse_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise RootLayoutError(f"{LAYOUT_FILE} is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise RootLayoutError(f"{LAYOUT_FILE} must hold a JSON object")
+        if doc.get("format") != FORMAT:
+            raise RootLayoutError(f"{LAYOUT_FILE} has format {doc.get('format')!r}; this version reads {FORMAT}")
+        unknown = set(doc) - {"format", "layout", "world_size", "previous"}
+        if unknown:
+            raise RootLayoutError(f"{LAYOUT_FILE} has unknown field(s) {sorted(unknown)}")
+        layout, world = _kind(doc.get("layout")), _world(doc.get("world_size"))
+        if layout == "single" and world != 1:
+            raise RootLayoutError(f"{LAYOUT_FILE}: a single-process layout of {world} ranks")
+        previous = doc.get("previous", [])
+        if not isinstance(previous, list) or len(previous) > MAX_PREVIOUS:
+            raise RootLayoutError(f"{LAYOUT_FILE}: previous must be a list of at most {MAX_PREVIOUS} layouts")
+        return cls(layout, world, tuple(_previous(p) for p in previous))
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _kind(value: object) -> RootKind:
+    for kind in _KINDS:
+        if value == kind:
+            return kind
+    raise RootLayoutError(f"{LAYOUT_FILE}: layout must be one of {_KINDS}, got {value!r}")
+
+
+def _world(value: object) -> int:
+    if type(value) is not int or not 1 <= value <= 1 << 24:
+        raise RootLayoutError(f"{LAYOUT_FILE}: world_size must be an integer in [1, 2**24], got {value!r}")
+    return value
+
+
+def _previous(doc: object) -> PreviousLayout:
+    if not isinstance(doc, dict) or set(doc) != {"layout", "world_size", "newest_step", "resumed"}:
+        raise RootLayoutError(f"{LAYOUT_FILE}: a previous layout must be an object of layout, world_size, "
+                              f"newest_step and resumed")
+    step = doc["newest_step"]
+    if step is not None and (type(step) is not int or step < 0):
+        raise RootLayoutError(f"{LAYOUT_FILE}: newest_step must be a step or null, got {step!r}")
+    if type(doc["resumed"]) is not bool:
+        raise RootLayoutError(f"{LAYOUT_FILE}: resumed must be true or false")
+    return PreviousLayout(_kind(doc["layout"]), _world(doc["world_size"]), step, doc["resumed"])
+
+
+def _kind_name(layout: RootKind, world: int) -> str:
+    return "single-process" if layout == "single" else f"multi-rank ({world} rank(s))"
+
+
+def read_record(root: str) -> RootLayout | None:
+    """The record of ``root``, or None when it has none.
+
+    Raises:
+        RootLayoutError: the record is not a regular file of bounded size, or not a valid record.
+    """
+    path = os.path.join(root, LAYOUT_FILE)
+    try:
+        check_regular(path, max_size=MAX_RECORD_BYTES)
+        data = read_whole(path)
+    except FileNotFoundError:
+        return None
+    except CorruptVersionError as exc:
+        raise RootLayoutError(f"{path}: {exc}") from None
+    if len(data) > MAX_RECORD_BYTES:  # it grew between the check and the read
+        raise RootLayoutError(f"{path}: larger than {MAX_RECORD_BYTES} bytes")
+    try:
+        return RootLayout.from_json(data)
+    except RootLayoutError as exc:
+        raise RootLayoutError(f"{root}: {exc}") from None
+
+
+def write_record(root: str, record: RootLayout, *, fsync: bool = True) -> None:
+    """Replace ``root``'s record atomically (temporary file, fsync, rename, fsync of the root)."""
+    os.makedirs(root, exist_ok=True)
+    atomic_write(os.path.join(root, LAYOUT_FILE), record.to_json(), fsync=fsync)
+    logger.info("%s: layout recorded: %s", root, record.describe())
+
+
+@dataclass(frozen=True)
+class RootSurvey:
+    """What a root holds: its record, and the versions of each layout found in it.
+
+    Attributes:
+        root: the root (absolute).
+        record: its layout record (None: none, a root written before records, or an empty one).
+        single_steps: the single-process versions in the root itself (a directory with a manifest), ascending.
+        global_steps: the published multi-rank versions (``global/v….json``), ascending.
+        multirank_dirs: whether ``global/`` or a rank directory exists.
+        latest: whether the root has a single-process ``LATEST`` hint.
+    """
+
+    root: str
+    record: RootLayout | None
+    single_steps: tuple[int, ...]
+    global_steps: tuple[int, ...]
+    multirank_dirs: bool
+    latest: bool
+
+    def found(self) -> str:
+        """What the root holds, in words (for errors and fsck)."""
+        parts = []
+        if self.single_steps:
+            parts.append(f"{len(self.single_steps)} single-process version(s), newest step {self.single_steps[-1]}")
+        if self.global_steps:
+            world = self.global_world()
+            parts.append(f"{len(self.global_steps)} multi-rank version(s)"
+                         f"{f' of {world} rank(s)' if world else ''}, newest step {self.global_steps[-1]}")
+        rec = f"recorded layout: {self.record.describe()}" if self.record else f"no {LAYOUT_FILE}"
+        return f"{self.root}: {'; '.join(parts) or 'no version'} ({rec})"
+
+    def global_world(self) -> int | None:
+        """The world size of the newest global version that parses (None: none does)."""
+        for step in reversed(self.global_steps):
+            try:
+                return globaldir.read_global(os.path.join(self.root, globaldir.GLOBAL_DIR), step).world_size
+            except (CorruptVersionError, OSError):
+                continue
+        return None
+
+    @property
+    def layout(self) -> RootKind | None:
+        """The root's current layout: the record's, or for a root without one the layout it holds (None: empty).
+
+        Raises:
+            RootLayoutConflictError: versions of both layouts and no record saying which is current, or
+                a record of a single-process root whose ``global/`` holds published versions.
+        """
+        if self.record is not None:
+            if self.record.layout == "single" and self.global_steps:
+                raise RootLayoutConflictError(f"{self.found()}: the record says single-process, yet global/ "
+                                              f"holds published multi-rank versions")
+            return self.record.layout
+        if self.single_steps and self.global_steps:
+            raise RootLayoutConflictError(
+                f"{self.found()}: a root of both layouts and no record of which one is current; move the "
+                f"versions of the layout no longer wanted out of the root (fsck lists them)")
+        if self.global_steps:
+            return "multirank"
+        if self.single_steps:
+            return "single"
+        return "multirank" if self.multirank_dirs else None
+
+    def superseded_single(self) -> bool:
+        """Whether the record says the single-process versions here were replaced by the multi-rank layout."""
+        return (self.record is not None and self.record.layout == "multirank"
+                and any(p.layout == "single" for p in self.record.previous))
+
+    def adoptable_single(self) -> tuple[int, ...]:
+        """The single-process versions a multi-rank job may resume: only while no global version is published."""
+        if self.global_steps:
+            return ()
+        return self.single_steps
+
+
+def survey(root: str | os.PathLike[str], *, with_record: bool = True) -> RootSurvey:
+    """Look at ``root``: its record and the versions of each layout (nothing is written).
+
+    Args:
+        root: the root.
+        with_record: read the record (False: leave it out, as for a root without one).
+
+    Raises:
+        RootLayoutError: its record is not valid.
+    """
+    path = os.path.abspath(os.fspath(root))
+    record = read_record(path) if with_record else None
+    single: list[int] = []
+    dirs = False
+    try:
+        entries = list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
+    for entry in entries:
+        step = parse_version_dirname(entry.name)
+        if step is not None and entry.is_dir(follow_symlinks=False) and _regular(
+                os.path.join(entry.path, MANIFEST_NAME)):
+            single.append(step)
+        elif entry.name == globaldir.GLOBAL_DIR or globaldir.parse_rank_dirname(entry.name) is not None:
+            dirs = dirs or entry.is_dir(follow_symlinks=False)
+    gdir = os.path.join(path, globaldir.GLOBAL_DIR)
+    steps = globaldir.list_global_steps(gdir) if os.path.isdir(gdir) else []
+    return RootSurvey(path, record, tuple(sorted(single)), tuple(steps), dirs,
+                      os.path.lexists(os.path.join(path, LATEST)))
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def record_single(root: str, *, fsync: bool = True) -> None:
+    """Record ``root`` as a single-process root unless its record says so already (a store's first commit).
+
+    Raises:
+        RootLayoutError: the record there is not valid.
+        RootLayoutConflictError: it records a multi-rank root.
+    """
+    path = os.path.abspath(root)
+    record = read_record(path)
+    if record is not None and record.layout == "single":
+        return
+    if record is not None:
+        raise RootLayoutConflictError(f"{path}: a single-process store committed into a root recorded as "
+                                      f"{record.describe()}")
+    write_record(path, RootLayout("single", 1), fsync=fsync)
+
+
+def record_multirank(root: str, world_size: int, *, resumed_single: int | None, fsync: bool = True) -> bool:
+    """Record ``root`` as multi-rank of ``world_size`` ranks before a global version is published.
+
+    A single-process layout it replaces goes into ``previous`` (with its newest
+    version, and whether this job resumed it: ``resumed_single``).
+
+    Returns:
+        Whether it replaced a single-process layout (the caller removes the single-process ``LATEST``
+        once the global version is published).
+
+    Raises:
+        RootLayoutError: the record there is not valid.
+    """
+    found = survey(root)
+    _ = found.layout  # a root of both layouts and no record: RootLayoutConflictError, nothing is written
+    record = found.record
+    if record is not None and record.layout == "multirank" and record.world_size == world_size:
+        return False
+    previous = record.previous if record is not None else ()
+    replaced = False
+    if (record is None and found.single_steps) or (record is not None and record.layout == "single"):
+        newest = found.single_steps[-1] if found.single_steps else None
+        previous = (*previous, PreviousLayout("single", 1, newest, resumed_single is not None))[-MAX_PREVIOUS:]
+        replaced = True
+    write_record(found.root, RootLayout("multirank", world_size, previous), fsync=fsync)
+    return replaced
+
+
+def drop_single_latest(root: str, *, fsync: bool = True) -> bool:
+    """Remove the single-process ``LATEST`` of a root whose layout is now multi-rank; return whether it was there."""
+    path = os.path.join(root, LATEST)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    if fsync:
+        fsync_dir(root)
+    logger.info("%s: removed the single-process %s hint (the root is multi-rank now: global/%s)", root, LATEST,
+                LATEST)
+    return True
+
+
+SINGLE_ROOT_KEY = "single_process_root"
+"""Key of the meta of a global manifest that stands for a single-process version of the root (never published)."""
+
+
+def single_version(root: str, step: int) -> GlobalManifest:
+    """The single-process version ``step`` of ``root`` as a global version of one rank (never written anywhere).
+
+    A multi-rank job resumes it the way it resumes a version of another world size: every rank reads the
+    pieces it needs straight from ``root`` (:func:`is_single_root`, :mod:`.reshard`).
+
+    Raises:
+        CorruptVersionError: its manifest is not a regular file of bounded size, does not parse, or names
+            another step.
+        FileNotFoundError: it is not there.
+    """
+    path = os.path.join(root, version_dirname(step), MANIFEST_NAME)
+    check_regular(path, max_size=MAX_MANIFEST_BYTES)
+    manifest = parse_manifest(read_whole(path))
+    if manifest.step != step:
+        raise CorruptVersionError(f"{path} says step {manifest.step}")
+    shard = ShardInfo(0, step, shard_digest(manifest), manifest.nbytes, len(manifest.tensors))
+    return GlobalManifest(step, 1, (shard,), {SINGLE_ROOT_KEY: True})
+
+
+def is_single_root(g: GlobalManifest) -> bool:
+    """Whether ``g`` stands for a single-process version of the root (:func:`single_version`)."""
+    return g.world_size == 1 and g.meta.get(SINGLE_ROOT_KEY) is True

@@ -61,7 +61,7 @@ from asymstore.errors import (
     VersionNotFoundError,
     describe,
 )
-from asymstore.format.manifest import Manifest, TensorEntry
+from asymstore.format.manifest import Chunk, Manifest, TensorEntry
 from asymstore.format.pieces import TensorLayout
 from asymstore.multirank.reshard import ShardSet
 from asymstore.tiers.protocol import Tier
@@ -171,14 +171,13 @@ class _ChunkReader:
         self.sizes = {s.name: s.size for s in manifest.segments}
         self._name: str | None = None
         self._data: memoryview | None = None
-        self._pack: tuple[tuple[str, int], memoryview] | None = None  # the last pack verified, for the next tensors
+        self._pack: tuple[Chunk, memoryview] | None = None  # the last pack verified, for the next tensors
 
     async def tensor_bytes(self, name: str, entry: TensorEntry, sink: Callable[[memoryview], None]) -> None:
         from asymstore.read.verify import decode_one, verify_segment
 
         for chunk, lo, hi in entry.pieces():
-            key = (chunk.segment, chunk.offset)
-            if self._pack is not None and self._pack[0] == key:
+            if self._pack is not None and self._pack[0] == chunk:  # the chunk itself: an empty pack shares its place
                 sink(self._pack[1][lo:hi])
                 continue
             if chunk.segment != self._name:
@@ -190,7 +189,7 @@ class _ChunkReader:
             stored = self._data[chunk.offset:chunk.offset + chunk.length]
             decoded = await asyncio.to_thread(decode_one, name, chunk, stored, None)
             if entry.pack_offset is not None:
-                self._pack = (key, decoded)
+                self._pack = (chunk, decoded)
             sink(decoded[lo:hi])
 
 

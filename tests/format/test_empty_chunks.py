@@ -11,7 +11,7 @@ such states in another process, on every file tier kind.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -64,14 +64,31 @@ def empty_first(n: int = 40) -> dict[str, torch.Tensor]:
     return state
 
 
+def two_packs_at_one_place() -> dict[str, torch.Tensor]:
+    """A pack of empty tensors and, at the same offset, the next pack (staging starts a pack every 4096 tensors)."""
+    state = {f"empty{i}": torch.empty(0) for i in range(4096)}
+    state.update({f"small{i}": torch.full((5,), float(i)) for i in range(40)})
+    return state
+
+
 @pytest.mark.parametrize("compression", ["never", "always"])
 @pytest.mark.parametrize("kind", FILE_KINDS)
 @pytest.mark.parametrize("into", ["none", "all", "some"])
 def test_an_empty_pack_beside_a_large_tensor_restores_bit_exact(kind: Kind, compression: str, into: str,
                                                                 tmp_path: Path, shm_dir: str,
                                                                 restorer: Restorer) -> None:
+    check_restore(kind, compression, into, tmp_path, shm_dir, restorer, empty_first())
+
+
+@pytest.mark.parametrize("into", ["none", "all"])
+def test_two_packs_at_one_place_restore_bit_exact(into: str, tmp_path: Path, shm_dir: str,
+                                                  restorer: Restorer) -> None:
+    check_restore("local", "never", into, tmp_path, shm_dir, restorer, two_packs_at_one_place())
+
+
+def check_restore(kind: Kind, compression: str, into: str, tmp_path: Path, shm_dir: str, restorer: Restorer,
+                  state: dict[str, torch.Tensor]) -> None:
     path = where(kind, tmp_path, shm_dir)
-    state = empty_first()
     commit(kind, path, state, compression)
     answer = restorer.restore(kind, path, into)  # type: ignore[arg-type]
     assert answer.get("error") is None, answer
@@ -88,3 +105,25 @@ def test_two_packs_at_one_place_stay_two_packs_through_the_manifest() -> None:
     assert manifest.packs == (empty, full)
     back = parse_manifest(manifest.to_json())
     assert back.tensors["a"].chunks[0] == empty and back.tensors["b"].chunks[0] == full
+
+
+@pytest.mark.parametrize("make", [empty_first, two_packs_at_one_place])
+@pytest.mark.parametrize("to", ["safetensors", "dcp"])
+def test_export_of_chunks_that_share_a_place_is_bit_exact(to: str, make: Callable[[], dict[str, torch.Tensor]],
+                                                          tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import load
+
+    from asymstore.export import export
+
+    state = {f"model/{k}": v for k, v in make().items()}
+    commit("local", str(tmp_path / "root"), state, "never")
+    out = str(tmp_path / "out")
+    summary = asyncio.run(export(str(tmp_path / "root"), to, out))  # type: ignore[arg-type]
+    assert summary["step"] == 1
+    if to == "safetensors":
+        got = load_file(out)
+    else:
+        got = {k.removeprefix("model/"): torch.empty_like(v) for k, v in state.items()}
+        load(got, checkpoint_id=out, no_dist=True)  # type: ignore[call-arg]
+    assert digests(got) == digests({k.removeprefix("model/"): v for k, v in state.items()})

@@ -19,7 +19,7 @@ from asymstore.io.rootlock import LOCK_NAME
 from tests.support.store import fsck, fsck_json, make_state, same_state, store_kw
 
 TOP_KEYS = {"schema", "root", "deep", "ok", "latest", "latest_problem", "newest_restorable", "versions",
-            "problems", "repaired", "writer"}
+            "problems", "repaired", "writer", "layout", "layout_record", "layout_problems"}
 VERSION_KEYS = {"name", "status", "step", "nbytes", "problems", "unreferenced", "kept_by", "ok"}
 
 

@@ -9,8 +9,9 @@ saved, bit for bit, and the tensors held whole (step counters, RNG states) come 
 trains to 12, checked the same way. After each change of size, training goes on with losses (and ends in a
 state) bit-identical to a reference run of the new size that loaded the old job's final state through torch's
 own ``set_model_state_dict`` / ``set_optimizer_state_dict`` (mode ``"ref_from"`` of tests/support/fsdp2_cases.py).
-fsck finds the root clean after each change of size (its layout record: multi-rank, of the new size). And FSDP2 on a single rank (an ordinary store, resume reading
-straight into the local shards) stops after 3 iterations and resumes bit-exact.
+fsck finds the root clean after each change of size (its layout record: multi-rank, of the new size).
+And FSDP2 on a single rank (an ordinary store, resume reading straight into the local shards) stops after
+3 iterations and resumes bit-exact.
 """
 
 from __future__ import annotations

@@ -350,6 +350,14 @@ class Checkpointer:
                 hold parts of one: the next optimizer step raises
                 CheckpointerStateError instead of training on them.
             CheckpointerStateError: training already started, or closed.
+            RootLayoutError: (several ranks) the root's ``LAYOUT.json`` is not valid, or (its subclass
+                RootLayoutConflictError) the root holds both layouts and no record says which is current.
+            WorldSizeMismatchError: the version was written by another number of ranks and cannot be
+                resharded (see ``across_layouts`` for a single-process root).
+
+        A job of several ranks opening a single-process root resumes its newest version, each rank
+        reading its piece (see ``across_layouts`` and docs/guides/fsdp2.md); it never returns None
+        beside committed versions unless ``across_layouts="start_fresh"`` says so.
         """
         self._require_open()
         if self._progress.started:

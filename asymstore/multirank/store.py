@@ -517,6 +517,11 @@ class RankStore:
                 and ``reshard`` is not set.
             CorruptVersionError: no candidate verified on every rank.
             CoordinationTimeoutError: a rank did not answer in time.
+            RootLayoutError: the root's ``LAYOUT.json`` is not valid (every rank raises it); its subclass
+                RootLayoutConflictError: the root holds both layouts and no record says which is current.
+
+        A root with single-process versions and no global version: see ``across_layouts``; such a
+        version is read from the root by every rank (``reshard`` set, else ``WorldSizeMismatchError``).
         """
         await self.local.refresh()
         try:

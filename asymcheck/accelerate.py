@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -64,7 +65,13 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
-from asymcheck.errors import DataPositionError, StateMismatchError, UnsupportedAccelerateConfigError
+from asymcheck.errors import (
+    DataPositionError,
+    InexactResumeWarning,
+    StateMismatchError,
+    UnresumableDataError,
+    UnsupportedAccelerateConfigError,
+)
 from asymcheck.integration import untested_version
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.state.trainstate import Stateful
@@ -457,6 +464,35 @@ def _named(kind: str, objs: Any, single: str) -> dict[str, Any]:
     raise TypeError(f"{kind}= takes a mapping of name -> object with state_dict/load_state_dict")
 
 
+def _check_data(data: Any, datas: Mapping[str, Any]) -> None:
+    """Refuse a loader whose position no version could hold; name what a resume would not continue exactly.
+
+    Raises:
+        UnresumableDataError: an entry of ``data`` is a torch ``DataLoader`` that ``accelerator.prepare()``
+            did not return (its order and position are the loop's own, out of the versions' reach).
+    """
+    if data is None:
+        warnings.warn(InexactResumeWarning(
+            "asymcheck.accelerate.attach() was given no data=: the versions hold no data position, so a "
+            "resumed run draws its batches from a new order and the interrupted epoch's rest is not what an "
+            "uninterrupted run would train on. Pass the loader accelerator.prepare() returned as data= (and "
+            "iterate ckpt.loader), or data={} when the loop draws no batches from a loader."), stacklevel=3)
+        return
+    for name, obj in datas.items():
+        inner = obj.loader if isinstance(obj, ResumableLoader) else obj
+        if isinstance(inner, torch.utils.data.DataLoader) and not _is_prepared_loader(inner):
+            raise UnresumableDataError(
+                f"data[{name!r}] is a DataLoader that accelerator.prepare() did not return: its order and "
+                "position are the loop's own, so a resume could not continue its epoch. Pass the loader "
+                "prepare() returned.")
+        if _is_prepared_loader(inner) and getattr(inner, "num_workers", 0) > 0:
+            warnings.warn(InexactResumeWarning(
+                f"data[{name!r}] loads with num_workers={inner.num_workers}: after a resume the interrupted "
+                "epoch's batches go to other workers, whose random number generators are seeded anew, so "
+                "random transforms inside the dataset differ from an uninterrupted run (the batches' samples "
+                "and order do not)."), stacklevel=3)
+
+
 def _add(into: dict[str, Any], name: str, obj: Any) -> None:
     if name in into:
         raise ValueError(f"the name {name!r} is attach()'s own; give your object another")
@@ -513,10 +549,17 @@ def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, 
             missed, or one not tested (see :func:`unsupported_settings`); nothing was hooked.
         UnsupportedConfigError: under DeepSpeed, a configuration :func:`asymcheck.deepspeed.attach`
             refuses.
+        UnresumableDataError: ``data`` holds a torch ``DataLoader`` that ``prepare`` did not return.
+
+    Warns:
+        InexactResumeWarning: no ``data`` was given (pass ``data={}`` when the loop draws no batches
+            from a loader), or a prepared loader uses worker processes (random transforms in them
+            differ after a resume).
     """
     _check(accelerator)
     datas = _named("data", data, LOADER_NAME)
     states = _named("stateful", stateful, "")
+    _check_data(data, datas)
     loaders: dict[str, ResumableLoader] = {}
     for name, obj in list(datas.items()):
         if isinstance(obj, ResumableLoader):

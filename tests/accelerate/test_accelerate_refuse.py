@@ -8,6 +8,8 @@ refusals of a real Accelerate job, and everything that trains, are in test_accel
 from __future__ import annotations
 
 import itertools
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +20,7 @@ from accelerate.utils import DistributedType, DynamoBackend
 
 from asymcheck import StateMismatchError, UnsupportedConfigError
 from asymcheck.accelerate import ResumableLoader, UnsupportedAccelerateConfigError, attach, unsupported_settings
+from asymcheck.errors import InexactResumeWarning, UnresumableDataError
 
 
 def accelerator(**changes: Any) -> Any:
@@ -136,3 +139,40 @@ def test_continuation_draws_the_interrupted_order_and_leaves_the_rng_alone() -> 
     assert list(resumed) == order[2:]  # the same order, after the batches already trained
     assert torch.equal(torch.get_rng_state(), before)  # the pass's draws were made from its own start state
     assert resumed.epoch == 4  # the loader's epoch moved on as the uninterrupted pass's did
+
+
+def plain_job() -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
+    """A stand-in accelerator of one process (prepare() returns its arguments) and a model with its optimizer."""
+    acc = accelerator(scaler=None, unwrap_model=lambda m: m)
+    model = torch.nn.Linear(4, 2)
+    return acc, model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_loader_prepare_did_not_return_is_refused(tmp_path: Path) -> None:
+    acc, model, opt = plain_job()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4,
+                                         shuffle=True)
+    for data in (loader, {"train": loader}):
+        with pytest.raises(UnresumableDataError, match="did not return") as info:
+            attach(acc, model, opt, str(tmp_path), data=data)
+        assert "'loader'" in str(info.value) or "'train'" in str(info.value)
+    assert not any(tmp_path.iterdir())  # refused before the store was opened
+
+
+def test_no_data_is_named_unless_said_explicitly(tmp_path: Path) -> None:
+    acc, model, opt = plain_job()
+    with pytest.warns(InexactResumeWarning, match="no data="):
+        attach(acc, model, opt, str(tmp_path / "a")).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InexactResumeWarning)
+        attach(acc, model, opt, str(tmp_path / "b"), data={}).close()  # the loop draws no batches from a loader
+
+
+def test_a_prepared_loader_with_workers_is_named(tmp_path: Path) -> None:
+    from accelerate.data_loader import DataLoaderShard
+
+    acc, model, opt = plain_job()
+    loader = DataLoaderShard(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4, num_workers=2)
+    with pytest.warns(InexactResumeWarning, match="num_workers=2") as record:
+        attach(acc, model, opt, str(tmp_path), data=loader).close()
+    assert len(record) == 1

@@ -12,7 +12,8 @@ superseded, no ``LATEST`` is left in the root itself. The root then resumes on 1
 On another copy of the single-process root, ``across_layouts="start_fresh"`` starts from nothing beside
 the old versions (explicitly, recorded as not resumed), and a root whose layout record is damaged makes
 ``resume()`` raise the same typed error on every rank. 2 -> 1 -> 2 is
-tests/fsdp2/test_asymcheck_fsdp2_reshard.py (fsck after each).
+tests/fsdp2/test_asymcheck_fsdp2_reshard.py (fsck after each). DDP of one rank resumes on two, each rank
+taking the whole version.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.fsdp2.test_asymcheck_fsdp2_reshard import assert_resharded, ref
-from tests.support.mr_harness import Case, run_cases
+from tests.support.mr_harness import Case, assert_same_state, run_cases
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +45,10 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "fsck": True},
                {**base, "dir": str(root / "bad"), "name": "bad", "iterations": 2, "expect_error": True}],
               3, root / "out")
-    run_cases([{**base, "name": "one", "iterations": 10, "fsck": True}, ref("one", "three", 3, 10)], 1,
-              root / "out")
+    ddp = {"kind": "ddp", "mode": "attach", "dir": str(root / "ddp"), "dump_resumed": True}
+    run_cases([{**base, "name": "one", "iterations": 10, "fsck": True}, ref("one", "three", 3, 10),
+               {**ddp, "name": "ddp_one", "iterations": 3}], 1, root / "out")
+    run_cases([{**ddp, "name": "ddp_two", "iterations": 5, "fsck": True}], 2, root / "out")
     return root / "out"
 
 
@@ -102,3 +105,20 @@ def test_a_damaged_layout_record_is_the_same_typed_error_on_every_rank(out: Path
         assert error["type"] == "RootLayoutError" and "LAYOUT.json" in error["message"], error
     assert json.loads((out.parent / "bad" / "LAYOUT.json").read_text())["world_size"] == 3  # left as it was
     assert (out.parent / "bad" / "LATEST").read_text().strip() == "6"
+
+
+def test_ddp_of_one_rank_resumes_on_two_whole_and_bit_exact(out: Path) -> None:
+    """DDP holds every tensor whole: each of 2 ranks resumes the single-process version entire, bit for bit."""
+    one, two = Case(out, "ddp_one", 1), Case(out, "ddp_two", 2)
+    assert one.rc(0) == 0, one.log(0)
+    saved = one.final(0)
+    for r in range(2):
+        assert two.rc(r) == 0, two.log(r)
+        [resumed] = two.events(r, "resumed")
+        assert (resumed["step"], resumed["tier"]) == (3, "resharded from 1 rank(s)")
+        assert_same_state(saved, two.final(r, "resumed"))  # tensors, RNG states, scheduler, data position
+        assert two.final(r).step == 5
+    report = two.fsck()
+    assert report["ok"], report["problems"]
+    assert report["layout_record"]["previous"] == [
+        {"layout": "single", "world_size": 1, "newest_step": 3, "resumed": True}]

@@ -406,11 +406,14 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
             case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0),
             **({"durable": tiers[0].name} if case.get("peer") and tiers else {}))
         ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512)
-        assert isinstance(ckpt.store, RankStore)
+        assert isinstance(ckpt.store, RankStore) or dist.get_world_size() == 1  # one rank: an ordinary store
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration,
                   tier=ckpt.restored.tier if ckpt.restored else None,
                   fallbacks=list(ckpt.restored.fallbacks) if ckpt.restored else [])
+        if case.get("dump_resumed"):  # the state as resume() left it, before any training
+            tensors, meta = TrainingState(model, opt, stateful).capture_all()
+            save_final(log.cdir / f"resumed-rank{rank}", pos.iteration, tensors, meta)
         kind, at = kill_spec(case, rank)
         if kind == "forward":
             model.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 
 LATEST = "LATEST"
+LAYOUT_FILE = "LAYOUT.json"
+"""A root's layout record (:mod:`asymstore.multirank.rootlayout`)."""
 TMP_PREFIX = ".tmp-"
 QUARANTINE = ".quarantine"
 _VERSION = re.compile(r"^v(\d{12,20})$")

@@ -116,8 +116,9 @@ async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] 
         elif name.startswith(TMP_PREFIX):
             vstep = parse_version_dirname(name[len(TMP_PREFIX):].split("-")[0])
             entries.append(VersionReport(name, "partial", vstep, problems=["a commit that never published"]))
-        elif name.startswith(f".{LATEST}.") and name.endswith(".tmp"):
-            entries.append(VersionReport(name, "orphaned", None, problems=["leftover of a LATEST update"]))
+        elif is_leftover_name(name):  # a LATEST or layout record update cut short (atomic_write's temporary file)
+            what = LATEST if name.startswith(f".{LATEST}.") else "layout record"
+            entries.append(VersionReport(name, "orphaned", None, problems=[f"leftover of a {what} update"]))
         elif name == QUARANTINE and os.path.isdir(path):
             for q in sorted(os.listdir(path)):
                 entries.append(VersionReport(f"{QUARANTINE}/{q}", "quarantined", parse_version_dirname(q[:13])))

@@ -37,7 +37,7 @@ from typing import Literal
 
 from asymstore.errors import RootLockedError
 from asymstore.format.manifest import MANIFEST_NAME
-from asymstore.format.names import LATEST, TMP_PREFIX, parse_version_dirname
+from asymstore.format.names import LATEST, LAYOUT_FILE, TMP_PREFIX, parse_version_dirname
 from asymstore.io.files import fsync_dir, quarantine_entry
 
 logger = logging.getLogger(__name__)
@@ -173,9 +173,14 @@ class DirLock:
             os.close(fd)
 
 
+_SMALL_FILES = (LATEST, LAYOUT_FILE)
+"""The root's small files, replaced by :func:`~asymstore.io.files.atomic_write` (temporary ``.NAME.<id>.tmp``)."""
+
+
 def is_leftover_name(name: str) -> bool:
-    """True for names only a writer in progress makes: ``.tmp-*`` entries and ``LATEST`` temp files."""
-    return name.startswith(TMP_PREFIX) or (name.startswith(f".{LATEST}.") and name.endswith(".tmp"))
+    """True for names only a writer in progress makes: ``.tmp-*`` entries and the small files' temp files."""
+    return name.startswith(TMP_PREFIX) or (name.endswith(".tmp") and any(
+        name.startswith(f".{small}.") for small in _SMALL_FILES))
 
 
 def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int | None = None,

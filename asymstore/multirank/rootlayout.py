@@ -46,15 +46,13 @@ from typing import Any, Literal
 from asymstore.errors import CorruptVersionError, RootLayoutConflictError, RootLayoutError
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
-from asymstore.format.names import LATEST, parse_version_dirname, version_dirname
+from asymstore.format.names import LATEST, LAYOUT_FILE, parse_version_dirname, version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.io.files import atomic_write, check_regular, fsync_dir, read_whole
 from asymstore.multirank import globaldir
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_FILE = "LAYOUT.json"
-"""The record's name in the root."""
 FORMAT = 1
 """The record's format version."""
 MAX_RECORD_BYTES = 64 << 10

@@ -144,20 +144,24 @@ async def test_version_without_manifest_is_orphaned(tmp_path: Path) -> None:
     (orphan / "seg-000000.bin").write_bytes(b"x" * 100)
     stray = root / f".{LATEST}.0123456789ab.tmp"  # an interrupted LATEST update
     stray.write_text("30\n")
+    record = root / ".LAYOUT.json.0123456789ab.tmp"  # an interrupted layout record update
+    record.write_text("{")
     before = snapshot(root)
     rc, report = fsck_json(str(root))
     assert rc == 1
     got = {name: (status, step) for name, status, step in statuses(report)}
     assert got[orphan.name] == ("orphaned", 5)
-    assert got[stray.name] == ("orphaned", None)
+    assert got[stray.name] == ("orphaned", None) and got[record.name] == ("orphaned", None)
     assert sorted(report["problems"]) == sorted([
         f"{orphan.name}: orphaned: no manifest: a retention delete that was interrupted",
-        f"{stray.name}: orphaned: leftover of a LATEST update"])
+        f"{stray.name}: orphaned: leftover of a LATEST update",
+        f"{record.name}: orphaned: leftover of a layout record update"])
     rc, fixed = fsck_json("--repair", str(root))
     assert rc == 0
-    assert sorted(fixed["repaired"]) == sorted([f"removed orphaned {orphan.name}", f"removed orphaned {stray.name}"])
-    assert not orphan.exists() and not stray.exists()
-    kept = {k: v for k, v in before.items() if not k.startswith((orphan.name, stray.name))}
+    assert sorted(fixed["repaired"]) == sorted([f"removed orphaned {orphan.name}", f"removed orphaned {stray.name}",
+                                                f"removed orphaned {record.name}"])
+    assert not orphan.exists() and not stray.exists() and not record.exists()
+    kept = {k: v for k, v in before.items() if not k.startswith((orphan.name, stray.name, record.name))}
     assert snapshot(root) == kept  # the committed versions and LATEST are untouched
 
 

@@ -214,3 +214,15 @@ def test_remote_prefixes_get_the_same_judgment(tmp_path: Path, kind: str, keep_l
         f"v00000000000{s}" for s in aside for _ in segments[s])
     assert len(quarantined) == len(aside)
     assert warned(caplog, "v000000000003") and warned(caplog, "v000000000001") is (keep_last is None)
+
+
+async def test_an_interrupted_layout_record_update_is_swept_at_open(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    await commit_all(LocalTier(root))
+    stray = root / ".LAYOUT.json.0123456789ab.tmp"  # a crash between atomic_write's write and its rename
+    stray.write_text("{")
+    other = root / ".LAYOUT.json.notes"  # not a name a writer makes: left alone
+    other.write_text("mine")
+    async with AsymStore([LocalTier(root)], keep_last=None) as store:
+        assert store.versions()[f"local:{root}"] == STEPS
+    assert not stray.exists() and other.read_text() == "mine"

@@ -8,7 +8,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +96,12 @@ class AsymStore:
         read_only: open to read only (restore, versions, status) beside a
             live writer: no root is locked, nothing is swept or calibrated,
             and ``put`` / ``commit`` raise :class:`ReadOnlyStoreError`.
+        retention_floor: for a store with no retention rule of its own whose
+            versions an outer retention deletes (each rank's shards of a
+            :class:`~asymstore.multirank.RankStore`): returns the oldest version
+            that retention keeps (None: none known). A version without a
+            manifest below it is what an interrupted delete left, and the sweep
+            removes it instead of quarantining it.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, keep_last: int | None = 3, keep_every: int | None = None,
@@ -105,7 +111,8 @@ class AsymStore:
                  codec: PlaneCodec | None = None, calibrations: Mapping[str, TierCalibration] | None = None,
                  calibration_cache: str | os.PathLike[str] | bool = True,
                  flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES, backlog: int = 1,
-                 close_timeout_s: float | None = 60.0, read_only: bool = False) -> None:
+                 close_timeout_s: float | None = 60.0, read_only: bool = False,
+                 retention_floor: Callable[[], int | None] | None = None) -> None:
         """Configure the store; tiers are opened by ``open`` / ``async with``."""
         if not tiers:
             raise ValueError("AsymStore needs at least one tier")
@@ -127,7 +134,7 @@ class AsymStore:
         unknown = set(calibrations or {}) - set(names)
         if unknown:
             raise ValueError(f"calibrations name unknown tiers: {sorted(unknown)}")
-        self._tiers = [TierState(t) for t in tiers]
+        self._tiers = [TierState(t, retention_floor) for t in tiers]
         self.segment_bytes = segment_bytes
         chunk = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
         self._stager = Stager(chunk, self._admit)

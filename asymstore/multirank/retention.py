@@ -30,6 +30,8 @@ from asymstore.multirank import globaldir
 from asymstore.multirank.departed import retire_departed
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from asymstore.dist.kv import KV
     from asymstore.multirank.job import Job
     from asymstore.store import AsymStore
@@ -129,6 +131,20 @@ async def retire_departed_shards(job: Job) -> None:
     await retire_departed(job.root, job.world_size, kept, job.peer_tiers)
 
 
+def shard_floor(job: Job) -> int | None:
+    """The oldest of ``job.rank``'s shard steps that a global version retention keeps still needs.
+
+    None when no global retention rule is in force (nothing is deleted, so a shard directory without
+    a manifest is no interrupted delete), when no kept version names this rank, or when one does not
+    parse. Below it, this rank's shards are ones retention deletes (:func:`retain_shards`).
+    """
+    if job.global_keep_last is None and job.rules is None:
+        return None
+    kept = _kept_globals(job, job.global_keep_last or 0)
+    steps = [g.shard(job.rank).step for g in kept or () if job.rank < len(g.shards)]
+    return min(steps) if steps else None
+
+
 async def delete_shard(local: AsymStore, step: int) -> None:
     """Delete shard ``step`` from every tier of ``local`` that holds it (``local.refresh`` is the caller's)."""
     for tier in local.tiers:
@@ -136,7 +152,8 @@ async def delete_shard(local: AsymStore, step: int) -> None:
             await tier.delete_version(step)
 
 
-async def retain_shards(local: AsymStore, kv: KV, rank: int, *, by_rules: bool = False) -> None:
+async def retain_shards(local: AsymStore, kv: KV, rank: int, *, by_rules: bool = False,
+                        floor: Callable[[int], None] | None = None) -> None:
     """Delete ``rank``'s own shards no kept global version needs.
 
     Args:
@@ -146,6 +163,8 @@ async def retain_shards(local: AsymStore, kv: KV, rank: int, *, by_rules: bool =
         by_rules: the job keeps by ``keep_every``/``keep_best`` too: read ``retain/set``
             (below the newest step it names, only those steps stay), else ``retain/<rank>``
             and ``retain/all`` (every shard older than the step they name goes).
+        floor: told the oldest shard step kept before any shard is deleted (the sweep of
+            ``local`` removes, rather than quarantines, a manifest-less shard below it).
     """
     if by_rules:
         record = await asyncio.to_thread(kv.get, "retain/set") if await asyncio.to_thread(kv.has, "retain/set") \
@@ -156,12 +175,16 @@ async def retain_shards(local: AsymStore, kv: KV, rank: int, *, by_rules: bool =
             return
         keep, top = set(steps), max(steps)
         old = sorted({v for vs in local.versions().values() for v in vs if v < top and v not in keep})
+        if floor is not None:
+            floor(min(keep))
     else:
         keep_from = max(await asyncio.to_thread(kv.read_int, f"retain/{rank}"),
                         await asyncio.to_thread(kv.read_int, "retain/all")) - 1
         if keep_from < 0:
             return
         old = sorted({v for vs in local.versions().values() for v in vs if v < keep_from})
+        if floor is not None:
+            floor(keep_from)
     for s in old:
         await delete_shard(local, s)
     if old:

@@ -57,7 +57,13 @@ from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
 from asymstore.multirank.restore import restore_collective
-from asymstore.multirank.retention import delete_shard, retain_shards, retire_departed_shards, roll_back
+from asymstore.multirank.retention import (
+    delete_shard,
+    retain_shards,
+    retire_departed_shards,
+    roll_back,
+    shard_floor,
+)
 from asymstore.multirank.rootlayout import AcrossLayouts, check_across
 from asymstore.policy.retention import META_KEY, KeepBest, Retention
 from asymstore.store import AsymStore
@@ -135,7 +141,8 @@ class RankStore:
         self._global_lock = DirLock(self.job.global_dir)
         if tiers is None:
             tiers = self.job.peer_tiers(rank)
-        self.local = AsymStore(tiers, keep_last=None, **store_kwargs)
+        self._shard_floor: int | None = None  # the oldest own shard the global retention keeps (None: not known)
+        self.local = AsymStore(tiers, keep_last=None, retention_floor=self._sweep_floor, **store_kwargs)
         """This rank's own shards (retention follows the global versions, so it keeps everything itself)."""
         self.wait_global = wait_global
         self.namespace = namespace or checksum(self.root.encode())[:12]
@@ -155,6 +162,15 @@ class RankStore:
         """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
         self.placement: RankPlacement | None = None
         """Where this rank's tiers are (after ``open``): reported with every shard, recorded in ``global/``."""
+
+    def _sweep_floor(self) -> int | None:
+        """The local store's sweep asks: below which own shard step a manifest-less shard is a retention delete's."""
+        if self._shard_floor is None:  # until retention told one: from the kept global versions on disk
+            self._shard_floor = shard_floor(self.job)
+        return self._shard_floor
+
+    def _note_floor(self, step: int) -> None:
+        self._shard_floor = step
 
     # -- the job (see :class:`~asymstore.multirank.job.Job`) ---------------
 
@@ -274,7 +290,8 @@ class RankStore:
             try:
                 await asyncio.to_thread(self.job.kv.wait, [f"{self._last_commit_key}/global"],
                                         min(self.timeout_s, 30.0), "the last global commit")
-                await retain_shards(self.local, self.job.kv, self.rank, by_rules=self.job.rules is not None)
+                await retain_shards(self.local, self.job.kv, self.rank, by_rules=self.job.rules is not None,
+                                    floor=self._note_floor)
             except (CoordinationTimeoutError, RuntimeError) as exc:
                 logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
             self._last_commit_key = None
@@ -449,7 +466,8 @@ class RankStore:
         except GlobalVersionDroppedError:
             await self._discard(step)  # no global version will ever use it
             raise
-        await retain_shards(self.local, kv, self.rank, by_rules=self.job.rules is not None)
+        await retain_shards(self.local, kv, self.rank, by_rules=self.job.rules is not None,
+                            floor=self._note_floor)
         return result
 
     async def _discard(self, step: int) -> None:
@@ -492,7 +510,8 @@ class RankStore:
                     msg = await asyncio.to_thread(self.kv.get, f"{key}/global")
                     if "step" in msg:
                         self.published_step = int(msg["step"])
-                        await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None)
+                        await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None,
+                                            floor=self._note_floor)
                     await asyncio.to_thread(self.kv.put, f"{key}/flushed/{self.rank}", {"global": msg})
             except (CoordinationTimeoutError, RuntimeError) as exc:
                 logger.warning("rank %d: its last commit is not finished on every rank: %s", self.rank, exc)

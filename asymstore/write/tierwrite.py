@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from asymstore.api import FlushStats, TierCalibration
 from asymstore.errors import AsymstoreError, TierError, describe
@@ -23,9 +24,10 @@ logger = logging.getLogger(__name__)
 class TierState:
     """What a store knows of one of its tiers: versions, copies that failed, lock, calibration, last flush."""
 
-    def __init__(self, tier: Tier) -> None:
-        """Start with nothing known (``AsymStore.refresh`` lists the versions)."""
+    def __init__(self, tier: Tier, floor: Callable[[], int | None] | None = None) -> None:
+        """Start with nothing known (``AsymStore.refresh`` lists the versions); ``floor``: an outer retention's."""
         self.tier = tier
+        self.floor = floor  # the oldest version an outer retention keeps (AsymStore's retention_floor)
         self.versions: set[int] = set()
         self.bad: set[int] = set()  # steps that failed verification here
         self.lock = asyncio.Lock()  # one version written at a time, in step order
@@ -128,9 +130,12 @@ def retention_in_force(tier: Tier, retention: Retention) -> bool:
 
 
 async def oldest_kept(state: TierState, retention: Retention) -> int | None:
-    """The oldest of ``state.versions`` that retention keeps, or None (no rule in force, or no version)."""
+    """The oldest of ``state.versions`` that retention keeps, or None (no rule in force, or no version).
+
+    With no rule of the store's own, an outer retention's floor (``state.floor``) when it has one.
+    """
     if not retention_in_force(state.tier, retention):
-        return None
+        return state.floor() if state.floor is not None else None
     kept = state.versions - set(await _victims(state, retention))
     return min(kept) if kept else None
 

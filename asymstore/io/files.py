@@ -373,10 +373,24 @@ def _read_ranges_direct(fd: int, size: int, order: list[tuple[int, memoryview, i
     return []
 
 
+_IN_FLIGHT: set[str] = set()  # the temporary files atomic_write is writing in this process (absolute paths)
+
+
+def in_flight(path: str) -> bool:
+    """Whether ``path`` is a temporary file :func:`atomic_write` is writing in this process (a sweep skips it)."""
+    return os.path.abspath(path) in _IN_FLIGHT
+
+
 def atomic_write(path: str, data: bytes, *, fsync: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically: tmp file, fsync, rename, fsync dir."""
+    """Replace ``path`` with ``data`` atomically: tmp file, fsync, rename, fsync dir.
+
+    The temporary file (``.NAME.<id>.tmp`` beside ``path``) is known to :func:`in_flight` while it
+    exists, so a sweep of the directory by this process (another thread's) leaves it alone.
+    """
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    key = os.path.abspath(tmp)
+    _IN_FLIGHT.add(key)
     try:
         write_parts(tmp, [data], fsync=fsync)
         os.replace(tmp, path)
@@ -384,6 +398,8 @@ def atomic_write(path: str, data: bytes, *, fsync: bool = True) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        _IN_FLIGHT.discard(key)
     if fsync:
         fsync_dir(directory)
 

@@ -38,7 +38,7 @@ from typing import Literal
 from asymstore.errors import RootLockedError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, LAYOUT_FILE, TMP_PREFIX, parse_version_dirname
-from asymstore.io.files import fsync_dir, quarantine_entry
+from asymstore.io.files import fsync_dir, in_flight, quarantine_entry
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int
         return swept
     for entry in entries:
         name = entry.name
-        if name in active:
+        if name in active or in_flight(entry.path):  # this writer's own (another thread's small-file write)
             continue
         is_dir = entry.is_dir(follow_symlinks=False)
         step = parse_version_dirname(name)

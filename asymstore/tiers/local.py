@@ -23,6 +23,7 @@ from asymstore.io.files import (
     check_directory,
     check_regular,
     fsync_dir,
+    quarantine_entry,
     read_large,
     read_ranges,
     write_parts,
@@ -297,7 +298,11 @@ class _DirWriter:
         if os.path.exists(dest):
             if os.path.exists(os.path.join(dest, MANIFEST_NAME)):
                 raise FileExistsError(dest)
-            shutil.rmtree(dest)  # orphaned leftovers of an interrupted delete
+            # a directory of this step without a manifest, not swept (it appeared after open): it may be a
+            # committed version that lost its manifest, so it is moved aside, never deleted here
+            moved = quarantine_entry(self.tier.root, dest, os.path.basename(dest), fsync=self.tier.fsync)
+            logger.warning("%s had no manifest when step %d was published over it; moved to %s", dest, self.step,
+                           moved)
         os.rename(self.tmp, dest)
         if self.tier.fsync:
             fsync_dir(self.tier.root)

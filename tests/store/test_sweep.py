@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from asymstore import AsymStore, HostTier, LocalTier
+from asymstore.format.names import version_dirname
 from asymstore.fsck import check, repair
 from asymstore.tiers.remote.tier import RemoteTier
 
@@ -226,3 +227,38 @@ async def test_an_interrupted_layout_record_update_is_swept_at_open(tmp_path: Pa
     async with AsymStore([LocalTier(root)], keep_last=None) as store:
         assert store.versions()[f"local:{root}"] == STEPS
     assert not stray.exists() and other.read_text() == "mine"
+
+
+def test_a_sweep_in_another_thread_leaves_a_small_file_being_written_alone(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from asymstore.io import files
+    from asymstore.io.rootlock import sweep_directory
+
+    seen: list[list[str]] = []
+    write = files.write_parts
+
+    def write_then_sweep(path: str, parts: Any, *, fsync: bool = True) -> None:
+        write(path, parts, fsync=fsync)
+        sweep_directory(str(tmp_path))  # a post-publish sweep, between atomic_write's write and its rename
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+
+    monkeypatch.setattr(files, "write_parts", write_then_sweep)
+    files.atomic_write(str(tmp_path / "LAYOUT.json"), b"{}")
+    assert len(seen) == 1 and seen[0][0].startswith(".LAYOUT.json.") and seen[0][0].endswith(".tmp"), seen
+    assert (tmp_path / "LAYOUT.json").read_bytes() == b"{}"
+    assert [p.name for p in tmp_path.iterdir()] == ["LAYOUT.json"]
+
+
+async def test_a_manifest_less_directory_found_at_publish_is_moved_aside_not_deleted(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    async with AsymStore([LocalTier(root)], keep_last=None, segment_bytes=1 << 20, compression="never") as store:
+        await store.put(1, "w", tensor(1))
+        await store.commit(1)
+        stray = root / version_dirname(2)  # appeared after the open's sweep
+        stray.mkdir()
+        (stray / "seg-000000.bin").write_bytes(b"only copy")
+        await store.put(2, "w", tensor(2))
+        await store.commit(2)
+        assert (await store.restore()).step == 2
+    moved = list((root / ".quarantine").iterdir())
+    assert len(moved) == 1 and (moved[0] / "seg-000000.bin").read_bytes() == b"only copy"

@@ -600,6 +600,7 @@ class AsymCheck(Callback):
         self._marked = self._recorded = 0  # the steps whose version took its state / whose loop state is recorded
         self._positioned: list[tuple[torch.utils.data.DataLoader[Any], _PositionedSampler]] = []
         self._data_loaded: list[Any] | None = None  # the positions of the version resumed, until on_train_start
+        self._data_unrecorded = False  # the version resumed has no positions at all (an older release's)
         self._data_told: set[str] = set()  # the problems already warned about in this fit
 
     @property
@@ -629,7 +630,7 @@ class AsymCheck(Callback):
             stateful[f"{SCHEDULER_PREFIX}{i}"] = config.scheduler
         self.restored = None
         self._rng = None
-        self._positioned, self._data_loaded, self._data_told = [], None, set()
+        self._positioned, self._data_loaded, self._data_told, self._data_unrecorded = [], None, set(), False
         ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.root_or_store, stateful=stateful,
                                      every=self.every, keep_last=self.keep_last, keep_every=self.keep_every,
                                      keep_best=keep_best, **self.options)
@@ -649,7 +650,9 @@ class AsymCheck(Callback):
         self.restored = ckpt.restored
         self._resuming = True
         trainer.fit_loop.load_state_dict(self._loops.loaded)  # what fit(ckpt_path=...) does
-        self._data_loaded = list(self._loops.loaded.get(DATA) or [])
+        data = self._loops.loaded.get(DATA)  # None: a version of a release that did not record positions
+        self._data_loaded = None if data is None else list(data) if isinstance(data, list | tuple) else [data]
+        self._data_unrecorded = data is None
         if self._loops.loaded.get(MARKED):  # taken right before training_step: set back then (below)
             tensors: dict[str, torch.Tensor] = {}
             self._rng = (rng.capture(tensors), tensors)
@@ -669,13 +672,24 @@ class AsymCheck(Callback):
         """
         self._position(trainer)
         loaded, self._data_loaded = self._data_loaded, None
+        unrecorded, self._data_unrecorded = self._data_unrecorded, False
+        if unrecorded and self._positioned:
+            step = self.restored.step if self.restored is not None else None
+            warnings.warn(f"asymcheck.lightning.AsymCheck: the version resumed (step {step}) holds no position of "
+                          "the plain train loader (it was written before the callback recorded one), so the "
+                          "interrupted epoch's remaining batches come from a new order; versions from now on "
+                          "hold it", InexactResumeWarning, stacklevel=2)
         if loaded is None or not self._positioned:
             return
         if len(loaded) != len(self._positioned):
             raise StateMismatchError(f"the version holds the positions of {len(loaded)} plain train loaders, this "
                                      f"fit has {len(self._positioned)}")
         for (loader, positioned), state in zip(self._positioned, loaded, strict=True):
-            positioned.load_state_dict(state, len(loader))
+            try:
+                positioned.load_state_dict(state, len(loader))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise StateMismatchError(f"the version's position of {_describe(0, loader)} is malformed: "
+                                         f"{type(exc).__name__}: {exc}") from exc
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Position a train loader Lightning reloaded (``reload_dataloaders_every_n_epochs``) before its pass."""

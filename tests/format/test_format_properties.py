@@ -4,10 +4,10 @@ Hypothesis draws state dicts of every storable dtype (complex and bool included)
 contiguous, transposed and strided tensors, with byte sizes on both sides of the chunk and pack
 thresholds and contents that compress or do not, in calls large enough to be packed or not. Each
 is committed through one tier kind (process memory, shared memory, local disk, NVMe with the POSIX
-engine, a remote ``file://`` filesystem, a peer's memory) under each compression mode, either alone
-or as the background tier of a memory tier that lends it the version (``adopt_many``: the owner
-gets its memory back and scribbles over it before the background write is awaited), and restored
-without destinations, into destinations for every tensor, or into some (transposed views among
+engine, a remote ``file://`` filesystem, S3 on the loopback moto server, a peer's memory) under each
+compression mode, either alone or as the background tier of a memory tier that lends it the version
+(``adopt_many``: the owner gets its memory back and scribbles over it before the background write
+is awaited), and restored without destinations, into destinations for every tensor, or into some (transposed views among
 them). File tiers are restored by another process (tests/procs/restorer.py) that holds nothing of
 the writer's; process memory by the store that wrote it; the peer tier by asking the neighbour.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,17 +110,22 @@ def restorer() -> Iterator[Restorer]:
 
 
 @pytest.fixture
-def scratch(shm_dir: str) -> Iterator[dict[str, str]]:
-    """Fresh directories for one example: on tmpfs for the shared-memory tiers, on disk for the others."""
+def scratch(shm_dir: str, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """Fresh places for one test: tmpfs for the shared-memory tiers, disk for the others, the S3 server for s3."""
     disk = tempfile.mkdtemp(prefix="asymstore-prop-")
+    where: dict[str, Any] = {"disk": disk, "shm": shm_dir}
+    if "s3" in request.node.name:
+        where["s3"] = request.getfixturevalue("s3_server")
     try:
-        yield {"disk": disk, "shm": shm_dir}
+        yield where
     finally:
         shutil.rmtree(disk, ignore_errors=True)
 
 
-def fresh(scratch: dict[str, str], kind: Kind) -> str:
-    """A path no example used yet, for a tier of ``kind``."""
+def fresh(scratch: dict[str, Any], kind: Kind) -> str:
+    """A path (for ``s3``: a URI) no example used yet, for a tier of ``kind``."""
+    if kind == "s3":
+        return str(scratch["s3"].uri(f"prop-{uuid.uuid4().hex[:10]}"))
     return tempfile.mkdtemp(dir=scratch["shm" if kind == "shm" else "disk"])
 
 
@@ -154,7 +160,7 @@ async def write(state: dict[str, torch.Tensor], tiers: list[Tier], compression: 
 
 
 def check(kind: Kind, state: dict[str, torch.Tensor], compression: str, lend: bool, into: str,
-          restorer: Restorer, scratch: dict[str, str]) -> None:
+          restorer: Restorer, scratch: dict[str, Any]) -> None:
     """Write ``state`` through ``kind`` (alone, or behind a lending memory tier) and restore it bit-exact."""
     placed: list[tuple[Kind, str]] = [(kind, fresh(scratch, kind))]
     if lend:  # a memory tier of the other sort is durable and lends the version to the slower one
@@ -178,7 +184,7 @@ def check(kind: Kind, state: dict[str, torch.Tensor], compression: str, lend: bo
         assert answer["same"]
 
 
-KINDS: list[Kind] = ["memory", *FILE_KINDS]
+KINDS: list[Kind] = ["memory", *FILE_KINDS, "s3"]
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
@@ -186,7 +192,7 @@ KINDS: list[Kind] = ["memory", *FILE_KINDS]
 @BOUNDED
 @given(state=states(), lend=st.booleans(), into=st.sampled_from(["none", "all", "some"]))
 def test_any_state_restores_bit_exact(kind: Kind, compression: str, state: dict[str, torch.Tensor], lend: bool,
-                                      into: str, restorer: Restorer, scratch: dict[str, str]) -> None:
+                                      into: str, restorer: Restorer, scratch: dict[str, Any]) -> None:
     check(kind, state, compression, lend, into, restorer, scratch)
 
 
@@ -197,7 +203,7 @@ def test_any_state_restores_bit_exact(kind: Kind, compression: str, state: dict[
 @given(state=states(), lend=st.booleans(), into=st.sampled_from(["none", "all", "some"]))
 def test_any_state_restores_bit_exact_exhaustive(kind: Kind, compression: str, state: dict[str, torch.Tensor],
                                                  lend: bool, into: str, restorer: Restorer,
-                                                 scratch: dict[str, str]) -> None:
+                                                 scratch: dict[str, Any]) -> None:
     check(kind, state, compression, lend, into, restorer, scratch)
 
 
@@ -235,7 +241,7 @@ def peer_round_trip(state: dict[str, torch.Tensor], compression: str, into: str,
 @settings(BOUNDED, max_examples=4)
 @given(state=states(), into=st.sampled_from(["none", "all", "some"]))
 def test_any_state_restores_bit_exact_from_a_peer(compression: str, state: dict[str, torch.Tensor], into: str,
-                                                   scratch: dict[str, str]) -> None:
+                                                   scratch: dict[str, Any]) -> None:
     answer = peer_round_trip(state, compression, into, Path(fresh(scratch, "local")))
     assert answer["tensors"] == digests(state)
     assert answer["same"]

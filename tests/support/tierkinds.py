@@ -16,8 +16,9 @@ import torch
 from asymstore import HostTier, LocalTier, NVMeTier, Tier
 from asymstore.tiers.remote.tier import RemoteTier
 
-Kind = Literal["memory", "shm", "local", "nvme", "remote"]
-"""``memory``: process memory (restored in the writing process); the rest are files another process reads."""
+Kind = Literal["memory", "shm", "local", "nvme", "remote", "s3"]
+"""``memory``: process memory (restored in the writing process); the rest are files or objects another process
+reads (``remote``: a pyarrow ``file://`` filesystem; ``s3``: the loopback moto S3 server, the path is the URI)."""
 FILE_KINDS: tuple[Kind, ...] = ("shm", "local", "nvme", "remote")
 
 Digest = tuple[str, tuple[int, ...], str]
@@ -36,6 +37,8 @@ def make_tier(kind: Kind, path: str) -> Tier:
         return NVMeTier(path, engine="posix", num_threads=2, task_size=1 << 16)
     if kind == "remote":
         return RemoteTier(f"file://{path}", part_size=1 << 16)
+    if kind == "s3":
+        return RemoteTier(path, part_size=1 << 16)
     raise ValueError(f"unknown tier kind {kind!r}")
 
 

@@ -167,6 +167,22 @@ class RootLayoutConflictError(RootLayoutError):
     """
 
 
+class LayoutTakeoverError(RootLayoutConflictError):
+    """A multi-rank job would publish its first version beside a single-process root's versions unread.
+
+    It neither resumed them (``restore``) nor was told to start beside them
+    (``across_layouts="start_fresh"``); nothing is committed or published, on
+    every rank alike. The message names what the root holds and both ways on.
+    """
+
+
+class RootUnreadableError(RootLayoutError, OSError):
+    """A root's entries cannot be listed (permission denied, an I/O error): its layout cannot be judged.
+
+    Also an ``OSError``, as the failure it reports.
+    """
+
+
 # -- remote tiers and export ---------------------------------------------------
 
 

@@ -79,8 +79,25 @@ SAFETENSORS_DTYPES = {
 
 
 
+def is_multirank_root(location: str) -> bool:
+    """Whether the local ``location`` is read as a multi-rank root: it holds published global versions.
+
+    The decision a job opening it follows
+    (:meth:`~asymstore.multirank.rootlayout.RootSurvey.reads_multirank`): a ``global/`` directory, or a
+    record saying multi-rank, left by a multi-rank job that stopped before its first global version does
+    not make it one while its single-process versions are the current ones. A damaged layout record is
+    judged by what the root holds (fsck names it).
+
+    Raises:
+        RootUnreadableError: its entries cannot be listed.
+    """
+    from asymstore.multirank.rootlayout import survey_for_reading
+
+    return "://" not in location and survey_for_reading(location).reads_multirank()
+
+
 def open_tier(location: str) -> tuple[Tier, str]:
-    """The tier to read for ``location`` (rank 0's for a multi-rank root), and a description."""
+    """The tier to read for ``location`` (rank 0's for a multi-rank root, :func:`is_multirank_root`), and its name."""
     if "://" in location:
         from asymstore.tiers.remote.tier import RemoteTier
 
@@ -88,10 +105,10 @@ def open_tier(location: str) -> tuple[Tier, str]:
     from asymstore.multirank import globaldir
     from asymstore.tiers.local import LocalTier
 
-    if os.path.isdir(os.path.join(location, globaldir.GLOBAL_DIR)):
-        return LocalTier(os.path.join(location, globaldir.rank_dirname(0)), fsync=False), f"{location} (rank 0)"
     if not os.path.isdir(location):
         raise FileNotFoundError(f"{location} is not a tier root")
+    if is_multirank_root(location):
+        return LocalTier(os.path.join(location, globaldir.rank_dirname(0)), fsync=False), f"{location} (rank 0)"
     return LocalTier(location, fsync=False), location
 
 
@@ -104,9 +121,9 @@ def _global_candidates(location: str, step: int | None) -> list[int] | None:
     """
     from asymstore.multirank import globaldir
 
-    gdir = os.path.join(location, globaldir.GLOBAL_DIR)
-    if "://" in location or not os.path.isdir(gdir):
+    if not os.path.isdir(location) or not is_multirank_root(location):
         return None
+    gdir = os.path.join(location, globaldir.GLOBAL_DIR)
     steps = globaldir.list_global_steps(gdir)
     if step is not None:
         if step not in steps:

@@ -51,14 +51,18 @@ def own_store(spec: StoreSpec, keep_last: int | None, store_kwargs: dict[str, An
               read_only: bool) -> AsymStore | RankStore | str:
     """The store a writer (or a reader, ``read_only``) builds for ``spec``, or the root of a multi-rank checkpoint.
 
-    A store is returned as it is. A reader returns the root of a multi-rank checkpoint (a directory
-    with ``global/``) as the string itself: it reads the root without any store.
+    A store is returned as it is. A reader returns the root of a multi-rank checkpoint (one whose current
+    versions are global ones, :meth:`~asymstore.multirank.rootlayout.RootSurvey.reads_multirank`) as the
+    string itself: it reads the root without any store. A writer of one process follows the root's layout
+    as a Checkpointer does (:attr:`~asymstore.multirank.rootlayout.RootSurvey.layout`).
 
     Raises:
+        RootLayoutError: (a writer of one process) the root's layout record is not valid, or the root holds
+            both layouts and no record says which is current (RootLayoutConflictError).
         DCPStorageError: options for a store given beside a store object; several ranks and a list of
             tiers or a URI (each rank needs a store of its own: a RankStore); another kind of store.
     """
-    from asymstore.multirank.globaldir import is_multirank
+    from asymstore.multirank.rootlayout import survey, survey_for_reading
     from asymstore.tiers.local import LocalTier
 
     if isinstance(spec, (AsymStore, RankStore)):
@@ -81,11 +85,11 @@ def own_store(spec: StoreSpec, keep_last: int | None, store_kwargs: dict[str, An
             from asymstore.tiers.remote.tier import RemoteTier
 
             return AsymStore([RemoteTier(location)], **options)
-        if is_multirank(location) and read_only:
+        if read_only and survey_for_reading(location).reads_multirank():  # published global versions
             return location
         if many:
             return RankStore(location, keep_last=keep_last, **store_kwargs)
-        if is_multirank(location):  # one process writing on into a multi-rank root
+        if not read_only and survey(location).layout == "multirank":  # one process writing on into a multi-rank root
             return RankStore(location, rank=0, world_size=1, keep_last=keep_last, **store_kwargs)
         return AsymStore([LocalTier(location, fsync=not read_only)], **options)
     tiers = list(spec)

@@ -6,7 +6,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 
-from asymstore.errors import RootLayoutError
+from asymstore.errors import RootLayoutError, RootUnreadableError
 from asymstore.format.names import LATEST, is_uri
 from asymstore.fsck.multirank import MultiRankFsckReport, check_multirank, repair_multirank
 from asymstore.fsck.report import FsckReport, Progress
@@ -22,7 +22,12 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
 
     A directory is judged as the root of a store: its layout record is read
     (:mod:`asymstore.multirank.rootlayout`) and every version of every layout
-    it holds is listed. A multi-rank root's single-process versions are
+    it holds is listed. The root is multi-rank once it holds a published global
+    version (:attr:`~asymstore.multirank.rootlayout.RootSurvey.current`, the
+    decision a job opening it follows): a ``global/`` directory alone, or a
+    record saying multi-rank, does not make it so while its current versions
+    are single-process (a multi-rank job opened it and stopped, or died, before
+    its first global version). A multi-rank root's single-process versions are
     ``superseded`` when its record says the multi-rank layout replaced them;
     otherwise they are a layout problem (two layouts and nothing saying which
     is current), as are a damaged record and a single-process ``LATEST`` in a
@@ -51,11 +56,16 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
     problems: list[str] = []
     try:
         found = survey(path)
+    except RootUnreadableError:
+        raise
     except RootLayoutError as exc:
         problems.append(f"{exc} (judged by what the root holds; repair does not touch the record)")
         found = survey(path, with_record=False)
     report: FsckReport
-    if os.path.isdir(os.path.join(path, GLOBAL_DIR)):
+    if found.record is not None and found.record.layout == "single" and found.global_steps:
+        problems.append(f"{found.found()}: the record says single-process, yet global/ holds published "
+                        "multi-rank versions (a job opening the root refuses it: RootLayoutConflictError)")
+    if found.reads_multirank():
         report = check_multirank(path, deep=deep, progress=progress, node_local=node_local)
         if found.single_steps or found.latest:
             _fold_single(report, check_tier(path, deep=deep, progress=progress), found, problems)
@@ -63,8 +73,8 @@ def check(root: str, *, deep: bool = False, progress: Callable[[int], Progress] 
     else:
         if node_local:
             raise ValueError(f"{root} is not a multi-rank root: --node-local applies to multi-rank roots only")
-        report = check_tier(path, deep=deep, progress=progress)
-        report.layout = "single" if found.record is None else found.record.layout
+        report = check_tier(path, deep=deep, progress=progress)  # global/ and rank-*/ entries are not its
+        report.layout = found.current or "single"
     report.layout_record = None if found.record is None else json.loads(found.record.to_json())
     report.layout_problems = problems
     return report
@@ -77,7 +87,7 @@ def _fold_single(report: FsckReport, single: FsckReport, found: RootSurvey, prob
         if e.status == "committed" and superseded:
             e.status = "superseded"
         report.entries.append(e)
-    if found.single_steps and not superseded:
+    if found.single_steps and found.global_steps and not superseded:
         problems.append(f"two layouts: {found.found()}; the single-process versions "
                         f"{list(found.single_steps)} are not recorded as replaced by the multi-rank layout, so "
                         "which one is current is not known (a job opening the root refuses it: "

@@ -200,6 +200,30 @@ def check_regular(path: str, *, expected_size: int | None = None, max_size: int 
     return size
 
 
+def read_regular(path: str, *, max_size: int) -> bytearray:
+    """Read a small untrusted file: opened once (:func:`open_regular`), at most ``max_size`` bytes read from that fd.
+
+    The checks and the read are on the same descriptor, so a file swapped for
+    a symlink or a larger one after the check is never read; a file that grew
+    past ``max_size`` meanwhile is refused after reading ``max_size + 1`` bytes.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        CorruptVersionError: a symlink, not a regular file, or larger than ``max_size``.
+        OSError: it cannot be opened or read.
+    """
+    fd, size = open_regular(path, max_size=max_size)
+    try:
+        data = _read_fd(fd, size + 1)  # one byte past the size seen: a file that grew since the fstat shows
+        if len(data) > size:  # read on, never past the cap
+            data += _read_fd(fd, max_size + 1 - len(data))
+    finally:
+        os.close(fd)
+    if len(data) > max_size:
+        raise CorruptVersionError(f"{path} has more than the {max_size} bytes accepted")
+    return data
+
+
 def check_directory(path: str) -> None:
     """Raise CorruptVersionError unless ``path`` is a real directory (not a symlink to one)."""
     try:

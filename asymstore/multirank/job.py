@@ -15,6 +15,7 @@ from typing import Any
 from asymstore.dist.kv import KV
 from asymstore.errors import StoreClosedError
 from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.io.rootlock import DirLock
 from asymstore.multirank import globaldir
 from asymstore.multirank.rootlayout import AcrossLayouts
 from asymstore.policy.retention import Retention
@@ -63,6 +64,8 @@ class Job:
     """The single-process version ``restore`` resumed (the coordinator records it with the layout)."""
     layout_recorded: bool = False
     """The coordinator recorded the root's layout as this job's (see :mod:`.rootlayout`)."""
+    root_lock: DirLock | None = None
+    """The root's writer lock, held by the coordinator while it takes a single-process root over (:mod:`.takeover`)."""
 
     @property
     def kv(self) -> KV:

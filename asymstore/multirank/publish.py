@@ -25,7 +25,7 @@ from asymstore.errors import (
 )
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
 from asymstore.format.placement import Placement, RankPlacement
-from asymstore.multirank import globaldir, rootlayout
+from asymstore.multirank import globaldir, rootlayout, takeover
 from asymstore.multirank.job import Job
 from asymstore.multirank.retention import retain_globals
 
@@ -80,8 +80,9 @@ def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> Globa
         globaldir.delete_global(job.global_dir, stale, fsync=job.fsync)
         job.global_cache.pop(stale, None)
     if not job.layout_recorded:  # the root's layout record says multi-rank of this size before the version exists
-        try:
-            rootlayout.record_multirank(job.root, job.world_size, resumed_single=job.resumed_single, fsync=job.fsync)
+        try:  # (a takeover of a single-process root no rank was allowed to make is refused here too)
+            rootlayout.record_multirank(job.root, job.world_size, resumed_single=job.resumed_single,
+                                        across_layouts=job.across_layouts, fsync=job.fsync)
         except RootLayoutError as exc:
             kv.put(f"{key}/global", {"failed": f"step {step}: {exc}; the global version is not published"})
             raise
@@ -91,6 +92,7 @@ def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> Globa
     if not job.layout_recorded:  # a single-process LATEST would point at a layout no longer current
         rootlayout.drop_single_latest(job.root, fsync=job.fsync)
         job.layout_recorded = True
+        takeover.release_root(job)  # the root is multi-rank now: its global/ lock is the one that counts
     retain_globals(job)
     kv.put(f"{key}/global", {"step": step})
     logger.debug("published global version %d (%d ranks, %d bytes)", step, job.world_size, manifest.nbytes)

@@ -46,12 +46,14 @@ from asymstore.errors import (
     NoCheckpointError,
     RootLayoutConflictError,
     RootLayoutError,
+    RootLockedError,
+    RootUnreadableError,
     VersionNotFoundError,
     WorldSizeMismatchError,
     describe,
 )
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
-from asymstore.multirank import rootlayout
+from asymstore.multirank import rootlayout, takeover
 from asymstore.multirank.reshard import restore_resharded
 from asymstore.read.load import check_destinations
 
@@ -70,6 +72,8 @@ _ERRORS: dict[str, type[AsymstoreError]] = {
     "DestinationMismatchError": DestinationMismatchError,
     "RootLayoutError": RootLayoutError,
     "RootLayoutConflictError": RootLayoutConflictError,
+    "RootUnreadableError": RootUnreadableError,
+    "RootLockedError": RootLockedError,
 }
 
 Restored = tuple[GlobalManifest, Checkpoint, list[str]]
@@ -166,6 +170,7 @@ def _single_candidates(job: Job, found: rootlayout.RootSurvey, reshard: Targets 
             f"{found.found()}: its versions were written by a single process; this job has {job.world_size} "
             "rank(s). Resuming them needs resharding (RankStore.reshard, which the Checkpointer sets), or "
             "across_layouts='start_fresh' to start beside them")
+    takeover.hold_root(job)  # RootLockedError: a single-process writer still writes them (held since open, mostly)
     out: list[GlobalManifest] = []
     for s in steps:
         try:
@@ -181,7 +186,7 @@ async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, key: 
     notes: list[str] = []
     try:
         candidates = _candidates(job, reshard, haves, step, notes)
-    except (NoCheckpointError, WorldSizeMismatchError, RootLayoutError) as exc:
+    except (NoCheckpointError, WorldSizeMismatchError, RootLayoutError, RootLockedError) as exc:
         await asyncio.to_thread(kv.put, f"{key}/try/0", {"error": type(exc).__name__, "message": str(exc)})
         raise
     for k, g in enumerate(candidates):

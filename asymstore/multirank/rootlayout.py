@@ -43,12 +43,18 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from asymstore.errors import CorruptVersionError, RootLayoutConflictError, RootLayoutError
+from asymstore.errors import (
+    CorruptVersionError,
+    LayoutTakeoverError,
+    RootLayoutConflictError,
+    RootLayoutError,
+    RootUnreadableError,
+)
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 from asymstore.format.names import LATEST, LAYOUT_FILE, parse_version_dirname, version_dirname
 from asymstore.format.parse import parse_manifest
-from asymstore.io.files import atomic_write, check_regular, fsync_dir, read_whole
+from asymstore.io.files import atomic_write, fsync_dir, read_regular
 from asymstore.multirank import globaldir
 
 logger = logging.getLogger(__name__)
@@ -201,14 +207,13 @@ def read_record(root: str) -> RootLayout | None:
     """
     path = os.path.join(root, LAYOUT_FILE)
     try:
-        check_regular(path, max_size=MAX_RECORD_BYTES)
-        data = read_whole(path)
-    except FileNotFoundError:
+        data = read_regular(path, max_size=MAX_RECORD_BYTES)  # checked and read on one descriptor
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except CorruptVersionError as exc:
         raise RootLayoutError(f"{path}: {exc}") from None
-    if len(data) > MAX_RECORD_BYTES:  # it grew between the check and the read
-        raise RootLayoutError(f"{path}: larger than {MAX_RECORD_BYTES} bytes")
+    except OSError as exc:
+        raise RootLayoutError(f"{path}: cannot be read: {exc}") from None
     try:
         return RootLayout.from_json(data)
     except RootLayoutError as exc:
@@ -264,27 +269,40 @@ class RootSurvey:
         return None
 
     @property
+    def current(self) -> RootKind | None:
+        """The layout whose versions are the root's current ones: the one decision every reader follows.
+
+        Multi-rank once a global version is published; else single-process while the root holds
+        single-process versions, whatever else is there (a ``global/`` or rank directories, or a record
+        saying multi-rank: what a multi-rank job leaves that opened the root and stopped, or died, before
+        its first global version); else, for a root without versions, the record's layout, or multi-rank
+        when multi-rank directories exist (None: nothing). Never raises: :attr:`layout` also refuses a
+        root whose layouts contradict each other.
+        """
+        if self.global_steps:
+            return "multirank"
+        if self.single_steps:
+            return "single"
+        if self.record is not None:
+            return self.record.layout
+        return "multirank" if self.multirank_dirs else None
+
+    @property
     def layout(self) -> RootKind | None:
-        """The root's current layout: the record's, or for a root without one the layout it holds (None: empty).
+        """The root's current layout (:attr:`current`), for a job that opens the root (None: empty).
 
         Raises:
             RootLayoutConflictError: versions of both layouts and no record saying which is current, or
                 a record of a single-process root whose ``global/`` holds published versions.
         """
-        if self.record is not None:
-            if self.record.layout == "single" and self.global_steps:
-                raise RootLayoutConflictError(f"{self.found()}: the record says single-process, yet global/ "
-                                              f"holds published multi-rank versions")
-            return self.record.layout
-        if self.single_steps and self.global_steps:
+        if self.record is not None and self.record.layout == "single" and self.global_steps:
+            raise RootLayoutConflictError(f"{self.found()}: the record says single-process, yet global/ "
+                                          f"holds published multi-rank versions")
+        if self.record is None and self.single_steps and self.global_steps:
             raise RootLayoutConflictError(
                 f"{self.found()}: a root of both layouts and no record of which one is current; move the "
                 f"versions of the layout no longer wanted out of the root (fsck lists them)")
-        if self.global_steps:
-            return "multirank"
-        if self.single_steps:
-            return "single"
-        return "multirank" if self.multirank_dirs else None
+        return self.current
 
     def superseded_single(self) -> bool:
         """Whether the record says the single-process versions here were replaced by the multi-rank layout."""
@@ -296,6 +314,20 @@ class RootSurvey:
         if self.global_steps:
             return ()
         return self.single_steps
+
+    def reads_multirank(self) -> bool:
+        """Whether a reader (fsck, export, a DCP reader) reads the root as multi-rank.
+
+        :attr:`current` says so, and ``global/`` or a rank directory is there.
+        """
+        return self.current == "multirank" and self.multirank_dirs
+
+    def takeover_pending(self) -> bool:
+        """Whether a multi-rank job's first global version would take over a single-process root.
+
+        The root holds single-process versions and no global version yet (see :func:`check_takeover`).
+        """
+        return self.current == "single" and bool(self.single_steps)
 
 
 def survey(root: str | os.PathLike[str], *, with_record: bool = True) -> RootSurvey:
@@ -312,21 +344,39 @@ def survey(root: str | os.PathLike[str], *, with_record: bool = True) -> RootSur
     record = read_record(path) if with_record else None
     single: list[int] = []
     dirs = False
-    try:
-        entries = list(os.scandir(path))
-    except (FileNotFoundError, NotADirectoryError):
-        entries = []
-    for entry in entries:
-        step = parse_version_dirname(entry.name)
-        if step is not None and entry.is_dir(follow_symlinks=False) and _regular(
-                os.path.join(entry.path, MANIFEST_NAME)):
-            single.append(step)
-        elif entry.name == globaldir.GLOBAL_DIR or globaldir.parse_rank_dirname(entry.name) is not None:
-            dirs = dirs or entry.is_dir(follow_symlinks=False)
     gdir = os.path.join(path, globaldir.GLOBAL_DIR)
-    steps = globaldir.list_global_steps(gdir) if os.path.isdir(gdir) else []
+    try:
+        try:
+            entries = list(os.scandir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            entries = []
+        for entry in entries:
+            step = parse_version_dirname(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False) and _regular(
+                    os.path.join(entry.path, MANIFEST_NAME)):
+                single.append(step)
+            elif entry.name == globaldir.GLOBAL_DIR or globaldir.parse_rank_dirname(entry.name) is not None:
+                dirs = dirs or entry.is_dir(follow_symlinks=False)
+        steps = globaldir.list_global_steps(gdir) if os.path.isdir(gdir) else []
+    except OSError as exc:  # permission denied, an I/O error: nothing can be judged
+        raise RootUnreadableError(f"{path}: its entries cannot be listed, so its layout cannot be judged: "
+                                  f"{exc}") from None
     return RootSurvey(path, record, tuple(sorted(single)), tuple(steps), dirs,
                       os.path.lexists(os.path.join(path, LATEST)))
+
+
+def survey_for_reading(root: str | os.PathLike[str]) -> RootSurvey:
+    """:func:`survey` for a reader: a damaged record is judged by what the root holds (fsck names it).
+
+    Raises:
+        RootUnreadableError: the root's entries cannot be listed.
+    """
+    try:
+        return survey(root)
+    except RootUnreadableError:
+        raise
+    except RootLayoutError:
+        return survey(root, with_record=False)
 
 
 def _regular(path: str) -> bool:
@@ -339,25 +389,58 @@ def _regular(path: str) -> bool:
 def record_single(root: str, *, fsync: bool = True) -> None:
     """Record ``root`` as a single-process root unless its record says so already (a store's first commit).
 
+    A record saying multi-rank under which no global version was ever published (a multi-rank job that
+    took the root over and stopped before its first global version) is replaced: the single-process
+    versions are the current ones (:attr:`RootSurvey.current`), and the layout that job recorded as
+    replaced is dropped from ``previous`` again.
+
     Raises:
         RootLayoutError: the record there is not valid.
-        RootLayoutConflictError: it records a multi-rank root.
+        RootLayoutConflictError: the root is multi-rank (global versions are published).
     """
-    path = os.path.abspath(root)
-    record = read_record(path)
+    found = survey(root)
+    record = found.record
     if record is not None and record.layout == "single":
         return
-    if record is not None:
-        raise RootLayoutConflictError(f"{path}: a single-process store committed into a root recorded as "
-                                      f"{record.describe()}")
-    write_record(path, RootLayout("single", 1), fsync=fsync)
+    if found.layout == "multirank":
+        raise RootLayoutConflictError(f"{found.found()}: a single-process store committed into a multi-rank root")
+    previous = record.previous if record is not None else ()
+    if previous and previous[-1].layout == "single":
+        previous = previous[:-1]
+    write_record(found.root, RootLayout("single", 1, previous), fsync=fsync)
 
 
-def record_multirank(root: str, world_size: int, *, resumed_single: int | None, fsync: bool = True) -> bool:
+def check_takeover(found: RootSurvey, *, resumed_single: int | None, across_layouts: AcrossLayouts) -> None:
+    """Refuse a multi-rank job's first global version beside a single-process root's versions left unread.
+
+    A job that takes a single-process root over (:meth:`RootSurvey.takeover_pending`) either resumed
+    one of its versions (``resumed_single``) or was told to start beside them
+    (``across_layouts="start_fresh"``); anything else would start over beside committed versions.
+
+    Raises:
+        LayoutTakeoverError: neither.
+    """
+    if not found.takeover_pending() or resumed_single is not None or across_layouts == "start_fresh":
+        return
+    raise takeover_refusal(found.found(), found.single_steps[-1])
+
+
+def takeover_refusal(found: str, newest: int) -> LayoutTakeoverError:
+    """The refusal of :func:`check_takeover`, for a root that holds ``found`` (in words), newest step ``newest``."""
+    return LayoutTakeoverError(
+        f"{found}: this multi-rank job would publish its first version beside these single-process "
+        f"versions without having resumed them; nothing is committed or published. Call restore() "
+        f"(Checkpointer.resume()) first to go on from step {newest}, or pass across_layouts='start_fresh' to "
+        f"start beside them explicitly")
+
+
+def record_multirank(root: str, world_size: int, *, resumed_single: int | None,
+                     across_layouts: AcrossLayouts = "resume", fsync: bool = True) -> bool:
     """Record ``root`` as multi-rank of ``world_size`` ranks before a global version is published.
 
     A single-process layout it replaces goes into ``previous`` (with its newest
-    version, and whether this job resumed it: ``resumed_single``).
+    version, and whether this job resumed it: ``resumed_single``); one that an
+    earlier takeover recorded without publishing anything is recorded anew.
 
     Returns:
         Whether it replaced a single-process layout (the caller removes the single-process ``LATEST``
@@ -365,20 +448,26 @@ def record_multirank(root: str, world_size: int, *, resumed_single: int | None, 
 
     Raises:
         RootLayoutError: the record there is not valid.
+        RootLayoutConflictError: the root holds both layouts and no record says which is current.
+        LayoutTakeoverError: it would replace single-process versions neither resumed nor left on
+            request (:func:`check_takeover`); nothing is written.
     """
     found = survey(root)
     _ = found.layout  # a root of both layouts and no record: RootLayoutConflictError, nothing is written
+    check_takeover(found, resumed_single=resumed_single, across_layouts=across_layouts)
     record = found.record
-    if record is not None and record.layout == "multirank" and record.world_size == world_size:
-        return False
     previous = record.previous if record is not None else ()
-    replaced = False
-    if (record is None and found.single_steps) or (record is not None and record.layout == "single"):
-        newest = found.single_steps[-1] if found.single_steps else None
-        previous = (*previous, PreviousLayout("single", 1, newest, resumed_single is not None))[-MAX_PREVIOUS:]
-        replaced = True
+    if found.current != "single":
+        if record is not None and record.layout == "multirank" and record.world_size == world_size:
+            return False
+        write_record(found.root, RootLayout("multirank", world_size, previous), fsync=fsync)
+        return False
+    if record is not None and record.layout == "multirank" and previous and previous[-1].layout == "single":
+        previous = previous[:-1]  # recorded by a takeover that never published: this one replaces it
+    newest = found.single_steps[-1] if found.single_steps else None
+    previous = (*previous, PreviousLayout("single", 1, newest, resumed_single is not None))[-MAX_PREVIOUS:]
     write_record(found.root, RootLayout("multirank", world_size, previous), fsync=fsync)
-    return replaced
+    return True
 
 
 def drop_single_latest(root: str, *, fsync: bool = True) -> bool:
@@ -411,8 +500,7 @@ def single_version(root: str, step: int) -> GlobalManifest:
         FileNotFoundError: it is not there.
     """
     path = os.path.join(root, version_dirname(step), MANIFEST_NAME)
-    check_regular(path, max_size=MAX_MANIFEST_BYTES)
-    manifest = parse_manifest(read_whole(path))
+    manifest = parse_manifest(read_regular(path, max_size=MAX_MANIFEST_BYTES))  # checked and read on one fd
     if manifest.step != step:
         raise CorruptVersionError(f"{path} says step {manifest.step}")
     shard = ShardInfo(0, step, shard_digest(manifest), manifest.nbytes, len(manifest.tensors))

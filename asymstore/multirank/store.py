@@ -39,6 +39,7 @@ from asymstore.api import Checkpoint, CheckpointStore, CommitResult, Targets
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
 from asymstore.dist.world import env_rank_world
 from asymstore.errors import (
+    AsymstoreError,
     CoordinationTimeoutError,
     GlobalManifestError,
     GlobalVersionDroppedError,
@@ -51,7 +52,7 @@ from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_dig
 from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.format.placement import RankPlacement
 from asymstore.io.rootlock import DirLock, sweep_directory
-from asymstore.multirank import globaldir, rootlayout
+from asymstore.multirank import globaldir, rootlayout, takeover
 from asymstore.multirank.job import Job
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
@@ -113,7 +114,8 @@ class RankStore:
             version (:data:`~asymstore.multirank.rootlayout.AcrossLayouts`): ``"resume"`` the newest (every rank
             reads its part from the root, as from a version of another world size: ``reshard`` must be set,
             else :class:`WorldSizeMismatchError`), or ``"start_fresh"`` beside them. The first global commit
-            records the root as multi-rank (:mod:`.rootlayout`).
+            records the root as multi-rank (:mod:`.rootlayout`); under ``"resume"`` it is refused on every
+            rank (:class:`~asymstore.errors.LayoutTakeoverError`) unless ``restore`` resumed one of them.
         **store_kwargs: passed to :class:`~asymstore.AsymStore` (``segment_bytes``, ``compression``...).
     """
 
@@ -162,6 +164,7 @@ class RankStore:
         """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
         self.placement: RankPlacement | None = None
         """Where this rank's tiers are (after ``open``): reported with every shard, recorded in ``global/``."""
+        self._takeover: takeover.Verdict | None = None  # the coordinator's look at the root (:mod:`.takeover`)
 
     def _sweep_floor(self) -> int | None:
         """The local store's sweep asks: below which own shard step a manifest-less shard is a retention delete's."""
@@ -254,7 +257,16 @@ class RankStore:
     # -- lifecycle -------------------------------------------------------
 
     async def open(self) -> RankStore:
-        """Open the tiers, connect to the coordination store, and create ``global/`` (coordinator)."""
+        """Open the tiers, connect to the coordination store, and create ``global/`` (coordinator).
+
+        The coordinator holds the root's writer lock too while the job takes a single-process root over
+        (until its first global version: :mod:`.takeover`).
+
+        Raises:
+            RootLockedError: (coordinator) another job holds ``global/``, or a single-process writer holds
+                the single-process root this job would take over (the other ranks' ``restore`` and
+                ``commit`` raise it too).
+        """
         if self.job.client is None:
             if self._kv_given is not None:
                 self.job.client = KV(self._kv_given)
@@ -263,13 +275,22 @@ class RankStore:
             else:
                 self.job.client = KV(await asyncio.to_thread(store_from_env, self.namespace, timeout_s=self.timeout_s))
         self._session = await asyncio.to_thread(self.job.kv.store.add, f"session/{self.rank}", 1)
+        self._takeover = None
         if self.is_coordinator:  # the only writer of global/: lock it, then sweep what a dead coordinator left
             await asyncio.to_thread(os.makedirs, self.global_dir, exist_ok=True)
             await asyncio.to_thread(self._global_lock.acquire)
             await asyncio.to_thread(sweep_directory, self.global_dir, fsync=self.fsync)
+            try:  # a single-process root: hold its lock while taking it over (every rank hears the verdict)
+                self._takeover = await asyncio.to_thread(takeover.survey_at_open, self.job)
+            except AsymstoreError as exc:
+                await takeover.share(self.job, self.session_key("layout"), error=exc)
+                self._global_lock.release()
+                raise
+            await takeover.share(self.job, self.session_key("layout"), self._takeover)
         try:
             await self.local.open()
         except BaseException:
+            takeover.release_root(self.job)
             self._global_lock.release()
             raise
         self.placement = rank_placement(self.local.tiers, self.rank)
@@ -298,7 +319,14 @@ class RankStore:
         try:
             await self.local.close()
         finally:
+            takeover.release_root(self.job)
             self._global_lock.release()
+
+    async def _layout_verdict(self, timeout_s: float) -> takeover.Verdict:
+        """The coordinator's look at the root at ``open`` (its error, typed, on every rank)."""
+        if self._takeover is None:
+            self._takeover = await takeover.verdict(self.job, self.session_key("layout"), timeout_s)
+        return self._takeover
 
     def _key(self, kind: str) -> str:
         n = self._counters.get(kind, 0)
@@ -426,9 +454,19 @@ class RankStore:
             GlobalCommitTimeoutError: (coordinator, or any rank with ``wait_global``) not every
                 rank reported in time; this rank's shard is committed, the global version is not.
             GlobalCommitError: a rank reported that its shard failed.
+            LayoutTakeoverError: (every rank, before anything is committed) the root's current versions are
+                single-process, and this job neither resumed them (``restore``) nor was given
+                ``across_layouts="start_fresh"``; the step's tensors are dropped.
+            RootLockedError: the coordinator could not open (see :meth:`open`).
             Everything :meth:`asymstore.AsymStore.commit` raises.
         """
         kv = self.kv
+        try:  # every rank alike, before anything is committed
+            takeover.check_commit(self.job, await self._layout_verdict(self.timeout_s))
+        except AsymstoreError:
+            self._commit_tags.pop(step, None)
+            self.local.abandon(step)
+            raise
         key = f"s{self._session}/commit/{self._commit_tags.pop(step, str(step))}"
         clean_summary = validate_meta(summary)
         clean_global = validate_meta(global_meta)
@@ -538,11 +576,14 @@ class RankStore:
             CoordinationTimeoutError: a rank did not answer in time.
             RootLayoutError: the root's ``LAYOUT.json`` is not valid (every rank raises it); its subclass
                 RootLayoutConflictError: the root holds both layouts and no record says which is current.
+            RootLockedError: a single-process writer holds the single-process root this job would resume
+                (every rank raises it; see :meth:`open`).
 
         A root with single-process versions and no global version: see ``across_layouts``; such a
         version is read from the root by every rank (``reshard`` set, else ``WorldSizeMismatchError``).
         """
         await self.local.refresh()
+        await self._layout_verdict(self.job.restore_timeout_s)  # the coordinator's error at open, on every rank
         try:
             g, ckpt, notes = await restore_collective(self.job, self.local, self.reshard, self._key("restore"), step,
                                                       into)

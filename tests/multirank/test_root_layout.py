@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,10 +23,19 @@ from torch import nn
 from asymcheck import Checkpointer
 from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, LocalTier
-from asymstore.errors import RootLayoutConflictError, RootLayoutError
+from asymstore.errors import RootLayoutConflictError, RootLayoutError, RootUnreadableError
+from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.fsck import check, repair
 from asymstore.multirank import RankStore
-from asymstore.multirank.rootlayout import LAYOUT_FILE, MAX_RECORD_BYTES, read_record, survey
+from asymstore.multirank.rootlayout import (
+    LAYOUT_FILE,
+    MAX_RECORD_BYTES,
+    RootLayout,
+    read_record,
+    single_version,
+    survey,
+    write_record,
+)
 from tests.support.ranks import run_ranks, store
 
 
@@ -43,9 +53,9 @@ def commit_single(root: Path, steps: list[int]) -> None:
     asyncio.run(go())
 
 
-def commit_multirank(root: Path, steps: list[int]) -> None:
+def commit_multirank(root: Path, steps: list[int], **kw: Any) -> None:
     async def go(rank: int) -> None:
-        async with store(root, rank, 1, torch.distributed.HashStore()) as s:
+        async with store(root, rank, 1, torch.distributed.HashStore(), **kw) as s:
             for step in steps:
                 await s.put_many(step, tensors(step))
                 await s.commit(step)
@@ -124,7 +134,7 @@ def legacy_root_of_two_layouts(root: Path) -> None:
     """What the defect left: single-process versions 4..6 and LATEST, then a multi-rank job's 7..9 beside them."""
     commit_single(root, [4, 5, 6])
     latest = (root / "LATEST").read_text()
-    commit_multirank(root, [7, 8, 9])
+    commit_multirank(root, [7, 8, 9], across_layouts="start_fresh")  # (the defect started beside them unasked)
     (root / LAYOUT_FILE).unlink()  # written before records existed
     (root / "LATEST").write_text(latest)
 
@@ -161,7 +171,8 @@ def test_a_recorded_takeover_lists_the_single_process_versions_as_superseded(tmp
     root = tmp_path / "ck"
     commit_single(root, [4, 5, 6])
     latest = (root / "LATEST").read_text()
-    commit_multirank(root, [7])  # its first global commit records the takeover and drops LATEST
+    commit_multirank(root, [7], across_layouts="start_fresh")  # its first global commit records the takeover
+    # and drops LATEST
     record = json.loads((root / LAYOUT_FILE).read_text())
     assert record == {"format": 1, "layout": "multirank", "world_size": 1,
                       "previous": [{"layout": "single", "world_size": 1, "newest_step": 6, "resumed": False}]}
@@ -176,3 +187,62 @@ def test_a_recorded_takeover_lists_the_single_process_versions_as_superseded(tmp
     repair(report)
     assert check(str(root)).ok
     assert survey(str(root)).layout == "multirank" and isinstance(make_store(str(root), 3), RankStore)
+
+
+def swap_after_open(monkeypatch: pytest.MonkeyPatch, path: Path, target: Path) -> list[str]:
+    """Fault injection: the first time ``path`` is opened, it is replaced by a symlink to ``target`` (a race)."""
+    real_open = os.open
+    swapped: list[str] = []
+
+    def opening(file: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(file, flags, *args, **kwargs)
+        if os.fspath(file) == str(path) and not swapped:
+            link = path.with_name(".swap")
+            link.symlink_to(target)
+            os.replace(link, path)
+            swapped.append(str(path))
+        return fd
+
+    monkeypatch.setattr(os, "open", opening)
+    return swapped
+
+
+def test_the_record_is_read_from_the_descriptor_it_was_checked_on(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ck"
+    commit_single(root, [1])
+    write_record(str(root), RootLayout("single", 1))
+    other = tmp_path / "other.json"
+    other.write_bytes(RootLayout("multirank", 7).to_json())
+    swapped = swap_after_open(monkeypatch, root / LAYOUT_FILE, other)
+    record = read_record(str(root))
+    assert swapped and record is not None and (record.layout, record.world_size) == ("single", 1)
+
+
+def test_a_single_process_manifest_is_read_from_the_descriptor_it_was_checked_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ck"
+    commit_single(root, [5, 6])
+    manifest = root / "v000000000006" / MANIFEST_NAME
+    assert manifest.is_file()
+    swapped = swap_after_open(monkeypatch, manifest, root / "v000000000005" / MANIFEST_NAME)
+    assert single_version(str(root), 6).step == 6 and swapped
+
+
+def test_a_root_that_cannot_be_listed_is_a_typed_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "ck"
+    commit_single(root, [1])
+    real_scandir = os.scandir
+
+    def denied(path: Any = ".") -> Any:
+        if os.fspath(path) == str(root):
+            raise PermissionError(13, "Permission denied", str(root))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)  # fault injection (the tests run as root: chmod would not do)
+    with pytest.raises(RootUnreadableError, match=r"cannot be listed.*Permission denied"):
+        survey(str(root))
+    with pytest.raises(RootUnreadableError):
+        check(str(root))
+    with pytest.raises(RootUnreadableError):
+        make_store(str(root), 3)

@@ -1,0 +1,162 @@
+"""A multi-rank job taking a single-process root over: one writer meanwhile, and never beside its versions unasked.
+
+A :class:`~asymstore.multirank.RankStore` opening a root whose current
+versions are single-process (:meth:`~asymstore.multirank.rootlayout.RootSurvey.takeover_pending`:
+``ROOT/v…`` and no global version) changes the root's layout: ``restore``
+reads the newest of them on every rank straight from ``ROOT/v…``, or the job
+starts beside them (``across_layouts="start_fresh"``), and its first global
+version records the root as multi-rank (:mod:`.rootlayout`).
+
+**One writer.** The coordinator (rank 0) takes the root's writer lock
+(``ROOT/.lock``: the :class:`~asymstore.io.rootlock.DirLock` a single-process
+store holds on its ``LocalTier`` while it is open) at ``open`` and keeps it
+until its first global version is published, or the store closes: a
+single-process job still writing the root (draining after SIGTERM, or a second
+job on the same root) makes ``open`` raise
+:class:`~asymstore.errors.RootLockedError` naming it, and none can open the
+root while the takeover is in progress, so no version appears beside the one
+being resumed, and no retention deletes it under the ranks reading it. A
+``restore`` that resumes a single-process version when none was seen at
+``open`` takes the lock there.
+
+**Every rank alike.** What the coordinator found at ``open`` (or why it
+could not open) goes to every rank through the coordination store
+(:func:`share`, :func:`verdict`): ``restore`` and ``commit`` raise the
+coordinator's typed error on every rank, and every rank's first ``commit``
+refuses, before anything is committed, a version that would start beside the
+single-process versions without having resumed them or been told to
+(:func:`~asymstore.multirank.rootlayout.check_takeover`:
+:class:`~asymstore.errors.LayoutTakeoverError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from asymstore.errors import (
+    AsymstoreError,
+    RootLayoutError,
+    RootLockedError,
+    RootUnreadableError,
+)
+from asymstore.io.rootlock import DirLock
+from asymstore.multirank import rootlayout
+
+if TYPE_CHECKING:
+    from asymstore.multirank.job import Job
+
+logger = logging.getLogger(__name__)
+
+_ERRORS: dict[str, type[AsymstoreError]] = {
+    "RootLockedError": RootLockedError,
+    "RootUnreadableError": RootUnreadableError,
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the coordinator found at ``open``, as every rank hears it.
+
+    Attributes:
+        pending: the root's current versions are single-process: the first global version takes it over.
+        found: what the root holds, in words (for the refusal).
+        newest: the newest single-process step (None: none).
+        error: ``(type name, message)`` when the coordinator could not open; every rank raises it.
+    """
+
+    pending: bool
+    found: str
+    newest: int | None
+    error: tuple[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON put in the coordination store."""
+        return {"pending": self.pending, "found": self.found, "newest": self.newest,
+                "error": list(self.error) if self.error else None}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Verdict:
+        """Read what :meth:`to_json` wrote."""
+        error = doc.get("error")
+        return cls(bool(doc["pending"]), str(doc["found"]), doc.get("newest"),
+                   (str(error[0]), str(error[1])) if error else None)
+
+    def raise_error(self) -> None:
+        """Raise the coordinator's error, typed as it was, if it had one."""
+        if self.error is not None:
+            raise _ERRORS.get(self.error[0], RootLayoutError)(self.error[1])
+
+
+def hold_root(job: Job) -> None:
+    """Coordinator: take the root's writer lock for the takeover, unless held already.
+
+    Raises:
+        RootLockedError: a single-process writer (or another job) holds it.
+    """
+    if job.root_lock is not None:
+        return
+    lock = DirLock(job.root)
+    lock.acquire()
+    job.root_lock = lock
+    logger.info("%s: holding the root's writer lock while this multi-rank job takes it over", job.root)
+
+
+def release_root(job: Job) -> None:
+    """Give the root's writer lock back (after the first global version, or at close)."""
+    if job.root_lock is not None:
+        job.root_lock.release()
+        job.root_lock = None
+
+
+def survey_at_open(job: Job) -> Verdict:
+    """Coordinator, at ``open`` (blocking): look at the root; hold its lock when a takeover is pending.
+
+    The record is not read here (``restore`` and the first global commit read it and say what is wrong
+    with it on every rank).
+
+    Raises:
+        RootLockedError: a takeover is pending and another writer holds the root.
+        RootUnreadableError: the root's entries cannot be listed.
+    """
+    found = rootlayout.survey(job.root, with_record=False)
+    if found.takeover_pending():
+        hold_root(job)
+        found = rootlayout.survey(job.root, with_record=False)  # again, no other writer now
+    newest = found.single_steps[-1] if found.single_steps else None
+    return Verdict(found.takeover_pending(), found.found(), newest)
+
+
+async def share(job: Job, key: str, verdict: Verdict | None = None, *, error: BaseException | None = None) -> None:
+    """Coordinator: tell every rank the verdict, or the error it could not open with."""
+    if error is not None:
+        verdict = Verdict(False, "", None, (type(error).__name__, str(error)))
+    assert verdict is not None
+    await asyncio.to_thread(job.kv.put, key, verdict.to_json())
+
+
+async def verdict(job: Job, key: str, timeout_s: float) -> Verdict:
+    """The coordinator's verdict (waiting for it up to ``timeout_s``).
+
+    Raises:
+        CoordinationTimeoutError: it did not come.
+        RootLockedError, RootUnreadableError, RootLayoutError: the coordinator's error at ``open``.
+    """
+    await asyncio.to_thread(job.kv.wait, [key], timeout_s, "the coordinator's look at the root's layout")
+    got = Verdict.from_json(await asyncio.to_thread(job.kv.get, key))
+    got.raise_error()
+    return got
+
+
+def check_commit(job: Job, got: Verdict) -> None:
+    """Every rank, before committing: refuse to start beside a single-process root's versions unasked.
+
+    Raises:
+        LayoutTakeoverError: the root's single-process versions were neither resumed by this job nor
+            left on request (``across_layouts="start_fresh"``).
+    """
+    if got.pending and got.newest is not None and job.resumed_single is None \
+            and job.across_layouts != "start_fresh":
+        raise rootlayout.takeover_refusal(got.found, got.newest)

@@ -149,7 +149,8 @@ class Checkpointer:
             model, ``perf_counter`` otherwise).
         on_error: what a failed background commit does: ``"budget"`` (logged,
             counted, retried by the next versions; training stops with
-            :class:`NoDurableVersionError` only past the budget below),
+            :class:`NoDurableVersionError` only past the budget below; a commit the root's
+            layout refuses, a ``RootLayoutError``, stops it at the next step as ``"raise"`` does),
             ``"raise"`` (:class:`CommitFailedError` at the next step) or ``"log"``.
         max_steps_without_durable: with ``"budget"``, optimizer steps tolerated
             without a durable version once commits fail (None: no step limit).

@@ -8,7 +8,11 @@ the next optimizer step) only when commits failed and the newest durable
 version is older than the budget: ``max_steps_without_durable`` optimizer
 steps or ``max_seconds_without_durable`` seconds, whichever is exceeded first
 (None switches a budget off). ``on_error="raise"`` stops at the first
-failure, ``"log"`` never stops.
+failure, ``"log"`` never stops. A commit the root's layout refuses
+(:class:`~asymstore.errors.RootLayoutError`, e.g. a multi-rank job that
+would start beside a single-process root's versions without resuming them:
+``LayoutTakeoverError``) refuses every later one too, so it stops training at
+the next step under ``"budget"`` as under ``"raise"``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Literal
 
 from asymcheck.errors import CommitFailedError, NoDurableVersionError
 from asymcheck.stats import StatsRecorder
+from asymstore.errors import RootLayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +66,13 @@ class FailureBudget:
         """Raise if training must stop now; ``error`` is the newest failure not reported yet (or None).
 
         Raises:
-            CommitFailedError: ``on_error="raise"`` and a commit failed.
+            CommitFailedError: ``on_error="raise"`` and a commit failed, or ``"budget"`` and the root's
+                layout refused a commit (a ``RootLayoutError``: every later commit would be refused too).
             NoDurableVersionError: ``on_error="budget"``, commits failed, and no
                 version became durable within the budget.
         """
-        if error is not None and self.on_error == "raise":
+        if error is not None and (self.on_error == "raise" or (
+                self.on_error == "budget" and isinstance(error, RootLayoutError))):  # it never heals by itself
             raise CommitFailedError(f"a background commit failed: {type(error).__name__}: {error}") from error
         if self.on_error != "budget":
             return

@@ -114,17 +114,17 @@ def release_root(job: Job) -> None:
 def survey_at_open(job: Job) -> Verdict:
     """Coordinator, at ``open`` (blocking): look at the root; hold its lock when a takeover is pending.
 
-    The record is not read here (``restore`` and the first global commit read it and say what is wrong
-    with it on every rank).
+    A damaged record is not an error here (``restore`` and the first global commit say what is wrong
+    with it, on every rank): the root is judged by what it holds.
 
     Raises:
         RootLockedError: a takeover is pending and another writer holds the root.
         RootUnreadableError: the root's entries cannot be listed.
     """
-    found = rootlayout.survey(job.root, with_record=False)
+    found = rootlayout.survey_for_reading(job.root)
     if found.takeover_pending():
         hold_root(job)
-        found = rootlayout.survey(job.root, with_record=False)  # again, no other writer now
+        found = rootlayout.survey_for_reading(job.root)  # again, no other writer now
     newest = found.single_steps[-1] if found.single_steps else None
     return Verdict(found.takeover_pending(), found.found(), newest)
 

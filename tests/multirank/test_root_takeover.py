@@ -22,7 +22,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+from asymcheck import Checkpointer
+from asymcheck.errors import CommitFailedError
 from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, LocalTier
 from asymstore.dcp.spec import own_store
@@ -229,3 +232,27 @@ def test_a_single_process_writer_still_running_blocks_the_takeover_on_every_rank
     assert seen["during"] is not None and isinstance(seen["second writer"], RootLockedError), seen
     assert seen["after"] is None, seen
     assert survey(str(root)).global_steps == (8,)
+
+
+def test_a_checkpointer_that_skips_resume_stops_at_the_next_step(tmp_path: Path) -> None:
+    """A Checkpointer over a multi-rank store that never called resume(): refused, and training stops at once."""
+    root = tmp_path / "ck"
+    single_root(root)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank_store = RankStore(root, rank=0, world_size=1, segment_bytes=1 << 20, compression="never")
+    ckpt = Checkpointer(model, opt, rank_store, preempt_on="none", max_overhead=None)
+    steps = 0
+    with pytest.raises(CommitFailedError, match="LayoutTakeoverError") as info:
+        for _ in range(10):  # was: each failure logged and counted; training went on for the budget (30 min)
+            model(torch.ones(1, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+            ckpt.flush()
+    assert isinstance(info.value.__cause__, LayoutTakeoverError)
+    assert steps <= 2, steps  # the first version's commit is refused; the next step stops
+    with pytest.raises(CommitFailedError):
+        ckpt.close()
+    assert survey(str(root)).global_steps == () and (root / "LATEST").read_text().strip() == "6"
+    single_versions_intact(root)

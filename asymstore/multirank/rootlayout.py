@@ -9,14 +9,20 @@
       global/ rank-*/  multi-rank versions (:mod:`.globaldir`)           } the root's current layout
 
 A job opens a root through its recorded layout, never through a guess from
-which files happen to exist. The record is written atomically (temporary
+which files happen to exist; every reader (a job, fsck, export, the DCP
+storage) follows one decision, :attr:`RootSurvey.current`: a root is
+multi-rank once it holds a published global version, and until then its
+single-process versions are its current ones (a ``global/``, or a record
+saying multi-rank, that a multi-rank job left when it stopped or died before
+its first global version does not change that). The record is written atomically (temporary
 file, fsync, rename, fsync of the root) by the first commit of a layout: a
 single-process :class:`~asymcheck.Checkpointer` store's first version, and a
 :class:`~asymstore.multirank.RankStore` coordinator's first global version
 under a layout or world size the record does not say yet. A multi-rank job
 that takes over a single-process root (resuming its versions, or starting
-fresh beside them on request) records the single-process layout it replaced
-in ``previous``: those versions stay where they are (retention of the new
+fresh beside them on request, :func:`check_takeover`; its coordinator holds
+the root's writer lock meanwhile, :mod:`.takeover`) records the
+single-process layout it replaced in ``previous``: those versions stay where they are (retention of the new
 layout never deletes them) and fsck lists them as ``superseded``; the root's
 single-process ``LATEST`` hint is removed once the first global version is
 published, so no hint points at a layout no longer current. A job of one

@@ -62,6 +62,7 @@ def test_a_shard_delete_cut_short_is_removed_under_the_jobs_retention(tmp_path: 
     out = commit(tmp_path, range(6, 8), keep_last=2)
     assert out == {0: [6, 7], 1: [6, 7]}, out
     assert not cut.exists() and quarantined(tmp_path, 0) == []
+    assert (lost / MANIFEST_NAME).exists()  # moved aside, then step 6 committed anew in its place
     assert quarantined(tmp_path, 1) == [version_dirname(6)]
 
 

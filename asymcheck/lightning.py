@@ -675,20 +675,23 @@ class AsymCheck(Callback):
         unrecorded, self._data_unrecorded = self._data_unrecorded, False
         if unrecorded and self._positioned:
             step = self.restored.step if self.restored is not None else None
-            warnings.warn(f"asymcheck.lightning.AsymCheck: the version resumed (step {step}) holds no position of "
-                          "the plain train loader (it was written before the callback recorded one), so the "
-                          "interrupted epoch's remaining batches come from a new order; versions from now on "
-                          "hold it", InexactResumeWarning, stacklevel=2)
+            message = (f"asymcheck.lightning.AsymCheck: the version resumed (step {step}) holds no position of "
+                       "the plain train loader (it was written before the callback recorded one), so the "
+                       "interrupted epoch's remaining batches would come from a new order; versions from now on "
+                       "hold it")
+            if self.inexact_data == "raise":
+                raise UnresumableDataError(message + ". Pass AsymCheck(inexact_data='warn') to resume it anyway")
+            warnings.warn(message, InexactResumeWarning, stacklevel=2)
         if loaded is None or not self._positioned:
             return
         if len(loaded) != len(self._positioned):
             raise StateMismatchError(f"the version holds the positions of {len(loaded)} plain train loaders, this "
                                      f"fit has {len(self._positioned)}")
-        for (loader, positioned), state in zip(self._positioned, loaded, strict=True):
+        for i, ((loader, positioned), state) in enumerate(zip(self._positioned, loaded, strict=True)):
             try:
                 positioned.load_state_dict(state, len(loader))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise StateMismatchError(f"the version's position of {_describe(0, loader)} is malformed: "
+                raise StateMismatchError(f"the version's position of {_describe(i, loader)} is malformed: "
                                          f"{type(exc).__name__}: {exc}") from exc
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

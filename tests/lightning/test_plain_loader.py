@@ -174,20 +174,27 @@ def test_plain_loader_positioned_during_fit_only(tmp_path: Path) -> None:
     assert loader.batch_sampler.sampler is sampler  # type: ignore[union-attr]
 
 
-def test_a_version_without_positions_resumes_and_says_the_order_is_new(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A version of a release that recorded no loader position (the key renamed while it is written) resumes, named."""
+def test_a_version_without_positions_is_refused_or_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version of a release that recorded no loader position (the key renamed while it is written): refused by
+    default before any training step, resumed with a warning under ``inexact_data="warn"``."""
     import asymcheck.lightning as integration
 
     loader = torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=True)
     with monkeypatch.context() as m:
         m.setattr(integration, "DATA", "an_older_release_key")
         _trainer(AsymCheck(tmp_path / "ckpt")).fit(_Fit(loader))
-    module = _Fit(loader)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[callback := AsymCheck(tmp_path / "ckpt")])
-    with pytest.warns(InexactResumeWarning, match=r"\(step 4\) holds no position of the plain train loader"):
-        trainer.fit(module)
+    named = r"\(step 4\) holds no position of the plain train loader"
+
+    def fit(**options: Any) -> tuple[_Fit, AsymCheck]:
+        module, callback = _Fit(loader), AsymCheck(tmp_path / "ckpt", **options)
+        pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(module)
+        return module, callback
+
+    with pytest.raises(UnresumableDataError, match=named):
+        fit()
+    assert max(_steps(tmp_path / "ckpt")) == 4
+    with pytest.warns(InexactResumeWarning, match=named):
+        module, callback = fit(inexact_data="warn")
     assert callback.restored is not None and callback.restored.step == 4
     assert module.steps == 2 and max(_steps(tmp_path / "ckpt")) == 6

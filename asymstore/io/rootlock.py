@@ -22,6 +22,7 @@ different files of the same name).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -115,6 +116,7 @@ class DirLock:
         self.root = root
         self.path = os.path.join(root, LOCK_NAME)
         self._fd: int | None = None
+        self._pid = os.getpid()  # the process that took the lock (a forked child only closes its copy)
 
     @property
     def held(self) -> bool:
@@ -147,10 +149,19 @@ class DirLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
         self._fd = fd
+        self._pid = os.getpid()
 
     def release(self) -> None:
-        """Drop the lock (closing the file releases it)."""
+        """Drop the lock: unlocked, then closed.
+
+        A child forked meanwhile (a data loader's worker) holds a copy of the descriptor: closing this
+        one alone would leave the lock held until that child exits. A forked child that releases its
+        copy only closes it (the lock is the parent's).
+        """
         if self._fd is not None:
+            if self._pid == os.getpid():
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
 
@@ -213,6 +224,8 @@ def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int
             continue
         action, reason = orphan_verdict(step, oldest_kept) if orphan and step is not None else (
             "removed", "a temporary entry of a writer that is gone")
+        if name in active:  # this writer began deleting it since the check above (its manifest went first)
+            continue
         if action == "quarantined":
             try:
                 dest = quarantine_entry(root, entry.path, name, fsync=fsync)

@@ -101,7 +101,9 @@ class LocalTier:
         """
         if not self._lock.held:
             return []
-        return await asyncio.to_thread(sweep_directory, self.root, set(self._active), oldest_kept=oldest_kept,
+        # the live set, not a copy: a delete this writer starts meanwhile marks its directory before the
+        # manifest goes, and the sweep looks again right before it acts on a directory without one
+        return await asyncio.to_thread(sweep_directory, self.root, self._active, oldest_kept=oldest_kept,
                                        fsync=self.fsync)
 
     async def list_versions(self) -> list[int]:
@@ -210,15 +212,20 @@ class LocalTier:
         # sweep after a publish, which removes a version directory once its manifest is gone); a version
         # that is gone is deleted, never an error.
         manifest = os.path.join(vdir, MANIFEST_NAME)
+        name = os.path.basename(vdir)
+        self._active.add(name)  # a sweep in another thread leaves it alone while it has no manifest
         try:
-            os.unlink(manifest)
-        except FileNotFoundError:
-            pass
-        else:
-            if self.fsync:
-                with contextlib.suppress(FileNotFoundError):  # the sweep took the directory meanwhile
-                    fsync_dir(vdir)
-        shutil.rmtree(vdir, ignore_errors=True)
+            try:
+                os.unlink(manifest)
+            except FileNotFoundError:
+                pass
+            else:
+                if self.fsync:
+                    with contextlib.suppress(FileNotFoundError):  # the sweep took the directory meanwhile
+                        fsync_dir(vdir)
+            shutil.rmtree(vdir, ignore_errors=True)
+        finally:
+            self._active.discard(name)
         if self.fsync:
             fsync_dir(self.root)
 

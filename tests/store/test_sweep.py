@@ -22,6 +22,7 @@ import torch
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.format.names import version_dirname
 from asymstore.fsck import check, repair
+from asymstore.io.rootlock import sweep_directory
 from asymstore.tiers.remote.tier import RemoteTier
 
 STEPS = [1, 2, 3, 4, 5]
@@ -262,3 +263,52 @@ async def test_a_manifest_less_directory_found_at_publish_is_moved_aside_not_del
         assert (await store.restore()).step == 2
     moved = list((root / ".quarantine").iterdir())
     assert len(moved) == 1 and (moved[0] / "seg-000000.bin").read_bytes() == b"only copy"
+
+
+async def test_a_sweep_in_another_thread_leaves_a_version_being_deleted_alone(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention (or the multi-rank job's) deletes a version on this tier while a background tier's sweep runs."""
+    import shutil
+
+    root = tmp_path / "root"
+    await commit_all(LocalTier(root))
+    tier = LocalTier(root)
+    swept: list[Any] = []
+    rmtree = shutil.rmtree
+
+    def rmtree_after_a_sweep(path: Any, *args: Any, **kwargs: Any) -> None:
+        if str(path).endswith(version_dirname(2)) and not swept:  # the manifest is gone, the segments not yet
+            swept.append(sweep_directory(str(root), tier._active, oldest_kept=None))
+        rmtree(path, *args, **kwargs)
+
+    async with AsymStore([tier], keep_last=None) as store:
+        monkeypatch.setattr(shutil, "rmtree", rmtree_after_a_sweep)
+        await tier.delete_version(2)
+        await store.refresh()
+        assert store.versions()[tier.name] == [1, 3, 4, 5]
+    assert swept == [[]]  # the sweep saw a version without a manifest and left it to its deleter
+    assert not (root / ".quarantine").exists() and not (root / version_dirname(2)).exists()
+
+
+def test_a_lock_given_back_is_free_while_a_child_forked_with_it_lives(tmp_path: Path) -> None:
+    """A data loader's worker forked while a store held its root inherits the descriptor; closing the store frees the
+    root all the same (the next job does not wait for the workers to exit)."""
+    import os
+    import signal
+
+    from asymstore.io.rootlock import DirLock
+
+    lock = DirLock(str(tmp_path))
+    lock.acquire()
+    child = os.fork()
+    if child == 0:  # the worker: holds a copy of the descriptor until it is killed
+        signal.pause()
+        os._exit(0)
+    try:
+        lock.release()
+        again = DirLock(str(tmp_path))
+        again.acquire()  # RootLockedError while the child lives, before the fix
+        again.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -173,7 +173,13 @@ class LayoutTakeoverError(RootLayoutConflictError):
     It neither resumed them (``restore``) nor was told to start beside them
     (``across_layouts="start_fresh"``); nothing is committed or published, on
     every rank alike. The message names what the root holds and both ways on.
+
+    Attributes:
+        every_rank: raised by every rank's check before the commit (the same answer everywhere), not by
+            the coordinator's last check at publish (that one reaches the other ranks as a failed commit).
     """
+
+    every_rank: bool = False
 
 
 class RootUnreadableError(RootLayoutError, OSError):

@@ -8,11 +8,15 @@ the next optimizer step) only when commits failed and the newest durable
 version is older than the budget: ``max_steps_without_durable`` optimizer
 steps or ``max_seconds_without_durable`` seconds, whichever is exceeded first
 (None switches a budget off). ``on_error="raise"`` stops at the first
-failure, ``"log"`` never stops. A commit the root's layout refuses
-(:class:`~asymstore.errors.RootLayoutError`, e.g. a multi-rank job that
-would start beside a single-process root's versions without resuming them:
-``LayoutTakeoverError``) refuses every later one too, so it stops training at
-the next step under ``"budget"`` as under ``"raise"``.
+failure, ``"log"`` never stops. A commit every rank's check refused for the
+root's layout (:class:`~asymstore.errors.LayoutTakeoverError` with
+``every_rank``: a multi-rank job that would start beside a single-process
+root's versions without resuming them) refuses every later one too, so it
+stops training at the next step under ``"budget"`` as under ``"raise"``, on
+every rank alike. Any other layout error (one the coordinator alone meets at
+publish, an unreadable root) counts against the budget like any failure: a
+rank that stopped alone would leave the others waiting in their next
+collective.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Literal
 
 from asymcheck.errors import CommitFailedError, NoDurableVersionError
 from asymcheck.stats import StatsRecorder
-from asymstore.errors import RootLayoutError
+from asymstore.errors import LayoutTakeoverError
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +70,13 @@ class FailureBudget:
         """Raise if training must stop now; ``error`` is the newest failure not reported yet (or None).
 
         Raises:
-            CommitFailedError: ``on_error="raise"`` and a commit failed, or ``"budget"`` and the root's
-                layout refused a commit (a ``RootLayoutError``: every later commit would be refused too).
+            CommitFailedError: ``on_error="raise"`` and a commit failed, or ``"budget"`` and every rank's
+                check refused it for the root's layout (``LayoutTakeoverError``: every later one would be too).
             NoDurableVersionError: ``on_error="budget"``, commits failed, and no
                 version became durable within the budget.
         """
-        if error is not None and (self.on_error == "raise" or (
-                self.on_error == "budget" and isinstance(error, RootLayoutError))):  # it never heals by itself
+        if error is not None and (self.on_error == "raise" or (  # a refusal that never heals, met on every rank
+                self.on_error == "budget" and isinstance(error, LayoutTakeoverError) and error.every_rank)):
             raise CommitFailedError(f"a background commit failed: {type(error).__name__}: {error}") from error
         if self.on_error != "budget":
             return

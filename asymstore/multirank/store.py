@@ -277,16 +277,26 @@ class RankStore:
         self._session = await asyncio.to_thread(self.job.kv.store.add, f"session/{self.rank}", 1)
         self._takeover = None
         if self.is_coordinator:  # the only writer of global/: lock it, then sweep what a dead coordinator left
-            await asyncio.to_thread(os.makedirs, self.global_dir, exist_ok=True)
-            await asyncio.to_thread(self._global_lock.acquire)
-            await asyncio.to_thread(sweep_directory, self.global_dir, fsync=self.fsync)
-            try:  # a single-process root: hold its lock while taking it over (every rank hears the verdict)
+            try:  # and look at the root: every rank hears the verdict, or the error, typed
+                await asyncio.to_thread(os.makedirs, self.global_dir, exist_ok=True)
+                await asyncio.to_thread(self._global_lock.acquire)
+                await asyncio.to_thread(sweep_directory, self.global_dir, fsync=self.fsync)
                 self._takeover = await asyncio.to_thread(takeover.survey_at_open, self.job)
             except AsymstoreError as exc:
+                takeover.release_root(self.job)
+                self._global_lock.release()
                 await takeover.share(self.job, self.session_key("layout"), error=exc)
+                raise
+            except BaseException:
+                takeover.release_root(self.job)
                 self._global_lock.release()
                 raise
-            await takeover.share(self.job, self.session_key("layout"), self._takeover)
+            try:
+                await takeover.share(self.job, self.session_key("layout"), self._takeover)
+            except BaseException:
+                takeover.release_root(self.job)
+                self._global_lock.release()
+                raise
         try:
             await self.local.open()
         except BaseException:

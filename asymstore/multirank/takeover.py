@@ -112,17 +112,20 @@ def release_root(job: Job) -> None:
 
 
 def survey_at_open(job: Job) -> Verdict:
-    """Coordinator, at ``open`` (blocking): look at the root; hold its lock when a takeover is pending.
+    """Coordinator, at ``open`` (blocking): look at the root; hold its lock until the first global version.
 
-    A damaged record is not an error here (``restore`` and the first global commit say what is wrong
-    with it, on every rank): the root is judged by what it holds.
+    The lock is held whenever no global version is published yet (a takeover pending, or an empty
+    root): a single-process writer that opened the root meanwhile would commit versions beside the
+    job's first one, and its own open now fails instead (``RootLockedError``). A damaged record is
+    not an error here (``restore`` and the first global commit say what is wrong with it, on every
+    rank): the root is judged by what it holds.
 
     Raises:
-        RootLockedError: a takeover is pending and another writer holds the root.
+        RootLockedError: no global version yet and another writer holds the root.
         RootUnreadableError: the root's entries cannot be listed.
     """
     found = rootlayout.survey_for_reading(job.root)
-    if found.takeover_pending():
+    if found.takeover_pending() or not found.global_steps:
         hold_root(job)
         found = rootlayout.survey_for_reading(job.root)  # again, no other writer now
     newest = found.single_steps[-1] if found.single_steps else None
@@ -159,4 +162,6 @@ def check_commit(job: Job, got: Verdict) -> None:
     """
     if got.pending and got.newest is not None and job.resumed_single is None \
             and job.across_layouts != "start_fresh":
-        raise rootlayout.takeover_refusal(got.found, got.newest)
+        refusal = rootlayout.takeover_refusal(got.found, got.newest)
+        refusal.every_rank = True  # every rank decides from the same verdict: callers may stop alike
+        raise refusal

@@ -256,3 +256,57 @@ def test_a_checkpointer_that_skips_resume_stops_at_the_next_step(tmp_path: Path)
         ckpt.close()
     assert survey(str(root)).global_steps == () and (root / "LATEST").read_text().strip() == "6"
     single_versions_intact(root)
+
+
+def test_only_a_refusal_every_rank_met_stops_training_under_the_budget() -> None:
+    """The coordinator's own last check at publish reaches the other ranks as a failed commit: it must not stop
+    rank 0 alone (the others would wait in their next collective); every rank's check does stop every rank."""
+    from asymcheck.policy.failures import FailureBudget
+    from asymcheck.stats import StatsRecorder
+    from asymstore.multirank.rootlayout import takeover_refusal
+
+    budget = FailureBudget(StatsRecorder(), "budget", 100, None)
+    alone = takeover_refusal("the root holds single-process versions 4..6", 6)
+    budget.check(3, alone)  # counted against the budget like any failed commit
+    everywhere = takeover_refusal("the root holds single-process versions 4..6", 6)
+    everywhere.every_rank = True
+    with pytest.raises(CommitFailedError, match="LayoutTakeoverError"):
+        budget.check(3, everywhere)
+
+
+def test_a_job_on_an_empty_root_holds_it_until_its_first_global_version(tmp_path: Path) -> None:
+    """A single-process writer that opened an empty root while a multi-rank job starts would commit beside it."""
+    root = tmp_path / "ck"
+    kv = torch.distributed.HashStore()
+    seen: dict[str, Any] = {}
+
+    async def rank_fn(rank: int) -> None:
+        async with store(root, rank, 2, kv, wait_global=True) as s:
+            if rank == 0:
+                try:
+                    await AsymStore([LocalTier(root)], keep_last=None).open()
+                except RootLockedError as exc:
+                    seen["before"] = exc
+            await put_commit(s, 1)
+            if rank == 0:
+                seen["after"] = DirLock(str(root)).holder()
+
+    out = run_ranks(2, rank_fn)
+    assert out == {0: None, 1: None}, out
+    assert isinstance(seen.get("before"), RootLockedError) and seen["after"] is None, seen
+    assert survey(str(root)).global_steps == (1,) and survey(str(root)).single_steps == ()
+
+
+def test_a_failed_open_gives_the_root_lock_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asymstore.multirank import takeover
+
+    root = tmp_path / "ck"
+    single_root(root)
+
+    async def broken_share(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("the coordination store went away")
+
+    monkeypatch.setattr(takeover, "share", broken_share)
+    with pytest.raises(ConnectionError):
+        asyncio.run(RankStore(root, rank=0, world_size=1, segment_bytes=1 << 20).open())
+    assert DirLock(str(root)).holder() is None and DirLock(str(root / "global")).holder() is None

@@ -49,7 +49,7 @@ def test_two_ranks_to_one_and_one_to_two(tmp_path: Path) -> None:
     t.apply_state(model, opt, {**state, "rng": torch.get_rng_state()})
     assert t.full_digests(model, opt) == t.read_json(tmp_path / "full2.json")  # 2 -> 1
 
-    assert sorted(p.name for p in (tmp_path / "root2").iterdir()) == [
-        "LAYOUT.json", "global", "rank-00000", "rank-00001"]  # LAYOUT.json: the root's layout, recorded
+    assert sorted(p.name for p in (tmp_path / "root2").iterdir()) == [  # LAYOUT.json: the root's layout, recorded;
+        ".lock", "LAYOUT.json", "global", "rank-00000", "rank-00001"]  # .lock: held until the first global version
     done = t.fsck(tmp_path / "root2", "--deep")
     assert done.returncode == 0 and "verdict: OK" in done.stdout, done.stdout + done.stderr

@@ -111,6 +111,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc!r}"
 
 
+def relayed(name: str, message: str, default: type[AsymstoreError]) -> AsymstoreError:
+    """The error another rank relayed by its type name, typed again: one of the multi-rank errors, else ``default``.
+
+    The names a coordinator relays to every rank (restore, the look at a root's layout at open) are
+    those of :data:`RELAYED`; any other name becomes ``default`` with the same message.
+    """
+    for cls in RELAYED:
+        if cls.__name__ == name:
+            return cls(message)
+    return default(message)
+
+
 # -- multi-rank ----------------------------------------------------------------
 
 
@@ -219,3 +231,10 @@ class DCPStorageError(AsymstoreError, ValueError):
 
 class DCPMetadataError(CorruptVersionError):
     """A version's DCP metadata (``.dcp/metadata``) is missing, malformed or contradicts its shards."""
+
+
+RELAYED: tuple[type[AsymstoreError], ...] = (
+    NoCheckpointError, VersionNotFoundError, WorldSizeMismatchError, CorruptVersionError, DestinationMismatchError,
+    RootLayoutError, RootLayoutConflictError, RootUnreadableError, RootLockedError,
+)
+"""The errors a coordinator relays to every rank by type name (:func:`relayed`)."""

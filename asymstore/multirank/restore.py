@@ -44,13 +44,12 @@ from asymstore.errors import (
     DestinationMismatchError,
     GlobalManifestError,
     NoCheckpointError,
-    RootLayoutConflictError,
     RootLayoutError,
     RootLockedError,
-    RootUnreadableError,
     VersionNotFoundError,
     WorldSizeMismatchError,
     describe,
+    relayed,
 )
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.multirank import rootlayout, takeover
@@ -63,18 +62,6 @@ if TYPE_CHECKING:
     from asymstore.store import AsymStore
 
 logger = logging.getLogger(__name__)
-
-_ERRORS: dict[str, type[AsymstoreError]] = {
-    "NoCheckpointError": NoCheckpointError,
-    "VersionNotFoundError": VersionNotFoundError,
-    "WorldSizeMismatchError": WorldSizeMismatchError,
-    "CorruptVersionError": CorruptVersionError,
-    "DestinationMismatchError": DestinationMismatchError,
-    "RootLayoutError": RootLayoutError,
-    "RootLayoutConflictError": RootLayoutConflictError,
-    "RootUnreadableError": RootUnreadableError,
-    "RootLockedError": RootLockedError,
-}
 
 Restored = tuple[GlobalManifest, Checkpoint, list[str]]
 """The global version chosen, this rank's checkpoint of it, and notes on the candidates skipped."""
@@ -239,7 +226,7 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str,
         if "error" in msg:
             if refused is not None and msg["error"] == "DestinationMismatchError":
                 raise refused  # this rank's own refusal, with its cause
-            raise _ERRORS.get(msg["error"], CorruptVersionError)(msg["message"])
+            raise relayed(msg["error"], msg["message"], CorruptVersionError)
         if "done" in msg:
             assert ckpt is not None and g is not None and g.step == msg["done"]
             return g, ckpt, list(msg.get("notes", []))
@@ -251,7 +238,7 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str,
         if "error" in go:
             if refused is not None:
                 raise refused  # this rank's own refusal, with its cause
-            raise _ERRORS.get(go["error"], CorruptVersionError)(go["message"])
+            raise relayed(go["error"], go["message"], CorruptVersionError)
         ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
         await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", _result(ckpt, reason, refused))
         k += 1

@@ -37,10 +37,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asymstore.errors import (
-    AsymstoreError,
     RootLayoutError,
-    RootLockedError,
-    RootUnreadableError,
+    relayed,
 )
 from asymstore.io.rootlock import DirLock
 from asymstore.multirank import rootlayout
@@ -49,12 +47,6 @@ if TYPE_CHECKING:
     from asymstore.multirank.job import Job
 
 logger = logging.getLogger(__name__)
-
-_ERRORS: dict[str, type[AsymstoreError]] = {
-    "RootLockedError": RootLockedError,
-    "RootUnreadableError": RootUnreadableError,
-}
-
 
 @dataclass(frozen=True)
 class Verdict:
@@ -87,7 +79,7 @@ class Verdict:
     def raise_error(self) -> None:
         """Raise the coordinator's error, typed as it was, if it had one."""
         if self.error is not None:
-            raise _ERRORS.get(self.error[0], RootLayoutError)(self.error[1])
+            raise relayed(self.error[0], self.error[1], RootLayoutError)
 
 
 def hold_root(job: Job) -> None:

@@ -81,7 +81,7 @@ import itertools
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import lightning
@@ -178,6 +178,37 @@ class _SkipBatches:
         return max(0, len(self.inner) - self.skip)  # type: ignore[arg-type]
 
 
+def _rng_now(generator: torch.Generator | None) -> dict[str, torch.Tensor]:
+    """The RNG states a pass draws its order from: the global torch generator's and ``generator``'s."""
+    states = {"torch": torch.get_rng_state()}
+    if generator is not None:
+        states["generator"] = generator.get_state()
+    return states
+
+
+def _continued(start: Mapping[str, torch.Tensor], generator: torch.Generator | None,
+               began: Callable[[dict[str, torch.Tensor]], None], items: Callable[[], Iterator[Any]]) -> Iterator[Any]:
+    """The interrupted pass, continued: ``items()`` (what is left of it) drawn from the pass's starting states.
+
+    The states ``start`` are set (``began`` is told them, as the new pass's own) while ``items()`` and
+    its first item draw, then the global torch RNG is put back as it was, so the version's states go on.
+    """
+    outer = torch.get_rng_state()
+    torch.set_rng_state(start["torch"].clone())
+    if "generator" in start and generator is not None:
+        generator.set_state(start["generator"].clone())
+    began(_rng_now(generator))
+    try:
+        it = items()
+        first = next(it)  # the sampler's draws, as in the interrupted pass
+    except StopIteration:
+        return
+    finally:
+        torch.set_rng_state(outer)
+    yield first
+    yield from it
+
+
 class ResumableLoader:
     """A train ``DataLoader`` whose position goes into every version and comes back without re-reading.
 
@@ -228,17 +259,6 @@ class ResumableLoader:
         """Batches per pass."""
         return len(self.loader)
 
-    def _rng_now(self) -> dict[str, torch.Tensor]:
-        states = {"torch": torch.get_rng_state()}
-        if self.loader.generator is not None:
-            states["generator"] = self.loader.generator.get_state()
-        return states
-
-    def _set_rng(self, states: Mapping[str, torch.Tensor]) -> None:
-        torch.set_rng_state(states["torch"].clone())
-        if "generator" in states and self.loader.generator is not None:
-            self.loader.generator.set_state(states["generator"].clone())
-
     def __iter__(self) -> Iterator[Any]:
         """Yield the pass's batches (after a resume: those of the interrupted pass not yet trained).
 
@@ -249,22 +269,16 @@ class ResumableLoader:
         """
         skip, start = self._skip, self._resume_start  # until resumed(): Lightning may begin a pass twice
         self.trained = skip
+        generator = self.loader.generator
         if start is None:
-            self._start = self._rng_now()
+            self._start = _rng_now(generator)
             yield from self.loader
             return
-        outer = torch.get_rng_state()
-        self._set_rng(start)
-        self._start = self._rng_now()
-        it = iter(self._skipped(skip) if skip else self.loader)
-        try:
-            first = next(it)  # the sampler's draws, as in the interrupted pass
-        except StopIteration:
-            return
-        finally:
-            torch.set_rng_state(outer)
-        yield first
-        yield from it
+        yield from _continued(start, generator, self._began,
+                              lambda: iter(self._skipped(skip) if skip else self.loader))
+
+    def _began(self, states: dict[str, torch.Tensor]) -> None:
+        self._start = states
 
     def resumed(self) -> None:
         """The continued pass trains (called by :class:`AsymCheck`): passes after it are the loader's own."""
@@ -333,39 +347,26 @@ class _PositionedSampler(torch.utils.data.Sampler[int]):
         g = getattr(self.inner, "generator", None)
         return g if isinstance(g, torch.Generator) else None
 
-    def _rng_now(self) -> dict[str, torch.Tensor]:
-        states = {"torch": torch.get_rng_state()}
-        if (g := self._generator()) is not None:
-            states["generator"] = g.get_state()
-        return states
-
-    def _set_rng(self, states: Mapping[str, torch.Tensor]) -> None:
-        torch.set_rng_state(states["torch"].clone())
-        if "generator" in states and (g := self._generator()) is not None:
-            g.set_state(states["generator"].clone())
-
     def __iter__(self) -> Iterator[int]:
         """The pass's indices (after a resume: those of the interrupted pass's batches not yet trained)."""
         skip, start = self._skip, self._resume_start  # until resumed(): Lightning may begin a pass twice
         self.trained = skip
+        generator = self._generator()
         if start is None:
-            self._start = self._rng_now()
+            self._start = _rng_now(generator)
             yield from self.inner
             return
-        outer = torch.get_rng_state()
-        self._set_rng(start)
-        self._start = self._rng_now()
-        it = iter(self.inner)
-        try:
+
+        def indices() -> Iterator[int]:
+            it: Iterator[int] = iter(self.inner)
             for _ in range(skip * self.batch_size):  # whole batches: the pass's draws, as in the interrupted pass
                 next(it)
-            first = next(it)
-        except StopIteration:
-            return
-        finally:
-            torch.set_rng_state(outer)
-        yield first
-        yield from it
+            return it
+
+        yield from _continued(start, generator, self._began, indices)
+
+    def _began(self, states: dict[str, torch.Tensor]) -> None:
+        self._start = states
 
     def resumed(self) -> None:
         """The continued pass trains: passes after it are the sampler's own."""

@@ -11,7 +11,7 @@ such states in another process, on every file tier kind.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,15 +21,6 @@ from asymstore import AsymStore
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.format.parse import parse_manifest
 from tests.support.tierkinds import FILE_KINDS, Kind, Restorer, digests, make_tier
-
-
-@pytest.fixture(scope="module")
-def restorer() -> Iterator[Restorer]:
-    r = Restorer()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 def where(kind: Kind, tmp_path: Path, shm_dir: str) -> str:

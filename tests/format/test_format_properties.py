@@ -100,15 +100,6 @@ def states(draw: st.DrawFn) -> dict[str, torch.Tensor]:
     return {f"t{i}.{t.dtype}".replace("torch.", ""): t for i, t in enumerate(values)}
 
 
-@pytest.fixture(scope="module")
-def restorer() -> Iterator[Restorer]:
-    r = Restorer()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
 @pytest.fixture
 def scratch(shm_dir: str, request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     """Fresh places for one test: tmpfs for the shared-memory tiers, disk for the others, the S3 server for s3."""

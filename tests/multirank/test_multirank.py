@@ -338,17 +338,20 @@ def test_a_job_killed_before_its_first_global_version_restarts_and_commits(tmp_p
     ranks holding such shards, and the coordinator waited for them until its timeout.
     """
 
-    async def leftovers(rank: int) -> None:  # each rank's own store committed shards; no global version
+    async def leftovers(rank: int) -> tuple[list[list[int]], list[int]]:  # shards committed; no global version
         async with store(tmp_path, rank, 2, dist.HashStore()) as s:
             for step in range(1, 3 + rank):
                 await s.local.put(step, "w", value(step, rank))
                 await s.local.commit(step)
+            return list(s.versions().values()), s.global_steps()
 
-    run_ranks(2, leftovers)
+    setup = run_ranks(2, leftovers)  # a failed setup would leave nothing for the restart to meet
+    assert setup == {0: ([[1, 2]], []), 1: ([[1, 2, 3]], [])}, setup
     kv = dist.HashStore()
 
     async def restart(rank: int) -> tuple[bool, list[int]]:
         async with store(tmp_path, rank, 2, kv) as s:
+            fresh = False
             try:
                 await s.restore()
             except NoCheckpointError:

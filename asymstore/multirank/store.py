@@ -622,5 +622,28 @@ class RankStore:
             return await read_shard_manifest(self.tiers, rank, step, opened=True)
         return await read_shard_manifest(self.job.peer_tiers(rank), rank, step, opened=False)
 
+    async def read_manifest(self, step: int | None = None) -> Manifest:
+        """This rank's shard manifest of the newest published global version (or of global ``step``); not collective.
+
+        No tensor is read. A rank beyond the version's world reads rank 0's shard manifest.
+
+        Raises:
+            NoCheckpointError: no global version is published (or none parses).
+            VersionNotFoundError: ``step`` is not published.
+            CorruptVersionError: no tier holds the shard's manifest.
+        """
+        from asymstore.errors import VersionNotFoundError
+
+        if step is None:
+            g = self.newest_global()
+            if g is None:
+                raise NoCheckpointError("no global version is published")
+        elif step not in self.global_steps():
+            raise VersionNotFoundError(f"global step {step} is not published")
+        else:
+            g = self.read_global(step)
+        rank = self.rank if self.rank < g.world_size else 0
+        return await self.read_shard_manifest(rank, g.shard(rank).step)
+
 
 _SATISFIES: type[CheckpointStore] = RankStore  # mypy checks that RankStore satisfies the adapters' protocol

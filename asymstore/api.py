@@ -325,6 +325,10 @@ class CheckpointStore(Protocol):
         """Return the newest version that verifies (or ``step``), optionally read into ``into``."""
         ...
 
+    async def read_manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of the newest version whose manifest reads (or of ``step``); no tensor is read."""
+        ...
+
 
 @runtime_checkable
 class DropReportingStore(Protocol):

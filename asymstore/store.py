@@ -651,5 +651,42 @@ class AsymStore:
         await self.refresh()
         return await restore_newest(self._tiers, step, into)
 
+    async def read_manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of the newest version whose manifest reads (or of ``step``); no tensor is read.
+
+        Each version is tried from the fastest tier holding it, newest first; a manifest that does
+        not read or parse is skipped (logged) for the next copy, then the previous version. The
+        version's tensors are not verified: :meth:`restore` may still fall back from it.
+
+        Raises:
+            NoCheckpointError: no tier holds any version.
+            VersionNotFoundError: ``step`` is on no tier.
+            CorruptVersionError: no copy of any candidate's manifest reads.
+        """
+        from asymstore.errors import CorruptVersionError, NoCheckpointError, VersionNotFoundError
+        from asymstore.read.verify import read_manifest
+
+        self._require_open()
+        if step is not None:
+            check_step(step)
+        await self.refresh()
+        holders: dict[int, list[Tier]] = {}
+        for state in self._tiers:
+            for v in state.versions:
+                holders.setdefault(v, []).append(state.tier)
+        if step is not None and step not in holders:
+            raise VersionNotFoundError(f"step {step} is not committed on any tier")
+        if not holders:
+            raise NoCheckpointError("no tier holds a committed version")
+        reasons: list[str] = []
+        for s in [step] if step is not None else sorted(holders, reverse=True):
+            for tier in holders[s]:
+                try:
+                    return await read_manifest(tier, s)
+                except (AsymstoreError, OSError) as exc:
+                    logger.warning("manifest of step %d on %s unreadable: %s", s, tier.name, describe(exc))
+                    reasons.append(f"step {s} on {tier.name}: {describe(exc)}")
+        raise CorruptVersionError("no manifest read: " + "; ".join(reasons))
+
 
 _SATISFIES: type[CheckpointStore] = AsymStore  # mypy checks that AsymStore satisfies the adapters' protocol

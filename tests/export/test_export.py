@@ -93,28 +93,55 @@ def test_dcp_export_loads_with_torch_distributed_checkpoint(trained: tuple[Path,
 
 @pytest.mark.parametrize("compression", ["never", "always"])
 async def test_export_verifies_every_chunk_and_writes_nothing_on_damage(tmp_path: Path, compression: str) -> None:
+    """Two versions: a damaged newest one is skipped for the one before (no step given), refused when asked for."""
     root = tmp_path / "store"
-    state = {"model/w": torch.randn(70_000), "model/b": torch.randn(10).to(torch.bfloat16), "optim/x": torch.ones(3)}
+
+    def state_of(step: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(step)
+        return {"model/w": torch.randn(70_000, generator=g), "model/b": torch.randn(10, generator=g).to(torch.bfloat16),
+                "optim/x": torch.full((3,), float(step))}
+
     async with AsymStore([LocalTier(root)], compression=compression, segment_bytes=128 << 10) as store:
-        await store.put_many(1, state)
-        await store.commit(1)
+        for step in (1, 2):
+            await store.put_many(step, state_of(step))
+            await store.commit(step)
+    state = state_of(2)
     good = tmp_path / "good.safetensors"
-    await export(str(root), "safetensors", str(good))
+    assert (await export(str(root), "safetensors", str(good)))["step"] == 2
     assert same(load_file(str(good)), {"w": state["model/w"], "b": state["model/b"]})  # prefix model/ only
     everything = tmp_path / "all.safetensors"
     await export(str(root), "safetensors", str(everything), prefix="")
     assert same(load_file(str(everything)), state)
 
-    seg = sorted((root / version_dirname(1)).glob("seg-*"))[-1]
-    data = bytearray(seg.read_bytes())
-    data[len(data) // 2] ^= 0x04
-    seg.write_bytes(bytes(data))
+    def damage(step: int) -> None:
+        seg = sorted((root / version_dirname(step)).glob("seg-*"))[-1]
+        data = bytearray(seg.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        seg.write_bytes(bytes(data))
+
+    def written() -> list[str]:
+        return sorted(p for p in os.listdir(tmp_path) if p.startswith(("bad.", "old.", "none.")))
+
+    damage(2)
     bad = tmp_path / "bad.safetensors"
-    with pytest.raises(NoCheckpointError, match="step 1: CorruptVersionError"):  # the only version: none verifies
-        await export(str(root), "safetensors", str(bad))
+    with pytest.raises(CorruptVersionError):  # asked for by step: that version or nothing, never another
+        await export(str(root), "safetensors", str(bad), step=2)
+    assert written() == []
+    old = tmp_path / "old.safetensors"
+    summary = await export(str(root), "safetensors", str(old))  # no step: the newest version that verifies
+    assert summary["step"] == 1 and [s["step"] for s in summary["skipped"]] == [2], summary
+    assert summary["skipped"][0]["error"].startswith("CorruptVersionError"), summary
+    assert same(load_file(str(old)), {"w": state_of(1)["model/w"], "b": state_of(1)["model/b"]})
+    assert written() == ["old.safetensors"]
+
+    damage(1)
+    none = tmp_path / "none.safetensors"
+    with pytest.raises(NoCheckpointError, match="step 2: CorruptVersionError") as info:  # none verifies
+        await export(str(root), "safetensors", str(none))
+    assert "step 1: CorruptVersionError" in str(info.value)
     with pytest.raises(CorruptVersionError):
-        await export(str(root), "safetensors", str(bad), step=1)
-    assert not bad.exists() and not [p for p in os.listdir(tmp_path) if p.startswith("bad.")]
+        await export(str(root), "safetensors", str(none), step=1)
+    assert written() == ["old.safetensors"]  # nothing of the refused exports, not even a temporary file
 
 
 def test_export_refuses_what_it_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

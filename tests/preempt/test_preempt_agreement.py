@@ -36,8 +36,12 @@ def test_sessions_do_not_see_each_others_notices() -> None:
     server, client = tcp_pair()
     old = PreemptAgreement(KV(server), "s1/preempt", 0)
     new = PreemptAgreement(KV(client), "s2/preempt", 1)
-    old.publish(3, "explicit")
-    assert new.poll() is None
+    assert old.publish(3, "explicit") == AgreedNotice(3, 0, "explicit")
+    assert new.poll() is None and new.notice is None and new.lost is None  # read, and found nothing: not lost
+    # the new session agrees on its own step, not the old session's 3; each session's readers see their own
+    assert new.publish(5, "SIGTERM") == AgreedNotice(5, 1, "SIGTERM")
+    assert PreemptAgreement(KV(server), "s2/preempt", 0).poll() == AgreedNotice(5, 1, "SIGTERM")
+    assert PreemptAgreement(KV(client), "s1/preempt", 1).poll() == AgreedNotice(3, 0, "explicit")
 
 
 def test_an_unreachable_store_is_recorded_as_lost() -> None:

@@ -45,10 +45,11 @@ imports: setup
 	$(VENV)/bin/lint-imports
 	$(PY) tools/import_cycles.py
 
-# the docs site, strictly (every page, link and reference resolves), and every snippet runs
+# the docs site, strictly (every page, link and reference resolves), every snippet runs, every docstring reference resolves
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) examples/check_snippets.py
+	$(PY) tools/check_refs.py
 
 lint: setup
 	$(PY) -m ruff check .

@@ -45,7 +45,7 @@ imports: setup
 	$(VENV)/bin/lint-imports
 	$(PY) tools/import_cycles.py
 
-# the docs site, strictly (every page, link and reference resolves), every snippet runs, every docstring reference resolves
+# the docs site, strictly (every page, link and reference resolves), and every snippet runs
 docs: setup
 	$(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) examples/check_snippets.py

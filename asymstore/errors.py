@@ -152,6 +152,14 @@ class CoordinationTimeoutError(AsymstoreError, TimeoutError):
     """A rank waited too long for the coordinator (or the coordinator for the ranks) outside a commit."""
 
 
+class CoordinationProtocolError(AsymstoreError, ValueError):
+    """A value another rank put on the coordination store is no payload of the multi-rank protocol.
+
+    Not strict JSON, larger than the protocol allows, or of the wrong shape or types
+    (:mod:`asymstore.multirank.protocol`); the message names the key.
+    """
+
+
 class WorldSizeMismatchError(AsymstoreError, ValueError):
     """The global version was written by another number of ranks and the store does not reshard.
 

@@ -1,11 +1,11 @@
 """Phase two of the global commit: the coordinator publishes the global manifest once every rank reported.
 
-After committing its shard of step ``s``, each rank reports it under
-``{key}/rank/<rank>`` of the coordination store (a :class:`ShardInfo`, or
-``{"failed": ...}``). The coordinator waits for every report
+After committing its shard of step ``s``, each rank reports it in the commit's
+round of the coordination store (a :class:`~asymstore.multirank.protocol.ShardReport`:
+committed, failed or dropped). The coordinator waits for every report
 (:func:`publish_global`), writes ``global/v…s.json`` and ``global/LATEST``,
-applies retention and answers ``{key}/global``; a rank that waits for the
-global version (:func:`await_global`) reads that answer. Both run in a thread
+applies retention and answers (a :class:`~asymstore.multirank.protocol.GlobalAnswer`);
+a rank that waits for the global version (:func:`await_global`) reads that answer. Both run in a thread
 (they block on the key-value store).
 """
 
@@ -13,34 +13,32 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asymstore.errors import (
+    CoordinationProtocolError,
     CoordinationTimeoutError,
     GlobalCommitError,
     GlobalCommitTimeoutError,
-    GlobalManifestError,
     GlobalVersionDroppedError,
     RootLayoutError,
 )
-from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
-from asymstore.format.placement import Placement, RankPlacement
+from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.placement import Placement
 from asymstore.multirank import globaldir, rootlayout, takeover
 from asymstore.multirank.job import Job
+from asymstore.multirank.protocol import CommitRound, GlobalAnswer, ShardReport
 from asymstore.multirank.retention import retain_globals
-
-if TYPE_CHECKING:
-    from asymstore.dist.kv import KV
 
 logger = logging.getLogger(__name__)
 
 
-def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> GlobalManifest:
+def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any]) -> GlobalManifest:
     """Coordinator: wait for every rank's report of ``step``, then publish its global manifest.
 
     Args:
         job: the coordinator's job.
-        key: the coordination key prefix of this commit.
+        commit: the round of this commit on the coordination store.
         step: the step.
         meta: the global manifest's JSON metadata (validated).
 
@@ -50,31 +48,34 @@ def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> Globa
     Raises:
         GlobalCommitTimeoutError: not every rank reported within ``job.timeout_s``.
         GlobalCommitError: a rank reported that its shard failed.
+        CoordinationProtocolError: a rank's report is malformed (every rank waiting hears the failure).
     """
-    kv = job.kv
-    keys = [f"{key}/rank/{r}" for r in range(job.world_size)]
     try:
-        kv.wait(keys, job.timeout_s, f"global commit of step {step}")
+        commit.wait_reports(job.timeout_s, f"global commit of step {step}")
     except CoordinationTimeoutError as exc:
-        missing = [r for r, k in enumerate(keys) if not kv.has(k)]
-        msg = (f"step {step}: rank(s) {missing} did not report a committed shard within {job.timeout_s:g} s; "
-               f"the global version is not published (newest stays {max(job.global_steps(), default=None)})")
-        kv.put(f"{key}/global", {"failed": msg})
+        msg = (f"step {step}: rank(s) {commit.missing_reports()} did not report a committed shard within "
+               f"{job.timeout_s:g} s; the global version is not published "
+               f"(newest stays {max(job.global_steps(), default=None)})")
+        commit.answer(GlobalAnswer(failed=msg))
         raise GlobalCommitTimeoutError(msg) from exc
-    reports = kv.get_many(keys)
-    dropped = {r: rep["dropped"] for r, rep in enumerate(reports) if "dropped" in rep}
+    try:
+        reports = commit.reports()
+    except CoordinationProtocolError as exc:
+        commit.answer(GlobalAnswer(failed=f"step {step}: {exc}; the global version is not published"))
+        raise
+    dropped = {r: rep.dropped for r, rep in enumerate(reports) if rep.dropped is not None}
     if dropped:
         msg = f"step {step}: rank(s) {sorted(dropped)} dropped their version ({next(iter(dropped.values()))}); " \
               f"no global version of it"
-        kv.put(f"{key}/global", {"failed": msg, "dropped": True})
+        commit.answer(GlobalAnswer(failed=msg, dropped=True))
         raise GlobalVersionDroppedError(msg)
-    failed = {r: rep["failed"] for r, rep in enumerate(reports) if "failed" in rep}
+    failed = {r: rep.failed for r, rep in enumerate(reports) if rep.failed is not None}
     if failed:
         msg = f"step {step}: shard commit failed on rank(s) {failed}; the global version is not published"
-        kv.put(f"{key}/global", {"failed": msg})
+        commit.answer(GlobalAnswer(failed=msg))
         raise GlobalCommitError(msg)
-    manifest = GlobalManifest(step, job.world_size, tuple(ShardInfo.from_json(r) for r in reports), meta,
-                              time.time(), record_placement(job, reports))
+    shards = tuple(rep.info for rep in reports if rep.info is not None)
+    manifest = GlobalManifest(step, job.world_size, shards, meta, time.time(), record_placement(job, reports))
     for stale in [s for s in job.global_steps() if s >= step]:  # a history abandoned by an older restore
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
         globaldir.delete_global(job.global_dir, stale, fsync=job.fsync)
@@ -84,7 +85,7 @@ def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> Globa
             rootlayout.record_multirank(job.root, job.world_size, resumed_single=job.resumed_single,
                                         across_layouts=job.across_layouts, fsync=job.fsync)
         except RootLayoutError as exc:
-            kv.put(f"{key}/global", {"failed": f"step {step}: {exc}; the global version is not published"})
+            commit.answer(GlobalAnswer(failed=f"step {step}: {exc}; the global version is not published"))
             raise
     globaldir.publish_global(job.global_dir, manifest, fsync=job.fsync)
     job.global_cache[step] = manifest
@@ -94,50 +95,48 @@ def publish_global(job: Job, key: str, step: int, meta: dict[str, Any]) -> Globa
         job.layout_recorded = True
         takeover.release_root(job)  # the root is multi-rank now: its global/ lock is the one that counts
     retain_globals(job)
-    kv.put(f"{key}/global", {"step": step})
+    commit.answer(GlobalAnswer(step=step))
     logger.debug("published global version %d (%d ranks, %d bytes)", step, job.world_size, manifest.nbytes)
     return manifest
 
 
-def record_placement(job: Job, reports: list[dict[str, Any]]) -> str | None:
+def record_placement(job: Job, reports: list[ShardReport]) -> str | None:
     """Write the placement the ranks reported with their shards (once per distinct placement); return its digest.
 
     None when a rank reported none (an older peer) or a malformed one: the
     global manifest then names no placement, and fsck looks for the shards in
     ``ROOT/rank-NNNNN/``.
     """
-    docs = [rep.get("placement") for rep in reports]
+    places = [rep.placement for rep in reports]
     cached = job.placement_cache
-    if cached is not None and cached[0] == docs:
+    if cached is not None and cached[0] == places:
         return cached[1]
-    if any(d is None for d in docs):
+    problems = [rep.placement_error for rep in reports if rep.placement_error is not None]
+    if problems:
+        logger.warning("not recording the tier placement: %s", problems[0])
+        return None
+    if any(p is None for p in places):
         logger.warning("a rank reported no tier placement: fsck will look for its shards under the root")
         return None
-    try:
-        placement = Placement(job.world_size, tuple(RankPlacement.from_json(d) for d in docs))
-        if [r.rank for r in placement.ranks] != list(range(job.world_size)):
-            raise GlobalManifestError("ranks reported placements out of order")
-    except GlobalManifestError as exc:
-        logger.warning("not recording the tier placement: %s", exc)
+    placement = Placement(job.world_size, tuple(p for p in places if p is not None))
+    if [r.rank for r in placement.ranks] != list(range(job.world_size)):
+        logger.warning("not recording the tier placement: ranks reported placements out of order")
         return None
     digest = globaldir.write_placement(job.global_dir, placement, fsync=job.fsync)
-    job.placement_cache = (docs, digest)
+    job.placement_cache = (places, digest)
     return digest
 
 
-def await_global(kv: KV, key: str, step: int, timeout_s: float) -> None:
+def await_global(commit: CommitRound, step: int, timeout_s: float) -> None:
     """Wait for the coordinator's answer to the global commit of ``step``.
 
     Raises:
         GlobalCommitTimeoutError: no answer within ``timeout_s``.
         GlobalCommitError: the coordinator did not publish the version.
+        CoordinationProtocolError: the answer is malformed.
     """
     try:
-        kv.wait([f"{key}/global"], timeout_s, f"the coordinator's global commit of step {step}")
+        answer = commit.wait_answer(timeout_s, f"the coordinator's global commit of step {step}")
     except CoordinationTimeoutError as exc:
         raise GlobalCommitTimeoutError(str(exc)) from exc
-    msg = kv.get(f"{key}/global")
-    if "dropped" in msg:
-        raise GlobalVersionDroppedError(msg["failed"])
-    if "failed" in msg:
-        raise GlobalCommitError(msg["failed"])
+    answer.raise_failure()

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from asymstore.api import Checkpoint
 from asymstore.errors import (
     AsymstoreError,
+    CoordinationProtocolError,
     CorruptVersionError,
     DestinationMismatchError,
     GlobalManifestError,
@@ -49,10 +50,10 @@ from asymstore.errors import (
     VersionNotFoundError,
     WorldSizeMismatchError,
     describe,
-    relayed,
 )
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.multirank import rootlayout, takeover
+from asymstore.multirank.protocol import Fit, Go, Have, LoadResult, Relayed, RestoreRound, TryMsg
 from asymstore.multirank.reshard import restore_resharded
 from asymstore.read.load import check_destinations
 
@@ -80,7 +81,8 @@ async def restore_collective(job: Job, local: AsymStore, reshard: Targets | None
         job: this rank's job.
         local: this rank's own store (open, its versions refreshed).
         reshard: restore versions of another world size through these targets (None: refuse them).
-        key: the coordination key prefix of this restore (the same on every rank).
+        key: the coordination key prefix of this restore (the same on every rank:
+            :func:`~asymstore.multirank.protocol.round_key`).
         step: restore exactly this global step.
         into: this rank's tensors to fill in place (see :meth:`asymstore.AsymStore.restore`).
 
@@ -88,20 +90,19 @@ async def restore_collective(job: Job, local: AsymStore, reshard: Targets | None
         NoCheckpointError, VersionNotFoundError, WorldSizeMismatchError, CorruptVersionError,
         CoordinationTimeoutError: see :meth:`asymstore.multirank.RankStore.restore`.
         DestinationMismatchError: a rank refused the destinations of the candidate (see the module docstring).
+        CoordinationProtocolError: a rank put a malformed message.
     """
+    rnd = RestoreRound.of(job.kv, key, job.world_size)
     if job.is_coordinator:
-        haves = await asyncio.to_thread(_gather_haves, job, local, key)
-        return await _coordinate(job, local, reshard, key, haves, step, into)
-    await asyncio.to_thread(job.kv.put, f"{key}/have/{job.rank}", own_steps(local))
-    return await _follow(job, local, reshard, key, into)
+        haves = await asyncio.to_thread(_gather_haves, job, rnd, local)
+        return await _coordinate(job, local, reshard, rnd, haves, step, into)
+    await asyncio.to_thread(rnd.have, job.rank, Have(tuple(own_steps(local))))
+    return await _follow(job, local, reshard, rnd, into)
 
 
-def _gather_haves(job: Job, local: AsymStore, key: str) -> dict[int, set[int]]:
-    kv = job.kv
-    kv.put(f"{key}/have/{job.rank}", own_steps(local))
-    keys = [f"{key}/have/{r}" for r in range(job.world_size)]
-    kv.wait(keys, job.restore_timeout_s, "ranks listing their shards for restore")
-    return {r: set(v) for r, v in enumerate(kv.get_many(keys))}
+def _gather_haves(job: Job, rnd: RestoreRound, local: AsymStore) -> dict[int, set[int]]:
+    rnd.have(job.rank, Have(tuple(own_steps(local))))
+    return {r: set(h.steps) for r, h in enumerate(rnd.haves(job.restore_timeout_s))}
 
 
 def _candidates(job: Job, reshard: Targets | None, haves: dict[int, set[int]], step: int | None,
@@ -167,80 +168,74 @@ def _single_candidates(job: Job, found: rootlayout.RootSurvey, reshard: Targets 
     return out
 
 
-async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, key: str, haves: dict[int, set[int]],
-                      step: int | None, into: Into | None) -> Restored:
-    kv = job.kv
+async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, rnd: RestoreRound,
+                      haves: dict[int, set[int]], step: int | None, into: Into | None) -> Restored:
     notes: list[str] = []
     try:
         candidates = _candidates(job, reshard, haves, step, notes)
     except (NoCheckpointError, WorldSizeMismatchError, RootLayoutError, RootLockedError) as exc:
-        await asyncio.to_thread(kv.put, f"{key}/try/0", {"error": type(exc).__name__, "message": str(exc)})
+        await asyncio.to_thread(rnd.post_try, 0, TryMsg(error=Relayed.of(exc)))
         raise
     for k, g in enumerate(candidates):
-        await asyncio.to_thread(kv.put, f"{key}/try/{k}", {"global": g.to_json().decode()})
+        await asyncio.to_thread(rnd.post_try, k, TryMsg(g))
         refused = await _check_fit(job, local, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/fit/{k}/{job.rank}", _fit(refused))
-        keys = [f"{key}/fit/{k}/{r}" for r in range(job.world_size)]
-        await asyncio.to_thread(kv.wait, keys, job.restore_timeout_s, f"ranks checking global step {g.step}")
-        misfits = {r: res["reason"] for r, res in enumerate(await asyncio.to_thread(kv.get_many, keys))
-                   if not res["ok"]}
+        await asyncio.to_thread(rnd.fit, k, job.rank, _fit(refused))
+        fits = await asyncio.to_thread(rnd.fits, k, job.restore_timeout_s, f"ranks checking global step {g.step}")
+        misfits = {r: fit.reason for r, fit in enumerate(fits) if not fit.ok}
         if misfits:  # the live objects do not fit this version: nothing is read, no older one is tried
             msg = f"global step {g.step}: rank(s) {sorted(misfits)} refused it: " + "; ".join(
                 f"rank {r}: {why}" for r, why in sorted(misfits.items()))
-            await asyncio.to_thread(kv.put, f"{key}/go/{k}", {"error": "DestinationMismatchError", "message": msg})
+            await asyncio.to_thread(rnd.go, k, Go(Relayed("DestinationMismatchError", msg)))
             raise refused or DestinationMismatchError(msg)
-        await asyncio.to_thread(kv.put, f"{key}/go/{k}", {"go": True})
+        await asyncio.to_thread(rnd.go, k, Go())
         ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", _result(ckpt, reason, refused))
-        keys = [f"{key}/result/{k}/{r}" for r in range(job.world_size)]
-        await asyncio.to_thread(kv.wait, keys, job.restore_timeout_s, f"ranks loading global step {g.step}")
-        results = await asyncio.to_thread(kv.get_many, keys)
-        bad = {r: res["reason"] for r, res in enumerate(results) if not res["ok"]}
-        refusals = {r: res["reason"] for r, res in enumerate(results) if res.get("refused")}
+        await asyncio.to_thread(rnd.result, k, job.rank, _result(ckpt, reason, refused))
+        results = await asyncio.to_thread(rnd.results, k, job.restore_timeout_s, f"ranks loading global step {g.step}")
+        bad = {r: res.reason for r, res in enumerate(results) if not res.ok}
+        refusals = {r: res.reason for r, res in enumerate(results) if res.refused}
         if refusals:  # the live objects do not fit this version: no older one is tried
             msg = f"global step {g.step}: rank(s) {sorted(refusals)} refused it: " + "; ".join(
                 f"rank {r}: {why}" for r, why in sorted(refusals.items()))
-            await asyncio.to_thread(kv.put, f"{key}/try/{k + 1}", {"error": "DestinationMismatchError",
-                                                                   "message": msg})
+            await asyncio.to_thread(rnd.post_try, k + 1, TryMsg(error=Relayed("DestinationMismatchError", msg)))
             raise refused or DestinationMismatchError(msg)
         if not bad and ckpt is not None:
-            await asyncio.to_thread(kv.put, f"{key}/try/{k + 1}", {"done": g.step, "notes": notes})
+            await asyncio.to_thread(rnd.post_try, k + 1, TryMsg(done=g.step, notes=tuple(notes)))
             return g, ckpt, notes
         notes.append(f"global step {g.step}: failed on rank(s) {bad}")
         logger.warning("restore: global step %d failed on rank(s) %s; trying the one before", g.step, sorted(bad))
     msg = "no global version verified on every rank: " + "; ".join(notes)
-    await asyncio.to_thread(kv.put, f"{key}/try/{len(candidates)}",
-                            {"error": "CorruptVersionError", "message": msg})
+    await asyncio.to_thread(rnd.post_try, len(candidates), TryMsg(error=Relayed("CorruptVersionError", msg)))
     raise CorruptVersionError(msg)
 
 
-async def _follow(job: Job, local: AsymStore, reshard: Targets | None, key: str, into: Into | None) -> Restored:
-    kv = job.kv
+async def _follow(job: Job, local: AsymStore, reshard: Targets | None, rnd: RestoreRound,
+                  into: Into | None) -> Restored:
     k = 0
     ckpt: Checkpoint | None = None
     g: GlobalManifest | None = None
     refused: DestinationMismatchError | None = None
     while True:
-        await asyncio.to_thread(kv.wait, [f"{key}/try/{k}"], job.restore_timeout_s, "the coordinator's restore")
-        msg = await asyncio.to_thread(kv.get, f"{key}/try/{k}")
-        if "error" in msg:
-            if refused is not None and msg["error"] == "DestinationMismatchError":
+        msg = await asyncio.to_thread(rnd.wait_try, k, job.restore_timeout_s)
+        if msg.error is not None:
+            if refused is not None and msg.error.error == "DestinationMismatchError":
                 raise refused  # this rank's own refusal, with its cause
-            raise relayed(msg["error"], msg["message"], CorruptVersionError)
-        if "done" in msg:
-            assert ckpt is not None and g is not None and g.step == msg["done"]
-            return g, ckpt, list(msg.get("notes", []))
-        g = GlobalManifest.from_json(msg["global"].encode())
+            raise msg.error.exception(CorruptVersionError)
+        if msg.done is not None:
+            if ckpt is None or g is None or g.step != msg.done:
+                raise CoordinationProtocolError(f"the coordinator says global step {msg.done} was restored; "
+                                                f"this rank loaded {None if g is None else g.step}")
+            return g, ckpt, list(msg.notes)
+        assert msg.candidate is not None
+        g = msg.candidate
         refused = await _check_fit(job, local, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/fit/{k}/{job.rank}", _fit(refused))
-        await asyncio.to_thread(kv.wait, [f"{key}/go/{k}"], job.restore_timeout_s, "the coordinator's restore")
-        go = await asyncio.to_thread(kv.get, f"{key}/go/{k}")
-        if "error" in go:
+        await asyncio.to_thread(rnd.fit, k, job.rank, _fit(refused))
+        go = await asyncio.to_thread(rnd.wait_go, k, job.restore_timeout_s)
+        if go.error is not None:
             if refused is not None:
                 raise refused  # this rank's own refusal, with its cause
-            raise relayed(go["error"], go["message"], CorruptVersionError)
+            raise go.error.exception(CorruptVersionError)
         ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
-        await asyncio.to_thread(kv.put, f"{key}/result/{k}/{job.rank}", _result(ckpt, reason, refused))
+        await asyncio.to_thread(rnd.result, k, job.rank, _result(ckpt, reason, refused))
         k += 1
 
 
@@ -270,15 +265,12 @@ async def _check_fit(job: Job, local: AsymStore, g: GlobalManifest,
     return None
 
 
-def _fit(refused: DestinationMismatchError | None) -> dict[str, object]:
-    return {"ok": refused is None, "reason": describe(refused) if refused is not None else ""}
+def _fit(refused: DestinationMismatchError | None) -> Fit:
+    return Fit(refused is None, describe(refused) if refused is not None else "")
 
 
-def _result(ckpt: Checkpoint | None, reason: str, refused: DestinationMismatchError | None) -> dict[str, object]:
-    out: dict[str, object] = {"ok": ckpt is not None, "reason": reason}
-    if refused is not None:
-        out["refused"] = True
-    return out
+def _result(ckpt: Checkpoint | None, reason: str, refused: DestinationMismatchError | None) -> LoadResult:
+    return LoadResult(ckpt is not None, reason, refused is not None)
 
 
 async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: GlobalManifest,

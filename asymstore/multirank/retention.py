@@ -1,14 +1,14 @@
 """Retention of a multi-rank checkpoint: which global versions and shards are kept, and rolling back orphans.
 
 * The coordinator keeps the newest ``keep_last`` global versions
-  (:func:`retain_globals`) and tells each rank, under ``retain/all`` (every
-  rank alike: one request) or ``retain/<rank>`` of the coordination store,
-  the oldest shard step a kept version still needs.
+  (:func:`retain_globals`) and tells each rank, through the coordination store
+  (:func:`~asymstore.multirank.protocol.raise_keep_from`: one request when every
+  rank is alike), the oldest shard step a kept version still needs.
 * With ``keep_every`` or ``keep_best`` (``Job.rules``) the kept global versions
   are not the newest ones only: the coordinator judges every global version by
   the retention note its global manifest carries (written at publish, as a
   single store writes it into a version's meta, so a restart keeps the same
-  set) and puts, under ``retain/set``, the shard steps each rank must keep up
+  set) and posts (:class:`~asymstore.multirank.protocol.RetainSet`) the shard steps each rank must keep up
   to the newest kept one; below that, a rank deletes every other shard.
 * Each rank then deletes its own shards no kept version needs (:func:`retain_shards`).
 * Shards of ranks no longer in the job are retired by the coordinator
@@ -24,9 +24,9 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from asymstore.errors import GlobalManifestError
+from asymstore.errors import CoordinationProtocolError, GlobalManifestError
 from asymstore.format.globalmanifest import GlobalManifest
-from asymstore.multirank import globaldir
+from asymstore.multirank import globaldir, protocol
 from asymstore.multirank.departed import retire_departed
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ def _retain_by_rules(job: Job) -> None:
         job.global_cache.pop(old, None)
     if not kept:
         return
-    needed = {r: sorted({g.shard(r).step for g in kept if r < g.world_size}) for r in range(job.world_size)}
-    job.kv.put("retain/set", {"ranks": {str(r): steps for r, steps in needed.items() if steps}})
+    needed = {r: tuple(sorted({g.shard(r).step for g in kept if r < g.world_size})) for r in range(job.world_size)}
+    protocol.post_retained_set(job.kv, protocol.RetainSet(needed))
 
 
 def _global(job: Job, step: int) -> GlobalManifest:
@@ -113,11 +113,7 @@ def retain_globals(job: Job) -> None:
         return
     needed = {r: min(steps_r) for r in range(job.world_size)
               if (steps_r := [g.shard(r).step for g in kept if r < g.world_size])}
-    if len(set(needed.values())) == 1 and len(needed) == job.world_size:  # the usual case: one request
-        job.kv.raise_int("retain/all", next(iter(needed.values())) + 1)
-        return
-    for r, step in needed.items():  # a kept version of another world size may need rank r's older shards
-        job.kv.raise_int(f"retain/{r}", step + 1)
+    protocol.raise_keep_from(job.kv, needed, job.world_size)
 
 
 async def retire_departed_shards(job: Job) -> None:
@@ -160,26 +156,28 @@ async def retain_shards(local: AsymStore, kv: KV, rank: int, *, by_rules: bool =
         local: the rank's own shards.
         kv: the coordination store.
         rank: the rank.
-        by_rules: the job keeps by ``keep_every``/``keep_best`` too: read ``retain/set``
-            (below the newest step it names, only those steps stay), else ``retain/<rank>``
-            and ``retain/all`` (every shard older than the step they name goes).
+        by_rules: the job keeps by ``keep_every``/``keep_best`` too: read the retained set
+            (:func:`~asymstore.multirank.protocol.retained_set`: below the newest step it names, only
+            those steps stay), else the step every older shard goes below
+            (:func:`~asymstore.multirank.protocol.keep_from`). A malformed set deletes nothing.
         floor: told the oldest shard step kept before any shard is deleted (the sweep of
             ``local`` removes, rather than quarantines, a manifest-less shard below it).
     """
     if by_rules:
-        record = await asyncio.to_thread(kv.get, "retain/set") if await asyncio.to_thread(kv.has, "retain/set") \
-            else None
-        ranks = record.get("ranks") if isinstance(record, dict) else None
-        steps = ranks.get(str(rank)) if isinstance(ranks, dict) else None
-        if not isinstance(steps, list) or not steps or not all(isinstance(s, int) for s in steps):
+        try:
+            record = await asyncio.to_thread(protocol.retained_set, kv)
+        except CoordinationProtocolError as exc:
+            logger.warning("rank %d: deleting no shard: %s", rank, exc)
+            return
+        steps = record.ranks.get(rank) if record is not None else None
+        if not steps:
             return
         keep, top = set(steps), max(steps)
         old = sorted({v for vs in local.versions().values() for v in vs if v < top and v not in keep})
         if floor is not None:
             floor(min(keep))
     else:
-        keep_from = max(await asyncio.to_thread(kv.read_int, f"retain/{rank}"),
-                        await asyncio.to_thread(kv.read_int, "retain/all")) - 1
+        keep_from = await asyncio.to_thread(protocol.keep_from, kv, rank)
         if keep_from < 0:
             return
         old = sorted({v for vs in local.versions().values() for v in vs if v < keep_from})

@@ -40,10 +40,10 @@ from asymstore.dist.kv import KV, MemoryStore, store_from_env
 from asymstore.dist.world import env_rank_world
 from asymstore.errors import (
     AsymstoreError,
+    CoordinationProtocolError,
     CoordinationTimeoutError,
     GlobalManifestError,
     GlobalVersionDroppedError,
-    InvalidMetaError,
     NoCheckpointError,
     describe,
 )
@@ -52,7 +52,7 @@ from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_dig
 from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.format.placement import RankPlacement
 from asymstore.io.rootlock import DirLock, sweep_directory
-from asymstore.multirank import globaldir, rootlayout, takeover
+from asymstore.multirank import globaldir, protocol, rootlayout, takeover
 from asymstore.multirank.job import Job
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
@@ -66,7 +66,7 @@ from asymstore.multirank.retention import (
     shard_floor,
 )
 from asymstore.multirank.rootlayout import AcrossLayouts, check_across
-from asymstore.policy.retention import META_KEY, KeepBest, Retention
+from asymstore.policy.retention import KeepBest, Retention
 from asymstore.store import AsymStore
 from asymstore.tiers.local import LocalTier
 from asymstore.tiers.protocol import Tier
@@ -153,7 +153,7 @@ class RankStore:
         self._counters: dict[str, int] = {}
         self._floor: int | None = None  # own shards above this step may be rolled back
         self._commit_tags: dict[int, str] = {}
-        self._last_commit_key: str | None = None
+        self._last_commit: protocol.CommitRound | None = None
         self.last_global: GlobalManifest | None = None
         """The newest global version this rank saw published (the coordinator's, after each commit)."""
         self.restored_global: GlobalManifest | None = None
@@ -274,7 +274,7 @@ class RankStore:
                 self.job.client = KV(MemoryStore())
             else:
                 self.job.client = KV(await asyncio.to_thread(store_from_env, self.namespace, timeout_s=self.timeout_s))
-        self._session = await asyncio.to_thread(self.job.kv.store.add, f"session/{self.rank}", 1)
+        self._session = await asyncio.to_thread(protocol.open_session, self.job.kv, self.rank)
         self._takeover = None
         if self.is_coordinator:  # the only writer of global/: lock it, then sweep what a dead coordinator left
             try:  # and look at the root: every rank hears the verdict, or the error, typed
@@ -285,14 +285,14 @@ class RankStore:
             except AsymstoreError as exc:
                 takeover.release_root(self.job)
                 self._global_lock.release()
-                await takeover.share(self.job, self.session_key("layout"), error=exc)
+                await takeover.share(self.job, protocol.layout_key(self._session), error=exc)
                 raise
             except BaseException:
                 takeover.release_root(self.job)
                 self._global_lock.release()
                 raise
             try:
-                await takeover.share(self.job, self.session_key("layout"), self._takeover)
+                await takeover.share(self.job, protocol.layout_key(self._session), self._takeover)
             except BaseException:
                 takeover.release_root(self.job)
                 self._global_lock.release()
@@ -317,15 +317,15 @@ class RankStore:
 
     async def close(self) -> None:
         """Close; a non-coordinator first waits briefly for its last global commit and drops shards it made obsolete."""
-        if self.job.client is not None and self._last_commit_key is not None and not self.is_coordinator:
+        if self.job.client is not None and self._last_commit is not None and not self.is_coordinator:
             try:
-                await asyncio.to_thread(self.job.kv.wait, [f"{self._last_commit_key}/global"],
-                                        min(self.timeout_s, 30.0), "the last global commit")
+                await asyncio.to_thread(self._last_commit.wait_answer, min(self.timeout_s, 30.0),
+                                        "the last global commit")
                 await retain_shards(self.local, self.job.kv, self.rank, by_rules=self.job.rules is not None,
                                     floor=self._note_floor)
-            except (CoordinationTimeoutError, RuntimeError) as exc:
+            except (CoordinationTimeoutError, CoordinationProtocolError, RuntimeError) as exc:
                 logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
-            self._last_commit_key = None
+            self._last_commit = None
         try:
             await self.local.close()
         finally:
@@ -335,17 +335,17 @@ class RankStore:
     async def _layout_verdict(self, timeout_s: float) -> takeover.Verdict:
         """The coordinator's look at the root at ``open`` (its error, typed, on every rank)."""
         if self._takeover is None:
-            self._takeover = await takeover.verdict(self.job, self.session_key("layout"), timeout_s)
+            self._takeover = await takeover.verdict(self.job, protocol.layout_key(self._session), timeout_s)
         return self._takeover
 
     def _key(self, kind: str) -> str:
         n = self._counters.get(kind, 0)
         self._counters[kind] = n + 1
-        return f"s{self._session}/{kind}/{n}"
+        return protocol.round_key(self._session, kind, n)
 
     def session_key(self, name: str) -> str:
         """A coordination key of this session (the same on every rank that opened the store as often)."""
-        return f"s{self._session}/{name}"
+        return protocol.session_key(self._session, name)
 
     @property
     def kv(self) -> KV:
@@ -381,18 +381,15 @@ class RankStore:
         The coordinator picks ``max(hint, newest global step + 1)``; own shards at
         or above it that no global version uses are rolled back when it is put.
         """
-        key = self._key("agree")
-        kv = self.kv
+        rnd = protocol.AgreeRound(protocol.Wire(self.kv), self._key("agree"))
         if self.is_coordinator:
             newest = max(self.global_steps(), default=-1)
-            nonce = await asyncio.to_thread(kv.store.add, "nonce", 1)
-            await asyncio.to_thread(kv.put, key, {"step": max(hint, newest + 1), "floor": newest, "nonce": nonce})
-        await asyncio.to_thread(kv.wait, [key], self.timeout_s, "agreeing on the next step")
-        msg = await asyncio.to_thread(kv.get, key)
-        step = int(msg["step"])
-        self._floor = int(msg["floor"])
-        self._commit_tags[step] = f"{step}.{msg['nonce']}"
-        return step
+            nonce = await asyncio.to_thread(protocol.next_nonce, self.kv)
+            await asyncio.to_thread(rnd.propose, protocol.Agreement(max(hint, newest + 1), newest, nonce))
+        agreed = await asyncio.to_thread(rnd.agreed, self.timeout_s)
+        self._floor = agreed.floor
+        self._commit_tags[agreed.step] = protocol.commit_tag(agreed.step, agreed.nonce)
+        return agreed.step
 
     # -- writing ---------------------------------------------------------
 
@@ -437,12 +434,12 @@ class RankStore:
         on the ranks that committed it); when the coordinator itself drops it,
         the ranks waiting for the global version are told the same.
         """
-        key = f"s{self._session}/commit/{self._commit_tags.pop(step, str(step))}"
-        kv = self.kv
-        await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", {"dropped": reason[:500]})
+        rnd = self._commit_round(step)
+        cut = reason[:protocol.REASON_CHARS]
+        await asyncio.to_thread(rnd.report, self.rank, protocol.ShardReport(dropped=cut))
         if self.is_coordinator:
-            await asyncio.to_thread(kv.put, f"{key}/global", {"failed": f"step {step}: rank 0 dropped its version "
-                                                                        f"({reason[:500]})", "dropped": True})
+            await asyncio.to_thread(rnd.answer, protocol.GlobalAnswer(
+                failed=f"step {step}: rank 0 dropped its version ({cut})", dropped=True))
 
     async def commit(self, step: int, meta: Mapping[str, Any] | None = None, *,
                      summary: Mapping[str, Any] | None = None,
@@ -470,53 +467,46 @@ class RankStore:
             RootLockedError: the coordinator could not open (see :meth:`open`).
             Everything :meth:`asymstore.AsymStore.commit` raises.
         """
-        kv = self.kv
         try:  # every rank alike, before anything is committed
             takeover.check_commit(self.job, await self._layout_verdict(self.timeout_s))
         except AsymstoreError:
             self._commit_tags.pop(step, None)
             self.local.abandon(step)
             raise
-        key = f"s{self._session}/commit/{self._commit_tags.pop(step, str(step))}"
+        rnd = self._commit_round(step)
         clean_summary = validate_meta(summary)
         clean_global = validate_meta(global_meta)
-        rules = self.job.rules
-        if rules is not None and self.is_coordinator:  # the decision travels with the global version
-            if META_KEY in clean_global:
-                raise InvalidMetaError(f"global meta key {META_KEY!r} is the store's own record; use another key")
-            shard_meta = validate_meta(meta)
-            record = rules.note_meta(step, shard_meta)
-            assert record is not None  # rules.reads_notes
-            clean_global[META_KEY] = {"retention": record}
-            if rules.keep_best is not None and "metrics" in shard_meta:
-                clean_global.setdefault("metrics", shard_meta["metrics"])
+        if self.job.rules is not None and self.is_coordinator:  # the decision travels with the global version
+            self.job.rules.stamp(step, validate_meta(meta), clean_global)
         try:
             result = await self.local.commit(step, meta)
         except BaseException as exc:
-            await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", {"failed": describe(exc)})
+            await asyncio.to_thread(rnd.report, self.rank, protocol.ShardReport(failed=describe(exc)))
             raise
         m = result.manifest
         info = ShardInfo(self.rank, step, shard_digest(m), m.nbytes, len(m.tensors), clean_summary)
-        report = info.to_json()
-        if self.placement is not None:
-            report["placement"] = self.placement.to_json()
-        await asyncio.to_thread(kv.put, f"{key}/rank/{self.rank}", report)
-        self._last_commit_key = key
+        await asyncio.to_thread(rnd.report, self.rank, protocol.ShardReport(info, self.placement))
+        self._last_commit = rnd
         try:
             if self.is_coordinator:
-                self.last_global = await asyncio.to_thread(publish_global, self.job, key, step, clean_global)
+                self.last_global = await asyncio.to_thread(publish_global, self.job, rnd, step, clean_global)
                 self.published_step = step
                 await retire_departed_shards(self.job)
             elif self.wait_global:
-                await asyncio.to_thread(await_global, kv, key, step, self.timeout_s)
+                await asyncio.to_thread(await_global, rnd, step, self.timeout_s)
                 self.last_global = None  # published; the manifest itself lives with the coordinator
                 self.published_step = step
         except GlobalVersionDroppedError:
             await self._discard(step)  # no global version will ever use it
             raise
-        await retain_shards(self.local, kv, self.rank, by_rules=self.job.rules is not None,
+        await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None,
                             floor=self._note_floor)
         return result
+
+    def _commit_round(self, step: int) -> protocol.CommitRound:
+        """The round of this session's commit of ``step`` (tagged with its agreement's nonce, when agreed)."""
+        tag = self._commit_tags.pop(step, None) or protocol.commit_tag(step)
+        return protocol.CommitRound.of(self.kv, self._session, tag, self.world_size)
 
     async def _discard(self, step: int) -> None:
         await delete_shard(self.local, step)
@@ -546,22 +536,20 @@ class RankStore:
             the newest global version this rank knows was published.
         """
         started = time.monotonic()
-        key = self._last_commit_key
+        rnd = self._last_commit
         wait = self.timeout_s if timeout_s is None else timeout_s
-        if key is not None and self.world_size > 1:
+        if rnd is not None and self.world_size > 1:
             try:
                 if self.is_coordinator:
-                    await asyncio.to_thread(self.kv.wait, [f"{key}/flushed/{r}" for r in range(1, self.world_size)],
-                                            wait, "every rank finishing its last commit")
+                    await asyncio.to_thread(rnd.wait_flushed, wait, "every rank finishing its last commit")
                 else:
-                    await asyncio.to_thread(self.kv.wait, [f"{key}/global"], wait, "the last global commit")
-                    msg = await asyncio.to_thread(self.kv.get, f"{key}/global")
-                    if "step" in msg:
-                        self.published_step = int(msg["step"])
+                    answer = await asyncio.to_thread(rnd.wait_answer, wait, "the last global commit")
+                    if answer.step is not None:
+                        self.published_step = answer.step
                         await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None,
                                             floor=self._note_floor)
-                    await asyncio.to_thread(self.kv.put, f"{key}/flushed/{self.rank}", {"global": msg})
-            except (CoordinationTimeoutError, RuntimeError) as exc:
+                    await asyncio.to_thread(rnd.flushed, self.rank, protocol.Flushed(answer))
+            except (CoordinationTimeoutError, CoordinationProtocolError, RuntimeError) as exc:
                 logger.warning("rank %d: its last commit is not finished on every rank: %s", self.rank, exc)
         left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
         return await self.local.flush(left)

@@ -33,54 +33,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from asymstore.errors import (
-    RootLayoutError,
-    relayed,
-)
 from asymstore.io.rootlock import DirLock
 from asymstore.multirank import rootlayout
+from asymstore.multirank.protocol import Verdict, Wire
 
 if TYPE_CHECKING:
     from asymstore.multirank.job import Job
 
 logger = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class Verdict:
-    """What the coordinator found at ``open``, as every rank hears it.
-
-    Attributes:
-        pending: the root's current versions are single-process: the first global version takes it over.
-        found: what the root holds, in words (for the refusal).
-        newest: the newest single-process step (None: none).
-        error: ``(type name, message)`` when the coordinator could not open; every rank raises it.
-    """
-
-    pending: bool
-    found: str
-    newest: int | None
-    error: tuple[str, str] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON put in the coordination store."""
-        return {"pending": self.pending, "found": self.found, "newest": self.newest,
-                "error": list(self.error) if self.error else None}
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Verdict:
-        """Read what :meth:`to_json` wrote."""
-        error = doc.get("error")
-        return cls(bool(doc["pending"]), str(doc["found"]), doc.get("newest"),
-                   (str(error[0]), str(error[1])) if error else None)
-
-    def raise_error(self) -> None:
-        """Raise the coordinator's error, typed as it was, if it had one."""
-        if self.error is not None:
-            raise relayed(self.error[0], self.error[1], RootLayoutError)
-
+__all__ = ["Verdict", "check_commit", "hold_root", "release_root", "share", "survey_at_open", "verdict"]
 
 def hold_root(job: Job) -> None:
     """Coordinator: take the root's writer lock for the takeover, unless held already.
@@ -129,7 +93,7 @@ async def share(job: Job, key: str, verdict: Verdict | None = None, *, error: Ba
     if error is not None:
         verdict = Verdict(False, "", None, (type(error).__name__, str(error)))
     assert verdict is not None
-    await asyncio.to_thread(job.kv.put, key, verdict.to_json())
+    await asyncio.to_thread(Wire(job.kv).put, key, verdict)
 
 
 async def verdict(job: Job, key: str, timeout_s: float) -> Verdict:
@@ -137,10 +101,11 @@ async def verdict(job: Job, key: str, timeout_s: float) -> Verdict:
 
     Raises:
         CoordinationTimeoutError: it did not come.
+        CoordinationProtocolError: it is malformed.
         RootLockedError, RootUnreadableError, RootLayoutError: the coordinator's error at ``open``.
     """
-    await asyncio.to_thread(job.kv.wait, [key], timeout_s, "the coordinator's look at the root's layout")
-    got = Verdict.from_json(await asyncio.to_thread(job.kv.get, key))
+    got = await asyncio.to_thread(Wire(job.kv).await_, key, Verdict, timeout_s,
+                                  "the coordinator's look at the root's layout")
     got.raise_error()
     return got
 

@@ -1,0 +1,772 @@
+"""The multi-rank protocol as types: every round, key and payload on the job's coordination store.
+
+The ranks of a :class:`~asymstore.multirank.RankStore` agree only through keys
+of a c10d key-value store (:mod:`asymstore.dist.kv`), never a collective. This
+module is the one place that spells those keys and encodes their payloads
+(frozen dataclasses, strict JSON on the wire), as DCP's ``_DistWrapper`` keeps
+its rounds: what every other module calls is a round's typed method.
+
+Rounds (``s<session>`` counts the rank's opens, the same on every rank):
+
+* **session**: ``session/<rank>`` and ``nonce`` are counters; ``s<n>/layout``
+  carries the coordinator's look at the root (:class:`Verdict`).
+* **agree** (``s<n>/agree/<i>``): the coordinator's :class:`Agreement` on the next step.
+* **commit** (:class:`CommitRound`, ``s<n>/commit/<tag>``): every rank's
+  :class:`ShardReport` under ``/rank/<r>``, the coordinator's :class:`GlobalAnswer`
+  under ``/global``, every rank's :class:`Flushed` under ``/flushed/<r>``.
+* **restore** (:class:`RestoreRound`, ``s<n>/restore/<i>``): ``/have/<r>``
+  (:class:`Have`), ``/try/<k>`` (:class:`TryMsg`), ``/fit/<k>/<r>`` (:class:`Fit`),
+  ``/go/<k>`` (:class:`Go`), ``/result/<k>/<r>`` (:class:`LoadResult`).
+* **retention**: counters ``retain/all`` and ``retain/<r>``, and ``retain/set`` (:class:`RetainSet`).
+
+A value a peer put is untrusted: it is read as at most :data:`MAX_PAYLOAD_BYTES`
+of strict JSON, and anything else (too large, not JSON, another shape or type)
+raises :class:`~asymstore.errors.CoordinationProtocolError` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+
+from asymstore.errors import (
+    AsymstoreError,
+    CoordinationProtocolError,
+    GlobalCommitError,
+    GlobalManifestError,
+    GlobalVersionDroppedError,
+    RootLayoutError,
+    relayed,
+)
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.format.placement import RankPlacement
+
+if TYPE_CHECKING:
+    from asymstore.dist.kv import KV
+
+logger = logging.getLogger(__name__)
+
+MAX_PAYLOAD_BYTES = 64 << 20
+"""The largest value read from the coordination store (a :class:`TryMsg` carries a whole global manifest)."""
+
+REASON_CHARS = 500
+"""A dropped version's reason is cut to this many characters on the wire."""
+
+NONCE = "nonce"
+"""The counter that makes each agreed step's commit key unique."""
+
+RETAIN_ALL = "retain/all"
+"""Counter: one past the oldest shard step every rank must keep (plain ``keep_last``)."""
+
+RETAIN_SET = "retain/set"
+"""The shard steps each rank keeps under ``keep_every``/``keep_best`` (:class:`RetainSet`)."""
+
+
+def session_counter(rank: int) -> str:
+    """The counter of ``rank``'s opens (its session number)."""
+    return f"session/{rank}"
+
+
+def retain_rank(rank: int) -> str:
+    """Counter: one past the oldest shard step ``rank`` must keep, where ranks differ."""
+    return f"retain/{rank}"
+
+
+def session_key(session: int, name: str) -> str:
+    """A key of session ``session`` (the same on every rank that opened its store as often)."""
+    return f"s{session}/{name}"
+
+
+def round_key(session: int, kind: str, n: int) -> str:
+    """The key prefix of the ``n``-th round of ``kind`` (``"agree"``, ``"restore"``) in session ``session``."""
+    return session_key(session, f"{kind}/{n}")
+
+
+def layout_key(session: int) -> str:
+    """Where the coordinator puts its :class:`Verdict` on the root at ``open``."""
+    return session_key(session, "layout")
+
+
+def commit_tag(step: int, nonce: int | None = None) -> str:
+    """The tag of the commit of ``step`` (with the agreement's nonce, when the step was agreed)."""
+    return str(step) if nonce is None else f"{step}.{nonce}"
+
+
+# -- decoding helpers ------------------------------------------------------------------------------------
+
+
+def _bad(what: str, doc: object) -> CoordinationProtocolError:
+    return CoordinationProtocolError(f"malformed {what}: {str(doc)[:200]}")
+
+
+def _int(doc: object, what: str, *, low: int = 0) -> int:
+    if isinstance(doc, bool) or not isinstance(doc, int) or doc < low:
+        raise _bad(what, doc)
+    return doc
+
+
+def _str(doc: object, what: str) -> str:
+    if not isinstance(doc, str):
+        raise _bad(what, doc)
+    return doc
+
+
+def _dict(doc: object, what: str) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise _bad(what, doc)
+    return doc
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def decode(raw: bytes | bytearray | memoryview | str, kind: type[P], key: str = "a value") -> P:
+    """Parse a payload of type ``kind`` from the bytes a rank put (untrusted).
+
+    Raises:
+        CoordinationProtocolError: larger than :data:`MAX_PAYLOAD_BYTES`, not strict JSON, or not a ``kind``.
+    """
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise CoordinationProtocolError(f"{key}: a payload of {len(data)} bytes exceeds the "
+                                        f"{MAX_PAYLOAD_BYTES}-byte limit of the coordination protocol")
+    try:
+        doc = json.loads(data, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CoordinationProtocolError(f"{key}: not strict JSON: {str(exc)[:200]}") from exc
+    try:
+        return kind.from_json(doc)
+    except CoordinationProtocolError as exc:
+        raise CoordinationProtocolError(f"{key}: {exc}") from exc
+    except (GlobalManifestError, KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise CoordinationProtocolError(f"{key}: malformed {kind.__name__}: {str(exc)[:200]}") from exc
+
+
+def encode(payload: Payload) -> str:
+    """The strict JSON of ``payload`` as it goes on the wire."""
+    return json.dumps(payload.to_json(), allow_nan=False)
+
+
+# -- payloads --------------------------------------------------------------------------------------------
+
+
+class Payload(Protocol):
+    """A value of the protocol: strict JSON out, checked JSON in."""
+
+    def to_json(self) -> Any:
+        """The JSON value put on the wire."""
+        ...  # pragma: no cover
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Self:
+        """Read what :meth:`to_json` wrote (CoordinationProtocolError when malformed)."""
+        ...  # pragma: no cover
+
+
+P = TypeVar("P", bound=Payload)
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """An error the coordinator relays to every rank by type name (see :func:`asymstore.errors.relayed`)."""
+
+    error: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Relayed:
+        """Relay ``exc``."""
+        return cls(type(exc).__name__, str(exc))
+
+    def exception(self, default: type[AsymstoreError]) -> AsymstoreError:
+        """The error typed again (``default`` when its name is not one of the relayed errors)."""
+        return relayed(self.error, self.message, default)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"error": name, "message": text}``."""
+        return {"error": self.error, "message": self.message}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Relayed:
+        """Read what :meth:`to_json` wrote."""
+        d = _dict(doc, "relayed error")
+        return cls(_str(d.get("error"), "relayed error name"), _str(d.get("message"), "relayed error message"))
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The coordinator's choice of the next step (``floor``: the newest global step then, -1 for none)."""
+
+    step: int
+    floor: int
+    nonce: int
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"step", "floor", "nonce"}``."""
+        return {"step": self.step, "floor": self.floor, "nonce": self.nonce}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Agreement:
+        """Read what :meth:`to_json` wrote."""
+        d = _dict(doc, "agreement")
+        return cls(_int(d.get("step"), "agreed step"), _int(d.get("floor"), "agreed floor", low=-1),
+                   _int(d.get("nonce"), "agreement nonce"))
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """A rank's report of its shard of a commit: committed (``info``), failed, or dropped.
+
+    Attributes:
+        info: the committed shard (None: it failed or was dropped).
+        placement: where the rank's tiers are (None: not reported, or malformed: see ``placement_error``).
+        placement_error: why the placement reported is not read (it is not recorded; the commit goes on).
+        failed: why the shard commit failed.
+        dropped: why the rank dropped its version (cut to :data:`REASON_CHARS`).
+    """
+
+    info: ShardInfo | None = None
+    placement: RankPlacement | None = None
+    placement_error: str | None = None
+    failed: str | None = None
+    dropped: str | None = None
+
+    def __post_init__(self) -> None:
+        """Check that exactly one of ``info``, ``failed``, ``dropped`` is set.
+
+        Raises:
+            ValueError: none or several.
+        """
+        if sum(x is not None for x in (self.info, self.failed, self.dropped)) != 1:
+            raise ValueError("a shard report is exactly one of committed, failed, dropped")
+
+    def to_json(self) -> dict[str, Any]:
+        """The shard's JSON (:class:`~asymstore.format.globalmanifest.ShardInfo`), ``{"failed"}`` or ``{"dropped"}``."""
+        if self.dropped is not None:
+            return {"dropped": self.dropped[:REASON_CHARS]}
+        if self.failed is not None:
+            return {"failed": self.failed}
+        assert self.info is not None
+        doc = self.info.to_json()
+        if self.placement is not None:
+            doc["placement"] = self.placement.to_json()
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ShardReport:
+        """Read what :meth:`to_json` wrote (a malformed placement only sets ``placement_error``)."""
+        d = _dict(doc, "shard report")
+        if "dropped" in d:
+            return cls(dropped=_str(d["dropped"], "dropped reason")[:REASON_CHARS])
+        if "failed" in d:
+            return cls(failed=_str(d["failed"], "failure reason"))
+        for name in ("rank", "step", "nbytes", "tensors"):  # strictly typed: ShardInfo would coerce "3" or 3.5
+            _int(d.get(name, 0), f"shard {name}")
+        _str(d.get("digest"), "shard digest")
+        _dict(d.get("summary", {}), "shard summary")
+        info = ShardInfo.from_json(d)
+        placement, problem = None, None
+        if d.get("placement") is not None:
+            try:
+                placement = RankPlacement.from_json(d["placement"])
+            except GlobalManifestError as exc:
+                problem = str(exc)
+        return cls(info, placement, problem)
+
+
+@dataclass(frozen=True)
+class GlobalAnswer:
+    """The coordinator's answer to a global commit: published (``step``), or why not.
+
+    Attributes:
+        step: the global step published (None: not published).
+        failed: why the global version is not published.
+        dropped: a rank dropped its version (:class:`~asymstore.errors.GlobalVersionDroppedError`).
+    """
+
+    step: int | None = None
+    failed: str | None = None
+    dropped: bool = False
+
+    def __post_init__(self) -> None:
+        """Check that exactly one of ``step`` and ``failed`` is set.
+
+        Raises:
+            ValueError: none or both, or ``dropped`` without ``failed``.
+        """
+        if (self.step is None) == (self.failed is None) or (self.dropped and self.failed is None):
+            raise ValueError("a global answer is a published step or a failure")
+
+    def raise_failure(self) -> None:
+        """Raise what the coordinator said, if the version is not published.
+
+        Raises:
+            GlobalVersionDroppedError: a rank dropped its version.
+            GlobalCommitError: the global version is not published.
+        """
+        if self.failed is None:
+            return
+        if self.dropped:
+            raise GlobalVersionDroppedError(self.failed)
+        raise GlobalCommitError(self.failed)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"step"}``, ``{"failed"}`` or ``{"failed", "dropped": true}``."""
+        if self.failed is None:
+            return {"step": self.step}
+        return {"failed": self.failed, "dropped": True} if self.dropped else {"failed": self.failed}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> GlobalAnswer:
+        """Read what :meth:`to_json` wrote."""
+        d = _dict(doc, "global answer")
+        if "failed" in d:
+            return cls(failed=_str(d["failed"], "failure reason"), dropped="dropped" in d)
+        return cls(step=_int(d.get("step"), "published step"))
+
+
+@dataclass(frozen=True)
+class Flushed:
+    """A rank finished its part of its last commit (at ``flush``), having heard ``answer``."""
+
+    answer: GlobalAnswer
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"global": answer}``."""
+        return {"global": self.answer.to_json()}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Flushed:
+        """Read what :meth:`to_json` wrote."""
+        return cls(GlobalAnswer.from_json(_dict(doc, "flushed note").get("global")))
+
+
+@dataclass(frozen=True)
+class Have:
+    """The shard steps a rank's own tiers hold (restore's first round)."""
+
+    steps: tuple[int, ...]
+
+    def to_json(self) -> list[int]:
+        """The steps, as a list."""
+        return list(self.steps)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Have:
+        """Read what :meth:`to_json` wrote."""
+        if not isinstance(doc, list):
+            raise _bad("list of shard steps", doc)
+        return cls(tuple(_int(s, "shard step") for s in doc))
+
+
+@dataclass(frozen=True)
+class TryMsg:
+    """The coordinator's word on restore candidate ``k``: load ``candidate``, ``done``, or an ``error``.
+
+    Attributes:
+        candidate: the global version to check and load.
+        done: the step of the global version every rank loaded (the restore is over).
+        notes: with ``done``: the candidates skipped and why.
+        error: the error every rank raises.
+    """
+
+    candidate: GlobalManifest | None = None
+    done: int | None = None
+    notes: tuple[str, ...] = ()
+    error: Relayed | None = None
+
+    def __post_init__(self) -> None:
+        """Check that exactly one of ``candidate``, ``done``, ``error`` is set.
+
+        Raises:
+            ValueError: none or several.
+        """
+        if sum(x is not None for x in (self.candidate, self.done, self.error)) != 1:
+            raise ValueError("a restore message is exactly one of a candidate, done, an error")
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"global": manifest JSON}``, ``{"done", "notes"}`` or ``{"error", "message"}``."""
+        if self.error is not None:
+            return self.error.to_json()
+        if self.done is not None:
+            return {"done": self.done, "notes": list(self.notes)}
+        assert self.candidate is not None
+        return {"global": self.candidate.to_json().decode()}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> TryMsg:
+        """Read what :meth:`to_json` wrote (a candidate's manifest is parsed and verified)."""
+        d = _dict(doc, "restore message")
+        if "error" in d:
+            return cls(error=Relayed.from_json(d))
+        if "done" in d:
+            notes = d.get("notes", [])
+            if not isinstance(notes, list):
+                raise _bad("restore notes", notes)
+            return cls(done=_int(d["done"], "restored step"), notes=tuple(_str(n, "note") for n in notes))
+        return cls(GlobalManifest.from_json(_str(d.get("global"), "global manifest").encode()))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether a rank's destinations fit its shard of a candidate (``reason``: why not)."""
+
+    ok: bool
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"ok", "reason"}``."""
+        return {"ok": self.ok, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Fit:
+        """Read what :meth:`to_json` wrote."""
+        d = _dict(doc, "fit")
+        ok = d.get("ok")
+        if not isinstance(ok, bool):
+            raise _bad("fit", doc)
+        return cls(ok, _str(d.get("reason", ""), "fit reason"))
+
+
+@dataclass(frozen=True)
+class Go:
+    """The coordinator's word once every rank checked a candidate: load it, or raise ``error``."""
+
+    error: Relayed | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"go": true}`` or ``{"error", "message"}``."""
+        return {"go": True} if self.error is None else self.error.to_json()
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Go:
+        """Read what :meth:`to_json` wrote."""
+        d = _dict(doc, "go")
+        if "error" in d:
+            return cls(Relayed.from_json(d))
+        if d.get("go") is not True:
+            raise _bad("go", doc)
+        return cls()
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Whether a rank loaded and verified its shard of a candidate (``refused``: its destinations refused it)."""
+
+    ok: bool
+    reason: str = ""
+    refused: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"ok", "reason"}``, with ``"refused": true`` when refused."""
+        out: dict[str, Any] = {"ok": self.ok, "reason": self.reason}
+        if self.refused:
+            out["refused"] = True
+        return out
+
+    @classmethod
+    def from_json(cls, doc: Any) -> LoadResult:
+        """Read what :meth:`to_json` wrote."""
+        d = _dict(doc, "load result")
+        ok, refused = d.get("ok"), d.get("refused", False)
+        if not isinstance(ok, bool) or not isinstance(refused, bool):
+            raise _bad("load result", doc)
+        return cls(ok, _str(d.get("reason", ""), "load reason"), refused)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the coordinator found at ``open``, as every rank hears it (see :mod:`.takeover`).
+
+    Attributes:
+        pending: the root's current versions are single-process: the first global version takes it over.
+        found: what the root holds, in words (for the refusal).
+        newest: the newest single-process step (None: none).
+        error: ``(type name, message)`` when the coordinator could not open; every rank raises it.
+    """
+
+    pending: bool
+    found: str
+    newest: int | None
+    error: tuple[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON put in the coordination store."""
+        return {"pending": self.pending, "found": self.found, "newest": self.newest,
+                "error": list(self.error) if self.error else None}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Verdict:
+        """Read what :meth:`to_json` wrote."""
+        d = _dict(doc, "layout verdict")
+        pending, newest, error = d.get("pending"), d.get("newest"), d.get("error")
+        if not isinstance(pending, bool):
+            raise _bad("layout verdict", doc)
+        if error is not None and (not isinstance(error, list) or len(error) != 2):
+            raise _bad("relayed error", error)
+        return cls(pending, _str(d.get("found"), "layout found"),
+                   None if newest is None else _int(newest, "newest single-process step"),
+                   (_str(error[0], "error name"), _str(error[1], "error message")) if error else None)
+
+    def raise_error(self) -> None:
+        """Raise the coordinator's error, typed as it was, if it had one."""
+        if self.error is not None:
+            raise relayed(self.error[0], self.error[1], RootLayoutError)
+
+
+@dataclass(frozen=True)
+class RetainSet:
+    """Under ``keep_every``/``keep_best``: rank -> the shard steps it keeps (below the newest, only those)."""
+
+    ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"ranks": {"<rank>": [steps]}}`` (ranks with no step left out)."""
+        return {"ranks": {str(r): list(steps) for r, steps in self.ranks.items() if steps}}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> RetainSet:
+        """Read what :meth:`to_json` wrote."""
+        ranks = _dict(_dict(doc, "retained set").get("ranks"), "retained set")
+        out: dict[int, tuple[int, ...]] = {}
+        for r, steps in ranks.items():
+            if not isinstance(steps, list) or not r.isdigit():
+                raise _bad("retained steps", {r: steps})
+            out[int(r)] = tuple(_int(s, "retained step") for s in steps)
+        return cls(out)
+
+
+# -- the wire --------------------------------------------------------------------------------------------
+
+
+class Wire:
+    """Typed puts, gets and waits on the coordination store: where payloads meet their keys.
+
+    Args:
+        kv: the job's coordination client.
+    """
+
+    def __init__(self, kv: KV) -> None:
+        """Wrap ``kv``."""
+        self.kv = kv
+
+    def put(self, key: str, payload: Payload) -> None:
+        """Put ``payload`` under ``key``."""
+        self.kv.store.set(key, encode(payload))
+
+    def get(self, key: str, kind: type[P]) -> P:
+        """The payload under ``key`` (it must be set).
+
+        Raises:
+            CoordinationProtocolError: it is no ``kind`` (see :func:`decode`).
+        """
+        return decode(self.kv.store.get(key), kind, key)
+
+    def get_many(self, keys: Sequence[str], kind: type[P]) -> list[P]:
+        """The payloads under ``keys`` (they must be set), in one request where the store can."""
+        if not keys:
+            return []
+        multi_get = getattr(self.kv.store, "multi_get", None)
+        raw = multi_get(list(keys)) if multi_get is not None else [self.kv.store.get(k) for k in keys]
+        return [decode(v, kind, k) for k, v in zip(keys, raw, strict=True)]
+
+    def wait(self, keys: Sequence[str], timeout_s: float, what: str) -> None:
+        """Wait until every key is set (CoordinationTimeoutError: see :meth:`asymstore.dist.kv.KV.wait`)."""
+        self.kv.wait(keys, timeout_s, what)
+
+    def await_(self, key: str, kind: type[P], timeout_s: float, what: str) -> P:
+        """Wait for ``key``, then return its payload."""
+        self.wait([key], timeout_s, what)
+        return self.get(key, kind)
+
+    def has(self, key: str) -> bool:
+        """True when ``key`` is set."""
+        return self.kv.has(key)
+
+
+def open_session(kv: KV, rank: int) -> int:
+    """Count an ``open`` of ``rank``: its session number (blocking)."""
+    return int(kv.store.add(session_counter(rank), 1))
+
+
+def next_nonce(kv: KV) -> int:
+    """Coordinator: a nonce no agreement of the job used yet (blocking)."""
+    return int(kv.store.add(NONCE, 1))
+
+
+@dataclass(frozen=True)
+class CommitRound:
+    """The keys of one global commit (``prefix`` = ``s<session>/commit/<tag>``) and its typed exchanges.
+
+    The methods block (call them in a thread).
+    """
+
+    wire: Wire
+    prefix: str
+    world_size: int
+
+    @classmethod
+    def of(cls, kv: KV, session: int, tag: str, world_size: int) -> CommitRound:
+        """The round of the commit tagged ``tag`` (:func:`commit_tag`) in session ``session``."""
+        return cls(Wire(kv), session_key(session, f"commit/{tag}"), world_size)
+
+    def _report_key(self, rank: int) -> str:
+        return f"{self.prefix}/rank/{rank}"
+
+    @property
+    def _answer_key(self) -> str:
+        return f"{self.prefix}/global"
+
+    def _flushed_key(self, rank: int) -> str:
+        return f"{self.prefix}/flushed/{rank}"
+
+    def report(self, rank: int, report: ShardReport) -> None:
+        """Every rank: report its shard."""
+        self.wire.put(self._report_key(rank), report)
+
+    def wait_reports(self, timeout_s: float, what: str) -> None:
+        """Coordinator: wait for every rank's report (CoordinationTimeoutError)."""
+        self.wire.wait([self._report_key(r) for r in range(self.world_size)], timeout_s, what)
+
+    def missing_reports(self) -> list[int]:
+        """The ranks that did not report yet."""
+        return [r for r in range(self.world_size) if not self.wire.has(self._report_key(r))]
+
+    def reports(self) -> list[ShardReport]:
+        """Every rank's report, by rank (CoordinationProtocolError: a malformed one)."""
+        return self.wire.get_many([self._report_key(r) for r in range(self.world_size)], ShardReport)
+
+    def answer(self, answer: GlobalAnswer) -> None:
+        """Coordinator: say whether the global version is published."""
+        self.wire.put(self._answer_key, answer)
+
+    def wait_answer(self, timeout_s: float, what: str) -> GlobalAnswer:
+        """Wait for the coordinator's answer (CoordinationTimeoutError) and return it."""
+        return self.wire.await_(self._answer_key, GlobalAnswer, timeout_s, what)
+
+    def flushed(self, rank: int, note: Flushed) -> None:
+        """A non-coordinator: it finished its part of this commit."""
+        self.wire.put(self._flushed_key(rank), note)
+
+    def wait_flushed(self, timeout_s: float, what: str) -> None:
+        """Coordinator: wait until every other rank finished its part."""
+        self.wire.wait([self._flushed_key(r) for r in range(1, self.world_size)], timeout_s, what)
+
+
+@dataclass(frozen=True)
+class RestoreRound:
+    """The keys of one collective restore (``prefix`` = ``s<session>/restore/<i>``) and its typed exchanges.
+
+    The methods block (call them in a thread). See :mod:`asymstore.multirank.restore` for the order.
+    """
+
+    wire: Wire
+    prefix: str
+    world_size: int
+
+    @classmethod
+    def of(cls, kv: KV, prefix: str, world_size: int) -> RestoreRound:
+        """The round under ``prefix`` (:func:`round_key` of ``"restore"``)."""
+        return cls(Wire(kv), prefix, world_size)
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    def _gather(self, name: str, k: int | None, kind: type[P], timeout_s: float, what: str) -> list[P]:
+        keys = [self._key(name, r) if k is None else self._key(name, k, r) for r in range(self.world_size)]
+        self.wire.wait(keys, timeout_s, what)
+        return self.wire.get_many(keys, kind)
+
+    def have(self, rank: int, have: Have) -> None:
+        """Every rank: list the shard steps it holds."""
+        self.wire.put(self._key("have", rank), have)
+
+    def haves(self, timeout_s: float) -> list[Have]:
+        """Coordinator: every rank's list, by rank."""
+        return self._gather("have", None, Have, timeout_s, "ranks listing their shards for restore")
+
+    def post_try(self, k: int, msg: TryMsg) -> None:
+        """Coordinator: its word on candidate ``k``."""
+        self.wire.put(self._key("try", k), msg)
+
+    def wait_try(self, k: int, timeout_s: float) -> TryMsg:
+        """A rank: the coordinator's word on candidate ``k``."""
+        return self.wire.await_(self._key("try", k), TryMsg, timeout_s, "the coordinator's restore")
+
+    def fit(self, k: int, rank: int, fit: Fit) -> None:
+        """Every rank: whether its destinations fit candidate ``k``."""
+        self.wire.put(self._key("fit", k, rank), fit)
+
+    def fits(self, k: int, timeout_s: float, what: str) -> list[Fit]:
+        """Coordinator: every rank's fit of candidate ``k``, by rank."""
+        return self._gather("fit", k, Fit, timeout_s, what)
+
+    def go(self, k: int, go: Go) -> None:
+        """Coordinator: load candidate ``k``, or the error."""
+        self.wire.put(self._key("go", k), go)
+
+    def wait_go(self, k: int, timeout_s: float) -> Go:
+        """A rank: the coordinator's word after the fits of candidate ``k``."""
+        return self.wire.await_(self._key("go", k), Go, timeout_s, "the coordinator's restore")
+
+    def result(self, k: int, rank: int, result: LoadResult) -> None:
+        """Every rank: whether it loaded candidate ``k``."""
+        self.wire.put(self._key("result", k, rank), result)
+
+    def results(self, k: int, timeout_s: float, what: str) -> list[LoadResult]:
+        """Coordinator: every rank's result of candidate ``k``, by rank."""
+        return self._gather("result", k, LoadResult, timeout_s, what)
+
+
+@dataclass(frozen=True)
+class AgreeRound:
+    """One agreement on the next step (``key`` = :func:`round_key` of ``"agree"``)."""
+
+    wire: Wire
+    key: str
+
+    def propose(self, agreement: Agreement) -> None:
+        """Coordinator: post the agreement."""
+        self.wire.put(self.key, agreement)
+
+    def agreed(self, timeout_s: float) -> Agreement:
+        """Every rank: wait for the coordinator's agreement and return it."""
+        return self.wire.await_(self.key, Agreement, timeout_s, "agreeing on the next step")
+
+
+def retained_set(kv: KV) -> RetainSet | None:
+    """The shard steps each rank keeps under ``keep_every``/``keep_best`` (None: not posted yet).
+
+    Raises:
+        CoordinationProtocolError: the record is malformed.
+    """
+    wire = Wire(kv)
+    return wire.get(RETAIN_SET, RetainSet) if wire.has(RETAIN_SET) else None
+
+
+def post_retained_set(kv: KV, kept: RetainSet) -> None:
+    """Coordinator: post the shard steps each rank keeps."""
+    Wire(kv).put(RETAIN_SET, kept)
+
+
+def keep_from(kv: KV, rank: int) -> int:
+    """The oldest shard step ``rank`` must keep under plain ``keep_last`` (-1: none posted)."""
+    return max(kv.read_int(retain_rank(rank)), kv.read_int(RETAIN_ALL)) - 1
+
+
+def raise_keep_from(kv: KV, steps: dict[int, int], world_size: int) -> None:
+    """Coordinator: rank -> the oldest shard step it must keep (counters only rise: one request when alike)."""
+    if len(set(steps.values())) == 1 and len(steps) == world_size:  # the usual case: one request
+        kv.raise_int(RETAIN_ALL, next(iter(steps.values())) + 1)
+        return
+    for r, step in steps.items():  # a kept version of another world size may need rank r's older shards
+        kv.raise_int(retain_rank(r), step + 1)
+
+
+PAYLOADS: tuple[Callable[..., Payload], ...] = (
+    Relayed, Agreement, ShardReport, GlobalAnswer, Flushed, Have, TryMsg, Fit, Go, LoadResult, Verdict, RetainSet)
+"""Every payload type of the protocol."""

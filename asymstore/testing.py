@@ -2,7 +2,7 @@
 
 Both classes are a real :class:`~asymstore.tiers.local.LocalTier` (real
 files, real fsync) that misbehaves once, at a chosen point of the commit
-protocol (DESIGN §6):
+protocol (docs/concepts/format.md):
 
 - ``"segments_written"``: every segment is written and fsynced, the manifest
   is not written yet.

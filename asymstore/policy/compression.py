@@ -1,6 +1,6 @@
 """Selective compression (pure): whether a chunk is worth compressing for the tier it is headed to.
 
-DESIGN §4: compress a chunk of ``n`` bytes only when
+The rule (docs/concepts/batching.md): compress a chunk of ``n`` bytes only when
 ``t_compress(n) + t_write(n / ratio) < t_write(n)`` on the tier it goes to.
 The per-write latency cancels out of that comparison, so only the tier's
 cost per byte ``b`` matters: a slow remote tier compresses, a fast NVMe may

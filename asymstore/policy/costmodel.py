@@ -3,7 +3,7 @@
 A tier's cost of writing one segment of ``n`` bytes is modelled as
 ``t_write(n) = a + b·n``: ``a`` is the fixed cost of one write (open, fsync,
 latency of a request) and ``b`` the cost per byte. Writing ``N`` bytes as
-segments of ``B`` bytes then costs (DESIGN §5)::
+segments of ``B`` bytes then costs (docs/concepts/batching.md)::
 
     T(B) = a·N/B + b·N + c·B
 

@@ -13,7 +13,7 @@ a :class:`TierPlan` from that tier's :class:`~asymstore.policy.calibration.TierC
   compression pays when the write time it saves exceeds the time it takes.
   A chunk so small that the codec's fixed overhead alone exceeds ``b·s`` is
   stored raw without sampling;
-* **segment size**: ``B* = sqrt(a·N/c)`` (:func:`~asymstore.policy.calibration.optimal_segment_bytes`),
+* **segment size**: ``B* = sqrt(a·N/c)`` (:func:`~asymstore.policy.costmodel.optimal_segment_bytes`),
   where ``N`` is the bytes the tier will store and ``c`` the calibration's
   exposed cost per byte plus the estimated compression time per stored byte,
   capped by half the flush memory budget (two segments are in flight: one

@@ -1,4 +1,4 @@
-"""MemoryTier: the :class:`HostTier` that keeps versions in process memory.
+"""MemoryTier: the :func:`~asymstore.tiers.HostTier` tier that keeps versions in process memory.
 
 ``HostTier(capacity_bytes)`` constructs one. Segments live in a
 :class:`BufferPool` of page-locked buffers (when CUDA is present; plain

@@ -1,4 +1,4 @@
-"""ShmTier: the :class:`HostTier` that keeps versions as shared-memory files.
+"""ShmTier: the :func:`~asymstore.tiers.HostTier` tier that keeps versions as shared-memory files.
 
 ``HostTier(capacity_bytes, path=...)`` constructs one over a tmpfs directory
 (for example ``/dev/shm/asym-job42``). The files are laid out, written,

@@ -17,7 +17,6 @@ from asymstore.errors import (
     AsymstoreError,
     CapacityError,
     EmptyStepError,
-    InvalidMetaError,
     ReadOnlyStoreError,
     StepCommittedError,
     StepOrderError,
@@ -30,7 +29,7 @@ from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.policy.calibration import CalibrationCache, calibrate
 from asymstore.policy.compression import COMPRESSION_POLICIES, Compression
 from asymstore.policy.costmodel import assumed_calibration
-from asymstore.policy.retention import META_KEY, KeepBest, Retention
+from asymstore.policy.retention import KeepBest, Retention
 from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
@@ -453,11 +452,7 @@ class AsymStore:
         self._require_writer()
         check_step(step)
         clean_meta = validate_meta(meta)
-        record = self.retention.note_meta(step, clean_meta)
-        if record is not None:  # the retention decision travels with the version (a restart keeps the same set)
-            if META_KEY in clean_meta:
-                raise InvalidMetaError(f"meta key {META_KEY!r} is the store's own record; use another key")
-            clean_meta[META_KEY] = {"retention": record}
+        self.retention.stamp(step, clean_meta, clean_meta)  # the decision travels with the version
         async with self._commit_lock:  # one commit at a time: step order is checked where it is decided
             self._check_commit_order(step)
             pending = self._stager.pending.get(step)

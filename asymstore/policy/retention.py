@@ -11,7 +11,7 @@ the model):
   the version (``meta["metrics"][name]``), lowest or highest.
 
 The decision is recorded in each version's manifest meta when it is committed
-(:func:`note_meta`, under ``meta["asymstore"]["retention"]``): whether
+(:meth:`Retention.stamp`, under ``meta["asymstore"]["retention"]``): whether
 ``keep_every`` pinned it, the metric it was judged by, and the rules in force.
 A restart therefore keeps the same set even with other settings (a pinned
 version stays pinned), and fsck tells which rule keeps each version from the
@@ -32,6 +32,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from asymstore.errors import InvalidMetaError
 
 META_KEY = "asymstore"
 """The key of the store's own record in a version's meta (``meta["asymstore"]["retention"]``)."""
@@ -127,6 +129,26 @@ class Retention:
             if value is not None:
                 record["metric"] = {"name": self.keep_best.metric, "value": value}
         return record
+
+    def stamp(self, step: int, meta: Mapping[str, Any], into: dict[str, Any]) -> None:
+        """Record the rules' decision on version ``step`` (judged on its ``meta``) in the meta ``into``.
+
+        The record goes under ``into["asymstore"]["retention"]`` (:meth:`note_meta`), so a restart keeps
+        the same set. ``into`` is the version's own meta (a single store), or the meta of the global
+        manifest judged on the coordinator's shard meta (a multi-rank store), which then also carries
+        ``meta["metrics"]`` when ``keep_best`` reads it. Nothing changes when no rule needs a record.
+
+        Raises:
+            InvalidMetaError: ``into`` already holds the store's own key (:data:`META_KEY`).
+        """
+        record = self.note_meta(step, meta)
+        if record is None:
+            return
+        if META_KEY in into:
+            raise InvalidMetaError(f"meta key {META_KEY!r} is the store's own record; use another key")
+        into[META_KEY] = {"retention": record}
+        if self.keep_best is not None and "metrics" in meta:
+            into.setdefault("metrics", meta["metrics"])
 
     def note_of(self, meta: Mapping[str, Any]) -> Note:
         """Read a committed version's note from its meta (untrusted: anything malformed counts as no note)."""

@@ -1,9 +1,15 @@
-"""Restore from a shared-memory HostTier: buffered reads straight into tensors, fresh tensors built in bulk."""
+"""Restore from a shared-memory HostTier: buffered reads straight into tensors, fresh tensors built in bulk.
+
+Each round trip runs with ``compression="auto"`` (a memory tier: the cost model never compresses, every chunk
+is raw) and ``compression="always"`` (compressed chunks on shm, as the manifests' codecs show).
+"""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -31,9 +37,13 @@ def state(step: int) -> dict[str, torch.Tensor]:
     return out
 
 
-async def save(path: str, steps: list[int]) -> HostTier:
+COMPRESSIONS = ["auto", "always"]
+
+
+async def save(path: str, steps: list[int], compression: Any = "auto") -> HostTier:
     host = HostTier(1 << 30, path=path)
-    async with AsymStore([host], keep_last=None, segment_bytes=64 << 10, chunk_bytes=CHUNK) as store:
+    async with AsymStore([host], keep_last=None, segment_bytes=64 << 10, chunk_bytes=CHUNK,
+                         compression=compression) as store:
         for step in steps:
             await store.put_many(step, state(step))
             await store.commit(step)
@@ -44,9 +54,38 @@ def segments(path: str, step: int) -> list[str]:
     return sorted(glob.glob(os.path.join(path, f"v{step:012d}", "seg-*.bin")))
 
 
+def codecs(path: str, step: int) -> set[str]:
+    """The codecs the manifest of ``step`` names (every chunk's and pack's)."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("codec"), str):
+                found.add(node["codec"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    with open(os.path.join(path, f"v{step:012d}", "MANIFEST.json")) as f:
+        walk(json.load(f))
+    return found
+
+
+def check_codecs(path: str, step: int, compression: str) -> None:
+    """``always`` really compressed on shm (zstd chunks beside raw ones); ``auto`` left every chunk raw."""
+    found = codecs(path, step)
+    if compression == "always":
+        assert any(c.startswith("zstd") for c in found), found
+    else:
+        assert found == {"raw"}, found
+
+
+@pytest.mark.parametrize("compression", COMPRESSIONS)
 @pytest.mark.parametrize("how", ["fresh", "into", "some"])
-async def test_restore_bit_exact(shm_dir: str, how: str) -> None:
-    await save(shm_dir, [10])
+async def test_restore_bit_exact(shm_dir: str, how: str, compression: str) -> None:
+    await save(shm_dir, [10], compression)
+    check_codecs(shm_dir, 10, compression)
     assert len(segments(shm_dir, 10)) > 1
     want = state(10)
     into = {} if how == "fresh" else {k: torch.zeros_like(v) for k, v in want.items()
@@ -64,9 +103,11 @@ async def test_restore_bit_exact(shm_dir: str, how: str) -> None:
     assert torch.equal(ckpt.tensors["big"], before)
 
 
+@pytest.mark.parametrize("compression", COMPRESSIONS)
 @pytest.mark.parametrize("how", ["fresh", "into"])
-async def test_flipped_byte_falls_back(shm_dir: str, how: str) -> None:
-    await save(shm_dir, [10, 20])
+async def test_flipped_byte_falls_back(shm_dir: str, how: str, compression: str) -> None:
+    await save(shm_dir, [10, 20], compression)
+    check_codecs(shm_dir, 20, compression)
     seg = segments(shm_dir, 20)[1]
     with open(seg, "r+b") as f:
         f.seek(1000)
@@ -80,8 +121,10 @@ async def test_flipped_byte_falls_back(shm_dir: str, how: str) -> None:
     assert same_state(ckpt.tensors, state(10))
 
 
-async def test_truncated_file_is_typed_error(shm_dir: str) -> None:
-    host = await save(shm_dir, [10, 20])
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+async def test_truncated_file_is_typed_error(shm_dir: str, compression: str) -> None:
+    host = await save(shm_dir, [10, 20], compression)
+    check_codecs(shm_dir, 20, compression)
     seg = segments(shm_dir, 20)[0]
     os.truncate(seg, os.path.getsize(seg) - 1)
     await host.open()

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-from asymstore import AsymStore, KeepBest, LocalTier, Tier
+from asymstore import KeepBest, Tier
 from asymstore.api import CheckpointStore, CollectiveStore, TierStatus
-from asymstore.multirank.rootlayout import AcrossLayouts, check_across, record_single, survey
+from asymstore.format.names import is_uri
+from asymstore.multirank.rootlayout import AcrossLayouts, record_single
+from asymstore.opener import open_store
 
 StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
 
@@ -32,13 +34,14 @@ class RestoreInfo:
 
 def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None = None,
                keep_best: KeepBest | None = None, across_layouts: AcrossLayouts = "resume") -> CheckpointStore:
-    """The store for ``spec``: itself, an AsymStore over a list of tiers, or one over a directory.
+    """The Checkpointer's store for ``spec``: :func:`asymstore.opener.open_store` (the one way to open a store).
 
     ``spec`` itself is any :class:`~asymstore.api.CheckpointStore` (its own retention applies). A
     directory is opened by its recorded layout (:mod:`asymstore.multirank.rootlayout`): a
     :class:`~asymstore.multirank.RankStore` in a job of several ranks (which resumes a single-process
     root's versions too, unless ``across_layouts="start_fresh"``), or in one process when the root is
-    multi-rank (a root stays multi-rank once it is); otherwise an AsymStore over a ``LocalTier``.
+    multi-rank (a root stays multi-rank once it is); otherwise an AsymStore over a ``LocalTier`` (over a
+    ``RemoteTier`` for a URI). A list of tiers becomes an AsymStore over them.
 
     ``keep_every`` and ``keep_best`` apply in either: a multi-rank store judges its global versions.
 
@@ -47,21 +50,8 @@ def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None
         RootLayoutConflictError: (one process) the root holds both layouts and no record says which is current.
         ValueError: ``across_layouts`` is not one of its modes.
     """
-    across_layouts = check_across(across_layouts)
-    if isinstance(spec, CheckpointStore):  # AsymStore, RankStore
-        return spec
-    if isinstance(spec, (str, os.PathLike)):
-        from asymstore.multirank import RankStore
-
-        several = torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1  # DDP, FSDP2: one shard per rank, a global commit
-        # the coordinator checks the layout in restore and at its first global commit (every rank hears it)
-        if several or survey(spec).layout == "multirank":  # (or one process resuming a multi-rank job's root)
-            rank, world = (None, None) if several else (0, 1)
-            return RankStore(spec, rank=rank, world_size=world, keep_last=keep_last, keep_every=keep_every,
-                             keep_best=keep_best, across_layouts=across_layouts)
-        return AsymStore([LocalTier(spec)], keep_last=keep_last, keep_every=keep_every, keep_best=keep_best)
-    return AsymStore(list(spec), keep_last=keep_last, keep_every=keep_every, keep_best=keep_best)
+    return open_store(spec, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                      across_layouts=across_layouts)
 
 
 def layout_recorder(spec: StoreSpec, store: CheckpointStore) -> Callable[[], None] | None:
@@ -70,7 +60,7 @@ def layout_recorder(spec: StoreSpec, store: CheckpointStore) -> Callable[[], Non
     Only a store :func:`make_store` built over a directory for one process: a ``RankStore`` records its
     layout itself (its coordinator, at its first global commit); a store the user built is the user's.
     """
-    if not isinstance(spec, (str, os.PathLike)) or isinstance(store, CollectiveStore):
+    if not isinstance(spec, (str, os.PathLike)) or isinstance(store, CollectiveStore) or is_uri(os.fspath(spec)):
         return None
     root = os.fspath(spec)
     return lambda: record_single(root)

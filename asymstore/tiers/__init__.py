@@ -14,6 +14,7 @@ from asymstore.tiers.protocol import Tier, VersionWriter
 
 if TYPE_CHECKING:
     from asymstore.tiers.local import LocalTier
+    from asymstore.tiers.location import from_location, rank_tier
     from asymstore.tiers.memory.capacity import BoundedTier
     from asymstore.tiers.memory.factory import HostTier
     from asymstore.tiers.memory.gpu import GPUTier
@@ -26,6 +27,8 @@ _LAZY = {
     "HostTier": "asymstore.tiers.memory.factory",
     "BoundedTier": "asymstore.tiers.memory.capacity",
     "LocalTier": "asymstore.tiers.local",
+    "from_location": "asymstore.tiers.location",
+    "rank_tier": "asymstore.tiers.location",
     "NVMeTier": "asymstore.tiers.nvme",
     "PeerTier": "asymstore.tiers.peer.tier",
     "RemoteTier": "asymstore.tiers.remote.tier",
@@ -37,4 +40,5 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     "BoundedTier", "GPUTier", "HostTier", "LocalTier", "NVMeTier", "PeerTier", "RemoteTier", "Tier", "VersionWriter",
+    "from_location", "rank_tier",
 ]

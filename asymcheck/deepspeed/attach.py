@@ -15,7 +15,7 @@ from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.state.trainstate import Stateful
 from asymstore import KeepBest
 from asymstore.api import CollectiveStore, ReshardingStore
-from asymstore.multirank import RankStore
+from asymstore.opener import open_store
 from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
@@ -119,12 +119,11 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
     check_engine(engine, "attach")
     if isinstance(store_or_tiers, CollectiveStore):
         store = store_or_tiers
-    elif isinstance(store_or_tiers, (str, os.PathLike)):
-        store = RankStore(store_or_tiers, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
-                          timeout_s=timeout_s)
-    else:
-        if root is None:
+    else:  # a RankStore whatever the world size: a directory, or this rank's tiers with root=
+        if root is None and not isinstance(store_or_tiers, (str, os.PathLike)):
             raise ValueError("attach() with a list of tiers needs root= (the directory of the global manifests)")
-        store = RankStore(root, tiers=list(store_or_tiers), keep_last=keep_last, keep_every=keep_every,
-                          keep_best=keep_best, timeout_s=timeout_s)
+        opened = open_store(store_or_tiers, root=root, multirank=True, keep_last=keep_last, keep_every=keep_every,
+                            keep_best=keep_best, timeout_s=timeout_s)
+        assert isinstance(opened, CollectiveStore)
+        store = opened
     return DeepSpeedCheckpointer(engine, store, stateful=stateful, data=data, every=every, **kwargs)

@@ -94,6 +94,7 @@ _LAZY = {
     "TierCalibration": "asymstore.api",
     "TierStatus": "asymstore.api",
     "VersionWriter": "asymstore.tiers",
+    "open_store": "asymstore.opener",
 }
 
 

@@ -2,8 +2,8 @@
 
 Trains a small model with AdamW for 6 steps and a ``dcp.async_save`` of every step into a memory tier and a
 disk tier, resumes a fresh model from the newest version with ``dcp.load`` (bit-identical), loads an older
-step by its number, and checks the directory with ``python -m asymstore.fsck``. The three lines of the README
-come first. Writes ``./quick`` and ``./ckpt`` (``check_snippets.py`` runs it in a temporary directory).
+step by its number, and checks the directory with ``python -m asymstore.fsck``. The three lines the DCP guide
+opens with come first. Writes ``./quick`` and ``./ckpt`` (``check_snippets.py`` runs it in a temporary directory).
 """
 
 import subprocess
@@ -19,7 +19,7 @@ from asymstore.dcp import StorageReader, StorageWriter
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: DCP without a group
 
-# the README's lines: any state dict DCP takes, saved and loaded through the store
+# the three lines: any state dict DCP takes, saved and loaded through the store
 state_dict = {"model": torch.nn.Linear(16, 4).state_dict(), "epoch": 3}
 writer = StorageWriter("quick")                              # a directory, tiers, an AsymStore or a RankStore
 dcp.save(state_dict, storage_writer=writer)                  # or dcp.async_save: one verified version per save

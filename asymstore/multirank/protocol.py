@@ -614,47 +614,50 @@ class CommitRound:
         """The round of the commit tagged ``tag`` (:func:`commit_tag`) in session ``session``."""
         return cls(Wire(kv), session_key(session, f"commit/{tag}"), world_size)
 
-    def _report_key(self, rank: int) -> str:
+    def report_key(self, rank: int) -> str:
+        """Where ``rank`` reports its shard (:class:`ShardReport`)."""
         return f"{self.prefix}/rank/{rank}"
 
     @property
-    def _answer_key(self) -> str:
+    def answer_key(self) -> str:
+        """Where the coordinator answers (:class:`GlobalAnswer`)."""
         return f"{self.prefix}/global"
 
-    def _flushed_key(self, rank: int) -> str:
+    def flushed_key(self, rank: int) -> str:
+        """Where ``rank`` says it finished its part (:class:`Flushed`)."""
         return f"{self.prefix}/flushed/{rank}"
 
     def report(self, rank: int, report: ShardReport) -> None:
         """Every rank: report its shard."""
-        self.wire.put(self._report_key(rank), report)
+        self.wire.put(self.report_key(rank), report)
 
     def wait_reports(self, timeout_s: float, what: str) -> None:
         """Coordinator: wait for every rank's report (CoordinationTimeoutError)."""
-        self.wire.wait([self._report_key(r) for r in range(self.world_size)], timeout_s, what)
+        self.wire.wait([self.report_key(r) for r in range(self.world_size)], timeout_s, what)
 
     def missing_reports(self) -> list[int]:
         """The ranks that did not report yet."""
-        return [r for r in range(self.world_size) if not self.wire.has(self._report_key(r))]
+        return [r for r in range(self.world_size) if not self.wire.has(self.report_key(r))]
 
     def reports(self) -> list[ShardReport]:
         """Every rank's report, by rank (CoordinationProtocolError: a malformed one)."""
-        return self.wire.get_many([self._report_key(r) for r in range(self.world_size)], ShardReport)
+        return self.wire.get_many([self.report_key(r) for r in range(self.world_size)], ShardReport)
 
     def answer(self, answer: GlobalAnswer) -> None:
         """Coordinator: say whether the global version is published."""
-        self.wire.put(self._answer_key, answer)
+        self.wire.put(self.answer_key, answer)
 
     def wait_answer(self, timeout_s: float, what: str) -> GlobalAnswer:
         """Wait for the coordinator's answer (CoordinationTimeoutError) and return it."""
-        return self.wire.await_(self._answer_key, GlobalAnswer, timeout_s, what)
+        return self.wire.await_(self.answer_key, GlobalAnswer, timeout_s, what)
 
     def flushed(self, rank: int, note: Flushed) -> None:
         """A non-coordinator: it finished its part of this commit."""
-        self.wire.put(self._flushed_key(rank), note)
+        self.wire.put(self.flushed_key(rank), note)
 
     def wait_flushed(self, timeout_s: float, what: str) -> None:
         """Coordinator: wait until every other rank finished its part."""
-        self.wire.wait([self._flushed_key(r) for r in range(1, self.world_size)], timeout_s, what)
+        self.wire.wait([self.flushed_key(r) for r in range(1, self.world_size)], timeout_s, what)
 
 
 @dataclass(frozen=True)
@@ -673,17 +676,18 @@ class RestoreRound:
         """The round under ``prefix`` (:func:`round_key` of ``"restore"``)."""
         return cls(Wire(kv), prefix, world_size)
 
-    def _key(self, *parts: object) -> str:
+    def key(self, *parts: object) -> str:
+        """The key of a message of this round: ``key("fit", k, rank)`` (see the module docstring)."""
         return "/".join([self.prefix, *map(str, parts)])
 
     def _gather(self, name: str, k: int | None, kind: type[P], timeout_s: float, what: str) -> list[P]:
-        keys = [self._key(name, r) if k is None else self._key(name, k, r) for r in range(self.world_size)]
+        keys = [self.key(name, r) if k is None else self.key(name, k, r) for r in range(self.world_size)]
         self.wire.wait(keys, timeout_s, what)
         return self.wire.get_many(keys, kind)
 
     def have(self, rank: int, have: Have) -> None:
         """Every rank: list the shard steps it holds."""
-        self.wire.put(self._key("have", rank), have)
+        self.wire.put(self.key("have", rank), have)
 
     def haves(self, timeout_s: float) -> list[Have]:
         """Coordinator: every rank's list, by rank."""
@@ -691,15 +695,15 @@ class RestoreRound:
 
     def post_try(self, k: int, msg: TryMsg) -> None:
         """Coordinator: its word on candidate ``k``."""
-        self.wire.put(self._key("try", k), msg)
+        self.wire.put(self.key("try", k), msg)
 
     def wait_try(self, k: int, timeout_s: float) -> TryMsg:
         """A rank: the coordinator's word on candidate ``k``."""
-        return self.wire.await_(self._key("try", k), TryMsg, timeout_s, "the coordinator's restore")
+        return self.wire.await_(self.key("try", k), TryMsg, timeout_s, "the coordinator's restore")
 
     def fit(self, k: int, rank: int, fit: Fit) -> None:
         """Every rank: whether its destinations fit candidate ``k``."""
-        self.wire.put(self._key("fit", k, rank), fit)
+        self.wire.put(self.key("fit", k, rank), fit)
 
     def fits(self, k: int, timeout_s: float, what: str) -> list[Fit]:
         """Coordinator: every rank's fit of candidate ``k``, by rank."""
@@ -707,15 +711,15 @@ class RestoreRound:
 
     def go(self, k: int, go: Go) -> None:
         """Coordinator: load candidate ``k``, or the error."""
-        self.wire.put(self._key("go", k), go)
+        self.wire.put(self.key("go", k), go)
 
     def wait_go(self, k: int, timeout_s: float) -> Go:
         """A rank: the coordinator's word after the fits of candidate ``k``."""
-        return self.wire.await_(self._key("go", k), Go, timeout_s, "the coordinator's restore")
+        return self.wire.await_(self.key("go", k), Go, timeout_s, "the coordinator's restore")
 
     def result(self, k: int, rank: int, result: LoadResult) -> None:
         """Every rank: whether it loaded candidate ``k``."""
-        self.wire.put(self._key("result", k, rank), result)
+        self.wire.put(self.key("result", k, rank), result)
 
     def results(self, k: int, timeout_s: float, what: str) -> list[LoadResult]:
         """Coordinator: every rank's result of candidate ``k``, by rank."""

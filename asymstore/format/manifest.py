@@ -1,58 +1,16 @@
 """The manifest: the JSON description of one checkpoint version (pure data, no I/O).
 
-A version exists on a tier only once its manifest is published there. The
-manifest lists every tensor (dtype, shape, chunks), every segment file (size,
-checksum) and the user's JSON metadata. Schema (format version 2)::
+A version exists on a tier only once its manifest is published there. The manifest lists every
+tensor (dtype, shape, chunks; format version 3 adds packs of small tensors, listed as columns),
+every segment file (size, checksum), the user's JSON metadata, and ends with a checksum of itself
+(format version 2), verified before any field is read. ``checksum`` covers a chunk's stored bytes,
+``raw_checksum`` its decoded bytes. A packed tensor is a :class:`TensorEntry` whose one chunk is
+its pack (:meth:`TensorEntry.pieces`). Every manifest read is untrusted input: at most
+:data:`MAX_MANIFEST_BYTES` and :data:`MAX_JSON_DEPTH` levels, only the dtypes of
+:data:`DTYPE_SIZES`, ``prod(shape) * itemsize == nbytes``, chunks inside their segment and not
+overlapping, none declaring more than :data:`MAX_CHUNK_RAW_BYTES`.
 
-    {
-      "format": "asymstore.manifest", "format_version": 2,
-      "step": 12, "created": 1763776000.5, "checksum_algorithm": "xxh3_64",
-      "meta": {...user JSON...},
-      "segments": [{"name": "seg-000000.bin", "size": 4096, "checksum": "hex"}],
-      "tensors": {
-        "layers.0.weight": {
-          "dtype": "bfloat16", "shape": [4, 4], "nbytes": 32,
-          "chunks": [{"segment": "seg-000000.bin", "offset": 0, "length": 32,
-                      "raw_length": 32, "codec": "raw", "checksum": "hex",
-                      "raw_checksum": "hex"}]
-        }
-      },
-      "extra": {...asymstore-internal JSON, e.g. rank layout...},
-      "manifest_checksum": "hex"
-    }
-
-``checksum`` covers the stored bytes of a chunk, ``raw_checksum`` the bytes
-after decoding (equal for the ``raw`` codec).
-
-Format version 3 adds a compact form for many small tensors (written only
-when a version holds packed tensors; otherwise the store writes version 2)::
-
-      "packs": [{"segment": "seg-000000.bin", "offset": 0, "length": 1048576, "raw_length": 1048576,
-                 "codec": "raw", "checksum": "hex", "raw_checksum": "hex"}],
-      "packed": {"dtypes": ["float32", "int64"], "names": ["a", "b"], "dtype": [0, 1],
-                 "shapes": [[4, 4], []], "pack": [0, 0], "offsets": [0, 64]}
-
-A *pack* is one chunk (same fields, same checksums, same codecs) whose raw
-bytes hold many small tensors back to back, each at an offset aligned to its
-item size (zero bytes between them). ``packed`` lists those tensors as
-columns: name, index into ``dtypes``, shape, index into ``packs`` and byte
-offset in the pack's raw bytes; a tensor's byte count follows from its dtype
-and shape. One checksum covers a whole pack, so a damaged byte anywhere in it
-fails every tensor of the pack (restore falls back to the previous version).
-In memory a packed tensor is a :class:`TensorEntry` whose one chunk is its
-pack and whose ``pack_offset`` is set (:meth:`TensorEntry.pieces`).
-
-Format version 2 (written since asymstore 0.2) ends with a checksum of the
-manifest itself: the text is ``<body>,"manifest_checksum":"<16 hex>"}`` where
-the xxh3-64 digest covers ``<body>``, every byte before that suffix. It is
-verified before any field is read, so a flipped bit anywhere in the file is
-a :class:`ManifestError`, never a wrong name, dtype or offset. Version 1
-manifests (no self-checksum) are still read, with every structural check.
-
-Every manifest read is untrusted input: at most :data:`MAX_MANIFEST_BYTES`
-and :data:`MAX_JSON_DEPTH` levels, only the dtypes of :data:`DTYPE_SIZES`,
-``prod(shape) * itemsize == nbytes``, chunks inside their segment and not
-overlapping, and no chunk declaring more than :data:`MAX_CHUNK_RAW_BYTES`.
+The schema, packs and the self-checksum: docs/concepts/format.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,18 @@
 """The peer transport: a gloo process group of its own, framed messages, and waits off the event loop.
 
-Every rank of the job builds one ``ProcessGroupGloo`` for replication, over a
-prefix of the job's c10d store: never the training process group, and never a
-collective — only point-to-point ``send``/``recv`` between a rank and its ring
-neighbours, from the replication threads. Four tags keep the streams apart:
-``REPL`` (versions, src → dst), ``ACK`` (a replica verified and published or
-refused, dst → src), ``REQ`` (list / read / delete requests, src → dst) and
-``RESP`` (their answers, dst → src).
+Every rank builds one ``ProcessGroupGloo`` for replication over a prefix of the job's c10d store
+(never the training group, never a collective): point-to-point ``send``/``recv`` between ring
+neighbours from the replication threads, on four tags (``REPL``, ``ACK``, ``REQ``, ``RESP``). A
+frame is one message of :data:`FRAME` bytes (magic, lengths, JSON header, a small payload inline)
+followed by messages of at most :data:`CHUNK` bytes posted at once; a receiver checks every length
+against its limits before it allocates. In a ring of two nodes a second group (``lanes``) gives each
+rank's own flow a connection of its own; a reader posts the next frame's first receive early
+(:meth:`PeerLink.reading_ahead`, :meth:`PeerLink.post_header`). gloo waits run on daemon threads,
+idle streams are pinged every ``timeout / 4``, and :meth:`PeerLink.end` (on close and at interpreter
+exit) refuses new operations, then lets a 1 ms receive from each peer time out (which fails every
+wait pending on the group) until no thread is inside gloo: one there at finalization is a SIGABRT.
 
-A frame is one message of :data:`FRAME` bytes — magic, the JSON header's length,
-the inline payload's length, the JSON, and the payload when it fits — followed,
-for a larger payload (the JSON gives ``nbytes`` and the message sizes,
-``pieces``), by messages of at most :data:`CHUNK` bytes sent from the caller's
-memory where the parts are large (small parts are gathered into one copy), all
-posted at once so that they stream. Every gloo message costs a round
-trip (the receiver announces its buffer first), so a small request, answer or
-segment is a single message. A receiver checks the magic and the lengths
-against its own limits before it allocates anything, so a peer's bytes can
-never make it read without bound.
-
-Both directions of one pair share a TCP connection per group, and gloo sends
-a receiver's "ready" notice in line with the bulk going the same way: in a
-ring of two nodes, where each rank is both the source and the holder of its
-neighbour, a restore's notices would queue behind the other direction's
-segments (measured: a 16 KiB header took 4 to 9 ms). There the link builds a
-second group (``lanes``), so each rank's own flow — its versions and requests
-out, their acknowledgements and answers back — has a connection to itself.
-A reader that knows another frame follows posts that frame's first receive
-as soon as the current payload's receives are posted (:meth:`PeerLink.reading_ahead`,
-:meth:`PeerLink.post_header`), so a frame never waits for its receiver to ask.
-
-gloo waits are blocking C++ calls: they run on daemon threads (a dead peer's
-wait must never keep the process from exiting). An idle ``recv`` of gloo times
-out after the group's timeout and then closes the connection, so the sending
-side sends a ``ping`` frame on both request streams every ``timeout / 4``.
-
-No single gloo wait can be interrupted (neither ``abort()`` nor ``shutdown()`` of
-the group ends a pending ``recv``), but a wait that times out closes every
-connection of the group and fails every operation pending on it. So
-:meth:`PeerLink.end` (on close, and at interpreter exit before it finalizes: a
-daemon thread coming back from a gloo wait during finalization dies in
-``std::terminate``, SIGABRT) refuses new operations, then waits 1 ms for a
-message nobody sends from each peer until no thread is left inside gloo.
+The transport, its limits and its failures: docs/guides/multirank.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,15 @@
 """The tier protocol: the small interface every storage tier implements.
 
-Call order, for one tier, driven by :class:`asymstore.AsymStore`:
+:class:`asymstore.AsymStore` calls a tier in a fixed order: ``open``; per version ``begin``, then
+``write_segment`` for each segment, then exactly one of ``publish`` (the atomic commit point) or
+``abort``; ``write_latest`` and ``delete_version`` (manifest first) after a publish; reads at any
+time after ``open``; ``quarantine`` for a version that failed verification; ``close`` last.
+Buffers given to ``write_segment`` stay valid only until the call returns; buffers returned by
+``read_segment`` belong to the caller. Optional capabilities are protocols checked with
+``isinstance``, never ``getattr``: :class:`ExclusiveTier`, :class:`StatTier`,
+:class:`ProbeableTier`, :class:`HoldingTier`, :class:`ReadIntoTier`, :class:`ViewTier`.
 
-1. ``await tier.open()`` once, before anything else.
-2. Writing a version: ``w = await tier.begin(step, nbytes)``, then
-   ``await w.write_segment(name, parts)`` for each segment (any order, never
-   concurrently for one writer), then exactly one of ``await w.publish(manifest)``
-   (the atomic commit point: before it returns nothing of the version is
-   visible, after it the version is listed and restorable) or ``await w.abort()``
-   (removes everything the writer wrote). A step is begun only when the tier
-   does not list it.
-3. After a publish: ``await tier.write_latest(step)`` (a hint only) and, for
-   retention, ``await tier.delete_version(old_step)`` on older steps only.
-   Deletion removes the manifest first, so a crash mid-delete leaves an
-   unrestorable (orphaned) directory, never a half version that looks valid.
-4. Reading, at any time after ``open``: ``list_versions()``,
-   ``read_manifest(step)``, ``read_segment(step, name)``, ``read_latest()``.
-5. ``await tier.quarantine(step)`` moves a version that failed verification
-   out of the way (kept for inspection where the tier can).
-6. ``await tier.close()`` once, last.
-
-Optional capabilities are declared as protocols below and checked with
-``isinstance``, never discovered with ``getattr``: :class:`ExclusiveTier` (one
-writer per root, leftovers swept), :class:`StatTier` (a segment's presence
-and size checked without reading it), :class:`ProbeableTier` (timed probe
-writes for the cost model) and :class:`HoldingTier` (a bounded tier keeps
-versions the store still needs), :class:`ReadIntoTier` (segment ranges read
-straight into caller buffers), :class:`ViewTier` (a stored segment lent
-without a copy, held while lent).
-
-Buffers given to ``write_segment`` stay valid and unchanged until the call
-returns; a tier that keeps them longer must copy. Buffers returned by
-``read_segment`` belong to the caller.
+The call order step by step, and how to write a tier: docs/extending/tiers.md.
 """
 
 from __future__ import annotations

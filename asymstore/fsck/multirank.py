@@ -42,6 +42,7 @@ and never touches ``global/``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -258,6 +259,15 @@ def _judge(report: VersionReport, g: GlobalManifest, locs: _Locations,
         report.problems += unreachable
 
 
+@dataclass
+class _GlobalEntry:
+    """One ``global/v….json``: its report, and the manifest when it parses."""
+
+    step: int
+    manifest: GlobalManifest | None
+    report: VersionReport
+
+
 def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], Progress] | None = None,
                     node_local: Sequence[str] = ()) -> MultiRankFsckReport:
     """Examine a multi-rank root: every global manifest against its shards where they live.
@@ -271,25 +281,56 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
     root = os.path.abspath(root)
     gdir = os.path.join(root, globaldir.GLOBAL_DIR)
     locs = _Locations(root, deep, progress, node_local)
-    dirs = {} if node_local else globaldir.rank_dirs(root)
-    ranks = {r: check_tier(d, deep=deep, progress=progress) for r, d in dirs.items()}
+    dirs: dict[int, str] = {} if node_local else globaldir.rank_dirs(root)
+    ranks = _check_rank_dirs(dirs, locs)
+    globals_, extra = _scan_global_dir(gdir, node_local=bool(node_local))
+    used, holders_by_rank = _judge_globals(root, gdir, globals_, locs, ranks)
+    entries = sorted((g.report for g in globals_), key=lambda e: e.name)
+    good = {e.step for e in entries if e.status == "committed" and e.step is not None}
+    unreachable = {e.step for e in entries if e.status == "unreachable" and e.step is not None}
+    entries += _location_entries(root, locs, dirs, ranks)
+    unused, shard_dirs = _unused_shards(_shard_copies(dirs, ranks, holders_by_rank, locs), used)
+    top = max(good | unreachable) if good | unreachable else None
+    partial = {s: have for s, have in unused.items() if top is None or s > top}
+    stale = {s: have for s, have in unused.items() if s not in partial}
+    parsed = [g.manifest for g in globals_ if g.manifest is not None]
+    world = parsed[-1].world_size if parsed else max(len(dirs), 1)
+    entries += _unused_entries(partial, stale, world)
+    entries += extra
+    latest, latest_problem = (None, None) if node_local else check_latest(gdir, top, set(good | unreachable))
+    refused = [f"{e.name}: not touched, a shard cannot be seen from here: {'; '.join(e.problems)}"
+               for e in entries if e.status == "unreachable"]
+    return MultiRankFsckReport(root, deep, entries, latest, _latest_problems(latest_problem, ranks),
+                               max(good) if good else None, ranks=ranks, partial_steps=partial,
+                               stale_steps=stale, locations=dict(locs.reports), unseen=dict(locs.unseen),
+                               shard_dirs=shard_dirs, refused=refused, node_local=list(locs.node_local))
+
+
+def _check_rank_dirs(dirs: dict[int, str], locs: _Locations) -> dict[int, FsckReport]:
+    """Check every ``ROOT/rank-NNNNN/`` as a single tier; they count as seen locations."""
+    ranks = {r: check_tier(d, deep=locs.deep, progress=locs.progress) for r, d in dirs.items()}
     for r, d in dirs.items():
         locs.reports[d] = ranks[r]
         locs.trusted.add(d)
-    entries: list[VersionReport] = []
-    globals_: list[tuple[str, int, GlobalManifest | None, VersionReport]] = []
+    return ranks
+
+
+def _scan_global_dir(gdir: str, *, node_local: bool) -> tuple[list[_GlobalEntry], list[VersionReport]]:
+    """Read ``global/``: the global manifests (each parsed or reported corrupt), and what else lies there."""
+    globals_: list[_GlobalEntry] = []
     extra: list[VersionReport] = []
     for name in sorted(os.listdir(gdir)):
         path = os.path.join(gdir, name)
         step = globaldir.parse_global_filename(name)
         if step is not None:
             report = VersionReport(f"{globaldir.GLOBAL_DIR}/{name}", "committed", step)
+            g: GlobalManifest | None = None
             try:
-                g: GlobalManifest | None = globaldir.read_global(gdir, step)
+                g = globaldir.read_global(gdir, step)
             except (GlobalManifestError, OSError) as exc:
-                report.status, g = "corrupt", None
+                report.status = "corrupt"
                 report.problems.append(f"bad global manifest: {exc}")
-            globals_.append((name, step, g, report))
+            globals_.append(_GlobalEntry(step, g, report))
         elif name.startswith(TMP_PREFIX) and not node_local:
             vstep = globaldir.parse_global_filename(name[len(TMP_PREFIX):].rsplit("-", 1)[0])
             extra.append(VersionReport(f"{globaldir.GLOBAL_DIR}/{name}", "partial", vstep,
@@ -301,30 +342,51 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
             extra += [VersionReport(f"{globaldir.GLOBAL_DIR}/{QUARANTINE}/{q}", "quarantined",
                                     globaldir.parse_global_filename(q.split("-")[0]))
                       for q in sorted(os.listdir(path))]
-    places = _read_placements(gdir, [g for _, _, g, _ in globals_ if g is not None])
+    return globals_, extra
+
+
+class _HolderLog:
+    """Looks up where a global version's shards are (:func:`_holders`), noting every holder seen per rank."""
+
+    def __init__(self, root: str, places: dict[str, Placement | GlobalManifestError]) -> None:
+        self.root, self.places = root, places
+        self.by_rank: dict[int, list[_Holder]] = {}
+
+    def of(self, g: GlobalManifest) -> Callable[[int], list[_Holder] | str]:
+        """The holders of ``g``'s shards, by rank (what :func:`_judge` asks)."""
+        return functools.partial(self._holders, g)
+
+    def _holders(self, g: GlobalManifest, rank: int) -> list[_Holder] | str:
+        found = _holders(self.root, g, self.places, rank)
+        if not isinstance(found, str):
+            known = self.by_rank.setdefault(rank, [])
+            known += [h for h in found if h not in known]
+        return found
+
+
+def _judge_globals(root: str, gdir: str, globals_: list[_GlobalEntry], locs: _Locations,
+                   ranks: dict[int, FsckReport]) -> tuple[set[tuple[int, int]], dict[int, list[_Holder]]]:
+    """Judge every parsed global manifest on its shards (sets each one's report).
+
+    Returns:
+        The (rank, step) shards the manifests use, and every holder of a rank's shards they named.
+    """
+    log = _HolderLog(root, _read_placements(gdir, [g.manifest for g in globals_ if g.manifest is not None]))
     used: set[tuple[int, int]] = set()
-    holders_by_rank: dict[int, list[_Holder]] = {}
-    for _, step, g, report in globals_:
+    for entry in globals_:
+        g = entry.manifest
         if g is None:
-            used |= {(r, step) for r in ranks}  # its shards are accounted for by the corrupt entry
+            used |= {(r, entry.step) for r in ranks}  # its shards are accounted for by the corrupt entry
             continue
-        report.nbytes = g.nbytes
+        entry.report.nbytes = g.nbytes
         used |= {(s.rank, s.step) for s in g.shards}
+        _judge(entry.report, g, locs, log.of(g))
+    return used, log.by_rank
 
-        def holders_of(rank: int, g: GlobalManifest = g) -> list[_Holder] | str:
-            found = _holders(root, g, places, rank)
-            if not isinstance(found, str):
-                known = holders_by_rank.setdefault(rank, [])
-                known += [h for h in found if h not in known]
-            return found
 
-        _judge(report, g, locs, holders_of)
-        entries.append(report)
-    entries = [r for _, _, g, r in globals_ if g is None] + entries
-    entries.sort(key=lambda e: e.name)
-    good = {e.step for e in entries if e.status == "committed" and e.step is not None}
-    unreachable = {e.step for e in entries if e.status == "unreachable" and e.step is not None}
-    # shard copies in the locations seen, by the rank whose shards they are
+def _shard_copies(dirs: dict[int, str], ranks: dict[int, FsckReport], holders_by_rank: dict[int, list[_Holder]],
+                  locs: _Locations) -> dict[tuple[int, int], list[str]]:
+    """The committed shard copies in the locations seen: (rank whose shard it is, step) -> locations."""
     copies: dict[tuple[int, int], list[str]] = {}
     for r, d in dirs.items():
         for e in ranks[r].entries:
@@ -338,6 +400,13 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
             for e in rep.entries if rep is not None else []:
                 if e.status == "committed" and e.step is not None:
                     copies.setdefault((rank, e.step), []).append(h.location)
+    return copies
+
+
+def _location_entries(root: str, locs: _Locations, dirs: dict[int, str],
+                      ranks: dict[int, FsckReport]) -> list[VersionReport]:
+    """The entries of the shard locations: every one of the rank directories, the problems of the others."""
+    entries: list[VersionReport] = []
     for loc, rep in locs.reports.items():
         if rep is None or loc in dirs.values():
             continue
@@ -345,18 +414,24 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
                     if e.status != "committed" or e.problems]
     for r, rep in ranks.items():
         entries += [replace(e, name=f"{globaldir.rank_dirname(r)}/{e.name}") for e in rep.entries]
+    return entries
+
+
+def _unused_shards(copies: dict[tuple[int, int], list[str]], used: set[tuple[int, int]]
+                   ) -> tuple[dict[int, list[int]], dict[tuple[int, int], list[str]]]:
+    """The shards no global manifest uses: step -> ranks holding one, and (rank, step) -> where."""
     unused: dict[int, list[int]] = {}
     shard_dirs: dict[tuple[int, int], list[str]] = {}
     for (r, step), where in sorted(copies.items()):
         if (r, step) not in used:
             unused.setdefault(step, []).append(r)
             shard_dirs[(r, step)] = sorted(set(where))
-    newest = max(good) if good else None
-    top = max(good | unreachable) if good | unreachable else None
-    partial = {s: have for s, have in unused.items() if top is None or s > top}
-    stale = {s: have for s, have in unused.items() if s not in partial}
-    parsed = [g for _, _, g, _ in globals_ if g is not None]
-    world = parsed[-1].world_size if parsed else max(len(dirs), 1)
+    return unused, shard_dirs
+
+
+def _unused_entries(partial: dict[int, list[int]], stale: dict[int, list[int]], world: int) -> list[VersionReport]:
+    """An entry per step of unused shards: ``partial`` (newer than the newest global version) or ``orphaned``."""
+    entries: list[VersionReport] = []
     for step, have in sorted(partial.items()):
         lacking = [r for r in range(world) if r not in have]
         entries.append(VersionReport(
@@ -368,21 +443,15 @@ def check_multirank(root: str, *, deep: bool = False, progress: Callable[[int], 
             f"{globaldir.GLOBAL_DIR}/{globaldir.global_filename(step)}", "orphaned", step,
             problems=[f"shard(s) of rank(s) {have} that no global version uses, older than the newest "
                       f"one: left by retention on a rank that stopped early, or by an incomplete commit"]))
-    entries += extra
-    listed: set[int | None] = set(good | unreachable)
-    latest, latest_problem = (None, None) if node_local else check_latest(gdir, top, listed)
-    rank_latest = [f"{globaldir.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
-                   for r, rep in ranks.items() if rep.latest_problem]
-    if latest_problem:
-        latest_problem = f"{globaldir.GLOBAL_DIR}/{LATEST}: {latest_problem}"
-    if rank_latest:
-        latest_problem = "; ".join([*([latest_problem] if latest_problem else []), *rank_latest])
-    refused = [f"{e.name}: not touched, a shard cannot be seen from here: {'; '.join(e.problems)}"
-               for e in entries if e.status == "unreachable"]
-    return MultiRankFsckReport(root, deep, entries, latest, latest_problem, newest, ranks=ranks,
-                               partial_steps=partial, stale_steps=stale, locations=dict(locs.reports),
-                               unseen=dict(locs.unseen), shard_dirs=shard_dirs, refused=refused,
-                               node_local=list(locs.node_local))
+    return entries
+
+
+def _latest_problems(global_problem: str | None, ranks: dict[int, FsckReport]) -> str | None:
+    """What is wrong with ``global/LATEST`` and each rank directory's ``LATEST``, in one line (None: nothing)."""
+    problems = [f"{globaldir.GLOBAL_DIR}/{LATEST}: {global_problem}"] if global_problem else []
+    problems += [f"{globaldir.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
+                 for r, rep in ranks.items() if rep.latest_problem]
+    return "; ".join(problems) if problems else None
 
 
 def _delete_shard(vdir: str) -> None:

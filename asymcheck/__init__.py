@@ -11,6 +11,9 @@ Quick start::
     # leaving the block commits the last step
 """
 
+import warnings
+from typing import Any
+
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
 from asymcheck.errors import (
     AsymcheckError,
@@ -26,18 +29,7 @@ from asymcheck.errors import (
 )
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.snapshot.edits import DroppedVersionWarning
-from asymcheck.snapshot.partition import (
-    PARTITIONINGS,
-    Extent,
-    Partition,
-    Partitioning,
-    Plan,
-    Planner,
-    Span,
-    Window,
-    WindowRecorder,
-    plan_partitions,
-)
+from asymcheck.snapshot.partition import PARTITIONINGS, Partitioning, Plan
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
 
@@ -49,16 +41,12 @@ __all__ = [
     "CheckpointerStateError",
     "CommitFailedError",
     "DroppedVersionWarning",
-    "Extent",
     "InvalidOptionError",
     "NoDurableVersionError",
-    "Partition",
     "Partitioning",
     "Plan",
-    "Planner",
     "PreemptionRecord",
     "RestoreInfo",
-    "Span",
     "StateMismatchError",
     "Stateful",
     "StepConflictError",
@@ -66,7 +54,19 @@ __all__ = [
     "UnsupportedConfigError",
     "UnsupportedModelError",
     "UnsupportedStateError",
-    "Window",
-    "WindowRecorder",
-    "plan_partitions",
 ]
+
+_MOVED = {name: "asymcheck.snapshot.partition" for name in
+          ("Extent", "Partition", "Planner", "Span", "Window", "WindowRecorder", "plan_partitions")}
+"""Names no longer exported here (the planner's internals), with the module they live in."""
+
+
+def __getattr__(name: str) -> Any:
+    """The names moved out of ``asymcheck`` (see ``_MOVED``), with a DeprecationWarning; removed next release."""
+    if name in _MOVED:
+        import importlib
+
+        warnings.warn(f"asymcheck.{name} is deprecated: import it from {_MOVED[name]}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,7 +54,6 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -72,7 +71,8 @@ from asymcheck.errors import (
     UnresumableDataError,
     UnsupportedAccelerateConfigError,
 )
-from asymcheck.integration import untested_version
+from asymcheck.integrations import names, position, support
+from asymcheck.integrations.settings import ACCELERATE, refusal
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
@@ -83,10 +83,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["AccelerateCheckpointer", "DataPositionError", "ResumableLoader", "UnsupportedAccelerateConfigError",
            "attach", "unsupported_settings"]
 
-TESTED = (1, 15)  # major, minor of the Accelerate versions the tests exercise (pyproject.toml: >=1.15,<1.16)
-STEP_NAME = "accelerate.step"  # the data object holding ``accelerator.step``
-SCHEDULER_NAME = "accelerate.scheduler"
-SCALER_NAME = "accelerate.scaler"
+STEP_NAME = names.ACCELERATE_STEP  # the data object holding ``accelerator.step``
+SCHEDULER_NAME = names.ACCELERATE_SCHEDULER
+SCALER_NAME = names.ACCELERATE_SCALER
 LOADER_NAME = "loader"  # the name of a single loader passed as ``data=``
 
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED,
@@ -105,41 +104,34 @@ def unsupported_settings(accelerator: Any) -> list[str]:
     Returns:
         One line per refused setting (empty: supported).
     """
-    out: list[str] = []
-    if (line := untested_version("accelerate", accelerate.__version__, TESTED)) is not None:
-        out.append(line)
+    out = support.version_problems("accelerate", accelerate.__version__)
     kind = accelerator.distributed_type
     if kind not in _SUPPORTED:
-        out.append(f"distributed_type={kind} (one process, DDP, FSDP2 and DeepSpeed are supported)")
+        out.append(refusal(ACCELERATE, "distributed_type").line(f"distributed_type={kind}"))
     state = accelerator.state
     if kind == DistributedType.FSDP:
         version = getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None)
         if version != 2:
-            out.append(f"fsdp_version={version} (FSDP1's flat parameters; use fsdp_version=2)")
+            out.append(refusal(ACCELERATE, "fsdp_version").line(f"fsdp_version={version}"))
     dynamo = getattr(getattr(state, "dynamo_plugin", None), "backend", None)
     if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
-        out.append(f"dynamo_backend={getattr(dynamo, 'value', dynamo)} (torch.compile: the snapshot hooks are "
-                   "not exercised under compiled graphs)")
+        out.append(refusal(ACCELERATE, "dynamo_backend").line(f"dynamo_backend={getattr(dynamo, 'value', dynamo)}"))
     if getattr(accelerator, "use_stateful_dataloader", False):
-        out.append("DataLoaderConfiguration(use_stateful_dataloader=True) (torchdata's StatefulDataLoader draws from "
-                   "the global RNG when Accelerate first reads its state, so a resumed process draws differently; "
-                   "the default loaders resume through skip_first_batches)")
+        out.append(refusal(ACCELERATE, "DataLoaderConfiguration(use_stateful_dataloader=True)").line())
     if str(accelerator.mixed_precision) == "fp8":
-        out.append("mixed_precision=fp8 (TransformerEngine / MS-AMP state is not captured)")
+        out.append(refusal(ACCELERATE, "mixed_precision=fp8").line())
     config = accelerator.parallelism_config
     if config is not None:
         for axis in ("tp", "cp", "sp"):
             size = getattr(config, f"{axis}_size", None) or 1
             if int(size) > 1:
-                out.append(f"parallelism_config.{axis}_size={size} (only data parallelism is supported)")
+                out.append(refusal(ACCELERATE, "parallelism_config").line(f"parallelism_config.{axis}_size={size}"))
     return out
 
 
 def _check(accelerator: Any) -> None:
-    problems = unsupported_settings(accelerator)
-    if problems:
-        raise UnsupportedAccelerateConfigError("asymcheck.accelerate.attach() does not capture this accelerator "
-                                               "correctly: " + "; ".join(problems))
+    support.require_supported(unsupported_settings(accelerator), UnsupportedAccelerateConfigError,
+                              "asymcheck.accelerate.attach() does not capture this accelerator correctly")
 
 
 # -- small stateful objects ----------------------------------------------------
@@ -161,19 +153,7 @@ class _AcceleratorStep:
 # -- data position -------------------------------------------------------------
 
 
-@dataclass
-class _Pass:
-    """A pass over the loader to continue after a resume."""
-
-    epoch: int
-    batches: int
-    start: dict[str, torch.Tensor]
-
-
-_END = object()
-
-
-class ResumableLoader:
+class ResumableLoader(position.ResumableLoader):
     """A data loader prepared by Accelerate whose position goes into every version, and comes back without re-reading.
 
     Made by :func:`attach` for each prepared loader given as ``data=``; iterate it where the loop
@@ -185,23 +165,22 @@ class ResumableLoader:
     the continuation starts, then put back, and it goes on after the batches already trained through
     ``accelerator.skip_first_batches`` (a map-style dataset: the skipped batches' indices are drawn,
     their samples never read; an ``IterableDataset`` is read through them). Passes after that are the
-    loader's own.
+    loader's own. The attributes shared with every framework's loader:
+    :class:`asymcheck.integrations.ResumableLoader`.
 
     Attributes:
         loader: the prepared loader.
         name: its name in the version's ``data``.
         batches: batches yielded by the current (or last) pass.
+        position: the pass position (:class:`asymcheck.integrations.LoaderPosition`).
     """
 
     def __init__(self, accelerator: Any, loader: Any, name: str) -> None:
         """Wrap ``loader`` (a ``DataLoaderShard`` or ``DataLoaderDispatcher``)."""
+        super().__init__(loader, name)
         self._accelerator = accelerator
-        self.loader = loader
-        self.name = name
-        self.batches = 0
         self._active = False
-        self._start: dict[str, torch.Tensor] = {}
-        self._resume: _Pass | None = None
+        self._resume_epoch = 0
 
     @property
     def epoch(self) -> int:
@@ -213,54 +192,38 @@ class ResumableLoader:
         """A pass is in progress."""
         return self._active
 
-    def __len__(self) -> int:
-        """The loader's batches per pass."""
-        return len(self.loader)
-
     def __iter__(self) -> Iterator[Any]:
         """One pass: the loader's own, or the continuation of the pass a version was taken in."""
-        resume, self._resume = self._resume, None
-        if resume is not None:
-            return self._continue(resume)
+        pending = self.position.pending
+        if pending is not None:
+            self.position.resumed()  # the pass after this one is the loader's own
+            return self._continue(*pending)
         return self._pass()
 
     def _pass(self) -> Iterator[Any]:
-        self._start = self._rng_states()
-        self.batches = 0
+        self.position.begin(self.generators())
         self._active = True
         try:
             for batch in self.loader:
-                self.batches += 1
+                self.position.batches += 1
                 yield batch
         finally:
             self._active = False
 
-    def _continue(self, resume: _Pass) -> Iterator[Any]:
-        self._start = resume.start
-        self.batches = resume.batches
+    def _continue(self, skip: int, start: dict[str, torch.Tensor]) -> Iterator[Any]:
+        epoch = self._resume_epoch
         self._active = True
         try:
-            skip = resume.batches > 0
-            source = self._accelerator.skip_first_batches(self.loader, resume.batches) if skip else self.loader
-            now = torch.get_rng_state()
-            self._set_rng_states(resume.start)  # the pass's order is drawn as when it began
-            try:
-                it = iter(source)
-                first = next(it, _END)
-            finally:
-                torch.set_rng_state(now)  # and the global RNG goes on from the version's state
-            if first is not _END:
-                self.batches += 1
-                yield first
-                for batch in it:
-                    self.batches += 1
-                    yield batch
-            if skip:  # a pass of the skipping loader counted its own epoch, not the loader's
-                self.loader.set_epoch(resume.epoch + 1)
+            source = self._accelerator.skip_first_batches(self.loader, skip) if skip > 0 else self.loader
+            for batch in self.position.continued(self.generators(), lambda: iter(source), (skip, start)):
+                self.position.batches += 1
+                yield batch
+            if skip > 0:  # a pass of the skipping loader counted its own epoch, not the loader's
+                self.loader.set_epoch(epoch + 1)
         finally:
             self._active = False
 
-    def _generators(self) -> dict[str, torch.Generator]:
+    def generators(self) -> dict[str, torch.Generator]:
         """The generators that decide a pass's order, by role (each object once)."""
         found: dict[str, torch.Generator] = {}
         sampler = getattr(self.loader, "sampler", None)
@@ -282,19 +245,6 @@ class ResumableLoader:
                 found[role] = g
         return found
 
-    def _rng_states(self) -> dict[str, torch.Tensor]:
-        states = {"torch": torch.get_rng_state()}
-        for role, g in self._generators().items():
-            states[role] = g.get_state()
-        return states
-
-    def _set_rng_states(self, states: Mapping[str, torch.Tensor]) -> None:
-        if "torch" in states:
-            torch.set_rng_state(states["torch"].clone())
-        for role, g in self._generators().items():
-            if role in states:
-                g.set_state(states[role].clone())
-
     def state_dict(self) -> dict[str, Any]:
         """The position: epoch, batches of the pass yielded, whether a pass runs, the RNG states it began with.
 
@@ -308,7 +258,7 @@ class ResumableLoader:
                 f"data[{self.name!r}] is iterated directly: iterate the ResumableLoader that attach() made "
                 f"(ckpt.loader, or ckpt.loaders[{self.name!r}]) so that versions hold its position")
         state: dict[str, Any] = {"epoch": self.epoch, "batches": self.batches, "active": self._active,
-                                 "start": dict(self._start) if self._active else {}}
+                                 "start": dict(self.position.start) if self._active else {}}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -331,7 +281,11 @@ class ResumableLoader:
         self.loader.set_epoch(epoch)
         self.batches = batches if active else 0
         self._active = False
-        self._resume = _Pass(epoch, batches, start) if active else None
+        self._resume_epoch = epoch
+        if active:
+            self.position.continue_at(batches, start)
+        else:
+            self.position.resumed()
 
 
 def _length(loader: Any) -> int | None:

@@ -75,26 +75,29 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from asymcheck.checkpointer import Checkpointer
 from asymcheck.errors import TrainerResumeError, UnsupportedTrainerConfigError
-from asymcheck.state import rng
+from asymcheck.integrations import names, support
+from asymcheck.integrations.callback import DeferredCheckpointer
+from asymcheck.integrations.settings import HF_TRAINER, refusal
 from asymcheck.state.encode import decode
-from asymcheck.state.trainstate import Stateful
+from asymcheck.state.trainstate import RENAMED, Stateful
 from asymcheck.versions.storeloop import StoreLoop
 from asymcheck.versions.storespec import StoreSpec, make_store
 from asymstore import KeepBest, Manifest, NoCheckpointError
 from asymstore.api import CheckpointStore, CollectiveStore
-from asymstore.errors import DestinationMismatchError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsymCheckCallback", "TrainerResumeError", "TrainerStateful", "UnsupportedTrainerConfigError",
            "check_trainer"]
 
-STATE_NAME = "trainer_state"  # the stateful name of the TrainerState in a version
-SCHEDULER_NAME = "lr_scheduler"
+STATE_NAME = names.HF_TRAINER_STATE  # the stateful name of the TrainerState in a version
+SCHEDULER_NAME = names.HF_SCHEDULER
+_OLD_NAMES = {old: new for old, new in RENAMED.items() if new in (STATE_NAME, SCHEDULER_NAME)}  # earlier releases'
 _EMPTY_SHARD = "asymcheck-no-weights.safetensors"
 _SUMMARY_KEY = "train_runtime"  # only the summary that ends train() logs it
 
@@ -148,60 +151,47 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
     Raises:
         UnsupportedTrainerConfigError: naming every refused setting.
     """
-    problems: list[str] = []
+    problems = support.version_problems("transformers", transformers.__version__)
     if args.fsdp:
-        problems.append(f"fsdp={args.fsdp!r} (use the FSDP2 path of asymcheck.Checkpointer in your own loop)")
-    if args.fp16:
-        problems.append("fp16=True (GradScaler: steps it skips and its state are not captured by the callback)")
-    if args.auto_find_batch_size:
-        problems.append("auto_find_batch_size=True (the Trainer restarts its loop with another batch size)")
-    if args.ignore_data_skip:
-        problems.append("ignore_data_skip=True (the data position would not be restored)")
-    if getattr(getattr(args, "accelerator_config", None), "use_seedable_sampler", True) is False:
-        problems.append("accelerator_config.use_seedable_sampler=False (the train sampler's own generator decides "
-                        "each epoch's order and is not in the version: the epochs after a resume would be shuffled "
-                        "anew)")
-    if getattr(args, "train_sampling_strategy", None) == "group_by_length":
-        problems.append("train_sampling_strategy='group_by_length' (LengthGroupedSampler draws an epoch's order from "
-                        "the global RNG when the epoch starts; the Trainer resumes inside an epoch with other RNG "
-                        "states, so the rest of the epoch would come in a new order)")
-    if args.torch_compile:
-        problems.append("torch_compile=True (untested: the snapshot hooks run inside the compiled modules)")
+        problems.append(refusal(HF_TRAINER, "fsdp").line(f"fsdp={args.fsdp!r}"))
+    for setting, on in (("fp16=True", args.fp16), ("auto_find_batch_size=True", args.auto_find_batch_size),
+                        ("ignore_data_skip=True", args.ignore_data_skip),
+                        ("accelerator_config.use_seedable_sampler=False",
+                         getattr(getattr(args, "accelerator_config", None), "use_seedable_sampler", True) is False),
+                        ("train_sampling_strategy='group_by_length'",
+                         getattr(args, "train_sampling_strategy", None) == "group_by_length"),
+                        ("torch_compile=True", args.torch_compile)):
+        if on:
+            problems.append(refusal(HF_TRAINER, setting).line())
     if args.n_gpu > 1:
-        problems.append(f"n_gpu={args.n_gpu} (torch.nn.DataParallel)")
+        problems.append(refusal(HF_TRAINER, "n_gpu").line(f"n_gpu={args.n_gpu}"))
     if args.world_size > 1 and not _is_deepspeed(args):
-        problems.append(f"world_size={args.world_size} without deepspeed (untested with the Trainer)")
+        problems.append(refusal(HF_TRAINER, "world_size without deepspeed").line(
+            f"world_size={args.world_size} without deepspeed"))
     if model is not None and hasattr(model, "peft_config"):
-        problems.append("a PEFT model (the Trainer's resume loads adapters from the resume directory)")
-    if problems:
-        raise UnsupportedTrainerConfigError("asymcheck.hf.AsymCheckCallback does not support: " + "; ".join(problems))
+        problems.append(refusal(HF_TRAINER, "a PEFT model").line())
+    support.require_supported(problems, UnsupportedTrainerConfigError,
+                              "asymcheck.hf.AsymCheckCallback does not support")
 
 
-class _Peeked(Exception):
-    """Raised inside ``restore(into=...)`` once the newest manifest is read: nothing else is."""
-
-
-async def _peek(store: CheckpointStore) -> Manifest | None:
-    """The manifest of the newest version whose manifest reads (no tensor is read)."""
-    seen: list[Manifest] = []
-
-    def into(manifest: Manifest) -> Mapping[str, torch.Tensor]:
-        seen.append(manifest)
-        raise _Peeked
-
+async def _newest_manifest(store: CheckpointStore) -> Manifest | None:
+    """The manifest of the newest version whose manifest reads (no tensor is read); None when there is none."""
     try:
-        await store.restore(into=into)
+        return await store.read_manifest()
     except NoCheckpointError:
         return None
-    except DestinationMismatchError as exc:
-        if isinstance(exc.__cause__, _Peeked) and seen:
-            return seen[-1]
-        raise
-    raise AssertionError("restore(into=...) read a version without asking for its destinations")
+
+
+def _stateful_names(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The names the callback's own objects have in a version's ``meta`` (an earlier release's, or today's)."""
+    held = meta.get("stateful") if isinstance(meta.get("stateful"), dict) else {}
+    assert isinstance(held, dict)
+    return {new: old if old in held and new not in held else new for old, new in _OLD_NAMES.items()}
 
 
 def _trainer_state_of(meta: Mapping[str, Any], where: str) -> dict[str, Any]:
-    tree = meta.get("stateful", {}).get(STATE_NAME) if isinstance(meta.get("stateful"), dict) else None
+    name = _stateful_names(meta)[STATE_NAME]
+    tree = meta.get("stateful", {}).get(name) if isinstance(meta.get("stateful"), dict) else None
     if not isinstance(tree, dict):
         raise TrainerResumeError(f"{where} holds no TrainerState: it was not written by asymcheck.hf.AsymCheckCallback")
     state = decode(tree, {})
@@ -268,7 +258,7 @@ class AsymCheckCallback(TrainerCallback):
                  stateful: Mapping[str, Stateful] | None = None, metrics: bool = True,
                  keep_best: KeepBest | int | None = None, **checkpointer_options: Any) -> None:
         """Keep the options; the Checkpointer is made at ``on_train_begin``, when the optimizer exists."""
-        taken = {STATE_NAME, SCHEDULER_NAME} & set(stateful or {})
+        taken = {STATE_NAME, SCHEDULER_NAME, *_OLD_NAMES} & set(stateful or {})
         if taken:
             raise ValueError(f"stateful names {sorted(taken)} are the callback's own")
         if every < 1:
@@ -283,8 +273,7 @@ class AsymCheckCallback(TrainerCallback):
         self.stateful = dict(stateful or {})
         self.metrics = metrics
         self.options = checkpointer_options
-        self.checkpointer: Checkpointer | None = None
-        """The Checkpointer of the current ``train()`` (a ``DeepSpeedCheckpointer`` under DeepSpeed)."""
+        self._run: DeferredCheckpointer[Checkpointer] = DeferredCheckpointer()
         self.resumed_step: int | None = None
         """The version the current ``train()`` resumed from (None: a fresh start)."""
         self.final_versions: dict[str, list[int]] | None = None
@@ -294,9 +283,13 @@ class AsymCheckCallback(TrainerCallback):
         self._resume_dir: str | None = None
         self._cleanup: weakref.finalize[Any, Any] | None = None
         self._holder = TrainerStateful()
-        self._rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None  # to put back, and when
-        self._rng_at_epoch = False
-        self._marked: int | None = None  # the global step whose loop body the open version has seen end
+        self._rng_at_epoch = False  # the held RNG states (self._run.rng) go back at the epoch's start
+        self._names = {STATE_NAME: STATE_NAME, SCHEDULER_NAME: SCHEDULER_NAME}  # as the version to resume has them
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """The Checkpointer of the current ``train()`` (a ``DeepSpeedCheckpointer`` under DeepSpeed)."""
+        return self._run.checkpointer
 
     # -- resume ----------------------------------------------------------
 
@@ -319,13 +312,14 @@ class AsymCheckCallback(TrainerCallback):
         self._trainer = trainer
         self._drop_resume_dir()
         self._expect = None
+        self._names = {STATE_NAME: STATE_NAME, SCHEDULER_NAME: SCHEDULER_NAME}
         if _is_deepspeed(trainer.args):
             return self._resume_dir_deepspeed(trainer)
         store = make_store(self.root_or_store, self.keep_last, keep_every=self.options.get("keep_every"),
                            keep_best=self._keep_best(trainer.args))  # as the Checkpointer will open it
         loop = StoreLoop(store)
         try:
-            manifest = loop.run(_peek(store))
+            manifest = loop.run(_newest_manifest(store))
         finally:
             loop.close()
         if manifest is None:
@@ -378,11 +372,12 @@ class AsymCheckCallback(TrainerCallback):
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # asyncio.run: fine under a running loop (Jupyter)
             step, tag, shards = pool.submit(asyncio.run, read_version(root)).result()
         state = _trainer_state_of(shards[0].meta, f"global version {step}")
+        self._names = _stateful_names(shards[0].meta)  # the DeepSpeed adapter loads the names the version has
         directory = self._new_resume_dir()
         write_files(shards, tag, directory)  # DeepSpeed's files of every rank, and `latest`
         os.makedirs(os.path.join(directory, f"global_step{state['global_step']}"), exist_ok=True)  # for its glob
         _write_state(directory, state)
-        sched = shards[0].meta.get("stateful", {}).get(SCHEDULER_NAME)
+        sched = shards[0].meta.get("stateful", {}).get(self._names[SCHEDULER_NAME])
         if sched is not None:
             torch.save(decode(sched, shards[0].tensors), os.path.join(directory, "scheduler.pt"))
         self._expect = step
@@ -406,19 +401,16 @@ class AsymCheckCallback(TrainerCallback):
         """Make the Checkpointer on the Trainer's model and optimizer; load the version resume_from() chose."""
         model = kwargs.get("model")
         check_trainer(args, model)
-        if self.checkpointer is not None:  # the previous train() raised: commit what it sealed, seal nothing more
-            stale, self.checkpointer = self.checkpointer, None
-            stale.save_on_close = False
-            with contextlib.suppress(Exception):
-                stale.close()
+        self._run.stop_stale()  # the previous train() raised: commit what it sealed, seal nothing more
         expect, self._expect = self._expect, None
         self._drop_resume_dir()
         self._holder.state, self._holder.control, self._holder.ended = state, control, False
-        self._rng, self._marked, self.resumed_step = None, None, None
-        stateful: dict[str, Stateful] = {STATE_NAME: self._holder, **self.stateful}
+        self.resumed_step = None
+        names = self._names if _is_deepspeed(args) else {STATE_NAME: STATE_NAME, SCHEDULER_NAME: SCHEDULER_NAME}
+        stateful: dict[str, Stateful] = {names[STATE_NAME]: self._holder, **self.stateful}
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
-            stateful[SCHEDULER_NAME] = scheduler
+            stateful[names[SCHEDULER_NAME]] = scheduler
         options = {"every": self.every, "keep_last": self.keep_last, **self.options}
         keep_best = self._keep_best(args)
         if keep_best is not None:
@@ -429,19 +421,20 @@ class AsymCheckCallback(TrainerCallback):
                                          "callback.resume_from(trainer)): it hands the callback the Trainer's engine")
             import asymcheck.deepspeed
 
-            self.checkpointer = asymcheck.deepspeed.attach(self._trainer.model_wrapped, self._deepspeed_root(),
-                                                           stateful=stateful, **options)
+            ckpt: Checkpointer = asymcheck.deepspeed.attach(self._trainer.model_wrapped, self._deepspeed_root(),
+                                                            stateful=stateful, **options)
         else:
             optimizer = _torch_optimizer(kwargs.get("optimizer"))
             if not isinstance(model, torch.nn.Module):
                 raise TrainerResumeError("the Trainer passed no model to on_train_begin")
-            self.checkpointer = Checkpointer(model, optimizer, self.root_or_store, stateful=stateful, **options)
+            ckpt = Checkpointer(model, optimizer, self.root_or_store, stateful=stateful, **options)
+        self._run.start(ckpt)
         try:
             self._begin(state, expect, kwargs.get("train_dataloader"), args)
         except BaseException:
             with contextlib.suppress(Exception):
-                self.checkpointer.close()  # nothing of this run was trained: nothing is sealed
-            self.checkpointer = None
+                ckpt.close()  # nothing of this run was trained: nothing is sealed
+            self._run.checkpointer = None
             raise
 
     def _begin(self, state: TrainerState, expect: int | None, loader: Any, args: TrainingArguments) -> None:
@@ -472,22 +465,20 @@ class AsymCheckCallback(TrainerCallback):
             raise TrainerResumeError(f"version {step} holds global step {loaded.get('global_step')}, the Trainer "
                                      f"started at {state.global_step}")
         self.resumed_step = step
-        tensors: dict[str, torch.Tensor] = {}
-        self._rng = (rng.capture(tensors), tensors)  # the version's RNG states, put back when the Trainer's are
+        self._run.rng.hold()  # the version's RNG states, put back when the Trainer's are
         self._rng_at_epoch = _at_epoch_start(state.global_step, loader, args)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         """End the last step's loop body (an epoch ended); put RNG states back when resuming at an epoch's start."""
         self._mark(state, control)
-        if self._rng is not None and self._rng_at_epoch:
-            self._restore_rng()
+        if self._rng_at_epoch:
+            self._run.rng.put_back()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         """End the last step's loop body; put RNG states back when resuming inside an epoch (the Trainer's point)."""
-        if self._rng is not None:
-            self._restore_rng()
+        self._run.rng.put_back()
         self._mark(state, control)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -515,16 +506,9 @@ class AsymCheckCallback(TrainerCallback):
     def _mark(self, state: TrainerState, control: TrainerControl) -> None:
         """The loop body of the newest step is over: the open version takes RNG, scheduler and TrainerState now."""
         ckpt = self.checkpointer
-        if ckpt is not None and self._marked != state.global_step:
+        if ckpt is not None and self._run.due(state.global_step):
             self._holder.state, self._holder.control = state, control  # as the Trainer passes them now
-            self._marked = state.global_step
             ckpt.mark()
-
-    def _restore_rng(self) -> None:
-        assert self._rng is not None
-        meta, tensors = self._rng
-        self._rng = None
-        rng.restore(meta, tensors)
 
     def _finish(self, state: TrainerState, control: TrainerControl) -> None:
         ckpt = self.checkpointer
@@ -533,10 +517,10 @@ class AsymCheckCallback(TrainerCallback):
         self._holder.ended = True
         try:
             self._mark(state, control)  # an evaluation after the last step drew from the RNGs
-            self.checkpointer = None
+            self._run.checkpointer = None
             ckpt.close()
         finally:
-            self.checkpointer = None
+            self._run.checkpointer = None
             self.final_versions = ckpt.final_versions
             self._holder.state = self._holder.control = None
             self._drop_resume_dir()

@@ -1,14 +1,21 @@
-"""What the framework integrations (``asymcheck.accelerate``, ``.lightning``) share: the tested-version check."""
+"""Deprecated: moved to :mod:`asymcheck.integrations.support` (this alias goes in the next release)."""
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
 
-def untested_version(name: str, version: str, tested: tuple[int, int]) -> str | None:
-    """A refusal line when ``version`` of ``name`` is not the ``major.minor`` the tests exercise, else None."""
-    try:
-        major, minor = (int(p) for p in version.split(".")[:2])
-    except ValueError:
-        major, minor = -1, -1
-    if (major, minor) != tested:
-        return f"{name} {version}: only {tested[0]}.{tested[1]}.x is tested"
-    return None
+__all__: list[str] = []
+
+_MOVED = {"untested_version": "asymcheck.integrations.support"}
+
+
+def __getattr__(name: str) -> Any:
+    """The moved names, with a DeprecationWarning."""
+    if name in _MOVED:
+        import importlib
+
+        warnings.warn(f"asymcheck.integration.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

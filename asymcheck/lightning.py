@@ -2,7 +2,7 @@
 
 Two lines::
 
-    ckpt = asymcheck.lightning.AsymCheck("ckpt")            # a lightning.pytorch.Callback
+    ckpt = asymcheck.lightning.AsymCheckCallback("ckpt")    # a lightning.pytorch.Callback
     trainer = Trainer(..., callbacks=[ckpt])                 # trainer.fit(model, datamodule) resumes by itself
 
 When ``fit`` starts (``on_fit_start``: after the strategy set up the model and optimizers, before
@@ -81,7 +81,7 @@ import itertools
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import lightning
@@ -96,9 +96,10 @@ from asymcheck.errors import (
     UnresumableDataError,
     UnsupportedLightningConfigError,
 )
-from asymcheck.integration import untested_version
+from asymcheck.integrations import names, position, support
+from asymcheck.integrations.callback import DeferredCheckpointer
+from asymcheck.integrations.settings import LIGHTNING, refusal
 from asymcheck.snapshot.hooks import HookSet
-from asymcheck.state import rng
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats
 from asymcheck.versions.storespec import StoreSpec
@@ -106,12 +107,11 @@ from asymstore import KeepBest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsymCheck", "InexactResumeWarning", "LightningCheckpointer", "ResumableLoader", "UnresumableDataError",
-           "UnsupportedLightningConfigError", "data_problems", "unsupported_settings"]
+__all__ = ["AsymCheckCallback", "InexactResumeWarning", "LightningCheckpointer", "ResumableLoader",
+           "UnresumableDataError", "UnsupportedLightningConfigError", "data_problems", "unsupported_settings"]
 
-TESTED = (2, 6)  # major, minor of the Lightning versions the tests exercise (pyproject.toml: >=2.6,<2.7)
-LOOPS_NAME = "lightning.fit_loop"
-SCHEDULER_PREFIX = "lightning.scheduler."
+LOOPS_NAME = names.LIGHTNING_FIT_LOOP
+SCHEDULER_PREFIX = names.LIGHTNING_SCHEDULER + "."
 MARKED = "asymcheck_marked"  # in the recorded loop state: the version's small state was taken before training_step
 DATA = "asymcheck_data"  # in the recorded loop state: the positions of the plain DataLoaders the callback positions
 InexactData = Literal["raise", "warn"]
@@ -125,7 +125,7 @@ _SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
 
 
 def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]:
-    """The settings of ``trainer`` and ``module`` whose state :class:`AsymCheck` would not capture correctly.
+    """The settings of ``trainer`` and ``module`` whose state :class:`AsymCheckCallback` would not capture correctly.
 
     Args:
         trainer: the trainer, with its strategy set up (``on_fit_start``).
@@ -134,31 +134,25 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
     Returns:
         One line per refused setting (empty: supported).
     """
-    out: list[str] = []
-    if (line := untested_version("lightning", lightning.__version__, TESTED)) is not None:
-        out.append(line)
+    out = support.version_problems("lightning", lightning.__version__)
     if not module.automatic_optimization:
-        out.append("automatic_optimization=False (manual optimization: the loop's own steps are not tracked)")
+        out.append(refusal(LIGHTNING, "automatic_optimization=False").line())
     if len(trainer.optimizers) != 1:
-        out.append(f"configure_optimizers returned {len(trainer.optimizers)} optimizers (exactly one is supported)")
+        out.append(refusal(LIGHTNING, "configure_optimizers").line(
+            f"configure_optimizers returned {len(trainer.optimizers)} optimizers"))
     if str(trainer.precision) in ("16-mixed", "16", "16-true"):
-        out.append(f"precision={trainer.precision} (fp16: a GradScaler may skip optimizer.step after "
-                   "on_before_optimizer_step; use bf16 or 32)")
+        out.append(refusal(LIGHTNING, "precision").line(f"precision={trainer.precision}"))
     if trainer.ckpt_path is not None:
-        out.append(f"fit(ckpt_path={str(trainer.ckpt_path)!r}) (Lightning's restore would replace the version's "
-                   "state after the callback loaded it: resume from the store, or AsymCheck(resume=False) on a "
-                   "fresh directory)")
+        out.append(refusal(LIGHTNING, "fit(ckpt_path=...)").line(f"fit(ckpt_path={str(trainer.ckpt_path)!r})"))
     strategy = trainer.strategy
     if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
-        out.append(f"strategy={type(strategy).__name__} (one device and DDP are supported)")
+        out.append(refusal(LIGHTNING, "strategy").line(f"strategy={type(strategy).__name__}"))
     return out
 
 
 def _check(trainer: Trainer, module: LightningModule) -> None:
-    problems = unsupported_settings(trainer, module)
-    if problems:
-        raise UnsupportedLightningConfigError("asymcheck.lightning.AsymCheck does not capture this fit "
-                                              "correctly: " + "; ".join(problems))
+    support.require_supported(unsupported_settings(trainer, module), UnsupportedLightningConfigError,
+                              "asymcheck.lightning.AsymCheckCallback does not capture this fit correctly")
 
 
 # -- the data position ---------------------------------------------------------
@@ -178,67 +172,48 @@ class _SkipBatches:
         return max(0, len(self.inner) - self.skip)  # type: ignore[arg-type]
 
 
-def _rng_now(generator: torch.Generator | None) -> dict[str, torch.Tensor]:
-    """The RNG states a pass draws its order from: the global torch generator's and ``generator``'s."""
-    states = {"torch": torch.get_rng_state()}
-    if generator is not None:
-        states["generator"] = generator.get_state()
-    return states
-
-
-def _continued(start: Mapping[str, torch.Tensor], generator: torch.Generator | None,
-               began: Callable[[dict[str, torch.Tensor]], None], items: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-    """The interrupted pass, continued: ``items()`` (what is left of it) drawn from the pass's starting states.
-
-    The states ``start`` are set (``began`` is told them, as the new pass's own) while ``items()`` and
-    its first item draw, then the global torch RNG is put back as it was, so the version's states go on.
-    """
-    outer = torch.get_rng_state()
-    torch.set_rng_state(start["torch"].clone())
-    if "generator" in start and generator is not None:
-        generator.set_state(start["generator"].clone())
-    began(_rng_now(generator))
-    try:
-        it = items()
-        first = next(it)  # the sampler's draws, as in the interrupted pass
-    except StopIteration:
-        return
-    finally:
-        torch.set_rng_state(outer)
-    yield first
-    yield from it
-
-
-class ResumableLoader:
+class ResumableLoader(position.ResumableLoader):
     """A train ``DataLoader`` whose position goes into every version and comes back without re-reading.
 
     Return it from ``train_dataloader()`` (or the datamodule's) in place of the loader. It yields the
     loader's batches; each pass records the RNG states it began with (the global torch CPU generator
-    and the loader's ``generator``: they decide a shuffled pass's order). :class:`AsymCheck` records
-    in it, in ``on_train_batch_end``, how many batches of the pass were trained; Lightning's loop
-    state carries that (``state_dict``), and after a resume the first pass sets the RNG states back
-    to those the interrupted pass began with and goes on after the batches already trained: with a
-    map-style dataset through a batch sampler that draws the skipped batches' indices without
+    and the loader's ``generator``: they decide a shuffled pass's order). :class:`AsymCheckCallback`
+    records in it, in ``on_train_batch_end``, how many batches of the pass were trained; Lightning's
+    loop state carries that (``state_dict``), and after a resume the first pass sets the RNG states
+    back to those the interrupted pass began with and goes on after the batches already trained: with
+    a map-style dataset through a batch sampler that draws the skipped batches' indices without
     loading their samples, with an ``IterableDataset`` by reading through them. Passes after that
     are the loader's own. Under DDP give the loader a ``DistributedSampler`` yourself (Lightning
     puts one only into a plain ``DataLoader``); ``sampler`` and ``batch_sampler`` are forwarded so
-    that Lightning's ``set_epoch`` reaches it.
+    that Lightning's ``set_epoch`` reaches it. The attributes shared with every framework's loader:
+    :class:`asymcheck.integrations.ResumableLoader`.
 
     Args:
         loader: the data loader.
+        name: its name (the version holds its position in Lightning's loop state).
 
     Attributes:
         loader: the data loader.
-        trained: batches of the current pass trained (set by :class:`AsymCheck`).
+        batches: batches of the current pass trained (set by :class:`AsymCheckCallback`).
+        position: the pass position (:class:`asymcheck.integrations.LoaderPosition`).
     """
 
-    def __init__(self, loader: torch.utils.data.DataLoader[Any]) -> None:
+    loader: torch.utils.data.DataLoader[Any]
+
+    def __init__(self, loader: torch.utils.data.DataLoader[Any], name: str = "loader") -> None:
         """Wrap ``loader``."""
-        self.loader = loader
-        self.trained = 0
-        self._start: dict[str, torch.Tensor] = {}
-        self._skip = 0
-        self._resume_start: dict[str, torch.Tensor] | None = None
+        super().__init__(loader, name)
+
+    @property
+    def trained(self) -> int:
+        """Deprecated: :attr:`batches`."""
+        warnings.warn("ResumableLoader.trained is now ResumableLoader.batches", DeprecationWarning, stacklevel=2)
+        return self.batches
+
+    @trained.setter
+    def trained(self, value: int) -> None:
+        warnings.warn("ResumableLoader.trained is now ResumableLoader.batches", DeprecationWarning, stacklevel=2)
+        self.batches = value
 
     @property
     def sampler(self) -> Any:
@@ -255,10 +230,6 @@ class ResumableLoader:
         """The loader's dataset."""
         return self.loader.dataset
 
-    def __len__(self) -> int:
-        """Batches per pass."""
-        return len(self.loader)
-
     def __iter__(self) -> Iterator[Any]:
         """Yield the pass's batches (after a resume: those of the interrupted pass not yet trained).
 
@@ -267,22 +238,18 @@ class ResumableLoader:
         draws from the interrupted pass's starting states, then puts the global torch RNG back as it
         found it, so the states of the version go on.
         """
-        skip, start = self._skip, self._resume_start  # until resumed(): Lightning may begin a pass twice
-        self.trained = skip
-        generator = self.loader.generator
-        if start is None:
-            self._start = _rng_now(generator)
+        pending = self.position.pending  # until resumed(): Lightning may begin a pass twice
+        if pending is None:
+            self.position.begin(self.generators())
             yield from self.loader
             return
-        yield from _continued(start, generator, self._began,
-                              lambda: iter(self._skipped(skip) if skip else self.loader))
-
-    def _began(self, states: dict[str, torch.Tensor]) -> None:
-        self._start = states
+        skip = pending[0]
+        yield from self.position.continued(self.generators(),
+                                           lambda: iter(self._skipped(skip) if skip else self.loader), pending)
 
     def resumed(self) -> None:
-        """The continued pass trains (called by :class:`AsymCheck`): passes after it are the loader's own."""
-        self._skip, self._resume_start = 0, None
+        """The continued pass trains (called by :class:`AsymCheckCallback`): passes after it are the loader's own."""
+        self.position.resumed()
 
     def _skipped(self, skip: int) -> Iterable[Any]:
         loader = self.loader
@@ -300,21 +267,30 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Batches of the current pass trained, and the RNG states the pass began with."""
-        return {"trained": self.trained, "start": dict(self._start)}
+        return _position_state(self.position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next pass continue the one ``state`` describes (a finished pass: a new pass)."""
-        trained = int(state["trained"])
-        start = dict(state["start"])
-        if 0 <= trained < len(self) and "torch" in start:
-            self._skip = trained
-            self._resume_start = {str(k): v for k, v in start.items()}
-        else:  # a finished pass: the next one is new
-            self._skip, self._resume_start = 0, None
+        _load_position(self.position, state, len(self))
+
+
+def _position_state(pos: position.LoaderPosition) -> dict[str, Any]:
+    """A pass position as Lightning's versions hold it: ``trained`` batches and the ``start`` RNG states."""
+    return {"trained": pos.batches, "start": dict(pos.start)}
+
+
+def _load_position(pos: position.LoaderPosition, state: Mapping[str, Any], batches: int) -> None:
+    """Make ``pos``'s next pass continue the one ``state`` describes (a finished pass: a new one)."""
+    trained = int(state["trained"])
+    start = {str(k): v for k, v in dict(state["start"]).items() if isinstance(v, torch.Tensor)}
+    if 0 <= trained < batches and "torch" in start:
+        pos.continue_at(trained, start)
+    else:  # a finished pass: the next one is new
+        pos.resumed()
 
 
 class _PositionedSampler(torch.utils.data.Sampler[int]):
-    """The sampler of a plain ``DataLoader``'s ``BatchSampler`` while :class:`AsymCheck` positions it.
+    """The sampler of a plain ``DataLoader``'s ``BatchSampler`` while :class:`AsymCheckCallback` positions it.
 
     Put in place of ``loader.batch_sampler.sampler`` in ``on_train_start`` (before the pass's first
     batch is drawn: without workers a ``DataLoader`` draws nothing from its sampler until then), and
@@ -327,35 +303,40 @@ class _PositionedSampler(torch.utils.data.Sampler[int]):
     Attributes:
         inner: the loader's own sampler.
         batch_size: the ``BatchSampler``'s batch size (a trained batch is that many indices).
-        trained: batches of the current pass trained (set by :class:`AsymCheck`).
+        batches: batches of the current pass trained (set by :class:`AsymCheckCallback`).
     """
 
     def __init__(self, inner: Any, batch_size: int) -> None:
         """Wrap ``inner``."""
         self.inner = inner
         self.batch_size = batch_size
-        self.trained = 0
-        self._start: dict[str, torch.Tensor] = {}
-        self._skip = 0
-        self._resume_start: dict[str, torch.Tensor] | None = None
+        self.position = position.LoaderPosition()
+
+    @property
+    def batches(self) -> int:
+        """Batches of the current pass trained (set by :class:`AsymCheckCallback`)."""
+        return self.position.batches
+
+    @batches.setter
+    def batches(self, value: int) -> None:
+        self.position.batches = value
 
     def __len__(self) -> int:
         """The inner sampler's length."""
         return len(self.inner)
 
-    def _generator(self) -> torch.Generator | None:
+    def _generators(self) -> dict[str, torch.Generator]:
         g = getattr(self.inner, "generator", None)
-        return g if isinstance(g, torch.Generator) else None
+        return {"generator": g} if isinstance(g, torch.Generator) else {}
 
     def __iter__(self) -> Iterator[int]:
         """The pass's indices (after a resume: those of the interrupted pass's batches not yet trained)."""
-        skip, start = self._skip, self._resume_start  # until resumed(): Lightning may begin a pass twice
-        self.trained = skip
-        generator = self._generator()
-        if start is None:
-            self._start = _rng_now(generator)
+        pending = self.position.pending  # until resumed(): Lightning may begin a pass twice
+        if pending is None:
+            self.position.begin(self._generators())
             yield from self.inner
             return
+        skip = pending[0]
 
         def indices() -> Iterator[int]:
             it: Iterator[int] = iter(self.inner)
@@ -363,18 +344,15 @@ class _PositionedSampler(torch.utils.data.Sampler[int]):
                 next(it)
             return it
 
-        yield from _continued(start, generator, self._began, indices)
-
-    def _began(self, states: dict[str, torch.Tensor]) -> None:
-        self._start = states
+        yield from self.position.continued(self._generators(), indices, pending)
 
     def resumed(self) -> None:
         """The continued pass trains: passes after it are the sampler's own."""
-        self._skip, self._resume_start = 0, None
+        self.position.resumed()
 
     def state_dict(self) -> dict[str, Any]:
         """Batches of the current pass trained, and the RNG states the pass began with."""
-        return {"trained": self.trained, "start": dict(self._start)}
+        return _position_state(self.position)
 
     def load_state_dict(self, state: Mapping[str, Any], batches: int) -> None:
         """Make the next pass continue the one ``state`` describes (a finished pass: a new pass).
@@ -383,12 +361,7 @@ class _PositionedSampler(torch.utils.data.Sampler[int]):
             state: what :meth:`state_dict` returned in the interrupted fit.
             batches: batches per pass of the loader now.
         """
-        trained = int(state["trained"])
-        start = {str(k): v for k, v in dict(state["start"]).items() if isinstance(v, torch.Tensor)}
-        if 0 <= trained < batches and "torch" in start:
-            self._skip, self._resume_start = trained, start
-        else:
-            self._skip, self._resume_start = 0, None
+        _load_position(self.position, state, batches)
 
 
 def _flatten(found: Any) -> list[Any]:
@@ -404,7 +377,7 @@ def _stateful(loader: Any) -> bool:
 
 
 def _plain_problem(loader: Any) -> str | None:
-    """Why :class:`AsymCheck` cannot position ``loader`` itself (None: it can)."""
+    """Why :class:`AsymCheckCallback` cannot position ``loader`` itself (None: it can)."""
     if not isinstance(loader, torch.utils.data.DataLoader):
         return ("not a torch DataLoader and has no state_dict/load_state_dict: a resume inside an epoch would "
                 "take the epoch's remaining batches from the start of a new pass")
@@ -436,7 +409,7 @@ def _describe(i: int, loader: Any) -> str:
 
 
 def data_problems(trainer: Trainer) -> tuple[list[str], list[torch.utils.data.DataLoader[Any]]]:
-    """What :class:`AsymCheck` cannot resume exactly in the trainer's train loaders, and the loaders it positions.
+    """What :class:`AsymCheckCallback` cannot resume exactly in the trainer's train loaders, and those it positions.
 
     A :class:`ResumableLoader` positions itself; a loader with ``state_dict``/``load_state_dict``
     (torchdata's ``StatefulDataLoader``) is positioned by Lightning's loop state; one plain
@@ -518,17 +491,17 @@ def _noop() -> None:
 
 
 class LightningCheckpointer(Checkpointer):
-    """A :class:`asymcheck.Checkpointer` sealing versions in ``on_before_optimizer_step`` (made by AsymCheck).
+    """A :class:`asymcheck.Checkpointer` sealing versions in ``on_before_optimizer_step`` (made by AsymCheckCallback).
 
     The torch step pre-hook of the plain Checkpointer fires before Lightning's closure (the forward
     and backward of the iteration), so here the version of the previous step is sealed by
-    :meth:`before_step`, which :class:`AsymCheck` calls in ``on_before_optimizer_step``; the step
+    :meth:`before_step`, which :class:`AsymCheckCallback` calls in ``on_before_optimizer_step``; the step
     post-hook still opens each version.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: StoreSpec,
                  **kwargs: Any) -> None:
-        """Build the Checkpointer, then hook the optimizer's step post-hook only (see :class:`AsymCheck`)."""
+        """Build the Checkpointer, then hook the optimizer's step post-hook only (see :class:`AsymCheckCallback`)."""
         super().__init__(model, optimizer, store, **kwargs)
         self._hooks.remove()
         self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
@@ -542,7 +515,7 @@ class LightningCheckpointer(Checkpointer):
 # -- the callback ----------------------------------------------------------------
 
 
-class AsymCheck(Callback):
+class AsymCheckCallback(Callback):
     """A version every ``every`` optimizer steps of ``Trainer.fit``, and a resume when ``fit`` starts.
 
     Args:
@@ -592,22 +565,26 @@ class AsymCheck(Callback):
         self.resume = resume
         self.inexact_data: InexactData = inexact_data
         self.options = checkpointer_options
-        self.checkpointer: LightningCheckpointer | None = None
+        self._run: DeferredCheckpointer[LightningCheckpointer] = DeferredCheckpointer()
         self.restored: RestoreInfo | None = None
         self._loops = _LoopState()
-        self._rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         self._validated = False  # the monitored metric comes from validation
         self._resuming = False  # until the first batch after a resume
-        self._marked = self._recorded = 0  # the steps whose version took its state / whose loop state is recorded
+        self._recorded = 0  # the step whose loop state is recorded (self._run: the step whose version took its state)
         self._positioned: list[tuple[torch.utils.data.DataLoader[Any], _PositionedSampler]] = []
         self._data_loaded: list[Any] | None = None  # the positions of the version resumed, until on_train_start
         self._data_unrecorded = False  # the version resumed has no positions at all (an older release's)
         self._data_told: set[str] = set()  # the problems already warned about in this fit
 
     @property
+    def checkpointer(self) -> LightningCheckpointer | None:
+        """The Checkpointer of the running (or last) ``fit``."""
+        return self._run.checkpointer
+
+    @property
     def state_key(self) -> str:
         """The callback's key in Lightning's own checkpoints (it keeps no state there)."""
-        return "AsymCheck"
+        return "AsymCheck"  # the name of earlier releases' class: Lightning's checkpoints keep their key
 
     def stats(self) -> CheckpointStats | None:
         """The Checkpointer's statistics (None before ``fit``)."""
@@ -630,13 +607,12 @@ class AsymCheck(Callback):
         for i, config in enumerate(trainer.lr_scheduler_configs):
             stateful[f"{SCHEDULER_PREFIX}{i}"] = config.scheduler
         self.restored = None
-        self._rng = None
         self._positioned, self._data_loaded, self._data_told, self._data_unrecorded = [], None, set(), False
         ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.root_or_store, stateful=stateful,
                                      every=self.every, keep_last=self.keep_last, keep_every=self.keep_every,
                                      keep_best=keep_best, **self.options)
-        self.checkpointer = ckpt
-        self._marked = self._recorded = 0
+        self._run.start(ckpt, marked=0)
+        self._recorded = 0
         self._validated = self._resuming = False
         if not self.resume:
             return
@@ -647,7 +623,8 @@ class AsymCheck(Callback):
             raise
         if step is None or self._loops.loaded is None:
             return
-        self._marked = self._recorded = step
+        self._run.set_marked(step)
+        self._recorded = step
         self.restored = ckpt.restored
         self._resuming = True
         trainer.fit_loop.load_state_dict(self._loops.loaded)  # what fit(ckpt_path=...) does
@@ -655,8 +632,7 @@ class AsymCheck(Callback):
         self._data_loaded = None if data is None else list(data) if isinstance(data, list | tuple) else [data]
         self._data_unrecorded = data is None
         if self._loops.loaded.get(MARKED):  # taken right before training_step: set back then (below)
-            tensors: dict[str, torch.Tensor] = {}
-            self._rng = (rng.capture(tensors), tensors)
+            self._run.rng.hold()
 
     # -- the data position ------------------------------------------------
 
@@ -676,12 +652,13 @@ class AsymCheck(Callback):
         unrecorded, self._data_unrecorded = self._data_unrecorded, False
         if unrecorded and self._positioned:
             step = self.restored.step if self.restored is not None else None
-            message = (f"asymcheck.lightning.AsymCheck: the version resumed (step {step}) holds no position of "
+            message = (f"asymcheck.lightning.AsymCheckCallback: the version resumed (step {step}) holds no position of "
                        "the plain train loader (it was written before the callback recorded one), so the "
                        "interrupted epoch's remaining batches would come from a new order; versions from now on "
                        "hold it")
             if self.inexact_data == "raise":
-                raise UnresumableDataError(message + ". Pass AsymCheck(inexact_data='warn') to resume it anyway")
+                raise UnresumableDataError(message + ". Pass AsymCheckCallback(inexact_data='warn') to resume it "
+                                           "anyway")
             warnings.warn(message, InexactResumeWarning, stacklevel=2)
         if loaded is None or not self._positioned:
             return
@@ -703,10 +680,10 @@ class AsymCheck(Callback):
         problems, plain = data_problems(trainer)
         new = [p for p in problems if p not in self._data_told]
         if new:
-            message = ("asymcheck.lightning.AsymCheck cannot resume these train loaders exactly (the losses after a "
-                       "resume would differ from an uninterrupted fit): " + "; ".join(new) + ". Return "
+            message = ("asymcheck.lightning.AsymCheckCallback cannot resume these train loaders exactly (the losses "
+                       "after a resume would differ from an uninterrupted fit): " + "; ".join(new) + ". Return "
                        "asymcheck.lightning.ResumableLoader(loader) from train_dataloader(), or pass "
-                       "AsymCheck(inexact_data='warn') to train anyway")
+                       "AsymCheckCallback(inexact_data='warn') to train anyway")
             if self.inexact_data == "raise":
                 raise UnresumableDataError(message)
             self._data_told.update(new)
@@ -734,14 +711,10 @@ class AsymCheck(Callback):
                 loader.resumed()
             for _, positioned in self._positioned:
                 positioned.resumed()
-        if self._rng is not None:
-            meta, tensors = self._rng
-            self._rng = None
-            rng.restore(meta, tensors)
+        self._run.rng.put_back()
         ckpt = self.checkpointer
-        if ckpt is None or ckpt.step == self._marked:
+        if ckpt is None or not self._run.due(ckpt.step):
             return  # not the first batch after a step (gradient accumulation)
-        self._marked = ckpt.step
         loops = {**self._loops.recorded, MARKED: True}  # the RNG states are those right before training_step
         found = trainer.train_dataloader
         if isinstance(found, ResumableLoader) and isinstance(loops.get("state_dict"), dict):
@@ -769,9 +742,9 @@ class AsymCheck(Callback):
         if ckpt.step != self._recorded:  # an optimizer step ran in this batch
             self._recorded = ckpt.step
             for loader in _loaders(trainer):
-                loader.trained = batch_idx + 1
+                loader.batches = batch_idx + 1
             for _, positioned in self._positioned:
-                positioned.trained = batch_idx + 1
+                positioned.batches = batch_idx + 1
             self._loops.recorded = trainer.fit_loop.state_dict()
             if self._positioned:
                 self._loops.recorded[DATA] = self._positions()
@@ -823,3 +796,15 @@ class AsymCheck(Callback):
                 ckpt.close()
             except Exception as exc:
                 logger.error("closing at teardown: %s", exc)
+
+
+_DEPRECATED = {"AsymCheck": ("AsymCheckCallback", AsymCheckCallback)}
+
+
+def __getattr__(name: str) -> Any:
+    """Names of earlier releases, with a DeprecationWarning (removed in the next release)."""
+    if name in _DEPRECATED:
+        new, obj = _DEPRECATED[name]
+        warnings.warn(f"asymcheck.lightning.{name} is now asymcheck.lightning.{new}", DeprecationWarning, stacklevel=2)
+        return obj
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

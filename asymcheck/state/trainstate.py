@@ -355,8 +355,28 @@ class TrainingState:
         return _check_named("stateful", self.stateful, tensors, meta)
 
 
+RENAMED: dict[str, str] = {"trainer_state": "hf.trainer_state", "lr_scheduler": "hf.scheduler"}
+"""Stateful names of earlier releases' integrations -> today's (``<framework>.<what>[.<i>]``).
+
+A version holding an old name restores into the live object of the new name, when the live
+objects have the new name and not the old one (a user's own ``"lr_scheduler"`` is left alone).
+"""
+
+
+def renamed(meta: Mapping[str, Any], live: Mapping[str, object]) -> dict[str, Any]:
+    """``meta`` (name -> state of a version) with the names of :data:`RENAMED` given as ``live`` names them."""
+    out: dict[str, Any] = {}
+    for name, tree in meta.items():
+        new = RENAMED.get(name)
+        use = new if new is not None and name not in live and new in live and new not in meta else name
+        out[use] = tree
+    return out
+
+
 def _check_named(kind: str, live: Mapping[str, Stateful], tensors: Mapping[str, torch.Tensor],
                  meta: Mapping[str, Any]) -> dict[str, Any]:
+    if kind == "stateful":
+        meta = renamed(meta, live)
     if set(meta) != set(live):
         raise StateMismatchError(f"{kind} objects differ: checkpoint has {sorted(meta)}, live {sorted(live)}")
     return {name: decode(tree, tensors) for name, tree in meta.items()}

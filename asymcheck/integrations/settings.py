@@ -1,0 +1,93 @@
+"""The settings each framework integration refuses, and why: data the checks use and the guides render.
+
+Per framework a tuple of :class:`Refusal` (the setting, the reason), and the ``major.minor`` of the
+framework the tests exercise (:data:`TESTED`; any other version is refused, see
+:func:`asymcheck.integrations.support.untested_version`). A check names the setting as it finds it
+(``fsdp_version=1``) followed by the reason: :meth:`Refusal.line`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["ACCELERATE", "HF_TRAINER", "LIGHTNING", "TESTED", "Refusal", "refusal"]
+
+
+class Refusal(NamedTuple):
+    """One refused setting of a framework integration.
+
+    Attributes:
+        setting: the setting as users write it (``"fsdp_version"``, ``"fp16=True"``).
+        why: why its state would be missed, or why it is untested.
+    """
+
+    setting: str
+    why: str
+
+    def line(self, found: str | None = None) -> str:
+        """The refusal as a check reports it: ``found`` (default: the setting), then the reason in parentheses."""
+        return f"{self.setting if found is None else found} ({self.why})"
+
+
+TESTED: dict[str, tuple[int, int]] = {
+    "accelerate": (1, 15),  # pyproject.toml: accelerate>=1.15,<1.16
+    "transformers": (5, 24),  # transformers>=5.24,<5.25
+    "lightning": (2, 6),  # lightning>=2.6,<2.7
+}
+"""Per framework (its package name), the ``major.minor`` the tests exercise."""
+
+ACCELERATE: tuple[Refusal, ...] = (
+    Refusal("version", "only the tested major.minor of accelerate is supported"),
+    Refusal("distributed_type", "one process, DDP, FSDP2 and DeepSpeed are supported"),
+    Refusal("fsdp_version", "FSDP1's flat parameters; use fsdp_version=2"),
+    Refusal("dynamo_backend", "torch.compile: the snapshot hooks are not exercised under compiled graphs"),
+    Refusal("DataLoaderConfiguration(use_stateful_dataloader=True)",
+            "torchdata's StatefulDataLoader draws from the global RNG when Accelerate first reads its state, so a "
+            "resumed process draws differently; the default loaders resume through skip_first_batches"),
+    Refusal("mixed_precision=fp8", "TransformerEngine / MS-AMP state is not captured"),
+    Refusal("parallelism_config", "only data parallelism is supported"),
+)
+"""What :func:`asymcheck.accelerate.attach` refuses (under DeepSpeed also what the DeepSpeed adapter refuses)."""
+
+HF_TRAINER: tuple[Refusal, ...] = (
+    Refusal("version", "only the tested major.minor of transformers is supported"),
+    Refusal("fsdp", "use the FSDP2 path of asymcheck.Checkpointer in your own loop"),
+    Refusal("fp16=True", "GradScaler: steps it skips and its state are not captured by the callback"),
+    Refusal("auto_find_batch_size=True", "the Trainer restarts its loop with another batch size"),
+    Refusal("ignore_data_skip=True", "the data position would not be restored"),
+    Refusal("accelerator_config.use_seedable_sampler=False",
+            "the train sampler's own generator decides each epoch's order and is not in the version: the epochs "
+            "after a resume would be shuffled anew"),
+    Refusal("train_sampling_strategy='group_by_length'",
+            "LengthGroupedSampler draws an epoch's order from the global RNG when the epoch starts; the Trainer "
+            "resumes inside an epoch with other RNG states, so the rest of the epoch would come in a new order"),
+    Refusal("torch_compile=True", "untested: the snapshot hooks run inside the compiled modules"),
+    Refusal("n_gpu", "torch.nn.DataParallel"),
+    Refusal("world_size without deepspeed", "untested with the Trainer"),
+    Refusal("a PEFT model", "the Trainer's resume loads adapters from the resume directory"),
+)
+"""What :class:`asymcheck.hf.AsymCheckCallback` refuses (under DeepSpeed also what the DeepSpeed adapter refuses)."""
+
+LIGHTNING: tuple[Refusal, ...] = (
+    Refusal("version", "only the tested major.minor of lightning is supported"),
+    Refusal("automatic_optimization=False", "manual optimization: the loop's own steps are not tracked"),
+    Refusal("configure_optimizers", "exactly one is supported"),
+    Refusal("precision", "fp16: a GradScaler may skip optimizer.step after on_before_optimizer_step; use bf16 or 32"),
+    Refusal("fit(ckpt_path=...)",
+            "Lightning's restore would replace the version's state after the callback loaded it: resume from the "
+            "store, or AsymCheckCallback(resume=False) on a fresh directory"),
+    Refusal("strategy", "one device and DDP are supported"),
+)
+"""What :class:`asymcheck.lightning.AsymCheckCallback` refuses when ``fit`` starts."""
+
+
+def refusal(table: tuple[Refusal, ...], setting: str) -> Refusal:
+    """The entry of ``table`` for ``setting``.
+
+    Raises:
+        KeyError: ``table`` has no such entry.
+    """
+    for entry in table:
+        if entry.setting == setting:
+            return entry
+    raise KeyError(setting)

@@ -1,33 +1,13 @@
 """The global manifest: which rank shards make up one multi-rank version (pure data, no I/O).
 
-Schema (format version 2)::
+A global manifest (format version 2) lists, per rank, the step, the :func:`shard_digest` of its
+shard manifest, its size and tensor count; it names the placement record the version was
+committed under (:mod:`asymstore.format.placement`) and ends with its own checksum (a flipped bit
+is a :class:`GlobalManifestError`). A shard's digest covers its tensors' raw checksums and its
+meta, not its segment layout or compression, so it is the same on every tier that holds the shard
+and restore can check a copy read from any tier. Version 1 (no checksum, no placement) is still read.
 
-    {
-      "format": "asymstore.global", "format_version": 2,
-      "step": 12, "world_size": 2, "created": 1763776000.5,
-      "ranks": [
-        {"rank": 0, "step": 12, "digest": "hex", "nbytes": 4096, "tensors": 7, "summary": {...}},
-        {"rank": 1, "step": 12, "digest": "hex", "nbytes": 4096, "tensors": 7, "summary": {...}}
-      ],
-      "meta": {...coordinator's JSON...},
-      "placement": "hex",
-      "manifest_checksum": "<16 hex>"
-    }
-
-``placement`` names the record of where every rank's tiers were when the
-version was committed (``global/placement-<hex>.json``,
-:mod:`asymstore.format.placement`); fsck verifies the shards there. The
-document ends with its own checksum, as shard manifests do (a flipped bit is a
-:class:`GlobalManifestError`). Version 1 (no checksum, no placement: the shards
-live in ``ROOT/rank-NNNNN/``) is still read.
-
-``digest`` is :func:`shard_digest` of the rank's shard manifest: a checksum of
-its tensors (names, dtypes, shapes, the raw checksum of every chunk) and its
-meta. It is the same on every tier that holds the shard, although segment
-layout and compression differ per tier, so restore can check the copy it read
-from any tier against the global manifest. (A packed tensor contributes its
-pack's raw checksum and its offset there: packs are cut when the tensors are
-staged, so they are the same on every tier too.)
+The schema and what the digest covers: docs/concepts/format.md; the commit: docs/guides/multirank.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -34,14 +33,12 @@ from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
-from asymstore.write.lending import lend_from
 from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
 from asymstore.write.tierwrite import TierState, sweep, write_version
 
 if TYPE_CHECKING:
-    import torch
 
     from asymstore.api import Into
 
@@ -468,66 +465,68 @@ class AsymStore:
             raise StepOrderError(f"step {step} is not newer than the newest committed step {newest}")
 
     async def _commit_locked(self, step: int, pending: PendingStep, clean_meta: dict[str, Any]) -> CommitResult:
+        """Seal the staged step, write it up to the durable tier, retire it, hand it to the slower tiers."""
         pending.sealed = True
         started = time.perf_counter()
         try:
-            if pending.inflight:
-                await asyncio.gather(*pending.inflight, return_exceptions=True)
-            pending.tensors = {k: v for k, v in pending.tensors.items() if v is not None}
-            if not pending.tensors:
-                raise EmptyStepError(f"every put for step {step} failed")
-            plan = VersionPlan(step, pending.tensors, clean_meta, time.time(),  # type: ignore[arg-type]
-                               codec=self.codec, share_bytes=DEFAULT_SHARE_BYTES, tiers=len(self._tiers))
-            done: list[str] = []
-            flush: dict[str, FlushStats] = {}
-            manifest: Manifest | None = None
-            for i, state in enumerate(self._tiers[: self._durable + 1]):
-                try:
-                    manifest, flush[state.tier.name] = await self._write_tier(state, plan)
-                    done.append(state.tier.name)
-                except BaseException as exc:
-                    if i == self._durable or not isinstance(exc, AsymstoreError):
-                        # not durable: no faster tier may keep it, or restore would return a step never committed
-                        await asyncio.shield(self._unpublish(step, self._tiers[:i]))
-                        raise
-                    if isinstance(exc, CapacityError):
-                        logger.warning("step %d skipped on %s: %s", step, state.tier.name, exc)
-                    else:
-                        logger.error("step %d failed on %s: %s", step, state.tier.name, exc)
+            plan = await self._plan(step, pending, clean_meta)
+            manifest, done, flush = await self._write_durably(plan)
         except BaseException:
             pending.sealed = False
             raise
+        self._retire_staged(step)
+        durable = self._tiers[self._durable]
+        fast = [s.tier for s in self._tiers[: self._durable + 1] if step in s.versions]
+        await self._background.hand_off(plan, pending, manifest, durable.tier, fast, self._copy_buffers)
+        return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
+
+    async def _plan(self, step: int, pending: PendingStep, clean_meta: dict[str, Any]) -> VersionPlan:
+        """The plan of the sealed ``step``, once its puts in flight have landed (the failed ones dropped)."""
+        if pending.inflight:
+            await asyncio.gather(*pending.inflight, return_exceptions=True)
+        pending.tensors = {k: v for k, v in pending.tensors.items() if v is not None}
+        if not pending.tensors:
+            raise EmptyStepError(f"every put for step {step} failed")
+        return VersionPlan(step, pending.tensors, clean_meta, time.time(),  # type: ignore[arg-type]
+                           codec=self.codec, share_bytes=DEFAULT_SHARE_BYTES, tiers=len(self._tiers))
+
+    async def _write_durably(self, plan: VersionPlan) -> tuple[Manifest, list[str], dict[str, FlushStats]]:
+        """Write ``plan`` to every tier up to the durable one; a faster tier's own failure only skips it there.
+
+        Returns:
+            The durable tier's manifest, the tiers written, and what each flush did.
+
+        Raises:
+            Whatever the durable tier (or anything not an AsymstoreError) raised; the version is then removed
+            from the faster tiers again, so restore never returns a step never committed.
+        """
+        step = plan.step
+        done: list[str] = []
+        flush: dict[str, FlushStats] = {}
+        manifest: Manifest | None = None
+        for i, state in enumerate(self._tiers[: self._durable + 1]):
+            try:
+                manifest, flush[state.tier.name] = await self._write_tier(state, plan)
+                done.append(state.tier.name)
+            except BaseException as exc:
+                if i == self._durable or not isinstance(exc, AsymstoreError):
+                    # not durable: no faster tier may keep it, or restore would return a step never committed
+                    await asyncio.shield(self._unpublish(step, self._tiers[:i]))
+                    raise
+                if isinstance(exc, CapacityError):
+                    logger.warning("step %d skipped on %s: %s", step, state.tier.name, exc)
+                else:
+                    logger.error("step %d failed on %s: %s", step, state.tier.name, exc)
+        assert manifest is not None, "the durable tier either committed or raised"
+        return manifest, done, flush
+
+    def _retire_staged(self, step: int) -> None:
+        """``step`` is committed: forget what was staged for it, and drop older steps never committed."""
         del self._stager.pending[step]
         for older in [s for s in self._stager.pending if s < step]:
             logger.warning("step %d was put but never committed before step %d; dropping it", older, step)
             self._stager.pending.pop(older).release_all()
         self._committed_steps.add(step)
-        assert manifest is not None, "the durable tier either committed or raised"
-        background = bool(self._background.flushers)
-        copy: torch.Tensor | None = None
-        lent: contextlib.ExitStack | None = None
-        if background and pending.releases:  # adopted memory goes back now: slower tiers read another copy
-            try:  # the durable tier's own, where it lends it (lending); else a private copy
-                lent = lend_from(self._tiers[self._durable].tier, manifest, plan,
-                                 pending.tensors)  # type: ignore[arg-type]
-            except (AsymstoreError, OSError) as exc:
-                logger.info("step %d: the durable tier could not lend it (%s); copying it for the background "
-                            "tiers", step, exc)
-            if lent is None:
-                try:
-                    copy = await asyncio.to_thread(plan.detach, pending.tensors,  # type: ignore[arg-type]
-                                                   self._copy_buffers)
-                except BaseException:
-                    background = False
-                    logger.exception("step %d: no memory to copy it for the background tiers; they skip it", step)
-        pending.release_all()
-        if background:
-            only_copies = not self._tiers[self._durable].tier.persistent  # held until a slower tier has them
-            done_with = (functools.partial(self._copy_buffers.give_back, copy) if copy is not None
-                         else lent.close if lent is not None else None)
-            self._background.submit(plan, [s.tier for s in self._tiers[: self._durable + 1]
-                                           if only_copies and step in s.versions], done_with)
-        return CommitResult(step, manifest, done, time.perf_counter() - started, flush)
 
     async def _unpublish(self, step: int, states: list[TierState]) -> None:
         """Remove ``step`` from the fast tiers when the durable tier refused it, so it can be retried."""

@@ -13,15 +13,27 @@ back catches up with the newest version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from asymstore.errors import CapacityError, StepCommittedError
+from asymstore.errors import AsymstoreError, CapacityError, StepCommittedError
 from asymstore.tiers.protocol import HoldingTier
+from asymstore.write.lending import lend_from
 from asymstore.write.segments import VersionPlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from asymstore.format.manifest import Manifest
+    from asymstore.tiers.protocol import Tier
+    from asymstore.write.copybuffers import CopyBuffers
+    from asymstore.write.staging import PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +264,47 @@ class Background:
             task = asyncio.ensure_future(tier.release(step))
             self._side_tasks.add(task)
             task.add_done_callback(self._side_tasks.discard)
+
+    async def hand_off(self, plan: VersionPlan, pending: PendingStep, manifest: Manifest, durable: Tier,
+                       fast: Sequence[Tier], buffers: CopyBuffers) -> None:
+        """After the durable tier committed a version: give the caller's memory back, then hand it to every flusher.
+
+        Adopted tensors (``pending.releases``) go back to their owner now, so the slower tiers read
+        another copy: the durable tier's own where it lends one (:mod:`asymstore.write.lending`), else
+        a private copy from ``buffers`` (no memory for it: the slower tiers skip this version). When
+        ``durable`` is not persistent, the ``fast`` tiers (those up to it that hold the version) keep
+        their copy until every flusher is done with it.
+
+        Args:
+            plan: the committed version's plan.
+            pending: what was staged for it (released here).
+            manifest: the durable tier's manifest of it.
+            durable: the durable tier.
+            fast: the tiers up to the durable one that hold the version.
+            buffers: where a private copy comes from (and goes back to).
+        """
+        background = bool(self.flushers)
+        copy: torch.Tensor | None = None
+        lent: contextlib.ExitStack | None = None
+        if background and pending.releases:  # adopted memory goes back now: slower tiers read another copy
+            try:  # the durable tier's own, where it lends it (lending); else a private copy
+                lent = lend_from(durable, manifest, plan, pending.tensors)  # type: ignore[arg-type]
+            except (AsymstoreError, OSError) as exc:
+                logger.info("step %d: the durable tier could not lend it (%s); copying it for the background "
+                            "tiers", plan.step, exc)
+            if lent is None:
+                try:
+                    copy = await asyncio.to_thread(plan.detach, pending.tensors, buffers)  # type: ignore[arg-type]
+                except BaseException:
+                    background = False
+                    logger.exception("step %d: no memory to copy it for the background tiers; they skip it",
+                                     plan.step)
+        pending.release_all()
+        if not background:
+            return
+        done_with = (functools.partial(buffers.give_back, copy) if copy is not None
+                     else lent.close if lent is not None else None)
+        self.submit(plan, [] if durable.persistent else fast, done_with)  # not persistent: held until flushed
 
     async def wait(self, step: int, name: str | None = None, timeout: float | None = None) -> None:
         """Wait until every flusher (or the one of tier ``name``) has ``step`` or a newer version.

@@ -1,30 +1,14 @@
 """Where a multi-rank job's shards live: each rank's tier locations, as the job opened them (pure data, no I/O).
 
-A multi-rank root holds the commit points (``global/``); the shards can live
-elsewhere — a shared-memory tier and a disk local to each node, a peer's
-memory, a remote store. So that fsck can verify a global version where its
-shards are, the coordinator records the job's placement in ``global/`` as a
-file named by its content digest (``placement-<digest>.json``), and every
-global manifest names the placement it was committed under. Schema
-(strict JSON, sealed with a self-checksum like shard manifests)::
+A multi-rank root holds the commit points (``global/``), but the shards may live elsewhere: shared
+memory and a node-local disk, a peer's memory, a remote store. So that fsck can verify a global
+version where its shards are, the coordinator records the job's placement in ``global/`` as
+``placement-<digest>.json`` (strict JSON, sealed with a self-checksum), and every global manifest
+names the placement it was committed under. Per rank it lists the host and each tier's name, kind,
+``location`` (an absolute directory on that host, a URI, or null for process or GPU memory) and
+``holds`` (the rank whose shards the tier holds: itself, or the source rank of a replica tier).
 
-    {
-      "format": "asymstore.placement", "format_version": 1, "world_size": 2,
-      "ranks": [
-        {"rank": 0, "host": "node-a", "tiers": [
-          {"name": "host", "kind": "host", "location": "/dev/shm/ckpt/rank-0", "holds": 0},
-          {"name": "replicas-of-2", "kind": "replicas", "location": "/dev/shm/ckpt/replicas/of-rank-00002",
-           "holds": 2},
-          {"name": "local", "kind": "local", "location": "/nvme/ckpt/rank-0", "holds": 0}]},
-        ...
-      ],
-      "manifest_checksum": "<16 hex>"
-    }
-
-``location`` is an absolute directory on ``host``, a URI (``s3://…``,
-``hdfs://…``, ``file://…``), or null for process or GPU memory, which only the
-live process can read. ``holds`` is the rank whose shards the tier holds: the
-rank itself, or for ``replicas`` the rank whose versions are replicated there.
+The schema: docs/concepts/format.md; how fsck uses it: docs/guides/fsck.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """Fault-injecting tiers for crash and failure tests (yours and ours).
 
-Both classes are a real :class:`~asymstore.tiers.local.LocalTier` (real
-files, real fsync) that misbehaves once, at a chosen point of the commit
-protocol (docs/concepts/format.md):
+Each is a real :class:`~asymstore.tiers.local.LocalTier` (real files, real fsync) that misbehaves
+once, at a chosen phase of the commit protocol (:data:`PHASES`: ``"segments_written"``,
+``"manifest_half"``, ``"published"``, ``"retention"``). :class:`CrashingLocalTier` SIGKILLs its own
+process there, leaving the disk exactly as a crash would (run it in a child process);
+:class:`FailingLocalTier` raises :class:`~asymstore.errors.TierError` instead;
+:class:`SlowLocalTier` stalls each commit before its manifest, for tests of deadlines.
+:class:`CrashingPeerTier` dies part way through sending a version to its neighbour.
 
-- ``"segments_written"``: every segment is written and fsynced, the manifest
-  is not written yet.
-- ``"manifest_half"``: the first half of the manifest is written (and
-  fsynced) inside the temporary directory.
-- ``"published"``: the version directory is renamed into place (committed),
-  ``LATEST`` is not updated yet.
-- ``"retention"``: an old version is being deleted; its manifest is removed
-  (and the removal fsynced), its segments are not.
-
-:class:`CrashingLocalTier` SIGKILLs its own process there, which leaves the
-disk exactly as a crash would; run it in a child process. :class:`FailingLocalTier`
-raises :class:`~asymstore.errors.TierError` instead, for in-process tests
-that a failed commit leaves the previous version intact. :class:`SlowLocalTier`
-only stalls each commit before its manifest is written (a slow or congested
-disk), for tests of deadlines.
-
-Example::
-
-    # in a child process: commit steps until the 3rd commit dies mid-way
-    tier = CrashingLocalTier(root, crash_at="manifest_half", after=2)
-    async with AsymStore([tier], keep_last=2) as store:
-        for step in range(10):
-            await store.put_many(step, state(step))
-            await store.commit(step)
+What each phase leaves on disk, and an example: docs/extending/tiers.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """Where each stored tensor sits in its global tensor: strict JSON in a version's meta (pure data, no torch).
 
-A rank's version holds local pieces of global tensors. ``meta["layout"]``
-says, for every stored tensor, the global shape and dtype, the offsets of the
-local piece along every dimension, and how the global tensor was cut: the
-device mesh (its shape, the global ranks on it in row-major order, this
-rank's coordinate; listed once in ``meshes`` and named by index, so a large
-mesh is not repeated per tensor) and one placement per mesh dimension, ``"S(d)"`` (sharded
-along tensor dimension ``d`` in ``torch.chunk`` pieces: FSDP2's ``Shard(0)``,
-uneven last pieces and empty pieces included, never padding) or ``"R"``
-(replicated). Every tensor the layout does not list is held whole by this
-rank (``"default": "whole"``: DDP, a single process, per-rank state such as
-RNG states): global shape and dtype those of its manifest entry, offsets 0,
-no mesh. Saying so once instead of per tensor keeps a 10,000-tensor version's
-manifest and the step's stall as they were. With the local shape from the
-manifest's tensor entry, a reader knows which bytes of which global tensor
-each rank's shard holds::
+``meta["layout"]`` gives, per stored tensor, its global shape and dtype, the offsets of the local
+piece, the device mesh (listed once in ``meshes``, named by index) and one placement per mesh
+dimension: ``"S(d)"`` (``torch.chunk`` pieces along dimension ``d``, uneven and empty pieces
+included, never padding) or ``"R"`` (replicated). A tensor the layout does not list is held whole
+(``"default": "whole"``). A version without ``"layout"`` says nothing about its tensors.
+:func:`read_layouts` parses it as untrusted input: every number is checked, the piece must be
+exactly the one the placements give this coordinate, and shape and dtype must match the manifest.
 
-    "layout": {"format": 1, "default": "whole",
-               "meshes": [{"shape": [2], "ranks": [0, 1], "coordinate": [1]}],
-               "tensors": {"model/0.weight": {"global_shape": [7, 5], "dtype": "float32", "offsets": [4, 0],
-                                              "shape": [3, 5], "mesh": 0, "placements": ["S(0)"]}}}
-
-A version whose meta has no ``"layout"`` (written before layouts were
-recorded, or by the DeepSpeed adapter) says nothing about its tensors.
-
-:func:`read_layouts` parses it as untrusted input: every number is checked,
-the piece must be exactly the one the placements give this coordinate, and
-shape and dtype must agree with the manifest.
+The layout, with an example: docs/guides/fsdp2.md.
 """
 
 from __future__ import annotations

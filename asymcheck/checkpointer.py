@@ -7,41 +7,45 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
-from typing import Literal
+from typing import Any, Unpack
 
 import torch
 
-from asymcheck.errors import CheckpointerStateError
-from asymcheck.policy.agreement import agreement_for
-from asymcheck.policy.failures import FailureBudget, OnError
-from asymcheck.policy.pacing import Pacer
-from asymcheck.policy.preempt import (
-    DEFAULT_DEADLINE_S,
-    Preemption,
-    PreemptionRecord,
-    PreemptOn,
-    SigtermNotice,
-    check_deadline,
+from asymcheck.errors import CheckpointerStateError, InvalidOptionError
+from asymcheck.options import (
+    CommitOptions,
+    CopyMode,
+    FailureOptions,
+    FlatOptions,
+    PacingOptions,
+    PartitionOptions,
+    PreemptionOptions,
+    RetentionOptions,
+    WhenBusy,
+    resolve,
 )
+from asymcheck.policy.agreement import agreement_for
+from asymcheck.policy.failures import FailureBudget
+from asymcheck.policy.pacing import Pacer
+from asymcheck.policy.preempt import Preemption, PreemptionRecord, SigtermNotice, check_deadline
 from asymcheck.restore.reshard import enable_resharding
 from asymcheck.restore.resume import restore_live
 from asymcheck.snapshot.copyengine import CopyEngine
 from asymcheck.snapshot.edits import EditTracker
-from asymcheck.snapshot.hooks import HookSet
+from asymcheck.snapshot.hooks import Driver, Hooks, HookSet, HooksFactory
 from asymcheck.snapshot.hostpool import HostPool
 from asymcheck.snapshot.partition import (
     BACKWARD,
     DRAIN,
     FORWARD,
-    Clock,
     Partitioning,
     PerfCounterClock,
     Plan,
     Planner,
     WindowRecorder,
-    check_partitioning,
 )
 from asymcheck.state.dtensors import check_tensors
 from asymcheck.state.trainstate import Moment, Stateful, TrainingState
@@ -59,16 +63,29 @@ from asymcheck.versions.storespec import (
     status_of,
     versions_of,
 )
-from asymstore import CorruptVersionError, InvalidMetaError, KeepBest, NoCheckpointError
+from asymstore import CorruptVersionError, InvalidMetaError, NoCheckpointError
 from asymstore.api import CheckpointStore, TierStatus
 from asymstore.multirank.rootlayout import AcrossLayouts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Checkpointer", "RestoreInfo", "StoreSpec"]
+__all__ = ["Checkpointer", "CopyMode", "RestoreInfo", "StateFactory", "StoreRunner", "StoreSpec", "WhenBusy"]
 
-WhenBusy = Literal["wait", "skip"]
-CopyMode = Literal["thread", "inline"]
+StoreRunner = Callable[[Coroutine[Any, Any, Any]], Any]
+"""Runs a coroutine of the store on the Checkpointer's thread and returns its result."""
+
+StateFactory = Callable[[CheckpointStore, StoreRunner], TrainingState]
+"""Builds an adapter's training state from the opened store (``Checkpointer(state=...)``)."""
+
+
+def _adapter_state(factory: StateFactory, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   loop: StoreLoop) -> TrainingState:
+    """The state an adapter's factory builds, checked to be of the Checkpointer's model and optimizer."""
+    state = factory(loop.store, loop.run)
+    if not isinstance(state, TrainingState) or state.model is not model or state.optimizer is not optimizer:
+        raise InvalidOptionError("state= must return a TrainingState of the Checkpointer's model and optimizer, "
+                                 f"got {state!r}")
+    return state
 
 
 class Checkpointer:
@@ -119,59 +136,21 @@ class Checkpointer:
         data: name -> object with ``state_dict``/``load_state_dict`` that
             advances when a batch is drawn (data loader, sampler): taken when the step returns.
         every: snapshot every ``every``-th optimizer step.
-        keep_last: versions kept per tier (when the store is built here).
-        keep_every: also keep every version whose step is a multiple of it, permanently, on
-            persistent tiers (when the store is built here; one process's store only).
-        keep_best: also keep the best versions by a metric given to :meth:`log_metrics`
-            (an :class:`asymstore.KeepBest`; when the store is built here; one process's store only).
-        max_inflight: background commits running at once.
-        when_busy: when a version is sealed while ``max_inflight`` commits
-            run: ``"wait"`` (back-pressure) or ``"skip"`` the version.
-        host_slots: host staging buffers (each the size of the flat state). With 2 (default) the next
-            version is copied during the next step even while the last one still commits; with 1 (half
-            the memory) a version opened while the last one commits is copied by the hooks once that
-            commit gives the slot back, and only the drain waits for it (on the development VM 1.23x
-            the step without checkpoints against 1.21x with two, GPT-2 30M and 124M).
-        copy: ``"thread"`` (a copy thread) or ``"inline"`` (copy inside the hooks).
-        partitioning: how each version's copy is spread over the next iteration
-            (:data:`asymcheck.Partitioning`): ``"asymmetric"`` (default) sizes
-            partitions to the measured idle windows between hooks, so backward
-            partitions come out larger; ``"uniform"`` cuts equal partitions, as
-            many in the forward pass as in the backward pass (symmetric schemes);
-            ``"step"`` copies the whole state in the step pre-hook, blocking, then
-            commits in the background (CheckFreq's snapshot). Every mode captures the
-            same, bit-exact state; they differ in stall and step time.
-        warmup: iterations measured before partitions are sized.
-        max_partitions: soft limit on partitions per version.
-        min_partition_bytes: smallest partition worth a separate copy.
-        replan_tolerance: relative drift of the windows that triggers a re-plan.
-        clock: timing source for windows (default: CUDA events for a CUDA
-            model, ``perf_counter`` otherwise).
-        on_error: what a failed background commit does: ``"budget"`` (logged,
-            counted, retried by the next versions; training stops with
-            :class:`NoDurableVersionError` only past the budget below; a commit the root's
-            layout refuses, a ``RootLayoutError``, stops it at the next step as ``"raise"`` does),
-            ``"raise"`` (:class:`CommitFailedError` at the next step) or ``"log"``.
-        max_steps_without_durable: with ``"budget"``, optimizer steps tolerated
-            without a durable version once commits fail (None: no step limit).
-        max_seconds_without_durable: the same in seconds (None: no time limit).
-        save_on_close: ``close()`` saves the final step even when it is not
-            a multiple of ``every``.
-        preempt_on: ``"sigterm"`` (constructed on the main thread): on SIGTERM,
-            the next hook commits the newest completed step durably (under
-            several ranks: the step the ranks agree on, at the same iteration
-            boundary on every rank; see :mod:`asymcheck.policy.agreement`), then
-            hands the signal on to the program's own handler or the default
-            (see :mod:`asymcheck.policy.preempt`); ``"none"`` leaves SIGTERM alone.
-        preempt_deadline_s: how long, from the SIGTERM, the preemption flush may
-            wait for commits and persistent copies before it hands the signal on
-            all the same (None: no limit; default 25 s, under common grace periods).
-        max_overhead: the step-time budget of checkpointing, as a fraction of
-            the step without it (default 5%). After 50 steps and every 200
-            after, 3 steps take no version to measure the step alone; when
-            the measured overhead exceeds the budget, versions are taken every
-            few steps instead of every step (see :mod:`asymcheck.policy.pacing` and
-            ``stats().pacing``). None: a version every ``every`` steps, always.
+        retention: which versions the store keeps, when the store is built here
+            (:class:`asymcheck.options.RetentionOptions`; default: the newest 3 per tier).
+        partitions: how each version's copy is spread over the next iteration
+            (:class:`asymcheck.options.PartitionOptions`; default: asymmetric partitions).
+        failures: what a failed background commit does
+            (:class:`asymcheck.options.FailureOptions`; default: a budget of 30 minutes without
+            a durable version).
+        preemption: what SIGTERM does (:class:`asymcheck.options.PreemptionOptions`; default:
+            commit the newest step within 25 s, then hand the signal on; the Checkpointer is then
+            built on the main thread).
+        pacing: which steps become versions beyond ``every``
+            (:class:`asymcheck.options.PacingOptions`; default: a 5% step-time budget, and the
+            last step saved on close).
+        commits: host staging buffers and background commits
+            (:class:`asymcheck.options.CommitOptions`; default: two slots, one commit at a time).
         across_layouts: a directory ``store_or_tiers`` whose recorded layout (see
             :mod:`asymstore.multirank.rootlayout`) is single-process, opened by a job of several ranks:
             ``"resume"`` (default) makes :meth:`resume` take its newest version, each rank its part
@@ -179,12 +158,24 @@ class Checkpointer:
             root holds; ``"start_fresh"`` leaves those versions unread (``resume()`` returns None) and the
             job's multi-rank versions begin beside them. One process opening a multi-rank root always
             resumes it and goes on in the multi-rank layout.
+        hooks: for adapters whose framework steps otherwise: a factory that takes the
+            Checkpointer's :class:`asymcheck.snapshot.hooks.Driver` and registers the hooks that call
+            it (default: :meth:`asymcheck.snapshot.hooks.HookSet.driving` on ``model`` and ``optimizer``).
+        state: for adapters with their own kind of state: a factory that takes the opened store and a
+            function running a store coroutine on the Checkpointer's thread, and returns the
+            :class:`asymcheck.state.trainstate.TrainingState` of ``model`` and ``optimizer`` (it then
+            holds the ``stateful`` and ``data`` objects; pass neither here).
+        **flat: the flat keywords of earlier releases (``keep_last=5``, ``warmup=2``, ...), deprecated:
+            each is the field of the same name of one group (:data:`asymcheck.options.FLAT_OPTIONS`)
+            and warns with a ``DeprecationWarning`` that names it.
 
     Raises:
         UnsupportedModelError: a parameter, buffer or optimizer tensor is a
             tensor subclass other than DTensor, or a DTensor placed other
             than by ``Shard(d)`` / ``Replicate()``: nothing was hooked.
-        InvalidOptionError: ``partitioning`` is not one of the modes: nothing was hooked.
+        InvalidOptionError: an option out of its range (``every=0``, ``partitioning="blocks"``), a group
+            not of its class, or a flat keyword beside its own group: nothing was hooked.
+        TypeError: a keyword that is no option.
         RootLayoutError: (one process, a directory) the root's ``LAYOUT.json`` is not valid; its
             subclass RootLayoutConflictError: the root holds both layouts and no record says which
             is current. Nothing was hooked. (Under several ranks the same errors come from ``resume()``.)
@@ -193,55 +184,65 @@ class Checkpointer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
                  stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
-                 every: int = 1, keep_last: int | None = 3, keep_every: int | None = None,
-                 keep_best: KeepBest | None = None, max_inflight: int = 1, when_busy: WhenBusy = "wait",
-                 host_slots: int = 2, copy: CopyMode = "thread", partitioning: Partitioning = "asymmetric",
-                 warmup: int = 3, max_partitions: int = 16,
-                 min_partition_bytes: int = 1 << 20, replan_tolerance: float = 0.25, clock: Clock | None = None,
-                 on_error: OnError = "budget", max_steps_without_durable: int | None = None,
-                 max_seconds_without_durable: float | None = 1800.0, save_on_close: bool = True,
-                 preempt_on: PreemptOn = "sigterm", preempt_deadline_s: float | None = DEFAULT_DEADLINE_S,
-                 max_overhead: float | None = 0.05, across_layouts: AcrossLayouts = "resume") -> None:
+                 every: int = 1, retention: RetentionOptions | None = None,
+                 partitions: PartitionOptions | None = None, failures: FailureOptions | None = None,
+                 preemption: PreemptionOptions | None = None, pacing: PacingOptions | None = None,
+                 commits: CommitOptions | None = None, across_layouts: AcrossLayouts = "resume",
+                 hooks: HooksFactory | None = None, state: StateFactory | None = None,
+                 **flat: Unpack[FlatOptions]) -> None:
         """Open the store on its own thread and register the hooks."""
-        if every < 1:
-            raise ValueError("every must be >= 1")
-        partitioning = check_partitioning(partitioning)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise InvalidOptionError(f"every must be an int >= 1, got {every!r}")
+        options = resolve({"retention": retention, "partitions": partitions, "failures": failures,
+                           "preemption": preemption, "pacing": pacing, "commits": commits}, flat,
+                          caller=type(self).__name__, stacklevel=3)
+        if state is not None and (stateful or data):
+            raise InvalidOptionError("state= builds the training state: give stateful= and data= to it, not here")
+        part, fail, commit = options.partitions, options.failures, options.commits
         check_tensors(model, optimizer)
-        deadline_s = check_deadline(preempt_deadline_s)
-        state = TrainingState(model, optimizer, stateful, data)
+        plain = TrainingState(model, optimizer, stateful, data) if state is None else None
+        self.options = options
+        """The options in force (every group, defaults filled in)."""
         self.every = every
-        self._pacer = Pacer(max_overhead)
-        self.on_error = on_error
+        self._pacer = Pacer(options.pacing.max_overhead)
+        self.on_error = fail.on_error
         self._stats = StatsRecorder()
-        self._budget = FailureBudget(self._stats, on_error, max_steps_without_durable, max_seconds_without_durable)
+        self._budget = FailureBudget(self._stats, fail.on_error, fail.max_steps_without_durable,
+                                     fail.max_seconds_without_durable)
         self._edits = EditTracker()
         cuda = on_cuda(model)
+        clock = part.clock
         if clock is None:
             if cuda:
                 from asymcheck.snapshot.cudaclock import CudaEventClock
                 clock = CudaEventClock()
             else:
                 clock = PerfCounterClock()
-        self._planner = Planner(warmup=warmup, tolerance=replan_tolerance, max_partitions=max_partitions,
-                                min_bytes=min_partition_bytes, partitioning=partitioning)
+        self._planner = Planner(warmup=part.warmup, tolerance=part.replan_tolerance,
+                                max_partitions=part.max_partitions, min_bytes=part.min_partition_bytes,
+                                partitioning=part.partitioning)
         self._recorder = WindowRecorder(clock)
-        self._pool = HostPool(host_slots, pin=cuda)
-        store = make_store(store_or_tiers, keep_last, keep_every=keep_every, keep_best=keep_best,
+        self._pool = HostPool(commit.host_slots, pin=cuda)
+        kept = options.retention
+        store = make_store(store_or_tiers, kept.keep_last, keep_every=kept.keep_every, keep_best=kept.keep_best,
                            across_layouts=across_layouts)
         self._loop = StoreLoop(store)
-        enable_resharding(self._loop.store, state)  # a RankStore resumes versions of another world size
         try:
-            self._commits = CommitQueue(self._loop, self._stats, max_inflight=max_inflight, when_busy=when_busy,
+            built = plain if state is None else _adapter_state(state, model, optimizer, self._loop)
+            assert built is not None
+            enable_resharding(self._loop.store, built)  # a RankStore resumes versions of another world size
+            self._commits = CommitQueue(self._loop, self._stats, max_inflight=commit.max_inflight,
+                                        when_busy=commit.when_busy,
                                         first_committed=layout_recorder(store_or_tiers, store))
-            self._engine = CopyEngine(copy)
+            self._engine = CopyEngine(commit.copy)
         except BaseException:
             self._loop.close()
             raise
         self._progress = Progress()
-        self._cycle = VersionCycle(state, self._progress, edits=self._edits, planner=self._planner,
+        self._cycle = VersionCycle(built, self._progress, edits=self._edits, planner=self._planner,
                                    pool=self._pool, engine=self._engine, commits=self._commits, stats=self._stats,
                                    loop=self._loop, on_recapture=self._refresh_hooks,
-                                   save_on_close=save_on_close)
+                                   save_on_close=options.pacing.save_on_close)
         self._hook_s = 0.0
         self._open_s = 0.0
         self._last_pre: float | None = None
@@ -250,14 +251,20 @@ class Checkpointer:
         self._unusable: str | None = None  # why training must not go on (a failed in-place resume)
         self.final_versions: dict[str, list[int]] | None = None  # store.versions() when closed
         self.preempted: PreemptionRecord | None = None
-        self._notice = SigtermNotice(preempt_on)
+        self._notice = SigtermNotice(options.preemption.preempt_on)
         self._preemption = Preemption(
             self._progress, commits=self._commits, loop=self._loop, notice=self._notice,
             agreement=agreement_for(self._loop.store),  # several ranks: one notice, one step, one boundary
-            deadline_s=deadline_s, settle=self._settle, seal_last=self._cycle.seal_last, release=self._release,
-            finished=self._preempted)
-        self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
-                              on_step_pre=self._on_step_pre, on_step_post=self._on_step_post)
+            deadline_s=check_deadline(options.preemption.preempt_deadline_s), settle=self._settle,
+            seal_last=self._cycle.seal_last, release=self._release, finished=self._preempted)
+        self._driver = Driver(on_forward=self._on_forward, on_grad=self._on_grad, before_step=self._on_step_pre,
+                              after_step=self._on_step_post, step_returned=self._on_step_returned)
+        try:
+            self._hooks: Hooks = (hooks or (lambda d: HookSet.driving(model, optimizer, d)))(self._driver)
+        except BaseException:
+            self._notice.uninstall()
+            self._release(remove_hooks=False)
+            raise
 
     # -- public ----------------------------------------------------------
 
@@ -268,7 +275,18 @@ class Checkpointer:
 
     @state.setter
     def state(self, state: TrainingState) -> None:
-        self._cycle.state = state  # an adapter's own kind of state (DeepSpeed's engine files)
+        warnings.warn("setting Checkpointer.state is deprecated and goes in the next release: pass "
+                      "Checkpointer(..., state=factory) instead", DeprecationWarning, stacklevel=2)
+        self._cycle.state = state
+
+    @property
+    def driver(self) -> Driver:
+        """The entry points of the snapshot protocol, for adapters that drive it from their own hooks.
+
+        The same :class:`asymcheck.snapshot.hooks.Driver` a ``hooks=`` factory receives; a plain
+        training loop never calls it (its optimizer's hooks do).
+        """
+        return self._driver
 
     @property
     def save_on_close(self) -> bool:
@@ -503,7 +521,8 @@ class Checkpointer:
     # -- hooks -----------------------------------------------------------
 
     def _settle(self) -> None:
-        """Open a version whose step finished but was not delivered yet (DeepSpeed)."""
+        """Open a version whose step finished but was not delivered yet (hooks that deliver it late)."""
+        self._hooks.settle()
 
     def _on_forward(self, training: bool) -> None:
         if training:  # a validation forward (no_grad or eval()) is not part of the next iteration
@@ -564,6 +583,10 @@ class Checkpointer:
         self._copy_mark = (busy, blocked)
         self._hook_s = self._open_s = 0.0
 
+    def _on_step_returned(self) -> None:
+        if not self._progress.closed and (self._progress.step + 1) % self.every == 0:
+            self._cycle.moment = self.state.capture_moment()  # before the next batch is drawn
+
     def _on_step_post(self) -> None:
         if self._progress.closed:
             return
@@ -581,7 +604,7 @@ class Checkpointer:
         # no notice check here: the loop's own scheduler.step() etc. of this step have not run yet
 
     def _refresh_hooks(self) -> None:
-        """Follow parameters added since the hooks were registered (``self._hooks`` may be replaced: DeepSpeed)."""
+        """Follow parameters added since the hooks were registered."""
         self._hooks.refresh()
 
     def _preempted(self, record: PreemptionRecord) -> None:
@@ -605,6 +628,8 @@ class Checkpointer:
             raise CheckpointerStateError("the Checkpointer is closed")
 
     def _close(self, *, save: bool, remove_hooks: bool = True) -> None:
+        if not self._progress.closed:
+            self._hooks.settle()  # a step delivered late opens its version before close() seals it
         if self._progress.closed:
             if remove_hooks:
                 self._hooks.remove()  # left registered by a preemption flush inside a hook

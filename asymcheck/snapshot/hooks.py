@@ -1,11 +1,18 @@
-"""Registering (and keeping up to date) the hooks that drive the snapshot protocol."""
+"""Registering (and keeping up to date) the hooks that drive the snapshot protocol.
+
+:class:`Driver` holds the protocol's entry points; :class:`Hooks` is what registers them on a
+framework's events (:class:`HookSet` for a plain loop). An adapter whose framework steps otherwise
+gives ``Checkpointer(hooks=factory)`` a factory that takes the Driver and returns its Hooks
+(docs/guides/checkpointer.md, "Driving the Checkpointer from other hooks").
+"""
 
 from __future__ import annotations
 
 import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -14,6 +21,53 @@ logger = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
 ForwardCallback = Callable[[bool], None]
+
+
+@dataclass(frozen=True)
+class Driver:
+    """The entry points of one Checkpointer's snapshot protocol, for the hooks that drive it.
+
+    Each is called from the training thread, at the event its name says; between two
+    ``before_step`` calls come exactly one ``after_step`` (the step is complete) and any number of
+    the others. ``after_step`` may come late (DeepSpeed delivers it at the next forward), and
+    then ``step_returned`` must come when the optimizer's own step returns.
+
+    Attributes:
+        on_forward: a forward pre-hook fired; the argument says whether it is a training forward
+            (grad enabled, module in training mode) or a validation one (which drives nothing).
+        on_grad: a gradient was accumulated into a parameter.
+        before_step: the optimizer is about to step: the previous version is sealed (the stall).
+        after_step: the optimizer step is complete (counters, scheduler, parameters final): the
+            next version opens.
+        step_returned: the optimizer's own step returned but ``after_step`` is delivered later:
+            the RNG states and ``data`` objects of the next version are taken now.
+    """
+
+    on_forward: ForwardCallback
+    on_grad: Callback
+    before_step: Callback
+    after_step: Callback
+    step_returned: Callback
+
+
+class Hooks(Protocol):
+    """What a ``hooks=`` factory returns: the registered hooks of one Checkpointer."""
+
+    def refresh(self) -> int:
+        """Hook modules and parameters added since the last call; return how many."""
+        ...
+
+    def settle(self) -> None:
+        """Deliver a step completion that is still pending (hooks that deliver ``after_step`` late)."""
+        ...
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        ...
+
+
+HooksFactory = Callable[[Driver], Hooks]
+"""Builds and registers the hooks that call a :class:`Driver` (``Checkpointer(hooks=...)``)."""
 
 
 class HookSet:
@@ -45,6 +99,15 @@ class HookSet:
             optimizer.register_step_post_hook(lambda opt, args, kwargs: on_step_post()),
         ]
         self.refresh()
+
+    @classmethod
+    def driving(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, driver: Driver) -> HookSet:
+        """The plain loop's hooks: forward and grad hooks, the optimizer's step pre- and post-hooks."""
+        return cls(model, optimizer, on_forward=driver.on_forward, on_grad=driver.on_grad,
+                   on_step_pre=driver.before_step, on_step_post=driver.after_step)
+
+    def settle(self) -> None:
+        """Nothing is ever pending: the step post-hook delivers ``after_step`` when the step returns."""
 
     def _known(self, obj: Any) -> bool:
         entry = self._hooked.get(id(obj))

@@ -1,27 +1,15 @@
 """DTensor state (FSDP2's ``fully_shard``) under the Checkpointer: copy the local shards, record where they sit.
 
-A DTensor parameter or optimizer state tensor (AdamW's moments of a DTensor
-parameter are DTensors too) is captured as its *local* tensor, the rank's
-shard: FSDP2 keeps that memory in place between steps (the unsharded
-parameters it all-gathers for forward and backward live elsewhere, and their
-storage is the one resized), so the lazy copy reads it like any parameter.
-In-place updates go through the DTensor, whose version counter moves (the
-local tensor's does not), so edits are checked on the DTensor itself. Inside
-a forward, FSDP2 registers unsharded plain parameters in its modules, and a
-``model.state_dict()`` there would put the sharded ones back under the running
-forward (it fails); so nothing is captured inside a forward, and the model's
-signature counts parameters instead of naming them (:mod:`asymcheck.state.trainstate`).
-
-Each captured DTensor's :class:`~asymstore.format.pieces.TensorLayout` (global
-shape, dtype, mesh, placements, this rank's unpadded piece) goes into the
-version's ``meta["layout"]``; every other tensor is recorded as held whole.
-On resume the stored local pieces are wrapped back into DTensors on the live
-mesh (the same world and the same placements: the piece must be exactly the
-one this rank holds now) and loaded through the ordinary ``load_state_dict``.
-
-Only ``Shard(d)`` and ``Replicate()`` placements are supported; any other
-tensor subclass, or a ``Partial`` or strided-shard DTensor, is refused with
+A DTensor parameter or optimizer state tensor is captured as its *local* shard, which FSDP2 keeps
+in place between steps; edits are checked on the DTensor's own version counter. Nothing is
+captured inside a forward (FSDP2 swaps in unsharded parameters there), so the model's signature
+counts parameters instead of naming them (:mod:`asymcheck.state.trainstate`). Each shard's
+:class:`~asymstore.format.pieces.TensorLayout` goes into ``meta["layout"]``; on resume the pieces
+are wrapped back into DTensors on the live mesh and loaded through ``load_state_dict``. Only
+``Shard(d)`` and ``Replicate()`` are supported; anything else is refused with
 :class:`~asymcheck.errors.UnsupportedModelError`.
+
+The user's view: docs/guides/fsdp2.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The collective restore of a :class:`~asymstore.multirank.RankStore`: every rank loads the same global version.
 
-Through keys of the job's coordination store (``{key}/...``, ``key`` fresh
-per restore):
+Through the messages of a :class:`~asymstore.multirank.protocol.RestoreRound`
+(a round of the job's coordination store, fresh per restore):
 
 1. every rank lists the shard steps its tiers hold (``have/<rank>``);
 2. the coordinator (rank 0) lists the candidates: published global versions,

@@ -68,7 +68,7 @@ from asymstore.multirank.retention import (
 from asymstore.multirank.rootlayout import AcrossLayouts, check_across
 from asymstore.policy.retention import KeepBest, Retention
 from asymstore.store import AsymStore
-from asymstore.tiers.local import LocalTier
+from asymstore.tiers.location import rank_tier
 from asymstore.tiers.protocol import Tier
 
 if TYPE_CHECKING:
@@ -136,8 +136,7 @@ class RankStore:
         self.job = Job(
             root=abs_root, global_dir=os.path.join(abs_root, globaldir.GLOBAL_DIR), rank=rank, world_size=world_size,
             fsync=fsync, timeout_s=timeout_s, restore_timeout_s=restore_timeout_s, global_keep_last=keep_last,
-            peer_tiers=peer_tiers or (lambda r: [LocalTier(os.path.join(abs_root, globaldir.rank_dirname(r)),
-                                                           fsync=fsync)]),
+            peer_tiers=peer_tiers or (lambda r: [rank_tier(abs_root, r, read_only=False, fsync=fsync)]),
             rules=rules if rules.reads_notes else None, across_layouts=check_across(across_layouts))
         """What the multi-rank helpers use of this store (rank, world, global directory, coordination, timeouts)."""
         self._global_lock = DirLock(self.job.global_dir)

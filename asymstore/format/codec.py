@@ -1,29 +1,13 @@
 """Lossless byte-plane codec: split elements into byte planes and zstd each plane.
 
-Floating point numbers of one tensor share few exponents, so the byte that
-holds the sign and exponent compresses well while the low mantissa bytes are
-close to random. Splitting a chunk of ``n`` bytes into ``k`` planes (plane
-``i`` holds byte ``i`` of every element; ``k`` is the element width: 2 for
-bf16/fp16, 4 for fp32, 8 for fp64, the component width for complex, 1 for
-one-byte dtypes) and compressing each plane separately lets zstd see the
-exponent bytes together. Planes that do not shrink are stored as they are.
+A chunk of ``n`` bytes is split into ``k`` planes (plane ``i`` holds byte ``i`` of every element;
+``k`` the element width), so zstd sees the well-compressing sign and exponent bytes together;
+planes that do not shrink are stored as they are. The manifest records the codec per chunk
+(``"raw"`` or ``"zstd-planes:<k>"``) with ``checksum`` over the stored bytes and ``raw_checksum``
+over the raw ones; :func:`decode_chunk` verifies both. Whether a chunk is worth compressing is the
+cost model's call (:mod:`asymstore.write.segments`); :func:`sample` measures what it needs.
 
-Stored form of a ``zstd-planes:<k>`` chunk of ``n`` raw bytes, with
-``m = n // k`` elements and ``t = n % k`` tail bytes (chunks of a tensor are
-cut at element boundaries, so ``t`` is 0 in practice)::
-
-    header   k little-endian u64 words; word i = (stored length of plane i << 1) | zstd flag
-    planes   k payloads back to back: a zstd frame when the flag is set, the plane's m raw bytes otherwise
-    tail     the t trailing raw bytes
-
-The manifest records the codec per chunk (``"raw"`` or ``"zstd-planes:<k>"``),
-``checksum`` over the stored bytes and ``raw_checksum`` over the raw bytes;
-:func:`decode_chunk` verifies both around decoding.
-
-Whether a chunk is worth compressing is the cost model's call
-(:mod:`asymstore.write.segments`); this module measures what it needs:
-:func:`sample` compresses the first :data:`SAMPLE_BYTES` of a chunk and
-reports the ratio and the time taken.
+The stored form and the compression rule: docs/concepts/batching.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """PeerTier: a rank's versions copied into the memory of a rank on another node, and read back from it.
 
-Put it in a multi-rank store's tier list after the memory tier and before the
-disk (``[HostTier(...), PeerTier(...), LocalTier(...)]`` with the memory tier as
-``durable``): like any tier below the durable one it is written in the
-background cascade — ``commit`` never waits for it, a slow peer only skips to
-the newest version, and ``status()`` shows its lag. Writing sends the version's
-segments and then its manifest to the ring neighbour (:mod:`asymstore.tiers.peer.ring`),
-which verifies every segment's checksum and publishes the replica atomically in
-its own bounded memory before it acknowledges; reading (restore) asks the
-neighbour for the manifest and segments of a replica, which the store verifies
-like any other tier's bytes. Every rank of the job must use a PeerTier (the
-replication group is built collectively when the tiers open).
+Put it after the memory tier (the ``durable`` one) and before the disk:
+``[HostTier(...), PeerTier(...), LocalTier(...)]``. It is written by the background cascade, so
+``commit`` never waits for it and a slow peer skips to the newest version. Writing sends the
+segments, then the manifest, to the ring neighbour (:mod:`asymstore.tiers.peer.ring`), which
+verifies them and publishes the replica atomically before it acknowledges; reading asks the
+neighbour for a replica, with up to :data:`PIPELINE` requests in flight, and an answer that does
+not match its request fails every pending one with :class:`~asymstore.errors.PeerError`, never
+with wrong bytes. Every rank of the job must use a PeerTier; its write cost is probed at ``open``
+(:class:`~asymstore.tiers.protocol.ProbeableTier`), never cached.
 
-Its write cost is measured like a disk's (:class:`~asymstore.tiers.protocol.ProbeableTier`): at ``open``
-the store times frames of two sizes sent to the neighbour, which receives and checksums each as it does a
-segment and acknowledges it (``probe``; nothing is kept), so the segment size the cost model picks for
-the peer follows what a frame really costs on this link, not an assumed disk. Never cached: it depends
-on the neighbour and the network.
-
-Reading is pipelined: up to :data:`PIPELINE` requests are in flight at once
-(the store reads several segments concurrently), so the neighbour finds the
-next request waiting as soon as it has sent an answer. Requests go out in
-order, each with an ``id``; the answers come back in that order and each is
-received straight into its caller's buffers, after its ``id`` and its size are
-checked against the request. An answer that does not match leaves the link
-down (its bytes could no longer be told apart): every request still in flight
-then fails with a :class:`~asymstore.errors.PeerError`, never with wrong bytes.
+Placement, replication and recovery: docs/guides/multirank.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """The receiving end of a peer tier: replicas of one source rank, verified on arrival, served back on request.
 
-The service owns a thread running its own event loop, and on it the replica
-tier (a bounded :func:`~asymstore.tiers.memory.factory.HostTier`: process memory, or
-shared memory that outlives the process). Two loops run there:
+The service runs its own event loop on a thread, with the replica tier (a bounded
+:func:`~asymstore.tiers.memory.factory.HostTier`) on it, and two loops: **receive** (``REPL``:
+``begin``, ``segment``, ``manifest``, ``delete``, ``probe``) checks every segment's checksum and the
+manifest before the replica is published atomically, then acknowledges it; a version that does not
+verify is aborted, so no half replica is ever listed. **serve** (``REQ``: ``list``, ``manifest``,
+``segment``, ``ranges``) answers on ``RESP`` in the order asked, sending from the tier's own memory
+where it lends it (:class:`~asymstore.tiers.protocol.ViewTier`). Both end on ``bye`` or a failed
+link; a failure is logged and kept in :attr:`ReplicaService.last_error` (shown by the peer tier's
+``status()``), and the service stops before interpreter exit (:mod:`asymstore.runtime.exiting`).
 
-- **receive** (``REPL`` from the source rank): ``begin`` reserves the version's
-  bytes in the replica tier (a version larger than its capacity is refused and
-  its bytes drained); each ``segment`` is received into memory, its checksum
-  taken and written to the tier's writer; ``manifest`` is parsed and checked
-  (step, and every segment's size and checksum against what arrived) before the
-  tier publishes it atomically; then an ``ACK`` says whether the replica is
-  there (with the steps now held, so the sender need not ask). ``delete`` drops a replica.
-  ``probe`` (calibration: a frame of at most :data:`MAX_PROBE_BYTES`, outside any version) is
-  received and checksummed as a segment is, then acknowledged; nothing is kept.
-  A version whose sender dies, aborts or sends anything that does not
-  verify is aborted, never published: no half replica is ever listed.
-- **serve** (``REQ`` from the source rank): ``list``, ``manifest``, ``segment`` and
-  ``ranges`` (parts of a segment, which the reader receives straight into its
-  tensors), answered on ``RESP`` in the order asked, each answer carrying its
-  request's ``id``; what is served is verified again by the reader (restore),
-  like any tier's bytes. Segments are sent straight from the replica tier's
-  own memory where it lends it (:class:`~asymstore.tiers.protocol.ViewTier`:
-  the pool buffer of process memory, a mapping of a shared-memory file), the
-  version held until the send is over; other tiers' bytes are read first.
-
-Both end on the source's ``bye`` or when the link fails (the source died). A
-failure of either (or of the service's thread) is logged and kept in
-:attr:`ReplicaService.last_error` (the peer tier's ``status()`` shows it), never
-left to the thread's excepthook; at interpreter exit the service is stopped
-before the interpreter finalizes (:mod:`asymstore.runtime.exiting`).
+The replication protocol and its frames: docs/guides/multirank.md.
 """
 
 from __future__ import annotations

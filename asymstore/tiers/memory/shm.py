@@ -1,23 +1,15 @@
 """ShmTier: the :func:`~asymstore.tiers.HostTier` tier that keeps versions as shared-memory files.
 
-``HostTier(capacity_bytes, path=...)`` constructs one over a tmpfs directory
-(for example ``/dev/shm/asym-job42``). The files are laid out, written,
-published and read exactly as :class:`LocalTier` does it (a LocalTier with
-fsync off does the file work), so a training process that was killed can be
-restarted on the same node and restore without touching disk, and fsck
-checks the directory like any other root. Capacity, eviction, holds and
-back-pressure are :class:`~asymstore.tiers.memory.capacity.BoundedTier`'s; the files a dead
-writer left count against the capacity until they are swept.
+``HostTier(capacity_bytes, path=...)`` builds one over a tmpfs directory (``/dev/shm/asym-job42``).
+Files are laid out, published and read as :class:`LocalTier` does it (with fsync off), so a killed
+process restarted on the same node restores without touching disk, and fsck checks the directory
+like any root. Capacity, eviction, holds and back-pressure are
+:class:`~asymstore.tiers.memory.capacity.BoundedTier`'s. :meth:`ShmTier.view_segment` lends a
+segment as a read-only mapping (the peer holder sends replicas from it); restores read with
+``preadv`` instead, since a file truncated under a mapping by another program ends the process
+with SIGBUS.
 
-:meth:`ShmTier.view_segment` lends a segment as a read-only shared mapping of
-its file (the peer tier's holder sends replicas from it, with no copy out of
-tmpfs). Deleting the version while it is mapped unlinks the file, and the
-mapping keeps its pages until it is closed: the view still shows the
-version's bytes. A stored segment is never rewritten or truncated in place
-by this package (a version is written under a temporary name and renamed);
-one truncated under the mapping by another program would end the reading
-process with SIGBUS, which is why restores read these files with ``preadv``
-and only the holder, lending its own replicas, maps them.
+What the tier is for: docs/guides/store.md; the mapping and its risk: docs/concepts/threat-model.md.
 """
 
 from __future__ import annotations

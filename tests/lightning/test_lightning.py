@@ -10,13 +10,16 @@ environment, ``strategy="ddp"``). The one-process run also keeps the best versio
 ``monitor="val_loss"`` beside ``keep_last=2``. Refused settings raise before anything is hooked
 (manual optimization, ``fit(ckpt_path=...)``), and a ``ResumableLoader`` continues a pass in its
 order without reading the batches already trained. Exhaustive: kills at fixed steps (before any
-version, at epoch ends, at the end), under ``accumulate_grad_batches=2``, and a SIGTERM.
+version, at epoch ends, at the end), under ``accumulate_grad_batches=2``; ``make test`` runs one case of the
+accumulating kill and the SIGTERM path. A killed child must have died by that signal at the drawn step (its
+return code and the marker it writes just before). ``LIGHTNING_KILL_SEED`` replays the random kill points.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import subprocess
@@ -37,6 +40,14 @@ pytestmark = pytest.mark.slow
 
 STEPS = 21  # 3 epochs of 7 batches in one process
 DDP_STEPS = 12  # 3 epochs of 4 batches per process under 2
+SEED = int(os.environ.get("LIGHTNING_KILL_SEED", random.randrange(1 << 30)))
+
+
+def kill_point(name: str, steps: int) -> int:
+    """The drawn kill step of test ``name`` (``LIGHTNING_KILL_SEED`` replays it); printed for a failure report."""
+    kill = random.Random(f"{SEED}-{name}").randint(2, steps - 1)
+    print(f"{name}: kill after {kill} optimizer steps (LIGHTNING_KILL_SEED={SEED})")
+    return kill
 
 
 class _Launch:
@@ -56,7 +67,8 @@ class _Launch:
             self.procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                env=env))
 
-    def wait(self, *, expect_kill: bool = False) -> Path:
+    def wait(self, *, killed: tuple[int, signal.Signals] | None = None) -> Path:
+        """Wait for every rank; each must exit 0, or with ``killed=(step, signal)`` die by it at that step."""
         if self.done:
             return self.out
         self.done = True
@@ -69,13 +81,23 @@ class _Launch:
                     q.kill()
                 raise
         for rank, (p, log) in enumerate(zip(self.procs, logs, strict=True)):
-            ok = (-signal.SIGKILL, -signal.SIGTERM, 0) if expect_kill else (0,)
-            assert p.returncode in ok, f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
+            marker = self.out / f"killed-rank{rank}.json"
+            if killed is None:
+                assert p.returncode == 0, f"rank {rank}: rc {p.returncode}\n{log[-3000:]}"
+                continue
+            step, sig = killed
+            # SIGTERM: Lightning's handler ends the fit by its SIGTERMException, a SystemExit with status 0
+            rc = 0 if sig == signal.SIGTERM else -sig
+            assert p.returncode == rc, f"rank {rank}: rc {p.returncode}, not {rc} ({sig.name})\n{log[-3000:]}"
+            assert sig != signal.SIGTERM or "Received SIGTERM" in log, log[-3000:]
+            assert marker.exists(), f"rank {rank} died without reaching the kill point\n{log[-3000:]}"
+            assert json.loads(marker.read_text()) == {"step": step, "signal": sig.name}, marker.read_text()
+            marker.unlink()  # the resumed run must not find it
         return self.out
 
 
-def _run(out: Path, *args: str, ddp: bool = False, expect_kill: bool = False) -> None:
-    _Launch(out, *args, ddp=ddp).wait(expect_kill=expect_kill)
+def _run(out: Path, *args: str, ddp: bool = False, killed: tuple[int, signal.Signals] | None = None) -> None:
+    _Launch(out, *args, ddp=ddp).wait(killed=killed)
 
 
 def _losses(path: Path) -> dict[str, str]:
@@ -123,7 +145,7 @@ def _versions(root: Path) -> dict[str, list[int]]:
 
 def _kill_resume(ref_run: _Launch, tmp_path: Path, kill: int) -> None:
     out, root = tmp_path / "run", tmp_path / "ckpt"
-    _run(out, "--dir", str(root), "--kill", str(kill), expect_kill=True)
+    _run(out, "--dir", str(root), "--kill", str(kill), killed=(kill, signal.SIGKILL))
     assert (out / "losses-rank0.jsonl").exists() and not (out / "final-rank0.pt").exists()
     _run(out, "--dir", str(root))
     reference = ref_run.wait()
@@ -137,29 +159,27 @@ def _kill_resume(ref_run: _Launch, tmp_path: Path, kill: int) -> None:
 
 
 def test_kill_and_resume(reference: _Launch, tmp_path: Path) -> None:
-    kill = random.randint(2, STEPS - 1)
-    print(f"SIGKILL after {kill} optimizer steps")
-    _kill_resume(reference, tmp_path, kill)
+    _kill_resume(reference, tmp_path, kill_point("kill_and_resume", STEPS))
 
 
-@pytest.mark.exhaustive
 def test_sigterm_and_resume(reference: _Launch, tmp_path: Path) -> None:
     """SIGTERM (Lightning's handler and the Checkpointer's, composed): the newest step is committed, then resumed."""
     out, root = tmp_path / "run", tmp_path / "ckpt"
-    _run(out, "--dir", str(root), "--kill", "10", "--sigterm", expect_kill=True)
+    _run(out, "--dir", str(root), "--kill", "10", "--sigterm", killed=(10, signal.SIGTERM))
     assert not (out / "final-rank0.pt").exists()
     assert 10 in next(iter(_versions(root).values()))  # the step in flight when the signal came
     _run(out, "--dir", str(root))
     _check_same(reference.wait(), out, 1)
 
 
-@pytest.mark.exhaustive
-@pytest.mark.parametrize("kill", [3, 4, 7])  # 4 optimizer steps per epoch: 3 of 2 batches, 1 of 1
+# 4 optimizer steps per epoch: 3 of 2 batches, 1 of 1; make test runs the first
+@pytest.mark.parametrize("kill", [3, pytest.param(4, marks=pytest.mark.exhaustive),
+                                  pytest.param(7, marks=pytest.mark.exhaustive)])
 def test_kill_and_resume_accumulating(tmp_path: Path, kill: int) -> None:
     """``accumulate_grad_batches=2``: a version per optimizer step, taken at the first micro-batch after it."""
     ref = _Launch(tmp_path / "ref", "--accum", "2")
     out, root = tmp_path / "run", tmp_path / "ckpt"
-    _run(out, "--dir", str(root), "--kill", str(kill), "--accum", "2", expect_kill=True)
+    _run(out, "--dir", str(root), "--kill", str(kill), "--accum", "2", killed=(kill, signal.SIGKILL))
     _run(out, "--dir", str(root), "--accum", "2")
     _check_same(ref.wait(), out, 1)
 
@@ -171,10 +191,9 @@ def test_kill_and_resume_at(reference: _Launch, tmp_path: Path, kill: int) -> No
 
 
 def test_ddp_kill_and_resume(ddp_reference: _Launch, tmp_path: Path) -> None:
-    kill = random.randint(2, DDP_STEPS - 1)
-    print(f"SIGKILL after {kill} optimizer steps on both ranks")
+    kill = kill_point("ddp_kill_and_resume", DDP_STEPS)
     out, root = tmp_path / "run", tmp_path / "ckpt"
-    _run(out, "--dir", str(root), "--kill", str(kill), ddp=True, expect_kill=True)
+    _run(out, "--dir", str(root), "--kill", str(kill), ddp=True, killed=(kill, signal.SIGKILL))
     _run(out, "--dir", str(root), ddp=True)
     _check_same(ddp_reference.wait(), out, 2)
     assert (root / "global").is_dir()  # a multi-rank store: rank shards and global manifests

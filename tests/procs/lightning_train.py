@@ -9,10 +9,11 @@ scheduler, a train loader shuffled by the global RNG (one process) or a shufflin
 the environment), wrapped in ``asymcheck.lightning.ResumableLoader``, and a validation pass per epoch.
 With ``--dir`` it runs under ``asymcheck.lightning.AsymCheck`` (a version every step, ``monitor="val_loss"``,
 kept by in one process, recorded only under DDP); without it, it is the uninterrupted reference.
-``--kill S``: SIGKILL inside the ``training_step`` after S optimizer steps.
+``--kill S``: SIGKILL inside the ``training_step`` after S optimizer steps, having written
+``OUT/killed-rankR.json`` (``{"step": S, "signal": "SIGKILL"}``) just before.
 ``--accum N``: ``accumulate_grad_batches=N``.
-``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then the
-process ends by the signal).
+``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then
+Lightning's handler ends the fit by its ``SIGTERMException``, exit status 0, no final state written).
 
 Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch, validation
 losses under ``"val:epoch"``) and, when it finishes, ``OUT/final-rankR.pt`` (parameters, optimizer and
@@ -65,6 +66,8 @@ class Model(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.kill is not None and self.global_step == self.kill:
+            marker = {"step": self.global_step, "signal": signal.Signals(self.signal).name}
+            (self.out / f"killed-rank{self.global_rank}.json").write_text(json.dumps(marker))  # the kill came here
             os.kill(os.getpid(), self.signal)
         loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
         self._log_loss(f"{self.current_epoch}:{batch_idx}", loss)

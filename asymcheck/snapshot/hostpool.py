@@ -1,20 +1,12 @@
 """A fixed pool of host staging slots: one slot holds one version's flat state.
 
-The pool never grows past ``slots`` buffers. A slot is taken when a version
-opens and given back once the store has its own copy; when none is free,
-``acquire`` waits (back-pressure) instead of allocating more. On CUDA the
-buffers are pinned so device-to-host copies run asynchronously.
+The pool never grows past ``slots`` buffers: a slot is taken when a version opens and given back
+once the store has its own copy; when none is free, ``acquire`` waits (back-pressure). A slot's
+buffer is allocated once and reused (it only grows), pinned on CUDA. Unpinned buffers of at least
+:data:`HUGE_MIN_BYTES` are 2 MiB-aligned anonymous mappings advised ``MADV_HUGEPAGE`` when
+transparent huge pages are enabled.
 
-A slot's buffer is allocated once and reused by every version that fits
-(it only grows). Unpinned buffers of at least :data:`HUGE_MIN_BYTES` are
-anonymous mappings advised ``MADV_HUGEPAGE`` and aligned to 2 MiB when the
-kernel's transparent huge pages are not ``never``: the first copy faults
-512 times fewer pages, the copy and the checksum miss the TLB less, and
-pinning the pages for an O_DIRECT write walks fewer of them (on this
-2-core VM the store's threads spent 0.07 s less per GiB per version). The
-first touch of each huge page is paid once per slot; on a VM whose freed
-memory goes back to the host it can cost more than base pages do (2.9
-against 0.4 CPU s per GiB measured here), on bare metal less.
+The slots in the data path, and what huge pages cost and save: docs/concepts/data-path.md.
 """
 
 from __future__ import annotations

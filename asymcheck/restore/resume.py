@@ -1,35 +1,16 @@
 """Resuming: the newest version that fits is read straight into the live model's tensors.
 
-``resume()`` hands the store a function of each candidate version's manifest
-(:meth:`asymstore.AsymStore.restore` with a callable ``into``). It first
-checks that the version fits the live model, optimizer and stateful objects
-using the manifest alone (names, dtypes, shapes and the JSON part, with
-tensors on the ``meta`` device): a version that does not fit is refused
-before a byte is written. It then names the live model tensors as
-destinations, so each of their chunks is read from the tier into the
-parameter itself (one copy; ``model.load_state_dict`` then copies nothing);
-the optimizer's state tensors are read into the live ones where they exist
-already (a job that stepped before resuming), and otherwise (before the
-first step AdamW has none) into fresh tensors; ``optimizer.load_state_dict``
-takes either as they are on CPU (and copies once to the device on CUDA).
+``resume()`` passes :meth:`asymstore.AsymStore.restore` a function of each candidate manifest: it
+first checks, from the manifest alone, that the version fits the live model, optimizer and
+stateful objects (a misfit is refused before a byte is written), then names the live tensors as
+destinations so each chunk lands in its parameter or optimizer state with one copy. If no
+version verifies after some bytes landed, the Checkpointer refuses the next optimizer step
+(:class:`~asymcheck.errors.CheckpointerStateError`) rather than train on a mixture. A
+:class:`~asymstore.multirank.RankStore` is read in place the same way after the ranks agree on a
+fitting version (:mod:`asymstore.multirank.restore`); another world size is resharded
+(:mod:`asymstore.multirank.reshard`).
 
-A version that fails verification part way has written some parameters;
-the store then reads an older version into the same tensors. If none
-verifies, the live parameters hold no version at all: the Checkpointer
-refuses to train on (:class:`~asymcheck.errors.CheckpointerStateError` at the
-next optimizer step) rather than let training continue from a mixture.
-
-A :class:`~asymstore.multirank.RankStore` (DDP, FSDP2) is read in place the
-same way: each rank's chunks land in its live tensors (an FSDP2 rank's are
-the local shards of its DTensor parameters and AdamW moments), so a resume
-on the same number of ranks makes no fresh copy of the state and no second
-pass over it. Its restore agrees on a version across ranks; a version refused
-by the fit check on any rank is refused on every rank (the same
-:class:`~asymcheck.errors.StateMismatchError`), never taken for a damaged
-one (see :mod:`asymstore.multirank.restore`). A version of another world size
-is resharded into fresh tensors (:mod:`asymstore.multirank.reshard`) and
-copied in by ``load``. A state of its own kind (DeepSpeed's engine files)
-resumes into fresh tensors.
+How the bytes travel: docs/concepts/data-path.md; FSDP2 and other world sizes: docs/guides/fsdp2.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """Batched flushing: per tier, decide which chunks to compress and pack them into segments of size B.
 
-One committed step becomes one :class:`VersionPlan` (the staged chunks, in
-order). For each tier it is written to, :meth:`VersionPlan.plan_tier` makes
-a :class:`TierPlan` from that tier's :class:`~asymstore.policy.calibration.TierCalibration`:
+One committed step becomes one :class:`VersionPlan`; for each tier, :meth:`VersionPlan.plan_tier`
+makes a :class:`TierPlan` from that tier's :class:`~asymstore.policy.calibration.TierCalibration`:
+a chunk is compressed only when compressing it costs less than the write time it saves (ratio and
+speed sampled by :func:`asymstore.format.codec.sample`), and the segment size is
+:func:`~asymstore.policy.costmodel.optimal_segment_bytes`, capped by half the flush memory budget
+(``AsymStore(segment_bytes=...)`` overrides it). A :class:`SegmentBuilder` then fills one segment
+while the previous one is written: raw chunks are views of the staged tensors, so host memory
+beyond them stays around two segments; compressed chunks are shared between tiers within a budget.
 
-* **compression**, per chunk of ``s`` raw bytes: compress only when
-  ``t_compress(s) + t_write(s/r) < t_write(s)``, where ``r`` is the ratio
-  measured by compressing the chunk's first 64 KiB (:func:`asymstore.format.codec.sample`),
-  ``t_compress`` comes from the same sample (plus the codec's fixed
-  per-chunk overhead) and ``t_write(x) = a + b·x`` is the tier's calibrated
-  write cost. ``a`` cancels, so this is ``t_compress(s) < b·s·(1 - 1/r)``:
-  compression pays when the write time it saves exceeds the time it takes.
-  A chunk so small that the codec's fixed overhead alone exceeds ``b·s`` is
-  stored raw without sampling;
-* **segment size**: ``B* = sqrt(a·N/c)`` (:func:`~asymstore.policy.costmodel.optimal_segment_bytes`),
-  where ``N`` is the bytes the tier will store and ``c`` the calibration's
-  exposed cost per byte plus the estimated compression time per stored byte,
-  capped by half the flush memory budget (two segments are in flight: one
-  being written, the next being filled). ``AsymStore(segment_bytes=...)``
-  overrides ``B``.
-
-A :class:`SegmentBuilder` then produces that tier's segments one at a time
-(the store writes segment ``k`` while the builder fills ``k+1``): raw chunks
-are views of the staged tensors (no copy), compressed chunks are encoded as
-their segment is filled, so host memory beyond the staged tensors stays
-around two segments however large the version. Compressed chunks are shared
-between tiers that both compress them, within a byte budget.
+The cost model and the compression rule: docs/concepts/batching.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Staging a step's tensors in an :class:`~asymstore.AsymStore`: the copying ``put`` and the adopting ``adopt``.
 
-``put`` / ``put_many`` take a private copy: the caller may change its tensor
-as soon as the call returns. ``adopt`` / ``adopt_many`` take the caller's
-memory itself (a contiguous CPU tensor, for example a reused, page-locked
-staging buffer) and copy nothing. Ownership rules of an adopted tensor:
+``put`` / ``put_many`` take a private copy: the caller may change its tensor as soon as the call
+returns. ``adopt`` / ``adopt_many`` take the caller's memory itself (a contiguous CPU tensor) and
+copy nothing; the caller must neither write nor free it until its ``release`` callback runs,
+exactly once, on the store's event loop. Small tensors of a large batch (at least
+:data:`~asymstore.write.staging.PACK_MIN_TENSORS`, each at most
+:data:`~asymstore.write.staging.PACK_TENSOR_BYTES`) are copied into packs either way.
 
-* from the call until its ``release`` callback runs, the store reads the
-  memory and the caller must neither write nor free it;
-* ``release`` runs exactly once, on the store's event loop: when every tier
-  written by ``commit`` has the version (before ``commit`` returns), when the
-  step is abandoned or superseded by a newer commit, when the store closes,
-  or at once if ``adopt`` / ``adopt_many`` raises;
-* tiers written in the background after ``commit`` returns (those after the
-  durable tier) would otherwise keep the caller's memory for as long as they
-  take, so the store copies adopted tensors once into its own memory before
-  releasing them when such tiers exist;
-* a failed ``commit`` keeps the step's tensors for a retry; ``abandon``
-  releases them.
-
-Small tensors of a large batch are the exception to "copy nothing": an
-``adopt_many`` (or ``put_many``) of at least
-:data:`~asymstore.write.staging.PACK_MIN_TENSORS` tensors copies those of at
-most :data:`~asymstore.write.staging.PACK_TENSOR_BYTES` into packs (their bytes
-would be gathered into one buffer for the segment writer anyway, and a pack
-is hashed, described and verified once for all of them). ``release`` still
-runs as above.
+When ``release`` runs and who owns the memory until then: docs/concepts/data-path.md; packs:
+docs/concepts/format.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """The asymmetric partition planner: pure, no torch, no I/O.
 
-The state of one step is a flat ordering of tensors (an :class:`Extent` per
-tensor, their bytes laid end to end). During the next iteration, training
-passes hook *events* (forward pre-hooks, post-accumulate-grad hooks) and ends
-at the optimizer's step pre-hook. The time between leaving one event and
-entering the next is an idle *window* for a copy issued at that event.
+The flat state of a step (an :class:`Extent` per tensor, bytes end to end) is copied during the
+next iteration, in the idle *windows* between its hook events. :class:`WindowRecorder` turns
+events into windows with an injected :class:`Clock`; :class:`Planner` keeps recent windows; and
+:func:`plan_partitions` cuts the state into partitions sized ``r_i = R * t_i / T`` (``t_i`` the
+window of the event that issues partition ``i``, ``T`` their sum), on element or tensor boundaries,
+covering the state exactly once. That is the ``"asymmetric"`` :data:`Partitioning`; ``"uniform"``
+and ``"step"`` are the schemes it is measured against (``benches/partitioning.py``).
 
-:class:`WindowRecorder` turns events into windows with an injected
-:class:`Clock` (``perf_counter`` on CPU, CUDA events on GPU).
-:class:`Planner` keeps the windows of recent iterations, and
-:func:`plan_partitions` cuts the flat state into partitions sized
-``r_i = R * t_i / T``: ``R`` the total bytes, ``t_i`` the window of the event
-that issues partition ``i`` and ``T`` the sum of every forward and backward
-window of one iteration. Backward windows are longer, so backward partitions
-come out larger. Boundaries fall on element boundaries of the tensor they cut
-(or on tensor boundaries for tensors that cannot be split), and the
-partitions of one plan cover the flat state exactly once.
-
-That is the ``"asymmetric"`` :data:`Partitioning`. The two others are the
-schemes it is measured against (``benches/partitioning.py``): ``"uniform"``
-cuts the state into equal partitions, as many issued in the forward pass as
-in the backward pass, whatever the windows (symmetric schemes such as
-DataStates-LLM); ``"step"`` copies the whole state at the step boundary, in
-the optimizer's step pre-hook (CheckFreq's snapshot), then persists it in the
-background like the others.
+The protocol the planner serves: docs/concepts/data-path.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """One writer per root: the lock a store holds on each directory tier, and the sweep it makes safe.
 
-A store that opens a directory-backed tier (``LocalTier``, ``NVMeTier``,
-``HostTier(path=...)``, the multi-rank ``global/`` directory) takes an
-exclusive ``flock`` on ``ROOT/.lock`` and keeps it until it closes. The
-kernel drops the lock when the process dies, however it dies, so a crashed
-writer never blocks the next one; a second live writer gets
-:class:`~asymstore.errors.RootLockedError` naming the root and the holder
-(pid, host, start time, command) recorded in the lock file.
+A store opening a directory-backed tier takes an exclusive ``flock`` on ``ROOT/.lock`` until it
+closes; the kernel drops it when the process dies, and a second live writer gets
+:class:`~asymstore.errors.RootLockedError` naming the holder recorded in the file. Holding it, the
+writer knows every ``.tmp-*`` entry it did not create belongs to a dead writer:
+:func:`sweep_directory` removes those, and moves a version directory without a manifest to
+``.quarantine/`` unless an interrupted retention delete left it. Each entry swept is a
+:class:`Swept`. The lock file is never removed (two writers could then lock two files of one name).
 
-Holding the lock, the writer knows that every ``.tmp-*`` entry it did not
-create itself belongs to a dead writer, and :func:`sweep_directory` removes
-those and ``LATEST`` temp files. A version directory left without a manifest
-is removed only when it is what an interrupted retention delete left (older
-than the oldest version retention keeps, a retention rule being in force);
-any other one is moved to ``.quarantine/`` and reported. The store sweeps at
-open and after each publish; each entry swept is a :class:`Swept`.
-
-The lock file is never removed (removing it would let two writers lock two
-different files of the same name).
+The rules for users: docs/guides/store.md.
 """
 
 from __future__ import annotations

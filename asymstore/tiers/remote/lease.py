@@ -1,22 +1,14 @@
 """One writer per remote root: a lease object, since object stores and HDFS have no ``flock``.
 
-``ROOT/.lock`` holds JSON ``{"token", "pid", "host", "since", "expires"}``.
-A writer takes the lease when there is none, when it has expired, or when
-its holder is a dead process on this very host; it renews it every third of
-``ttl_s`` while the store is open and deletes it on close. A lease held by a
-live writer elsewhere is waited for up to ``wait_s`` (so a job restarted on
-another node after a crash takes over once the dead writer's lease lapses);
-past that, :class:`~asymstore.errors.RootLockedError` names the holder.
+``ROOT/.lock`` holds JSON ``{"token", "pid", "host", "since", "expires"}``. A writer takes the lease
+when there is none, when it has expired, or when its holder is a dead process on this host; it
+renews it every ``ttl_s/3`` and deletes it on close. A lease held elsewhere is waited for up to
+``wait_s``, then :class:`~asymstore.errors.RootLockedError` names the holder. A ``file://`` root
+creates a missing lease with ``O_CREAT | O_EXCL``; object stores and HDFS offer no conditional
+create, so there (and when taking over an expired lease) the lease is best effort against two
+writers starting within the same second.
 
-Where the filesystem offers a conditional create — a ``file://`` root (a
-local or network mount: ``O_CREAT | O_EXCL``) — a lease that does not exist
-yet is created only if it is still absent, so of two writers starting at the
-same moment exactly one wins. Object stores and HDFS as pyarrow exposes them
-give no conditional create or compare-and-swap, so there (and when taking
-over an expired lease anywhere) two writers starting within the same second
-can both believe they won; the read-back after each write narrows that window
-to a race no scheduler produces in practice, and the lease is documented as
-best effort for that reason.
+The rules for users: docs/guides/store.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The write cost model of a tier (pure): segment size and predicted time from its calibration.
 
-A tier's cost of writing one segment of ``n`` bytes is modelled as
-``t_write(n) = a + b·n``: ``a`` is the fixed cost of one write (open, fsync,
-latency of a request) and ``b`` the cost per byte. Writing ``N`` bytes as
-segments of ``B`` bytes then costs (docs/concepts/batching.md)::
+Writing one segment of ``n`` bytes costs ``t_write(n) = a + b·n``; writing ``N`` bytes in segments
+of ``B`` costs ``T(B) = a·N/B + b·N + c·B``, where ``c = b + f`` is the part no pipelining hides
+(``f`` the host's cost per byte of filling a segment). ``T`` is smallest at ``B* = sqrt(a·N/c)``
+(:func:`optimal_segment_bytes`). The constants of a tier are a
+:class:`~asymstore.api.TierCalibration`, measured by :mod:`asymstore.policy.calibration`.
 
-    T(B) = a·N/B + b·N + c·B
-
-where ``c·B`` is the part no pipelining hides: the first segment must be
-filled (checksummed, compressed) before its write starts, and the last
-segment's write is exposed. So ``c = b + f``, with ``f`` the host's cost per
-byte of filling a segment (measured: a checksum pass; the batcher adds the
-compression cost when it compresses). ``T`` is smallest at
-``B* = sqrt(a·N/c)`` (see :func:`optimal_segment_bytes`).
-
-The constants ``a``, ``b`` and ``c`` of a tier are a
-:class:`~asymstore.api.TierCalibration`; :mod:`asymstore.policy.calibration`
-measures them.
+The model and its terms: docs/concepts/batching.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Per-tier write cost calibration, measured at startup or loaded from a cache.
 
-**Measuring.** A tier that implements :class:`ProbeableTier` is calibrated by
-writing files of two sizes (:data:`PROBE_SMALL`, :data:`PROBE_LARGE`, each
-:data:`PROBE_REPEAT` times, interleaved) the way segments are written (one
-``writev`` and an ``fsync`` each) into a scratch directory of the tier
-(``ROOT/.tmp-calibrate-<id>/``, removed afterwards; a leftover is reported by
-fsck as ``partial`` and removed by ``--repair``). With the median times
-``t_s`` and ``t_l``: ``b = (t_l - t_s)/(L - S)`` and ``a = t_s - b·S``.
+A :class:`ProbeableTier` is calibrated by writing files of two sizes (:data:`PROBE_SMALL`,
+:data:`PROBE_LARGE`, :data:`PROBE_REPEAT` times each, interleaved) as segments are written, into
+``ROOT/.tmp-calibrate-<id>/`` (removed afterwards; fsck reports a leftover as ``partial``); ``a``
+and ``b`` come from the line through the two medians. Results are cached in ``calibration.json``
+under ``$ASYMSTORE_CACHE_DIR``, ``$XDG_CACHE_HOME/asymstore`` or ``~/.cache/asymstore``, keyed by
+:meth:`~ProbeableTier.calibration_key`, and measured again after :data:`MAX_AGE_S`.
 
-**Caching.** Results are cached in a JSON file, keyed by the tier's
-:meth:`~ProbeableTier.calibration_key` (for directory tiers: the kind, the
-filesystem's device number and mount point, and whether files are fsynced),
-so one measurement serves every root on the same filesystem. The file is
-``$ASYMSTORE_CACHE_DIR/calibration.json``, else
-``$XDG_CACHE_HOME/asymstore/calibration.json``, else
-``~/.cache/asymstore/calibration.json``. Entries older than
-:data:`MAX_AGE_S` are measured again; delete the file (or call
-``AsymStore.recalibrate()``) after changing hardware.
+Probe sizes, cache location and how to skip measuring: docs/concepts/batching.md.
 """
 
 from __future__ import annotations

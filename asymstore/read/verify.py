@@ -1,21 +1,14 @@
 """The one verification path of a stored version, shared by restore and fsck so they never disagree.
 
-Everything read from a tier is untrusted input:
-
-1. the manifest: at most :data:`~asymstore.format.manifest.MAX_MANIFEST_BYTES`,
-   self-checksum verified before any field is used, then every structural
-   rule of :func:`~asymstore.format.parse.parse_manifest` (dtypes, shapes,
-   chunk bounds and overlaps, declared raw lengths), and the step it names;
-2. each segment: a regular file (or object) of exactly the size the manifest
-   gives, checked before it is read; with ``deep``, its whole checksum;
-3. each chunk: its stored checksum, its decoding (bounded by its declared raw
-   length) and its raw checksum. A pack (format 3: many small tensors in
-   one chunk) is verified once; a failure names the tensors it holds.
-
-Every failure is a :class:`~asymstore.errors.CorruptVersionError` (or its
-:class:`~asymstore.errors.ManifestError`); restore falls back to the next
-copy or the previous version on it, fsck reports the version ``corrupt``.
+Everything read from a tier is untrusted: the manifest (bounded by
+:data:`~asymstore.format.manifest.MAX_MANIFEST_BYTES`, self-checksum first, then every rule of
+:func:`~asymstore.format.parse.parse_manifest`), each segment (a regular file of exactly the
+declared size; with ``deep``, its whole checksum) and each chunk (stored checksum, bounded decoding,
+raw checksum; a pack once). Every failure is a :class:`~asymstore.errors.CorruptVersionError` (or
+its :class:`~asymstore.errors.ManifestError`): restore falls back, fsck reports ``corrupt``.
 Importing this module does not import torch (fsck starts fast); decoding does.
+
+What each hostile file gets: docs/concepts/threat-model.md.
 """
 
 from __future__ import annotations

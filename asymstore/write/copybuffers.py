@@ -1,20 +1,13 @@
 """Host buffers reused for the private copies the background tiers read.
 
-When a commit's tensors were adopted (the caller's memory, handed back as
-soon as the durable tier has the version) and slower tiers still have to be
-written, the store copies the adopted bytes once into private memory. Fresh
-memory costs a page fault per 4 KiB page on its first touch: for a version
-of a few hundred MiB that is several times the copy itself (0.22 CPU-s for
-335 MiB fresh against 0.03 s into memory already touched, measured on the
-development VM). Consecutive versions of a training run have the same size,
-so the buffer of a version the background tiers are done with is kept and
-handed to the next version of that size.
+When adopted tensors must be copied for tiers written after the durable one, fresh memory would
+cost a page fault per 4 KiB page on first touch (several times the copy itself), so the buffer of
+a version the background tiers are done with is kept and handed to the next version of the same
+size. At most ``keep`` idle buffers are kept (oldest dropped first); a buffer in use comes back
+through :meth:`CopyBuffers.give_back`, and one that never does (a plan dropped on a failure) is
+ordinary garbage.
 
-At most ``keep`` idle buffers are kept (the oldest is dropped first);
-buffers in use are owned by their version's plan and come back through
-:meth:`CopyBuffers.give_back` once every background tier is done with it.
-A buffer that never comes back (a plan dropped on a failure) is ordinary
-garbage: nothing is accounted for it.
+Where these copies fit in the ownership rules: docs/concepts/data-path.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Loading one verified version from one tier: into fresh tensors, or straight into the caller's.
 
-``load_version(tier, step, into=...)`` reads each chunk of a tensor named in
-``into`` straight into that tensor's memory (a contiguous CPU tensor of the
-stored dtype and shape): a tier that can read ranges into caller buffers
-(:class:`~asymstore.tiers.protocol.ReadIntoTier`: directory tiers, host memory)
-fills the destination from the file or the pool with one copy, and the
-chunk checksums are verified on the destination bytes; compressed chunks
-decode into the destination. Other destinations (non-contiguous, on a GPU)
-receive one copy from a decoded host tensor. Every check of
-:mod:`asymstore.read.verify` applies; names, dtypes and shapes of ``into`` are
-checked against the manifest before any byte is written
-(:class:`~asymstore.errors.DestinationMismatchError`).
+``load_version(tier, step, into=...)`` reads each chunk of a tensor named in ``into`` straight into
+its memory where the tier can read into caller buffers
+(:class:`~asymstore.tiers.protocol.ReadIntoTier`), verifying checksums on the destination; other
+destinations get one copy from a decoded host tensor. Every check of :mod:`asymstore.read.verify`
+applies, and ``into`` is checked against the manifest before any byte is written
+(:class:`~asymstore.errors.DestinationMismatchError`). A load that fails part way leaves the
+caller (``AsymStore.restore``) to load an older version into the same tensors.
 
-A load that fails verification part way has written some destinations: the
-caller (``AsymStore.restore``) then loads an older version into the same
-tensors, and if none verifies the destinations hold no version at all.
+How the bytes travel: docs/concepts/data-path.md.
 """
 
 from __future__ import annotations

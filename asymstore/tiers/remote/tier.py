@@ -1,19 +1,12 @@
 """RemoteTier: versions on any pyarrow filesystem (``hdfs://``, ``s3://``, ``file://``).
 
-Layout is that of :mod:`asymstore.format.names` under the URI's path. How a version
-is published depends on what the store can do atomically:
+Layout is that of :mod:`asymstore.format.names` under the URI's path. A version is published by
+``rename`` (HDFS, ``file://``: a ``.tmp-v…-id/`` directory renamed to ``v…``, never onto an
+existing one) or by ``marker`` (object stores: segments first, the manifest last in one PUT as the
+commit marker). Every upload is verified and every operation retried on transient errors only
+(:class:`asymstore.tiers.remote.retry.RetryPolicy`).
 
-- ``rename`` (HDFS, ``file://``): segments and manifest go to a fresh
-  ``.tmp-v…-id/`` directory that is renamed to ``v…``; HDFS refuses a rename
-  onto an existing destination, so a committed version is never replaced.
-- ``marker`` (S3 and other object stores, which have no rename): segments are
-  uploaded under ``v…/`` first and the manifest, written last in one PUT, is
-  the commit marker; a prefix without a manifest is not a version.
-
-Every upload is verified (size, and with ``verify="checksum"`` the xxh3 of the
-bytes read back) and every operation retried on transient errors only
-(:class:`asymstore.tiers.remote.retry.RetryPolicy`). HDFS needs libhdfs: set
-``JAVA_HOME``, ``HADOOP_HOME`` and ``CLASSPATH=$($HADOOP_HOME/bin/hadoop classpath --glob)``.
+Setup (HDFS's libhdfs included), publishing and retries: docs/guides/store.md.
 """
 
 from __future__ import annotations

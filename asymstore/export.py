@@ -91,25 +91,23 @@ def is_multirank_root(location: str) -> bool:
     Raises:
         RootUnreadableError: its entries cannot be listed.
     """
-    from asymstore.multirank.rootlayout import survey_for_reading
+    from asymstore.opener import reads_multirank
 
-    return "://" not in location and survey_for_reading(location).reads_multirank()
+    return reads_multirank(location)
 
 
 def open_tier(location: str) -> tuple[Tier, str]:
     """The tier to read for ``location`` (rank 0's for a multi-rank root, :func:`is_multirank_root`), and its name."""
-    if "://" in location:
-        from asymstore.tiers.remote.tier import RemoteTier
+    from asymstore.format.names import is_uri
+    from asymstore.tiers.location import from_location, rank_tier
 
-        return RemoteTier(location), location
-    from asymstore.multirank import globaldir
-    from asymstore.tiers.local import LocalTier
-
+    if is_uri(location):
+        return from_location(location, read_only=True), location
     if not os.path.isdir(location):
         raise FileNotFoundError(f"{location} is not a tier root")
     if is_multirank_root(location):
-        return LocalTier(os.path.join(location, globaldir.rank_dirname(0)), fsync=False), f"{location} (rank 0)"
-    return LocalTier(location, fsync=False), location
+        return rank_tier(location, 0), f"{location} (rank 0)"
+    return from_location(location, read_only=True), location
 
 
 def _global_candidates(location: str, step: int | None) -> list[int] | None:

@@ -39,10 +39,12 @@ import torch
 from asymcheck.deepspeed.files import META_KEY, decode_file, file_keys
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import DeepSpeedExportError
-from asymstore import AsymStore, AsymstoreError, CorruptVersionError, LocalTier
+from asymstore import AsymstoreError, CorruptVersionError
 from asymstore.api import Checkpoint
 from asymstore.format.globalmanifest import shard_digest
 from asymstore.multirank import globaldir
+from asymstore.opener import open_store
+from asymstore.tiers.location import rank_tier
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +62,11 @@ def find_root(location: str) -> str:
 
 
 async def _shard(root: str, rank: int, step: int) -> Checkpoint:
-    tier = LocalTier(os.path.join(root, globaldir.rank_dirname(rank)), fsync=False)
-    async with AsymStore([tier], read_only=True) as store:
+    store = await open_store([rank_tier(root, rank)], read_only=True).open()
+    try:
         return await store.restore(step=step)
+    finally:
+        await store.close()
 
 
 async def read_version(root: str, step: int | None = None) -> tuple[int, str, list[Checkpoint]]:

@@ -289,11 +289,11 @@ class RootSource:
     def of_root(cls, root: str) -> RootSource:
         """A multi-rank root on this machine: ``root/global`` and each rank's ``LocalTier(root/rank-NNNNN)``."""
         from asymstore.multirank import globaldir
-        from asymstore.tiers.local import LocalTier
+        from asymstore.tiers.location import rank_tier
 
         gdir = os.path.join(root, globaldir.GLOBAL_DIR)
         return cls(root, lambda: globaldir.list_global_steps(gdir), lambda s: globaldir.read_global(gdir, s),
-                   lambda r: ([LocalTier(os.path.join(root, globaldir.rank_dirname(r)), fsync=False)], True))
+                   lambda r: ([rank_tier(root, r)], True))
 
     async def steps(self) -> list[int]:
         """Published global steps, newest first."""

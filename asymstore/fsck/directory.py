@@ -23,7 +23,7 @@ from asymstore.io.rootlock import DirLock, is_leftover_name
 from asymstore.policy.retention import KeepBest, Retention, recorded_rules
 from asymstore.read.verify import check_version
 from asymstore.runtime.sync import run_sync
-from asymstore.tiers.local import LocalTier
+from asymstore.tiers.location import from_location
 from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] 
     versions = [n for n in names if parse_version_dirname(n) is not None and os.path.lexists(os.path.join(root, n))]
     tick = progress(_deep_total(root, versions)) if deep and progress else None
     holder = DirLock(root).holder()  # a live writer: its temporary entries are work in progress
-    tier = LocalTier(root, fsync=False)
+    tier = from_location(root, read_only=True)
     with_manifest = sorted(s for s in (parse_version_dirname(n) for n in versions)
                            if s is not None and os.path.lexists(os.path.join(root, version_dirname(s), MANIFEST_NAME)))
     entries: list[VersionReport] = []

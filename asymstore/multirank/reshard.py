@@ -228,20 +228,17 @@ class ShardSet:
         is read by every rank from the root itself.
         """
         if is_single_root(g):
-            from asymstore.tiers.local import LocalTier
+            from asymstore.tiers.location import from_location
 
-            return cls(g, lambda r: ([LocalTier(job.root, fsync=False)], True))
+            return cls(g, lambda r: ([from_location(job.root, read_only=True)], True))
         return cls(g, lambda r: (tiers, False) if r == job.rank else (job.peer_tiers(r), True))
 
     @classmethod
     def of_root(cls, root: str, g: GlobalManifest) -> ShardSet:
         """The shards under a multi-rank root on this machine, read without any job running."""
-        import os
+        from asymstore.tiers.location import rank_tier
 
-        from asymstore.multirank.globaldir import rank_dirname
-        from asymstore.tiers.local import LocalTier
-
-        return cls(g, lambda r: ([LocalTier(os.path.join(root, rank_dirname(r)), fsync=False)], True))
+        return cls(g, lambda r: ([rank_tier(root, r)], True))
 
     async def open(self) -> None:
         """Read and check every rank's shard manifest (its digest against the global manifest) and layouts.

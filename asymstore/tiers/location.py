@@ -1,4 +1,4 @@
-"""A tier from where the user points: a directory or a URI (:func:`from_location`); a rank's shards (:func:`rank_tier`)."""
+"""A tier from where the user points (:func:`from_location`), and a rank's shards (:func:`rank_tier`)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ from torch.futures import Future
 from asymstore.dcp import metadata as md
 from asymstore.dcp.loop import LoopThread
 from asymstore.dcp.sources import RootSource, Source, StoreSource, Version
-from asymstore.dcp.spec import StoreSpec, own_store, parse_step
+from asymstore.dcp.spec import StoreSpec, own_store, parse_step, renamed_location
 from asymstore.dcp.writer import StorageWriter
 from asymstore.errors import (
     AsymstoreError,
@@ -103,7 +103,8 @@ class StorageReader(_DCPStorageReader):
     ``peer_tiers``.
 
     Args:
-        source: where the versions are: a :class:`StorageWriter` (its store, shared:
+        location: where the versions are (formerly ``source``, still accepted with a
+            ``DeprecationWarning``): a :class:`StorageWriter` (its store, shared:
             resume in the process that goes on saving), an
             :class:`~asymstore.AsymStore` or :class:`~asymstore.multirank.RankStore`
             that is not open yet (opened here, on a loop thread of this reader, and
@@ -119,13 +120,14 @@ class StorageReader(_DCPStorageReader):
         DCPStorageError: store options beside a store object; another kind of store.
     """
 
-    def __init__(self, source: StorageWriter | StoreSpec, *, step: int | None = None, allow_pickle: bool = False,
-                 **store_kwargs: Any) -> None:
+    def __init__(self, location: StorageWriter | StoreSpec | None = None, *, step: int | None = None,
+                 allow_pickle: bool = False, **store_kwargs: Any) -> None:
         """Configure; nothing is opened before the first load (or :meth:`steps`)."""
         super().__init__()
-        if isinstance(source, (AsymStore, RankStore, StorageWriter)) and store_kwargs:
+        spec: StorageWriter | StoreSpec = renamed_location(location, store_kwargs, "source", "StorageReader")
+        if isinstance(spec, (AsymStore, RankStore, StorageWriter)) and store_kwargs:
             raise DCPStorageError(f"store options {sorted(store_kwargs)} go to the store itself, not beside it")
-        self._source_spec = source
+        self._source_spec = spec
         self._store_kwargs = store_kwargs
         self.default_step = step
         self.allow_pickle = allow_pickle

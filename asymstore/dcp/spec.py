@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,23 @@ def parse_step(checkpoint_id: object) -> int:
             return int(match.group(1))
     raise DCPStorageError(f"checkpoint_id {checkpoint_id!r} names no step: give the step as an int or as a "
                           "string such as '12' or 'step-12'")
+
+
+def renamed_location(location: object, store_kwargs: dict[str, Any], old: str, caller: str) -> Any:
+    """``location``, or the value under its former keyword ``old`` (deprecated: it warns), out of ``store_kwargs``.
+
+    Raises:
+        TypeError: both are given, or neither.
+    """
+    if old in store_kwargs:
+        if location is not None:
+            raise TypeError(f"{caller}() got both location= and its former name {old}=")
+        warnings.warn(f"{caller}({old}=...) is deprecated and goes in the next release: pass location=...",
+                      DeprecationWarning, stacklevel=3)
+        return store_kwargs.pop(old)
+    if location is None:
+        raise TypeError(f"{caller}() missing the argument 'location' (where the checkpoint lives)")
+    return location
 
 
 def dist_world() -> tuple[int, int]:

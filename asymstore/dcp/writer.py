@@ -51,7 +51,7 @@ from torch.futures import Future
 from asymstore.api import CommitResult
 from asymstore.dcp import metadata as md
 from asymstore.dcp.loop import LoopThread
-from asymstore.dcp.spec import StoreSpec, own_store, parse_step
+from asymstore.dcp.spec import StoreSpec, own_store, parse_step, renamed_location
 from asymstore.errors import DCPStorageError, InvalidNameError, StepCommittedError, StepOrderError
 from asymstore.format.manifest import validate_name
 from asymstore.multirank.store import RankStore
@@ -113,7 +113,8 @@ class StorageWriter(_DCPStorageWriter):
     unpickle it).
 
     Args:
-        store_or_tiers: an :class:`~asymstore.AsymStore` or
+        location: where the checkpoint lives (formerly ``store_or_tiers``, still accepted with a
+            ``DeprecationWarning``): an :class:`~asymstore.AsymStore` or
             :class:`~asymstore.multirank.RankStore` that is not open yet (the
             writer opens it on its own event loop thread and closes it in
             :meth:`close`), a list of tiers (fastest first), a directory or a tier
@@ -129,13 +130,14 @@ class StorageWriter(_DCPStorageWriter):
         DCPStorageError: store options beside a store object; another kind of store.
     """
 
-    def __init__(self, store_or_tiers: StoreSpec, *, keep_last: int | None = 3,
+    def __init__(self, location: StoreSpec | None = None, *, keep_last: int | None = 3,
                  pickle_planner_data: bool = False, **store_kwargs: Any) -> None:
         """Configure; nothing is opened before the first save (or :meth:`open`)."""
         super().__init__()
-        if isinstance(store_or_tiers, (AsymStore, RankStore)) and store_kwargs:
+        spec: StoreSpec = renamed_location(location, store_kwargs, "store_or_tiers", "StorageWriter")
+        if isinstance(spec, (AsymStore, RankStore)) and store_kwargs:
             raise DCPStorageError(f"store options {sorted(store_kwargs)} go to the store itself, not beside it")
-        self._spec = store_or_tiers
+        self._spec = spec
         self.keep_last = keep_last
         self.pickle_planner_data = pickle_planner_data
         self._store_kwargs = store_kwargs

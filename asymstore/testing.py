@@ -8,7 +8,7 @@ process there, leaving the disk exactly as a crash would (run it in a child proc
 :class:`SlowLocalTier` stalls each commit before its manifest, for tests of deadlines.
 :class:`CrashingPeerTier` dies part way through sending a version to its neighbour.
 
-What each phase leaves on disk, and an example: docs/extending/tiers.md.
+What each phase leaves on disk, and a typical crash test: docs/extending/tiers.md.
 """
 
 from __future__ import annotations

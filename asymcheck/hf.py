@@ -243,7 +243,8 @@ class AsymCheckCallback(TrainerCallback):
         every: take a version every ``every``-th optimizer step.
         keep_last: versions kept (when the store is built here).
         stateful: further name -> object with ``state_dict``/``load_state_dict`` updated after the
-            step (your own counters); the names ``trainer_state`` and ``lr_scheduler`` are taken.
+            step (your own counters); the names ``hf.trainer_state``, ``hf.scheduler`` and their
+            earlier ``trainer_state``, ``lr_scheduler`` are taken.
         metrics: give the metrics of each evaluation to the version of its step
             (``Checkpointer.log_metrics``, which ``keep_best`` reads).
         keep_best: also keep the best versions by an evaluation metric. An int ``k`` keeps the

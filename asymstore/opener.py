@@ -133,7 +133,7 @@ def writer_layout(root: str | os.PathLike[str], world_size: int) -> Layout:
 def open_store(location: Location, *, read_only: bool = False, keep_last: int | None = 3,
                keep_every: int | None = None, keep_best: KeepBest | None = None, timeout_s: float | None = None,
                across_layouts: AcrossLayouts = "resume", root: str | os.PathLike[str] | None = None,
-               multirank: bool | None = None, **options: Unpack[OpenOptions]) -> CheckpointStore:
+               multirank: bool = False, **options: Unpack[OpenOptions]) -> CheckpointStore:
     """The store for ``location``, not opened yet (see the module docstring for which store each location gets).
 
     Args:
@@ -146,8 +146,8 @@ def open_store(location: Location, *, read_only: bool = False, keep_last: int | 
         timeout_s: (RankStore) how long the coordinator waits for every rank at a commit (None: its default).
         across_layouts: (RankStore) what its ``restore`` does with a single-process root's versions.
         root: the multi-rank root when ``location`` is this rank's tiers (a RankStore then).
-        multirank: True: always a RankStore (a directory, or tiers with ``root``), as DeepSpeed needs
-            whatever the world size; False: never one; None: decided by the rule above.
+        multirank: always a RankStore (a directory, or tiers with ``root``), as DeepSpeed needs whatever
+            the world size (default: decided by the rule above; a root's recorded layout is never overridden).
         **options: the store's options (:class:`StoreOptions`) and a RankStore's (:class:`RankOptions`,
             ignored by a single-process store).
 
@@ -182,7 +182,7 @@ def open_store(location: Location, *, read_only: bool = False, keep_last: int | 
                                       "StorageReader, python -m asymstore.export LOCATION, or a RankStore on "
                                       "every rank of a job)")
             return _single([from_location(path, read_only=True)], True, keep_last, keep_every, keep_best, options)
-        layout = "multirank" if multirank else "single" if multirank is False else writer_layout(path, world)
+        layout = "multirank" if multirank else writer_layout(path, world)
         if layout == "multirank":
             return _rank_store(path, None, world, keep_last, keep_every, keep_best, timeout_s, across_layouts,
                                options)
@@ -190,7 +190,7 @@ def open_store(location: Location, *, read_only: bool = False, keep_last: int | 
     tiers = list(location)
     if multirank and root is None:
         _refuse("a RankStore over a list of tiers needs root= (the directory of the global manifests)")
-    if root is not None and not read_only and (multirank or (multirank is None and world > 1)):
+    if root is not None and not read_only and (multirank or world > 1):
         return _rank_store(os.fspath(root), tiers, world, keep_last, keep_every, keep_best, timeout_s,
                            across_layouts, options)
     return _single(tiers, read_only, keep_last, keep_every, keep_best, options)

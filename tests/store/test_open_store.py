@@ -350,3 +350,14 @@ def test_the_dcp_storages_take_location_and_their_former_keywords_warn(tmp_path:
         StorageWriter(str(tmp_path), store_or_tiers=str(tmp_path))
     with pytest.raises(TypeError, match="missing the argument 'location'"):
         StorageReader()
+
+
+@pytest.mark.parametrize("world", [ONE, TWO], indirect=True)
+def test_tiers_with_root_are_a_rankstore_only_when_several_ranks_run(world: tuple[int, int], tmp_path: Path) -> None:
+    tiers = [LocalTier(tmp_path / "nvme")]
+    opened = open_store(tiers, root=tmp_path / "root")
+    if world[1] > 1:
+        assert isinstance(opened, RankStore) and (opened.rank, opened.world_size) == world
+        assert opened.local.tiers == tiers
+    else:
+        assert isinstance(opened, AsymStore) and opened.tiers == tiers

@@ -2,13 +2,15 @@
 
 The stores are real: a host-memory tier as the durable tier with a local disk
 behind it (the background cascade copies each version there), or a local disk
-alone. The only fake is :class:`asymstore.testing.SlowLocalTier`, a real
-``LocalTier`` that stalls its commits to inject a slow disk.
+alone. The only fakes are :class:`asymstore.testing.SlowLocalTier` and :class:`GatedLocalTier`, real
+``LocalTier`` s that stall their commits to inject a slow disk (the gated one until the test lets it go,
+so the deadline tests check order and outcome, not a wall-clock bound).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -18,9 +20,40 @@ from torch import nn
 from asymcheck import Checkpointer
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.testing import SlowLocalTier
+from asymstore.tiers.local import _DirWriter
 
 FAST = {"segment_bytes": 1 << 20, "compression": "never"}  # nothing to calibrate
-MARGIN_S = 1.5  # what the flush may take past its deadline: closing calls, a loaded machine
+
+
+class GatedLocalTier(LocalTier):
+    """A LocalTier whose commits after the first ``after`` stall before their manifest until ``gate`` is set.
+
+    The deadline tests open the gate only once ``preempt()`` returned: a flush that waited for such a
+    commit instead of its deadline would return only after ``GATE_S`` (30 s) with the version durable, which
+    they refuse. Order and outcome, never a wall-clock bound.
+    """
+
+    GATE_S = 30.0
+
+    def __init__(self, root: Path, *, after: int) -> None:
+        super().__init__(root)
+        self.after = after
+        self.commits = 0
+        self.gate = threading.Event()
+
+    async def begin(self, step: int, nbytes: int) -> _DirWriter:
+        writer = await super().begin(step, nbytes)
+        return _GatedWriter(self, step, writer.tmp)
+
+
+class _GatedWriter(_DirWriter):
+    tier: GatedLocalTier
+
+    def _publish_sync(self, manifest: bytes) -> None:
+        self.tier.commits += 1
+        if self.tier.commits > self.tier.after:
+            self.tier.gate.wait(self.tier.GATE_S)
+        super()._publish_sync(manifest)
 
 
 def make() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -88,17 +121,16 @@ def test_preempt_waits_for_the_persistent_copy_behind_a_memory_durable_tier(tmp_
 def test_preempt_stops_waiting_for_a_slow_persistent_tier_at_the_deadline(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     # the first copy to the disk is quick, every later one stalls 3 s: the newest cannot get there in time
-    host, slow = HostTier(64 << 20), SlowLocalTier(disk, delay_s=3.0, after=1)
+    host, slow = HostTier(64 << 20), GatedLocalTier(disk, after=1)
     store = AsymStore([host, slow], durable=host, **FAST)
     model, opt = make()
     ckpt = Checkpointer(model, opt, store, preempt_on="none", warmup=1, min_partition_bytes=512)
     train(model, opt, 2)  # version 1 is sealed in the 2nd step
     assert wait_until(lambda: on_disk(disk) == [1])
     train(model, opt, 2)
-    started = time.monotonic()
     record = ckpt.preempt(deadline_s=0.8)
-    took = time.monotonic() - started
-    assert took < 0.8 + MARGIN_S, took
+    assert on_disk(disk) == [1]  # it returned while the gated copy still waits: it did not wait for it
+    slow.gate.set()
     assert record.step == 4 and record.deadline_s == 0.8
     assert record.deadline_hit and not record.durable
     assert record.persistent_step == 1  # what survives the process had it ended now
@@ -108,14 +140,14 @@ def test_preempt_stops_waiting_for_a_slow_persistent_tier_at_the_deadline(tmp_pa
 
 def test_preempt_stops_waiting_for_a_slow_durable_commit_at_the_deadline(tmp_path: Path) -> None:
     root = tmp_path / "disk"
-    store = AsymStore([SlowLocalTier(root, delay_s=3.0, after=2)], **FAST)  # commits 3, 4... stall 3 s
+    tier = GatedLocalTier(root, after=2)
+    store = AsymStore([tier], **FAST)  # commits 3, 4... wait for the gate
     model, opt = make()
     ckpt = Checkpointer(model, opt, store, preempt_on="none", warmup=1, min_partition_bytes=512)
     train(model, opt, 4)  # version 3, sealed in the 4th step, is still committing
-    started = time.monotonic()
     record = ckpt.preempt(deadline_s=1.0)
-    took = time.monotonic() - started
-    assert took < 1.0 + MARGIN_S, took
+    assert on_disk(root) == [1, 2]  # it returned while version 3's commit still waits: it did not wait for it
+    tier.gate.set()
     assert record.step == 4 and record.deadline_hit and not record.durable
     assert record.persistent_step == 2  # version 3 was not committed in time, version 4 not even sealed
     assert wait_until(lambda: on_disk(root)[-1:] == [3])  # version 3 finishes on its own; 4 was dropped

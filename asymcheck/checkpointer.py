@@ -1,4 +1,8 @@
-"""The Checkpointer: per-iteration snapshots of a plain PyTorch training loop into asymstore."""
+"""The Checkpointer: per-iteration snapshots of a plain PyTorch training loop into asymstore.
+
+Options are typed groups (:mod:`asymcheck.options`); adapters drive it through ``hooks=`` and ``state=``.
+Guide: docs/guides/checkpointer.md.
+"""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypedDict, get_args
 from asymcheck.errors import InvalidOptionError
 from asymcheck.policy.failures import ON_ERROR, OnError
 from asymcheck.policy.preempt import DEFAULT_DEADLINE_S, PREEMPT_ON, PreemptOn
-from asymcheck.snapshot.partition import Clock, Partitioning, check_partitioning
+from asymcheck.snapshot.partition import PARTITIONINGS, Clock, Partitioning
 from asymstore import KeepBest
 from asymstore.multirank.rootlayout import AcrossLayouts
 
@@ -126,7 +126,7 @@ class PartitionOptions:
 
     def __post_init__(self) -> None:
         """Check every value."""
-        check_partitioning(self.partitioning)
+        _one_of("PartitionOptions", "partitioning", self.partitioning, PARTITIONINGS)
         _int("PartitionOptions", "warmup", self.warmup, least=1)
         _int("PartitionOptions", "max_partitions", self.max_partitions, least=1)
         _int("PartitionOptions", "min_partition_bytes", self.min_partition_bytes, least=0)

@@ -13,6 +13,7 @@ import types
 import torch
 
 from asymcheck import Checkpointer
+from asymcheck.options import PreemptionOptions
 
 stop = False
 
@@ -26,7 +27,7 @@ signal.signal(signal.SIGTERM, on_sigterm)
 
 model = torch.nn.Linear(32, 8)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-with Checkpointer(model, optimizer, "ckpt", preempt_deadline_s=25.0) as ckpt:
+with Checkpointer(model, optimizer, "ckpt", preemption=PreemptionOptions(preempt_deadline_s=25.0)) as ckpt:
     start = ckpt.resume() or 0
     for step in range(start, 1000):
         if step == start + 7:

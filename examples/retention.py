@@ -5,6 +5,7 @@ import tempfile
 import torch
 
 from asymcheck import Checkpointer
+from asymcheck.options import RetentionOptions
 from asymstore import KeepBest
 
 model = torch.nn.Linear(16, 16)
@@ -12,8 +13,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 with tempfile.TemporaryDirectory() as root:
     # --8<-- [start:retention]
-    with Checkpointer(model, optimizer, root, keep_last=2, keep_every=10,
-                      keep_best=KeepBest("eval_loss", mode="min", k=1)) as ckpt:
+    keep = RetentionOptions(keep_last=2, keep_every=10, keep_best=KeepBest("eval_loss", mode="min", k=1))
+    with Checkpointer(model, optimizer, root, retention=keep) as ckpt:
         for step in range(30):
             model(torch.randn(8, 16)).square().mean().backward()
             optimizer.step()

@@ -1,20 +1,24 @@
-"""attach(): per-iteration asymmetric snapshots of a DeepSpeed engine (ZeRO 0-3) into a multi-rank store."""
+"""attach(): per-iteration asymmetric snapshots of a DeepSpeed engine (ZeRO 0-3) into a multi-rank store.
+
+Guide: docs/guides/deepspeed.md.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
-from asymcheck.checkpointer import Checkpointer
+from asymcheck.checkpointer import Checkpointer, StoreRunner
 from asymcheck.deepspeed.hooks import DeepSpeedHooks, inner_optimizer
 from asymcheck.deepspeed.state import DeepSpeedState
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
+from asymcheck.options import GROUPS, CheckpointerOptions, resolve
+from asymcheck.snapshot.hooks import Driver
 from asymcheck.state.trainstate import Stateful
-from asymstore import KeepBest
-from asymstore.api import CollectiveStore, ReshardingStore
+from asymstore.api import CheckpointStore, CollectiveStore, ReshardingStore
 from asymstore.opener import open_store
 from asymstore.tiers.protocol import Tier
 
@@ -31,30 +35,30 @@ class DeepSpeedCheckpointer(Checkpointer):
     copied during the forward and backward passes of the next iteration.
     Every rank commits its shard; rank 0 publishes the global version once all
     did. ``resume()`` is collective and loads through ``engine.load_checkpoint``.
+    It drives the Checkpointer through its public ``hooks=`` and ``state=`` parameters
+    (:class:`asymcheck.deepspeed.hooks.DeepSpeedHooks`, :class:`asymcheck.deepspeed.state.DeepSpeedState`).
     """
 
     def __init__(self, engine: Any, store: CollectiveStore, *, stateful: Mapping[str, Stateful] | None = None,
-                 data: Mapping[str, Stateful] | None = None, every: int = 1, **kwargs: Any) -> None:
+                 data: Mapping[str, Stateful] | None = None, every: int = 1,
+                 **options: Unpack[CheckpointerOptions]) -> None:
         """Hook ``engine``; see :func:`attach` for the arguments."""
         check_engine(engine, "attach")
         register_deepspeed_types()
-        super().__init__(engine.module, inner_optimizer(engine), store, stateful=stateful, data=data, every=every,
-                         **kwargs)
-        self._hooks.remove()  # the plain adapter's optimizer hooks do not fit DeepSpeed's step
+        self.engine = engine
+
+        def state(opened: CheckpointStore, run: StoreRunner) -> DeepSpeedState:
+            return DeepSpeedState(engine, store, run, stateful, data)
+
+        def hooks(driver: Driver) -> DeepSpeedHooks:
+            return DeepSpeedHooks(engine, on_forward=driver.on_forward, on_grad=driver.on_grad,
+                                  on_step_pre=driver.before_step, on_step_post=driver.after_step,
+                                  on_step_done=driver.step_returned)
+
+        super().__init__(engine.module, inner_optimizer(engine), store, every=every, hooks=hooks, state=state,
+                         **options)
         if isinstance(store, ReshardingStore):  # ZeRO partitions carry no layout: another world size stays
             store.reshard = None  # WorldSizeMismatchError
-        self.engine = engine
-        self.state = DeepSpeedState(engine, store, self._loop.run, stateful, data)
-        self._hooks = self._ds_hooks = DeepSpeedHooks(
-            engine, on_forward=self._on_forward, on_grad=self._on_grad, on_step_pre=self._on_step_pre,
-            on_step_post=self._on_step_post, on_step_done=self._on_step_done)
-
-    def _on_step_done(self) -> None:
-        if not self._progress.closed and (self._progress.step + 1) % self.every == 0:
-            self._cycle.moment = self.state.capture_moment()  # before the next batch is drawn
-
-    def _settle(self) -> None:
-        self._ds_hooks.settle()
 
     @property
     def rank_store(self) -> CollectiveStore:
@@ -63,16 +67,10 @@ class DeepSpeedCheckpointer(Checkpointer):
         assert isinstance(store, CollectiveStore)  # attach() only makes this adapter over one
         return store
 
-    def _close(self, *, save: bool, remove_hooks: bool = True) -> None:
-        if not self._progress.closed:
-            self._ds_hooks.settle()  # the last step's version opens before close() seals it
-        super()._close(save=save, remove_hooks=remove_hooks)
-
 
 def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str | os.PathLike[str] | None = None,
            stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
-           keep_last: int | None = 3, keep_every: int | None = None, keep_best: KeepBest | None = None,
-           timeout_s: float = 300.0, **kwargs: Any) -> DeepSpeedCheckpointer:
+           timeout_s: float = 300.0, **options: Unpack[CheckpointerOptions]) -> DeepSpeedCheckpointer:
     """Snapshot ``engine`` every ``every`` optimizer steps, asymmetrically, into a multi-rank store.
 
     ::
@@ -96,27 +94,33 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
             (counters advanced at the end of the loop body, your own schedulers), saved per rank.
         data: name -> object with ``state_dict``/``load_state_dict`` that advances when a batch is drawn
             (data loader, sampler): taken when the optimizer step returns, saved per rank.
-        keep_last: global versions kept (when the store is built here).
-        keep_every: also keep every global version whose step is a multiple of it (when the store
-            is built here).
-        keep_best: also keep the best global versions by a metric given to ``log_metrics`` (when
-            the store is built here).
         timeout_s: how long rank 0 waits for every rank's shard at each commit.
-        **kwargs: passed to :class:`asymcheck.Checkpointer` (``partitioning``, ``warmup``, ``max_inflight``,
-            ``host_slots``, ``min_partition_bytes``, ``preempt_on``, ``preempt_deadline_s``...).
-            Keep ``when_busy="wait"``: a version one rank skips can never be completed globally.
-            SIGTERM is handled as by the Checkpointer: the ranks agree through the key-value store
-            on one step (the one after the step in flight), every rank trains to it and commits it
-            at the same iteration boundary, the global commit completes, then the signal is handed
-            on (see :mod:`asymcheck.policy.agreement`).
+        **options: the Checkpointer's typed option groups (:class:`asymcheck.options.CheckpointerOptions`:
+            ``retention=RetentionOptions(keep_last=5)``, ``partitions=PartitionOptions(...)``,
+            ``preemption=...``, ...). ``retention`` applies to the global versions of the store built
+            here (a store passed in keeps its own rules). Keep ``CommitOptions(when_busy="wait")``: a
+            version one rank skips can never be completed globally. SIGTERM is handled as by the
+            Checkpointer: the ranks agree through the key-value store on one step (the one after the
+            step in flight), every rank trains to it and commits it at the same iteration boundary,
+            the global commit completes, then the signal is handed on (see
+            :mod:`asymcheck.policy.agreement`). The flat keywords of earlier releases
+            (``keep_last=3``, ``partitioning="uniform"``) still work, with a ``DeprecationWarning``.
 
     Raises:
         UnsupportedConfigError: the engine uses a setting whose state the capture would miss
             (offload, MoE, pipeline or model parallelism, ZeRO++ hpZ; see
             :mod:`asymcheck.deepspeed.support`) or an untested DeepSpeed version.
-        InvalidOptionError: a Checkpointer option out of its range (``partitioning="blocks"``).
+        InvalidOptionError: a Checkpointer option out of its range (``partitioning="blocks"``), or a
+            flat keyword beside its own group.
+        TypeError: a keyword that is no option.
     """
     check_engine(engine, "attach")
+    flat: dict[str, Any] = dict(options)
+    groups = {name: flat.pop(name, None) for name in GROUPS}
+    across = flat.pop("across_layouts", None)
+    resolved = resolve(groups, flat, caller="attach", stacklevel=3)
+    keep_last, keep_every, keep_best = (resolved.retention.keep_last, resolved.retention.keep_every,
+                                        resolved.retention.keep_best)
     if isinstance(store_or_tiers, CollectiveStore):
         store = store_or_tiers
     else:  # a RankStore whatever the world size: a directory, or this rank's tiers with root=
@@ -126,4 +130,9 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
                             keep_best=keep_best, timeout_s=timeout_s)
         assert isinstance(opened, CollectiveStore)
         store = opened
-    return DeepSpeedCheckpointer(engine, store, stateful=stateful, data=data, every=every, **kwargs)
+    forwarded: CheckpointerOptions = {
+        "retention": resolved.retention, "partitions": resolved.partitions, "failures": resolved.failures,
+        "preemption": resolved.preemption, "pacing": resolved.pacing, "commits": resolved.commits}
+    if across is not None:
+        forwarded["across_layouts"] = across
+    return DeepSpeedCheckpointer(engine, store, stateful=stateful, data=data, every=every, **forwarded)

@@ -7,7 +7,7 @@ Through the messages of a :class:`~asymstore.multirank.protocol.RestoreRound`
 2. the coordinator (rank 0) lists the candidates: published global versions,
    newest first (or only the step asked for), whose shards every rank holds,
    or, with ``reshard`` set, versions of another world size (read from every
-   old rank's shard, :mod:`.reshardread`);
+   old rank's shard, :mod:`.reshard`);
 3. for each candidate in turn it posts ``try/<k>``; every rank checks its
    destinations against its shard's manifest (nothing read into them yet) and
    reports ``fit/<k>/<rank>``; the coordinator posts ``go/<k>`` once every rank

@@ -22,7 +22,7 @@ step is committed again after a restore.
 ``restore`` is collective (every rank calls it): the coordinator picks the
 newest global version whose shards every rank holds, every rank loads and
 verifies its shard against the digest, and a version that fails on any rank
-is skipped for the one before, on every rank alike (:mod:`.rankrestore`).
+is skipped for the one before, on every rank alike (:mod:`.restore`).
 """
 
 from __future__ import annotations
@@ -113,9 +113,10 @@ class RankStore:
         across_layouts: what ``restore`` does when ``root`` holds single-process versions and no global
             version (:data:`~asymstore.multirank.rootlayout.AcrossLayouts`): ``"resume"`` the newest (every rank
             reads its part from the root, as from a version of another world size: ``reshard`` must be set,
-            else :class:`WorldSizeMismatchError`), or ``"start_fresh"`` beside them. The first global commit
-            records the root as multi-rank (:mod:`.rootlayout`); under ``"resume"`` it is refused on every
-            rank (:class:`~asymstore.errors.LayoutTakeoverError`) unless ``restore`` resumed one of them.
+            else :class:`~asymstore.errors.WorldSizeMismatchError`), or ``"start_fresh"`` beside them. The
+            first global commit records the root as multi-rank (:mod:`.rootlayout`); under ``"resume"`` it is
+            refused on every rank (:class:`~asymstore.errors.LayoutTakeoverError`) unless ``restore``
+            resumed one of them.
         **store_kwargs: passed to :class:`~asymstore.AsymStore` (``segment_bytes``, ``compression``...).
     """
 
@@ -160,7 +161,7 @@ class RankStore:
         self.published_step: int | None = None
         """The newest global step this rank saw published (its commits; non-coordinators: once waited for)."""
         self.reshard: Targets | None = None
-        """Set it to restore versions written by another number of ranks (see :mod:`.reshardread`)."""
+        """Set it to restore versions written by another number of ranks (see :mod:`.reshard`)."""
         self.placement: RankPlacement | None = None
         """Where this rank's tiers are (after ``open``): reported with every shard, recorded in ``global/``."""
         self._takeover: takeover.Verdict | None = None  # the coordinator's look at the root (:mod:`.takeover`)
@@ -558,7 +559,7 @@ class RankStore:
     async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:
         """Restore this rank's shard of the newest global version every rank can load (collective).
 
-        See :mod:`.rankrestore` for how the ranks agree.
+        See :mod:`.restore` for how the ranks agree.
 
         Args:
             step: restore exactly this global step.

@@ -10,8 +10,9 @@ every logged loss (``logging_steps=1``) and the final model parameters and optim
 equal those of an uninterrupted run of the plain Trainer, bit for bit. Cases: ``plain``;
 ``accum`` (gradient accumulation of 2 micro-batches, with the Trainer's own ``save_steps``
 checkpoints beside the versions); ``deepspeed`` (ZeRO-2 through ``TrainingArguments(deepspeed=...)``
-on one rank: the callback attaches the DeepSpeed adapter to the Trainer's engine). All runs of the
-module share one driver process (torch and transformers imported once; each run a forked child).
+on one rank: the callback attaches the DeepSpeed adapter to the Trainer's engine, with ``keep_every=5``
+beside ``keep_last=3``, which its multi-rank store must apply); ``deepspeed-2ranks`` (the same on 2 ranks).
+All runs of the module share one driver process (torch and transformers imported once; each run a forked child).
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ WHERE = ("forward", "step-end", "log")
 CASES: dict[str, tuple[list[str], int, bool]] = {
     "plain": ([], 1, True),
     "accum": (["--ga", "2", "--save-steps", "4"], 1, True),
-    "deepspeed": (["--deepspeed", "2"], 1, True),
+    "deepspeed": (["--deepspeed", "2", "--keep-every", "5"], 1, True),
     "eval": (["--eval", "3"], 1, True),  # evaluations between steps, the Trainer's checkpoints, best model at end
     "deepspeed-accum": (["--deepspeed", "2", "--ga", "2"], 1, False),
-    "deepspeed-2ranks": (["--deepspeed", "2"], 2, False),
+    "deepspeed-2ranks": (["--deepspeed", "2"], 2, True),  # the multi-rank Trainer
     "plain-late": ([], 1, False),  # a second kill point for the plain loop
 }
 
@@ -238,10 +239,23 @@ def test_peft_model_refused() -> None:
         check_trainer(args(), model)  # type: ignore[arg-type]
 
 
-def test_deepspeed_takes_the_retention_rules_to_its_multirank_store(tmp_path: Path) -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param("deepspeed", marks=marks_of("deepspeed"))])
+def test_deepspeed_takes_the_retention_rules_to_its_multirank_store(name: str, runs: dict[str, Any],
+                                                                    tmp_path: Path) -> None:
+    """Under DeepSpeed the callback's keep_every reaches the multi-rank store: its versions are pruned by it."""
     from asymcheck.hf import AsymCheckCallback
+    from asymstore.multirank.globaldir import list_global_steps
 
     assert AsymCheckCallback(str(tmp_path), keep_every=10, keep_best=1)._deepspeed_root() == str(tmp_path)
+    at, where = kill_point(name)
+    context = f"case {name}, killed at global step {at} ({where}), HF_KILL_SEED={SEED}\n{runs['output'][-6000:]}"
+    assert runs["codes"].get(f"{name}-resume") == 0, context
+    kept = sorted({5, 10, STEPS - 2, STEPS - 1, STEPS})  # keep_every=5 beside keep_last=3, across the kill
+    ck = runs["root"] / f"{name}-ck"
+    assert list_global_steps(str(ck / "global")) == kept, context
+    assert sorted(int(p.name[1:]) for p in (ck / "rank-00000").glob("v*")) == kept, context
+    assert load(runs["root"] / name, "result.pt")["versions"] == kept, context
 
 
 def test_keep_best_follows_metric_for_best_model(tmp_path: Path) -> None:

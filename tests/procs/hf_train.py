@@ -147,6 +147,7 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--kill-where", choices=["forward", "step-end", "log"], default="forward")
     ap.add_argument("--plain-train", action="store_true", help="trainer.train() without resume_from()")
+    ap.add_argument("--keep-every", type=int, default=0, help="the callback's keep_every (beside keep_last=3)")
     ap.add_argument("--eval", type=int, default=0,
                     help="evaluate and save every N steps (dropout off, the eval loader draws a seed), "
                          "load_best_model_at_end by eval_loss")
@@ -172,7 +173,8 @@ def run(argv: list[str]) -> int:
     ckpt = None
     if args.dir:
         # a version every step, always; with --eval also the best by the Trainer's metric_for_best_model
-        ckpt = AsymCheckCallback(args.dir, max_overhead=None, keep_best=1 if args.eval else None)
+        retention = {"keep_every": args.keep_every} if args.keep_every else {}
+        ckpt = AsymCheckCallback(args.dir, max_overhead=None, keep_best=1 if args.eval else None, **retention)
         trainer.add_callback(ckpt)
         if not args.plain_train:
             resume = ckpt.resume_from(trainer)

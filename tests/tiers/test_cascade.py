@@ -160,6 +160,7 @@ async def test_fallback_across_tiers_then_versions(tmp_path: object, shm_dir: st
         assert same(ckpt.tensors, state(1))
 
 
+@pytest.mark.kvikio
 async def test_kvikio_and_posix_engines_read_each_other(tmp_path: object, stub_libcuda: str) -> None:
     a, b = os.path.join(str(tmp_path), "a"), os.path.join(str(tmp_path), "b")
     big = {"x": torch.randn(3_000_001), "y": torch.arange(5).to(torch.int16)}  # unaligned sizes

@@ -30,7 +30,7 @@ from asymstore.tiers.remote.tier import RemoteTier
 TIERS = ["local", "host-memory", "host-shm", "gpu", "nvme-posix", "nvme-kvikio", "remote-file", "remote-s3"]
 
 
-@pytest.fixture(params=TIERS)
+@pytest.fixture(params=[pytest.param(k, marks=pytest.mark.kvikio) if k == "nvme-kvikio" else k for k in TIERS])
 def make_tier(request: pytest.FixtureRequest, tmp_path: object) -> Callable[[], Tier]:
     root = str(tmp_path)
     kind = request.param

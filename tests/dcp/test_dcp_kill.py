@@ -4,12 +4,13 @@
 Two processes of tests/procs/dcp_child.py (``train``): the first is killed once a random step's save is done (the
 kill lands in the next step's training or its save, which runs on DCP's thread); the second resumes from the
 newest version, trains to the end, then runs the uninterrupted reference in the same process. fsck finds the
-root clean.
+root clean. ``DCP_KILL_SEED`` replays the kill point (the test prints it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import time
@@ -23,6 +24,7 @@ from tests.support.launch import proc_argv, proc_env
 pytestmark = pytest.mark.slow
 
 STEPS = 12
+SEED = int(os.environ.get("DCP_KILL_SEED", random.randrange(1 << 30)))
 
 
 def progress(out: Path) -> list[dict[str, object]]:
@@ -34,7 +36,8 @@ def test_sigkill_and_resume_bit_exact(tmp_path: Path) -> None:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     env = proc_env(OMP_NUM_THREADS="1")
-    kill_after = random.Random().randint(1, STEPS - 4)
+    kill_after = random.Random(f"{SEED}-sigkill").randint(1, STEPS - 4)
+    print(f"SIGKILL once step {kill_after} is saved (DCP_KILL_SEED={SEED})")
     first = subprocess.Popen(proc_argv("dcp_child", "train", str(root), str(out), str(STEPS)), env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

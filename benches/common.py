@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import order  # noqa: F401  (moved to harness.py; imported from here by older benches)
 
 REPO = Path(__file__).resolve().parent.parent
 KIB = 1 << 10
@@ -394,14 +395,3 @@ def run_ranks(argv: Sequence[str], world: int, threads: int, timeout: float | No
                     q.kill()
             codes.append(p.wait())
     return codes
-
-
-def order(methods: list[str], rnd: int) -> list[str]:
-    """Round ``rnd``'s order of ``methods``: rotated by ``rnd // 2``, reversed on odd rounds (ABC CBA BCA ACB ...).
-
-    Every method runs first, last and in between as often as the others, and each pair of rounds
-    is interleaved ABBA, so a drift of the machine during a bench does not favour one method.
-    """
-    k = (rnd // 2) % len(methods)
-    rotated = methods[k:] + methods[:k]
-    return rotated[::-1] if rnd % 2 else rotated

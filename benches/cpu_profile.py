@@ -30,13 +30,14 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import add_child_flag, child_argv, rounds, run_fresh
 
 GIB = 1 << 30
 TICK = os.sysconf("SC_CLK_TCK")
@@ -120,16 +121,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def spawn(method: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--child", method, "--config", args.config, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)]
+    argv = child_argv(__file__, "--child", method, "--config", args.config, "--steps", str(args.steps),
+                      "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq))
     if args.dir:
         argv += ["--dir", args.dir]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr)
-        raise SystemExit(f"{method} run failed ({proc.returncode})")
-    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    run = run_fresh(argv, env={"OMP_NUM_THREADS": str(args.threads)})
+    if run.code:
+        sys.stderr.write(run.stderr)
+        raise SystemExit(f"{method} run failed ({run.code})")
+    return run.last_json()
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -164,20 +164,18 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the training (default 1)")
     p.add_argument("--dir", default=None, help="where the LocalTier writes (default: the temp dir)")
     p.add_argument("--json", default=None)
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_child_flag(p)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return 0
     runs = []
-    for r in range(args.rounds):
-        order = ["none", "asymcheck"] if r % 2 == 0 else ["asymcheck", "none"]
-        for m in order:
-            runs.append(spawn(m, args))
-            x = runs[-1]
-            print(f"round {r} {m:9s}: {x['total_cpu_s']:.2f} CPU s over {x['steps']} steps, "
-                  f"{x['stored_bytes'] / GIB:.2f} GiB committed, load {x['load_start'][0]:.2f}->"
-                  f"{x['load_end'][0]:.2f}", flush=True)
+    for r, m in rounds(["none", "asymcheck"], args.rounds, rotate=False):  # AB BA AB ...
+        runs.append(spawn(m, args))
+        x = runs[-1]
+        print(f"round {r} {m:9s}: {x['total_cpu_s']:.2f} CPU s over {x['steps']} steps, "
+              f"{x['stored_bytes'] / GIB:.2f} GiB committed, load {x['load_start'][0]:.2f}->"
+              f"{x['load_end'][0]:.2f}", flush=True)
     s = summarize(runs)
     print(f"\n{args.config}: {s['gib_per_version']:.3f} GiB per version, step none {s['step_s']['none']:.3f} s, "
           f"asymcheck {s['step_s']['asymcheck']:.3f} s")

@@ -67,13 +67,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -89,10 +86,10 @@ from common import (
     build_gpt2,
     cpu_seconds,
     git_state,
-    order,
     release_free_memory,
     write_json,
 )
+from harness import add_child_flag, add_quick_flag, child_argv, order, run_fresh, settle, take_json
 
 FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp"]
 METHODS = ["none", "own", "asymcheck"]
@@ -396,34 +393,18 @@ def child(args: argparse.Namespace) -> None:
 def run_child(framework: str, method: str, args: argparse.Namespace, work: Path, timeout: float) -> dict[str, Any]:
     root = work / f"{framework}-{method}"
     result = work / f"{framework}-{method}.json"
-    argv = [sys.executable, os.path.abspath(__file__), "--child", framework, method, str(root), str(result),
-            "--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--batch", str(args.batch), "--seq", str(args.seq)]
+    argv = child_argv(__file__, "--child", framework, method, str(root), str(result),
+                      "--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                      "--batch", str(args.batch), "--seq", str(args.seq))
     argv += ["--threads", str(args.threads)]
-    env = dict(os.environ)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    os.sync()  # the previous run's dirty pages must not be written back during this one
-    time.sleep(0.5)
-    load = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env,
-                              check=False)
-        code, log = proc.returncode, (proc.stdout + proc.stderr)
-    except subprocess.TimeoutExpired as exc:
-        def text(b: bytes | str | None) -> str:
-            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
-
-        code, log = -1, f"timed out after {timeout:.0f} s\n{text(exc.stdout)}{text(exc.stderr)}"
-    wall = time.perf_counter() - t0
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    settle()  # the previous run's dirty pages must not be written back during this one
+    run = run_fresh(argv, env=env, timeout=timeout, cwd=REPO)
     shutil.rmtree(root, ignore_errors=True)
-    if code != 0 or not result.exists():
-        return {"framework": framework, "method": method, "error": f"exit code {code}", "log_tail": str(log)[-4000:],
-                "loadavg_1m": load, "process_s": wall}
-    out: dict[str, Any] = json.loads(result.read_text())
-    result.unlink()
-    return out | {"loadavg_1m": load, "process_s": wall}
+    if run.code != 0 or not result.exists():
+        return {"framework": framework, "method": method, "error": f"exit code {run.code}",
+                "log_tail": run.log[-4000:], "loadavg_1m": run.loadavg_1m, "process_s": run.seconds}
+    return take_json(result) | {"loadavg_1m": run.loadavg_1m, "process_s": run.seconds}
 
 
 def _median(values: list[float]) -> float | None:
@@ -507,7 +488,7 @@ def table(results: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny GPT-2, 1 round, fewer steps (1-2 minutes)")
+    add_quick_flag(ap, "tiny GPT-2, 1 round, fewer steps (1-2 minutes)")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {FRAMEWORKS}")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every method (default 4; --quick 1)")
     ap.add_argument("--config", choices=sorted(GPT2_CONFIGS), default=None,
@@ -521,7 +502,7 @@ def main() -> int:
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="where the temporary checkpoint directory goes")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "integrations.json"), help="JSON output")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
-    ap.add_argument("--child", nargs=4, metavar=("FRAMEWORK", "METHOD", "ROOT", "RESULT"), help=argparse.SUPPRESS)
+    add_child_flag(ap, nargs=4, metavar=("FRAMEWORK", "METHOD", "ROOT", "RESULT"))
     args = ap.parse_args()
     args.config = args.config or ("tiny" if args.quick else "8m")
     args.steps = args.steps or (6 if args.quick else 10)

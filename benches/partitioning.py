@@ -67,7 +67,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +75,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import GPT2_CONFIGS, REPO, build_gpt2, cpu_seconds, git_state, order, run_ranks, write_json
+from common import GPT2_CONFIGS, REPO, build_gpt2, cpu_seconds, git_state, run_ranks, write_json
+from harness import add_child_flag, add_quick_flag, child_argv, order, run_fresh, settle
 
 from asymcheck import PARTITIONINGS
 
@@ -262,21 +262,17 @@ def run_one(setup: str, config: str, method: str, args: argparse.Namespace, work
     root = work / f"{setup}-{config}-{method}"
     result = work / f"{setup}-{config}-{method}.json"
     world = 1 if setup == "single" else WORLD
-    argv = [sys.executable, os.path.abspath(__file__), "--child", setup, method, str(root), str(result),
-            "--configs", config, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-            "--seq", str(args.seq), "--threads", str(args.threads), "--device", args.device]
-    os.sync()  # the previous run's dirty pages must not be written back during this one
-    time.sleep(0.5)
+    argv = child_argv(__file__, "--child", setup, method, str(root), str(result),
+                      "--configs", config, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                      "--batch", str(args.batch), "--seq", str(args.seq), "--threads", str(args.threads),
+                      "--device", args.device)
+    settle()  # the previous run's dirty pages must not be written back during this one
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
     env = {"OMP_NUM_THREADS": str(args.threads or 1), "DS_ACCELERATOR": "cpu"}
     if world == 1:
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
-                                  env=dict(os.environ, **env), check=False)
-            codes, log = [proc.returncode], proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired:
-            codes, log = [-1], f"timed out after {args.timeout:.0f} s"
+        run = run_fresh(argv, env=env, timeout=args.timeout, cwd=REPO)
+        codes, log = [run.code], run.log
     else:
         codes, log = run_ranks(argv, world, args.threads or 1, timeout=args.timeout, DS_ACCELERATOR="cpu"), ""
     wall = time.perf_counter() - t0
@@ -401,7 +397,7 @@ def versions() -> dict[str, str | None]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny GPT-2, 1 round, fewer steps (about 2 minutes)")
+    add_quick_flag(ap, "tiny GPT-2, 1 round, fewer steps (about 2 minutes)")
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, from {SETUPS}")
     ap.add_argument("--configs", default=None, help=f"comma-separated GPT-2 sizes from {sorted(GPT2_CONFIGS)} "
                                                     "(default 8m,30m; --quick tiny)")
@@ -417,7 +413,7 @@ def main() -> int:
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="where the temporary checkpoint directory goes")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "partitioning.json"), help="JSON output")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it is killed")
-    ap.add_argument("--child", nargs=4, metavar=("SETUP", "METHOD", "ROOT", "RESULT"), help=argparse.SUPPRESS)
+    add_child_flag(ap, nargs=4, metavar=("SETUP", "METHOD", "ROOT", "RESULT"))
     args = ap.parse_args()
     args.configs = args.configs or ("tiny" if args.quick else "8m,30m")
     args.steps = args.steps or (6 if args.quick else 12)

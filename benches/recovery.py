@@ -42,7 +42,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from typing import Any
 
 import torch
 from common import REPO, build_gpt2, evict, files_under, git_state, odirect_read, same_bytes, write_json
+from harness import add_child_flag, child_argv, run_fresh
 
 METHODS = ["local", "shm", "torch.load", "dcp.load", "checkpointer"]
 
@@ -207,12 +207,10 @@ def child(config: str, method: str, work: Path, shm: Path) -> dict[str, Any]:
 
 
 def run_child(config: str, method: str, work: Path, shm: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, "--child", config, method, str(work), str(shm)],
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"{method} child failed:\n{out.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    run = run_fresh(child_argv(__file__, "--child", config, method, str(work), str(shm)))
+    if run.code != 0:
+        raise RuntimeError(f"{method} child failed:\n{run.stderr[-3000:]}")
+    return run.last_json()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="work directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "recovery.json"))
     ap.add_argument("--methods", default=",".join(METHODS), help="the resumes to time (default: all)")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    add_child_flag(ap, nargs=4)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], Path(args.child[2]), Path(args.child[3]))))

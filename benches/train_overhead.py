@@ -53,7 +53,6 @@ the next. Writes JSON and a PNG of stall per step.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import os
@@ -61,7 +60,6 @@ import platform
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,18 +73,20 @@ from common import (
     RssSampler,
     build_gpt2,
     cpu_seconds,
-    order,
     pyplot,
     release_free_memory,
     save_figure,
     write_json,
 )
+from harness import add_child_flag, add_quick_flag, order, run_fresh, take_json
+from harness import child_argv as harness_argv
 
 from asymcheck import Checkpointer
+from asymcheck.options import CommitOptions
 from asymstore import LocalTier
 
 METHODS = ["none", "asymcheck", "asymcheck-skip", "torch.save", "dcp.async_save", "floor"]
-HOST_SLOTS: int = inspect.signature(Checkpointer).parameters["host_slots"].default  # what Asym runs with
+HOST_SLOTS: int = CommitOptions().host_slots  # what Asym runs with (the Checkpointer's default)
 RSS_SLACK = 256 * MIB  # the RSS target: peak growth <= HOST_SLOTS x state + this
 TARGET_STEP_RATIO = 1.10  # asymcheck step time / none
 TARGET_OVERHEAD_VS_DCP = 0.5  # asymcheck's step-time overhead / dcp.async_save's
@@ -374,7 +374,7 @@ def print_targets(goals: dict[str, dict[str, Any]]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small configs, fewer steps")
+    add_quick_flag(ap, "small configs, fewer steps")
     ap.add_argument("--configs", default=None, help=f"comma-separated, from {sorted(GPT2_CONFIGS)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=None, help="measured steps per run")
@@ -385,7 +385,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dir", default="bench-out/train_overhead-work", help="scratch directory on the disk to test")
     ap.add_argument("--out", default="bench-out/train_overhead")
-    ap.add_argument("--child", nargs=4, metavar=("CONFIG", "METHOD", "FIRST_STEP", "RESULT"), help=argparse.SUPPRESS)
+    add_child_flag(ap, nargs=4, metavar=("CONFIG", "METHOD", "FIRST_STEP", "RESULT"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.child:
@@ -460,11 +460,11 @@ def run_child(config: str, method: str, first_step: int, args: argparse.Namespac
     """One run of ``method`` in a fresh process; its result."""
     result = Path(args.dir) / f"result-{method.replace('.', '_')}.json"
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, __file__, *child_argv(args), "--child", config, method, str(first_step),
-                    str(result)], check=True)
-    out: dict[str, Any] = json.loads(result.read_text())
-    result.unlink()
-    return out
+    run = run_fresh(harness_argv(__file__, *child_argv(args), "--child", config, method, str(first_step),
+                                 str(result)), capture=False)
+    if run.code != 0:
+        raise subprocess.CalledProcessError(run.code, f"{method} child")
+    return take_json(result)
 
 
 def child(args: argparse.Namespace) -> int:

@@ -71,7 +71,7 @@ from asymcheck.errors import (
     UnresumableDataError,
     UnsupportedAccelerateConfigError,
 )
-from asymcheck.integrations import names, position, support
+from asymcheck.integrations import names, position, settings, support
 from asymcheck.integrations.settings import ACCELERATE, refusal
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.state.trainstate import Stateful
@@ -551,3 +551,12 @@ def _attach_deepspeed(accelerator: Any, model: Any, root_or_store: Any, schedule
         _add(states, SCHEDULER_NAME, scheduler)  # stepped by the loop through AcceleratedScheduler, not by the engine
     ckpt = asymcheck.deepspeed.attach(engine, root_or_store, stateful=states, data=datas, **options)
     return AccelerateCheckpointer(ckpt, loaders, engine=engine)
+
+
+def __getattr__(name: str) -> Any:
+    """Names of earlier releases, with a DeprecationWarning (removed in the next release)."""
+    if name == "TESTED":
+        warnings.warn('asymcheck.accelerate.TESTED is now asymcheck.integrations.settings.TESTED["accelerate"]',
+                      DeprecationWarning, stacklevel=2)
+        return settings.TESTED["accelerate"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

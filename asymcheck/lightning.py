@@ -96,7 +96,7 @@ from asymcheck.errors import (
     UnresumableDataError,
     UnsupportedLightningConfigError,
 )
-from asymcheck.integrations import names, position, support
+from asymcheck.integrations import names, position, settings, support
 from asymcheck.integrations.callback import DeferredCheckpointer
 from asymcheck.integrations.settings import LIGHTNING, refusal
 from asymcheck.snapshot.hooks import HookSet
@@ -798,13 +798,16 @@ class AsymCheckCallback(Callback):
                 logger.error("closing at teardown: %s", exc)
 
 
-_DEPRECATED = {"AsymCheck": ("AsymCheckCallback", AsymCheckCallback)}
+_DEPRECATED: dict[str, tuple[str, Any]] = {
+    "AsymCheck": ("asymcheck.lightning.AsymCheckCallback", AsymCheckCallback),
+    "TESTED": ('asymcheck.integrations.settings.TESTED["lightning"]', settings.TESTED["lightning"]),
+}
 
 
 def __getattr__(name: str) -> Any:
     """Names of earlier releases, with a DeprecationWarning (removed in the next release)."""
     if name in _DEPRECATED:
         new, obj = _DEPRECATED[name]
-        warnings.warn(f"asymcheck.lightning.{name} is now asymcheck.lightning.{new}", DeprecationWarning, stacklevel=2)
+        warnings.warn(f"asymcheck.lightning.{name} is now {new}", DeprecationWarning, stacklevel=2)
         return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -113,13 +113,17 @@ def test_the_trainer_check_reports_the_tables_reasons_and_the_untested_version(m
     (asymcheck, "Planner", "asymcheck.snapshot.partition"),
     (asymcheck, "plan_partitions", "asymcheck.snapshot.partition"),
     (asymcheck.lightning, "AsymCheck", "AsymCheckCallback"),
+    (asymcheck.lightning, "TESTED", "settings.TESTED"),
+    (asymcheck.accelerate, "TESTED", "settings.TESTED"),
 ])
 def test_old_public_names_warn_and_still_work(module: Any, old: str, new: str) -> None:
     with pytest.warns(DeprecationWarning, match=new):
         obj = getattr(module, old)
     assert obj is not None and old not in getattr(module, "__all__", [])
-    if module is asymcheck.lightning:
+    if old == "AsymCheck":
         assert obj is asymcheck.lightning.AsymCheckCallback
+    if old == "TESTED":
+        assert obj == TESTED[module.__name__.split(".")[1]]
 
 
 def test_the_integration_module_and_trained_attribute_are_deprecated_aliases() -> None:

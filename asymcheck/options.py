@@ -15,7 +15,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, get_args
+from typing import Any, Literal, TypedDict, TypeVar, get_args
 
 from asymcheck.errors import InvalidOptionError
 from asymcheck.policy.failures import ON_ERROR, OnError
@@ -37,11 +37,13 @@ __all__ = [
     "PreemptionOptions",
     "RetentionOptions",
     "WhenBusy",
+    "renamed_location",
     "resolve",
 ]
 
 WhenBusy = Literal["wait", "skip"]
 CopyMode = Literal["thread", "inline"]
+L = TypeVar("L")
 
 
 def _int(owner: str, name: str, value: object, *, least: int, optional: bool = False) -> None:
@@ -353,3 +355,30 @@ def resolve(groups: Mapping[str, object], flat: Mapping[str, Any], *, caller: st
                       f"release: pass {new} (from asymcheck.options)", DeprecationWarning, stacklevel=stacklevel)
         values[group] = dataclasses.replace(values[group], **fields)
     return Options(**values)
+
+
+def renamed_location(location: L | None, old_value: L | None, *, old: str, caller: str, stacklevel: int = 3) -> L:
+    """Where the checkpoint lives: ``location``, or the value given under its former keyword ``old`` (deprecated).
+
+    Every entry point names the parameter ``location``; the former names (``store_or_tiers``,
+    ``root_or_store``) work for one release, with a ``DeprecationWarning``.
+
+    Args:
+        location: the value given as ``location`` (None: not given).
+        old_value: the value given under the former keyword (None: not given).
+        old: the former keyword, for the messages.
+        caller: who took them, for the messages.
+        stacklevel: of the ``DeprecationWarning`` (the user's call, seen from here).
+
+    Raises:
+        TypeError: both are given, or neither (as Python says of a missing argument).
+    """
+    if old_value is not None:
+        if location is not None:
+            raise TypeError(f"{caller}() got both location= and its former name {old}=")
+        warnings.warn(f"{caller}({old}=...) is deprecated and goes in the next release: pass location=... "
+                      "(or the location positionally)", DeprecationWarning, stacklevel=stacklevel)
+        return old_value
+    if location is None:
+        raise TypeError(f"{caller}() missing the argument 'location' (where the checkpoint lives)")
+    return location

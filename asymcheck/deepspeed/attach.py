@@ -15,7 +15,7 @@ from asymcheck.deepspeed.hooks import DeepSpeedHooks, inner_optimizer
 from asymcheck.deepspeed.state import DeepSpeedState
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
-from asymcheck.options import GROUPS, CheckpointerOptions, resolve
+from asymcheck.options import GROUPS, CheckpointerOptions, renamed_location, resolve
 from asymcheck.snapshot.hooks import Driver
 from asymcheck.state.trainstate import Stateful
 from asymstore.api import CheckpointStore, CollectiveStore, ReshardingStore
@@ -68,9 +68,10 @@ class DeepSpeedCheckpointer(Checkpointer):
         return store
 
 
-def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str | os.PathLike[str] | None = None,
-           stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
-           timeout_s: float = 300.0, **options: Unpack[CheckpointerOptions]) -> DeepSpeedCheckpointer:
+def attach(engine: Any, location: StoreSpec | None = None, every: int = 1, *,
+           root: str | os.PathLike[str] | None = None, stateful: Mapping[str, Stateful] | None = None,
+           data: Mapping[str, Stateful] | None = None, timeout_s: float = 300.0,
+           store_or_tiers: StoreSpec | None = None, **options: Unpack[CheckpointerOptions]) -> DeepSpeedCheckpointer:
     """Snapshot ``engine`` every ``every`` optimizer steps, asymmetrically, into a multi-rank store.
 
     ::
@@ -85,16 +86,18 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
 
     Args:
         engine: the engine ``deepspeed.initialize`` returned (ZeRO stage 0, 1, 2 or 3).
-        store_or_tiers: a directory (the multi-rank root: ``rank-NNNNN/`` per rank and
-            ``global/``), an unopened :class:`asymstore.multirank.RankStore`, or this
+        location: where the checkpoint lives: a directory (the multi-rank root: ``rank-NNNNN/``
+            per rank and ``global/``), an unopened :class:`asymstore.multirank.RankStore`, or this
             rank's tiers (fastest first) with ``root=`` for the global manifests.
         every: snapshot every ``every``-th optimizer step.
-        root: the multi-rank root when ``store_or_tiers`` is a list of tiers.
+        root: the multi-rank root when ``location`` is a list of tiers.
         stateful: name -> object with ``state_dict``/``load_state_dict`` updated after the step
             (counters advanced at the end of the loop body, your own schedulers), saved per rank.
         data: name -> object with ``state_dict``/``load_state_dict`` that advances when a batch is drawn
             (data loader, sampler): taken when the optimizer step returns, saved per rank.
         timeout_s: how long rank 0 waits for every rank's shard at each commit.
+        store_or_tiers: the former name of ``location``, deprecated (a ``DeprecationWarning``; goes in
+            the next release).
         **options: the Checkpointer's typed option groups (:class:`asymcheck.options.CheckpointerOptions`:
             ``retention=RetentionOptions(keep_last=5)``, ``partitions=PartitionOptions(...)``,
             ``preemption=...``, ...). ``retention`` applies to the global versions of the store built
@@ -114,6 +117,7 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
             flat keyword beside its own group.
         TypeError: a keyword that is no option.
     """
+    location = renamed_location(location, store_or_tiers, old="store_or_tiers", caller="attach")
     check_engine(engine, "attach")
     flat: dict[str, Any] = dict(options)
     groups = {name: flat.pop(name, None) for name in GROUPS}
@@ -121,12 +125,12 @@ def attach(engine: Any, store_or_tiers: StoreSpec, every: int = 1, *, root: str 
     resolved = resolve(groups, flat, caller="attach", stacklevel=3)
     keep_last, keep_every, keep_best = (resolved.retention.keep_last, resolved.retention.keep_every,
                                         resolved.retention.keep_best)
-    if isinstance(store_or_tiers, CollectiveStore):
-        store = store_or_tiers
+    if isinstance(location, CollectiveStore):
+        store = location
     else:  # a RankStore whatever the world size: a directory, or this rank's tiers with root=
-        if root is None and not isinstance(store_or_tiers, (str, os.PathLike)):
+        if root is None and not isinstance(location, (str, os.PathLike)):
             raise ValueError("attach() with a list of tiers needs root= (the directory of the global manifests)")
-        opened = open_store(store_or_tiers, root=root, multirank=True, keep_last=keep_last, keep_every=keep_every,
+        opened = open_store(location, root=root, multirank=True, keep_last=keep_last, keep_every=keep_every,
                             keep_best=keep_best, timeout_s=timeout_s)
         assert isinstance(opened, CollectiveStore)
         store = opened

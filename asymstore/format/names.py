@@ -9,6 +9,8 @@
         seg-000000.bin ...        segment files
       .tmp-v000000000013-<id>/    a commit in progress (partial if left behind)
       .quarantine/                corrupt versions moved aside by repair or recommit
+
+A multi-rank root holds one such root per rank, named by :func:`rank_dirname` (``rank-NNNNN``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ LAYOUT_FILE = "LAYOUT.json"
 TMP_PREFIX = ".tmp-"
 QUARANTINE = ".quarantine"
 _VERSION = re.compile(r"^v(\d{12,20})$")
+RANK_PREFIX = "rank-"
+"""The prefix of a rank's directory under a multi-rank root (:func:`rank_dirname`)."""
+_RANK_NAME = re.compile(r"^rank-(\d{5,})$")
 
 
 def version_dirname(step: int) -> str:
@@ -39,8 +44,15 @@ def parse_version_dirname(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def rank_dirname(rank: int) -> str:
+    """Return the directory name of ``rank``'s shards under a multi-rank root (``rank-NNNNN``, at least 5 digits)."""
+    return f"{RANK_PREFIX}{rank:05d}"
 
 
+def parse_rank_dirname(name: str) -> int | None:
+    """Return the rank of a rank directory name (:func:`rank_dirname`), or None if it is not one."""
+    match = _RANK_NAME.match(name)
+    return int(match.group(1)) if match else None
 
 
 def retention_leftover(step: int, committed: list[int]) -> bool:

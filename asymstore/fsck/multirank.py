@@ -54,7 +54,7 @@ from asymstore.errors import AsymstoreError, GlobalManifestError, ManifestError
 from asymstore.format import placement
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, Manifest
-from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, is_uri, version_dirname
+from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, is_uri, rank_dirname, version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.format.placement import Placement
 from asymstore.fsck.directory import check_latest, quarantine
@@ -195,7 +195,7 @@ class _Locations:
 def _holders(root: str, g: GlobalManifest, places: dict[str, Placement | GlobalManifestError],
              rank: int) -> list[_Holder] | str:
     """Every place holding ``rank``'s shards of ``g``, or why they cannot be known."""
-    in_root = _Holder(os.path.join(root, globaldir.rank_dirname(rank)), "", f"rank {rank}'s directory")
+    in_root = _Holder(os.path.join(root, rank_dirname(rank)), "", f"rank {rank}'s directory")
     if g.placement is None:
         return [in_root]
     found = places.get(g.placement)
@@ -413,7 +413,7 @@ def _location_entries(root: str, locs: _Locations, dirs: dict[int, str],
         entries += [replace(e, name=f"{_label(root, loc)}/{e.name}") for e in rep.entries
                     if e.status != "committed" or e.problems]
     for r, rep in ranks.items():
-        entries += [replace(e, name=f"{globaldir.rank_dirname(r)}/{e.name}") for e in rep.entries]
+        entries += [replace(e, name=f"{rank_dirname(r)}/{e.name}") for e in rep.entries]
     return entries
 
 
@@ -449,7 +449,7 @@ def _unused_entries(partial: dict[int, list[int]], stale: dict[int, list[int]], 
 def _latest_problems(global_problem: str | None, ranks: dict[int, FsckReport]) -> str | None:
     """What is wrong with ``global/LATEST`` and each rank directory's ``LATEST``, in one line (None: nothing)."""
     problems = [f"{globaldir.GLOBAL_DIR}/{LATEST}: {global_problem}"] if global_problem else []
-    problems += [f"{globaldir.rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
+    problems += [f"{rank_dirname(r)}/{LATEST}: {rep.latest_problem}"
                  for r, rep in ranks.items() if rep.latest_problem]
     return "; ".join(problems) if problems else None
 

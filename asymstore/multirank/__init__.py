@@ -30,7 +30,8 @@ from asymstore.runtime.lazy import lazy_getattr
 if TYPE_CHECKING:
     from asymstore.dist.kv import KV, MemoryStore, store_from_env
     from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
-    from asymstore.multirank.globaldir import is_multirank, rank_dirname
+    from asymstore.format.names import rank_dirname
+    from asymstore.multirank.globaldir import is_multirank
     from asymstore.multirank.store import RankStore
 
 _LAZY = {
@@ -40,7 +41,7 @@ _LAZY = {
     "RankStore": "asymstore.multirank.store",
     "ShardInfo": "asymstore.format.globalmanifest",
     "is_multirank": "asymstore.multirank.globaldir",
-    "rank_dirname": "asymstore.multirank.globaldir",
+    "rank_dirname": "asymstore.format.names",
     "shard_digest": "asymstore.format.globalmanifest",
     "store_from_env": "asymstore.dist.kv",
 }

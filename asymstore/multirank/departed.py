@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from asymstore.errors import AsymstoreError
 from asymstore.format.globalmanifest import GlobalManifest
-from asymstore.format.names import LATEST
+from asymstore.format.names import LATEST, rank_dirname
 from asymstore.io.files import fsync_dir
 from asymstore.multirank import globaldir
 from asymstore.tiers.protocol import ExclusiveTier, Tier
@@ -64,7 +64,7 @@ async def retire_departed(root: str, world_size: int, kept: Sequence[GlobalManif
                 if left and len(left) < len(steps):
                     await tier.write_latest(max(left))
                 elif not left and steps:  # nothing left: LATEST must not name a shard that is gone
-                    _drop_latest(os.path.join(root, globaldir.rank_dirname(rank)))
+                    _drop_latest(os.path.join(root, rank_dirname(rank)))
             except (AsymstoreError, OSError) as exc:
                 logger.info("shards of departed rank %d on %s left as they are: %s", rank, tier.name, exc)
             finally:

@@ -28,28 +28,19 @@ import uuid
 from asymstore.errors import CorruptVersionError, GlobalManifestError
 from asymstore.format.checksum import checksum
 from asymstore.format.globalmanifest import GlobalManifest
-from asymstore.format.names import LATEST, TMP_PREFIX
+from asymstore.format.names import LATEST, TMP_PREFIX, parse_rank_dirname
 from asymstore.format.placement import MAX_PLACEMENT_BYTES, Placement, placement_filename
 from asymstore.io.files import atomic_write, check_regular, fsync_dir, read_whole, write_parts
+from asymstore.runtime.lazy import moved_getattr
 
 logger = logging.getLogger(__name__)
 
 GLOBAL_DIR = "global"
-RANK_PREFIX = "rank-"
 _GLOBAL_NAME = re.compile(r"^v(\d{12,20})\.json$")
-_RANK_NAME = re.compile(r"^rank-(\d{5,})$")
 _PLACEMENT_NAME = re.compile(r"^placement-([0-9a-f]{16})\.json$")
 
-
-def rank_dirname(rank: int) -> str:
-    """Return the directory name of ``rank``'s shards."""
-    return f"{RANK_PREFIX}{rank:05d}"
-
-
-def parse_rank_dirname(name: str) -> int | None:
-    """Return the rank of a rank directory name, or None."""
-    match = _RANK_NAME.match(name)
-    return int(match.group(1)) if match else None
+__getattr__ = moved_getattr(__name__, {name: ("asymstore.format.names", name)
+                                       for name in ("RANK_PREFIX", "rank_dirname")})
 
 
 def global_filename(step: int) -> str:

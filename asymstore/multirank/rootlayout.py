@@ -58,7 +58,7 @@ from asymstore.errors import (
 )
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
-from asymstore.format.names import LATEST, LAYOUT_FILE, parse_version_dirname, version_dirname
+from asymstore.format.names import LATEST, LAYOUT_FILE, parse_rank_dirname, parse_version_dirname, version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.io.files import atomic_write, fsync_dir, read_regular
 from asymstore.multirank import globaldir
@@ -361,7 +361,7 @@ def survey(root: str | os.PathLike[str], *, with_record: bool = True) -> RootSur
             if step is not None and entry.is_dir(follow_symlinks=False) and _regular(
                     os.path.join(entry.path, MANIFEST_NAME)):
                 single.append(step)
-            elif entry.name == globaldir.GLOBAL_DIR or globaldir.parse_rank_dirname(entry.name) is not None:
+            elif entry.name == globaldir.GLOBAL_DIR or parse_rank_dirname(entry.name) is not None:
                 dirs = dirs or entry.is_dir(follow_symlinks=False)
         steps = globaldir.list_global_steps(gdir) if os.path.isdir(gdir) else []
     except OSError as exc:  # permission denied, an I/O error: nothing can be judged

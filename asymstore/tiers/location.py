@@ -5,19 +5,16 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from asymstore.format.names import is_uri
+from asymstore.format.names import is_uri, rank_dirname
 
 if TYPE_CHECKING:
     from asymstore.tiers.local import LocalTier
     from asymstore.tiers.protocol import Tier
 
-RANK_DIR_PREFIX = "rank-"
-"""A rank's shards under a multi-rank root: ``root/rank-NNNNN`` (:func:`rank_dir`)."""
-
 
 def rank_dir(root: str | os.PathLike[str], rank: int) -> str:
-    """The directory of ``rank``'s shards under the multi-rank ``root`` (``root/rank-NNNNN``)."""
-    return os.path.join(os.fspath(root), f"{RANK_DIR_PREFIX}{rank:05d}")
+    """The directory of ``rank``'s shards under the multi-rank ``root`` (``root/rank-NNNNN``, :func:`rank_dirname`)."""
+    return os.path.join(os.fspath(root), rank_dirname(rank))
 
 
 def from_location(location: str | os.PathLike[str], *, read_only: bool = False) -> Tier:

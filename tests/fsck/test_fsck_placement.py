@@ -22,6 +22,7 @@ import pytest
 from asymstore.errors import GlobalManifestError
 from asymstore.format import placement
 from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.names import rank_dirname
 from asymstore.format.placement import Placement
 from asymstore.fsck import check, repair
 from asymstore.fsck.__main__ import main as fsck_main
@@ -71,11 +72,11 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def own(job: dict[str, Any], rank: int) -> Path:
-    return job["shm"] / f"node-{rank // PER_NODE}" / "own" / globaldir.rank_dirname(rank)
+    return job["shm"] / f"node-{rank // PER_NODE}" / "own" / rank_dirname(rank)
 
 
 def disk(job: dict[str, Any], rank: int) -> Path:
-    return job["disks"] / f"node-{rank // PER_NODE}" / globaldir.rank_dirname(rank)
+    return job["disks"] / f"node-{rank // PER_NODE}" / rank_dirname(rank)
 
 
 def replica(job: dict[str, Any], rank: int) -> Path:

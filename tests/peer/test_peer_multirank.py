@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from asymstore import HostTier
-from asymstore.multirank.globaldir import rank_dirname
+from asymstore.format.names import rank_dirname
 from asymstore.read.load import load_version
 from tests.support.mr_harness import Case, Script, assert_same_state, run_cases
 

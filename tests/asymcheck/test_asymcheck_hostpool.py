@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asymcheck.options import CommitOptions
 from asymcheck.snapshot.hostpool import HUGE_MIN_BYTES, HUGE_PAGE, PAGE, HostSlot, huge_pages_available, thp_mode
 from asymcheck.state.trainstate import TrainingState
 from tests.support.asymcheck_train import (
@@ -80,7 +81,7 @@ def test_checkpointer_reuses_its_slots_across_versions(tmp_path: Path) -> None:
     opt, _ = make_opt(model)
     states = {}
     ptrs: list[set[int]] = []
-    with open_ckpt(model, opt, tmp_path, host_slots=2) as ckpt:  # both slots in turn
+    with open_ckpt(model, opt, tmp_path, commits=CommitOptions(host_slots=2)) as ckpt:  # both slots in turn
         pool = ckpt._pool
         for it in range(6):
             step_once(model, opt, it)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from asymcheck import CheckpointerStateError
+from asymcheck.options import RetentionOptions
 from asymstore import CorruptVersionError
 from tests.support.asymcheck_train import (
     corrupt_newest_segment,
@@ -21,11 +22,11 @@ from tests.support.asymcheck_train import (
 
 
 def test_resume_fills_the_live_parameters_themselves(tmp_path: Path) -> None:
-    _, opt_saved, states = train(tmp_path, 4, keep_last=2)
+    _, opt_saved, states = train(tmp_path, 4, retention=RetentionOptions(keep_last=2))
     model = make_model(seed=9)
     opt, sched = make_opt(model)
     ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
-    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=2) as ckpt:
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, retention=RetentionOptions(keep_last=2)) as ckpt:
         assert ckpt.resume() == 4
         assert {k: v.data_ptr() for k, v in model.state_dict().items()} == ptrs  # read into, not replaced
         equal_state(states[4], model.state_dict())
@@ -39,12 +40,12 @@ def test_resume_fills_the_live_parameters_themselves(tmp_path: Path) -> None:
 
 
 def test_no_version_verifying_stops_training_on_a_partly_loaded_model(tmp_path: Path) -> None:
-    train(tmp_path, 2, keep_last=2)
+    train(tmp_path, 2, retention=RetentionOptions(keep_last=2))
     corrupt_newest_segment(tmp_path, 2)
     corrupt_newest_segment(tmp_path, 1)
     model = make_model(seed=9)
     opt, sched = make_opt(model)
-    ckpt = open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=2)
+    ckpt = open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, retention=RetentionOptions(keep_last=2))
     with ckpt:
         with pytest.raises(CorruptVersionError):
             ckpt.resume()
@@ -59,7 +60,7 @@ def test_restore_live_returns_the_parameters_it_read_into(tmp_path: Path) -> Non
     from asymcheck.state.trainstate import TrainingState
     from asymstore import AsymStore, LocalTier
 
-    _, _, states = train(tmp_path, 3, keep_last=1)
+    _, _, states = train(tmp_path, 3, retention=RetentionOptions(keep_last=1))
     model = make_model(seed=9)
     opt, sched = make_opt(model)
     state = TrainingState(model, opt, stateful={"sched": sched})
@@ -76,12 +77,12 @@ def test_restore_live_returns_the_parameters_it_read_into(tmp_path: Path) -> Non
 
 
 def test_existing_optimizer_state_is_filled_in_place_too(tmp_path: Path) -> None:
-    _, opt_saved, _ = train(tmp_path, 3, keep_last=1)
+    _, opt_saved, _ = train(tmp_path, 3, retention=RetentionOptions(keep_last=1))
     model = make_model(seed=9)
     opt, sched = make_opt(model)
     step_once(model, opt, 0, sched)  # the live optimizer has moments already (a job that stepped before resuming)
     ptrs = {(i, k): v.data_ptr() for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
-    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=1) as ckpt:
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, retention=RetentionOptions(keep_last=1)) as ckpt:
         assert ckpt.resume() == 3
         live = opt.state_dict()["state"]
         assert {(i, k): v.data_ptr() for i, st in live.items() for k, v in st.items()} == ptrs

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from asymcheck.options import RetentionOptions
 from asymcheck.policy.pacing import Pacer
 from tests.support.asymcheck_train import equal_state, make_model, make_opt, open_ckpt, step_once, tensors_of
 
@@ -67,7 +68,7 @@ def test_bad_budgets_are_refused() -> None:
 def test_a_paced_checkpointer_still_resumes_bit_exact_from_its_newest_version(tmp_path: Path) -> None:
     model = make_model()
     opt, sched = make_opt(model)
-    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=2) as ckpt:
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, retention=RetentionOptions(keep_last=2)) as ckpt:
         for it in range(70):
             step_once(model, opt, it, sched)
         pacing = ckpt.stats().pacing
@@ -79,6 +80,7 @@ def test_a_paced_checkpointer_still_resumes_bit_exact_from_its_newest_version(tm
     assert ckpt.final_versions is not None and max(next(iter(ckpt.final_versions.values()))) == 70  # close saved it
     model2 = make_model(seed=3)
     opt2, sched2 = make_opt(model2)
-    with open_ckpt(model2, opt2, tmp_path, stateful={"sched": sched2}, keep_last=2) as ckpt2:
+    with open_ckpt(model2, opt2, tmp_path, stateful={"sched": sched2},
+                   retention=RetentionOptions(keep_last=2)) as ckpt2:
         assert ckpt2.resume() == 70
         equal_state(final, model2.state_dict())

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from asymcheck import PARTITIONINGS, InvalidOptionError, Partitioning
+from asymcheck.options import PacingOptions
 from asymcheck.snapshot.copyengine import CopyEngine, CopyJob
 from tests.support.asymcheck_train import (
     Recorder,
@@ -28,6 +29,7 @@ from tests.support.asymcheck_train import (
     corrupt_newest_segment,
     data,
     equal_state,
+    fast_partitions,
     make_model,
     make_opt,
     open_ckpt,
@@ -72,7 +74,8 @@ def test_every_mode_is_bit_exact_and_resumes_like_an_uninterrupted_run(tmp_path:
     opt, sched = make_opt(model)
     rec = Recorder()
     losses = []
-    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, partitioning=mode, max_overhead=None) as ckpt:
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, partitions=fast_partitions(partitioning=mode),
+                   pacing=PacingOptions(max_overhead=None)) as ckpt:
         assert ckpt.partitioning == mode
         rec.hook(model, opt, lambda: ckpt.step)
         for it in range(FIRST):
@@ -110,7 +113,8 @@ def test_every_mode_is_bit_exact_and_resumes_like_an_uninterrupted_run(tmp_path:
     corrupt_newest_segment(tmp_path, FIRST)
     model = make_model(seed=7, hidden=HIDDEN)
     opt, sched = make_opt(model)
-    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, partitioning=mode, max_overhead=None) as ckpt:
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, partitions=fast_partitions(partitioning=mode),
+                   pacing=PacingOptions(max_overhead=None)) as ckpt:
         assert ckpt.resume() == FIRST - 1
         resumed = [iteration(model, opt, sched, it) for it in range(FIRST - 1, STEPS)]
     assert resumed == want_losses[FIRST - 1:]
@@ -121,10 +125,11 @@ def test_an_unknown_partitioning_is_refused_before_anything_is_hooked(tmp_path: 
     model = make_model()
     opt, _ = make_opt(model)
     with pytest.raises(InvalidOptionError, match="got 'symmetric'"):
-        open_ckpt(model, opt, tmp_path, partitioning="symmetric")
+        open_ckpt(model, opt, tmp_path, partitions=fast_partitions(partitioning="symmetric"))
     assert not any(m._forward_pre_hooks for m in model.modules())
     assert not opt._optimizer_step_pre_hooks
-    with open_ckpt(model, opt, tmp_path, partitioning="uniform") as ckpt:  # the root was not locked either
+    # the root was not locked either
+    with open_ckpt(model, opt, tmp_path, partitions=fast_partitions(partitioning="uniform")) as ckpt:
         assert ckpt.partitioning == "uniform"
 
 

@@ -21,6 +21,7 @@ from asymcheck import (
     StepConflictError,
     UnsupportedStateError,
 )
+from asymcheck.options import CommitOptions, FailureOptions, RetentionOptions
 from asymstore import AsymStore, AsymstoreError, LocalTier, TierError
 from tests.support.asymcheck_train import (
     corrupt_newest_segment,
@@ -53,10 +54,10 @@ def test_resume_with_nothing_committed_is_a_fresh_start(tmp_path: Path) -> None:
 
 
 def test_resume_restores_the_newest_version_and_continues(tmp_path: Path) -> None:
-    _, _, states = train(tmp_path, 5, keep_last=3)
+    _, _, states = train(tmp_path, 5, retention=RetentionOptions(keep_last=3))
     model = make_model(seed=7)
     opt, sched = make_opt(model)
-    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=3) as ckpt:
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, retention=RetentionOptions(keep_last=3)) as ckpt:
         assert ckpt.resume() == 5
         assert ckpt.restored is not None and not ckpt.restored.fallbacks
         equal_state(states[5], model.state_dict())
@@ -67,11 +68,11 @@ def test_resume_restores_the_newest_version_and_continues(tmp_path: Path) -> Non
 
 
 def test_corrupt_newest_version_falls_back_to_the_previous_one(tmp_path: Path) -> None:
-    _, _, states = train(tmp_path, 5, keep_last=3)
+    _, _, states = train(tmp_path, 5, retention=RetentionOptions(keep_last=3))
     corrupt_newest_segment(tmp_path, 5)
     model = make_model(seed=7)
     opt, sched = make_opt(model)
-    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, keep_last=3) as ckpt:
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched}, retention=RetentionOptions(keep_last=3)) as ckpt:
         assert ckpt.resume() == 4
         assert ckpt.restored is not None and ckpt.restored.fallbacks
         assert "step 5" in ckpt.restored.fallbacks[0]
@@ -158,7 +159,7 @@ def test_failed_commits_raise_at_the_next_step_with_on_error_raise(tmp_path: Pat
     tier = FailingTier(tmp_path, after=2, times=None)
     model = make_model()
     opt, _ = make_opt(model)
-    ckpt = open_ckpt(model, opt, [tier], on_error="raise")
+    ckpt = open_ckpt(model, opt, [tier], failures=FailureOptions(on_error="raise"))
     with pytest.raises(CommitFailedError):
         for it in range(20):
             step_once(model, opt, it)
@@ -172,7 +173,7 @@ def test_failed_commits_can_be_only_logged(tmp_path: Path) -> None:
     tier = FailingTier(tmp_path, after=1, times=2)
     model = make_model()
     opt, _ = make_opt(model)
-    with open_ckpt(model, opt, [tier], on_error="log") as ckpt:
+    with open_ckpt(model, opt, [tier], failures=FailureOptions(on_error="log")) as ckpt:
         for it in range(6):
             step_once(model, opt, it)
             ckpt.flush()
@@ -204,7 +205,8 @@ def test_training_stops_once_no_version_was_durable_within_the_step_budget(tmp_p
     tier = FailingTier(tmp_path, after=2, times=None)  # the tier never comes back
     model = make_model()
     opt, _ = make_opt(model)
-    ckpt = open_ckpt(model, opt, [tier], max_steps_without_durable=4, max_seconds_without_durable=None)
+    ckpt = open_ckpt(model, opt, [tier], failures=FailureOptions(max_steps_without_durable=4,
+                                                             max_seconds_without_durable=None))
     done = 0
     with pytest.raises(NoDurableVersionError, match="max_steps_without_durable=4"):
         for it in range(20):
@@ -221,7 +223,7 @@ def test_training_stops_once_no_version_was_durable_within_the_time_budget(tmp_p
     tier = FailingTier(tmp_path, after=1, times=None)
     model = make_model()
     opt, _ = make_opt(model)
-    ckpt = open_ckpt(model, opt, [tier], max_seconds_without_durable=0.3)
+    ckpt = open_ckpt(model, opt, [tier], failures=FailureOptions(max_seconds_without_durable=0.3))
     with pytest.raises(NoDurableVersionError, match=r"max_seconds_without_durable=0\.3"):
         for it in range(100):
             step_once(model, opt, it)
@@ -262,7 +264,7 @@ def test_busy_store_skips_versions_by_policy(tmp_path: Path, slots: int) -> None
     model = make_model()
     opt, _ = make_opt(model)
     tier = GatedTier(tmp_path)  # busy until the loop ends, however fast or slow the steps run
-    with open_ckpt(model, opt, [tier], when_busy="skip", host_slots=slots) as ckpt:
+    with open_ckpt(model, opt, [tier], commits=CommitOptions(when_busy="skip", host_slots=slots)) as ckpt:
         started = time.monotonic()
         for it in range(8):
             step_once(model, opt, it)
@@ -280,7 +282,7 @@ def test_busy_store_applies_back_pressure_by_default(tmp_path: Path, slots: int)
     """Back-pressure is reported whether it is met submitting (two slots) or waiting for the slot (one)."""
     model = make_model()
     opt, _ = make_opt(model)
-    with open_ckpt(model, opt, [SlowTier(tmp_path, delay=0.5)], host_slots=slots) as ckpt:
+    with open_ckpt(model, opt, [SlowTier(tmp_path, delay=0.5)], commits=CommitOptions(host_slots=slots)) as ckpt:
         for it in range(6):
             step_once(model, opt, it)
     stats = ckpt.stats()
@@ -335,7 +337,7 @@ def test_store_argument_forms(tmp_path: Path) -> None:
         for it in range(3):
             step_once(model, opt, it)
     assert ckpt.final_versions == {f"local:{tmp_path / 'a'}": [2, 3]}
-    with Checkpointer(model, opt, [LocalTier(tmp_path / "b")], keep_last=1) as ckpt:
+    with Checkpointer(model, opt, [LocalTier(tmp_path / "b")], retention=RetentionOptions(keep_last=1)) as ckpt:
         assert ckpt.resume() is None
     with pytest.raises(ValueError):
         Checkpointer(model, opt, str(tmp_path / "c"), every=0)

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from asymcheck.options import CommitOptions, CopyMode
 from asymstore import LocalTier
 from tests.support.asymcheck_train import (
     Recorder,
@@ -38,7 +39,7 @@ from tests.support.asymcheck_train import (
 
 def train(root: Path, iterations: int, *, accum: int = 1, every: int = 1, freeze: bool = False,
           grow: bool = False, functional: bool = False, scaler: bool = False,
-          copy: str = "thread") -> tuple[Recorder, Any]:
+          copy: CopyMode = "thread") -> tuple[Recorder, Any]:
     model = make_model()
     opt, sched = make_opt(model)
     stateful: dict[str, Any] = {"sched": sched}
@@ -46,7 +47,7 @@ def train(root: Path, iterations: int, *, accum: int = 1, every: int = 1, freeze
     if amp is not None:
         stateful["scaler"] = amp
     rec = Recorder()
-    with open_ckpt(model, opt, root, every=every, stateful=stateful, copy=copy) as ckpt:
+    with open_ckpt(model, opt, root, every=every, stateful=stateful, commits=CommitOptions(copy=copy)) as ckpt:
         rec.hook(model, opt, lambda: ckpt.step)
         for it in range(iterations):
             if freeze and it == 4:
@@ -215,7 +216,7 @@ def test_one_slot_copies_in_the_hooks_once_an_earlier_commit_gives_it_back(tmp_p
     stateful: dict[str, Any] = {"sched": sched}
     tier = HeldTier(tmp_path, hold)
     rec = Recorder()
-    with open_ckpt(model, opt, [tier], stateful=stateful, host_slots=1) as ckpt:
+    with open_ckpt(model, opt, [tier], stateful=stateful, commits=CommitOptions(host_slots=1)) as ckpt:
         rec.hook(model, opt, lambda: ckpt.step)
         for it in range(9):
             x, y = data(it)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
+from asymcheck.options import PartitionOptions, RetentionOptions
 from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
 from asymstore.api import Checkpoint
@@ -117,11 +119,26 @@ def check_version(ckpt: Checkpoint, rec: Recorder, model: nn.Module, opt: torch.
         equal_state(small[k], obj.state_dict(), k)
 
 
+FAST_PARTITIONS = PartitionOptions(warmup=2, min_partition_bytes=1024)
+"""Partitions the tests' small models can use: sized after 2 iterations, partitions of 1 KiB or more."""
+
+KEEP_ALL = RetentionOptions(keep_last=None)
+"""Retention that keeps every version (the tests read them all back)."""
+
+
+def fast_partitions(**changes: Any) -> PartitionOptions:
+    """:data:`FAST_PARTITIONS` with ``changes`` (``fast_partitions(partitioning="uniform")``)."""
+    return dataclasses.replace(FAST_PARTITIONS, **changes)
+
+
 def open_ckpt(model: nn.Module, opt: torch.optim.Optimizer, where: Any, **kwargs: Any) -> Checkpointer:
-    """A Checkpointer with test-friendly defaults over ``where`` (a directory, tiers or a store)."""
-    kwargs.setdefault("warmup", 2)
-    kwargs.setdefault("min_partition_bytes", 1024)
-    kwargs.setdefault("keep_last", None)
+    """A Checkpointer with test-friendly defaults over ``where`` (a directory, tiers or a store).
+
+    Unless given, ``partitions=`` is :data:`FAST_PARTITIONS` and ``retention=`` :data:`KEEP_ALL`
+    (the typed option groups; pass ``fast_partitions(...)`` to change one partition option).
+    """
+    kwargs.setdefault("partitions", FAST_PARTITIONS)
+    kwargs.setdefault("retention", KEEP_ALL)
     return Checkpointer(model, opt, where, **kwargs)
 
 

@@ -2,7 +2,7 @@
 
 A :class:`~asymstore.multirank.RankStore` whose ``reshard`` is set restores a
 global version written by N ranks on a job of M ranks (see
-:meth:`RankStore.restore`). Each rank
+:meth:`~asymstore.multirank.RankStore.restore`). Each rank
 
 1. reads every old shard's manifest (through the peer tiers) and checks its
    digest against the global manifest, then parses each shard's tensor layouts

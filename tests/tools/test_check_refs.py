@@ -191,9 +191,6 @@ def test_the_command_exits_1_listing_what_is_unknown_and_0_when_all_resolves(tmp
     assert passed.returncode == 0, passed.stdout + passed.stderr
 
 
-@pytest.mark.xfail(strict=False, reason="issue 30 item 5: the findings left are in modules other engineers edit "
-                   "this round (asymstore/multirank/reshard.py, restore.py, store.py); they are fixed once "
-                   "those are done, and then this mark goes")
 def test_every_reference_in_the_repository_resolves() -> None:
     done = subprocess.run([sys.executable, str(TOOL)], cwd=REPO, capture_output=True, text=True, timeout=300,
                           check=False)

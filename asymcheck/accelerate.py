@@ -55,7 +55,7 @@ import logging
 import warnings
 from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import accelerate
 import torch
@@ -72,10 +72,13 @@ from asymcheck.errors import (
     UnsupportedAccelerateConfigError,
 )
 from asymcheck.integrations import names, position, settings, support
+from asymcheck.integrations.forward import forwarded_options
 from asymcheck.integrations.settings import ACCELERATE, refusal
+from asymcheck.options import CheckpointerOptions, renamed_location
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
+from asymcheck.versions.storespec import StoreSpec
 from asymstore.api import CheckpointStore
 
 logger = logging.getLogger(__name__)
@@ -453,9 +456,9 @@ def _add(into: dict[str, Any], name: str, obj: Any) -> None:
     into[name] = obj
 
 
-def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, scheduler: Any = None,
-           data: Any = None, stateful: Mapping[str, Stateful] | None = None,
-           **checkpointer_options: Any) -> AccelerateCheckpointer:
+def attach(accelerator: Any, model: Any, optimizer: Any, location: StoreSpec | None = None, *, scheduler: Any = None,
+           data: Any = None, stateful: Mapping[str, Stateful] | None = None, every: int = 1,
+           root_or_store: StoreSpec | None = None, **options: Unpack[CheckpointerOptions]) -> AccelerateCheckpointer:
     """Take a version of an Accelerate job after every optimizer step (or every ``every``); call after ``prepare``.
 
     ::
@@ -480,9 +483,9 @@ def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, 
         accelerator: the ``accelerate.Accelerator`` that prepared the objects.
         model: the prepared model (under DeepSpeed, the engine ``prepare`` returned).
         optimizer: the prepared optimizer.
-        root_or_store: a directory (one process: a ``LocalTier`` there; several: a multi-rank
-            root), an unopened store, or a list of tiers (see :class:`asymcheck.Checkpointer`;
-            under DeepSpeed, :func:`asymcheck.deepspeed.attach`).
+        location: where the checkpoint lives: a directory (one process: a ``LocalTier`` there;
+            several: a multi-rank root), an unopened store, or a list of tiers (see
+            :class:`asymcheck.Checkpointer`; under DeepSpeed, :func:`asymcheck.deepspeed.attach`).
         scheduler: the prepared LR scheduler, if any (under DeepSpeed, one the engine steps is in
             the engine's own state already).
         data: a prepared data loader, or a mapping of names to prepared loaders and other objects
@@ -491,9 +494,14 @@ def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, 
             ``ckpt.loaders[name]``), to be iterated instead of the loader.
         stateful: name -> object with ``state_dict``/``load_state_dict`` updated after the step
             (your own counters, an EMA).
-        **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (``every``,
-            ``keep_last``, ``max_overhead``, ``preempt_on``...) or, under DeepSpeed, to
-            :func:`asymcheck.deepspeed.attach`.
+        every: a version every ``every``-th optimizer step.
+        root_or_store: the former name of ``location``, deprecated (a ``DeprecationWarning``; goes
+            in the next release).
+        **options: the Checkpointer's typed option groups (:class:`asymcheck.options.CheckpointerOptions`:
+            ``retention=RetentionOptions(keep_last=5)``, ``pacing=PacingOptions(max_overhead=None)``,
+            ...), passed to :class:`asymcheck.Checkpointer` or, under DeepSpeed, to
+            :func:`asymcheck.deepspeed.attach`. The flat keywords of earlier releases
+            (``keep_last=5``) still work, with a ``DeprecationWarning``.
 
     Returns:
         The :class:`AccelerateCheckpointer`: ``resume()``, ``close()``, ``loader``.
@@ -504,12 +512,16 @@ def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, 
         UnsupportedConfigError: under DeepSpeed, a configuration :func:`asymcheck.deepspeed.attach`
             refuses.
         UnresumableDataError: ``data`` holds a torch ``DataLoader`` that ``prepare`` did not return.
+        InvalidOptionError: an option out of its range, or a flat keyword beside its own group.
+        TypeError: a keyword that is no option.
 
     Warns:
         InexactResumeWarning: no ``data`` was given (pass ``data={}`` when the loop draws no batches
             from a loader), or a prepared loader uses worker processes (random transforms in them
             differ after a resume).
     """
+    where: StoreSpec = renamed_location(location, root_or_store, old="root_or_store", caller="attach")
+    forwarded = forwarded_options("attach", options)
     _check(accelerator)
     datas = _named("data", data, LOADER_NAME)
     states = _named("stateful", stateful, "")
@@ -522,8 +534,8 @@ def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, 
             loaders[name] = datas[name] = ResumableLoader(accelerator, obj, name)
     _add(datas, STEP_NAME, _AcceleratorStep(accelerator))
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return _attach_deepspeed(accelerator, model, root_or_store, scheduler, datas, states, loaders,
-                                 checkpointer_options)
+        return _attach_deepspeed(accelerator, model, where, scheduler, datas, states, loaders, every,
+                                 forwarded)
     inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected the optimizer accelerator.prepare() returned, got {type(optimizer)}")
@@ -532,13 +544,13 @@ def attach(accelerator: Any, model: Any, optimizer: Any, root_or_store: Any, *, 
     if accelerator.scaler is not None:  # fp16 on CUDA: AcceleratedOptimizer steps through it
         _add(states, SCALER_NAME, accelerator.scaler)
     module = accelerator.unwrap_model(model)
-    ckpt = Checkpointer(module, inner, root_or_store, stateful=states, data=datas, **checkpointer_options)
+    ckpt = Checkpointer(module, inner, where, stateful=states, data=datas, every=every, **forwarded)
     return AccelerateCheckpointer(ckpt, loaders)
 
 
-def _attach_deepspeed(accelerator: Any, model: Any, root_or_store: Any, scheduler: Any, datas: dict[str, Any],
-                      states: dict[str, Any], loaders: dict[str, ResumableLoader],
-                      options: dict[str, Any]) -> AccelerateCheckpointer:
+def _attach_deepspeed(accelerator: Any, model: Any, location: Any, scheduler: Any, datas: dict[str, Any],
+                      states: dict[str, Any], loaders: dict[str, ResumableLoader], every: int,
+                      options: CheckpointerOptions) -> AccelerateCheckpointer:
     from accelerate.utils.deepspeed import DeepSpeedSchedulerWrapper
 
     import asymcheck.deepspeed
@@ -549,7 +561,7 @@ def _attach_deepspeed(accelerator: Any, model: Any, root_or_store: Any, schedule
         raise TypeError("under the DeepSpeed plugin, model must be the engine accelerator.prepare() returned")
     if scheduler is not None and not isinstance(scheduler, DeepSpeedSchedulerWrapper):
         _add(states, SCHEDULER_NAME, scheduler)  # stepped by the loop through AcceleratedScheduler, not by the engine
-    ckpt = asymcheck.deepspeed.attach(engine, root_or_store, stateful=states, data=datas, **options)
+    ckpt = asymcheck.deepspeed.attach(engine, location, every, stateful=states, data=datas, **options)
     return AccelerateCheckpointer(ckpt, loaders, engine=engine)
 
 

@@ -70,9 +70,10 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import transformers
@@ -82,13 +83,16 @@ from asymcheck.checkpointer import Checkpointer
 from asymcheck.errors import TrainerResumeError, UnsupportedTrainerConfigError
 from asymcheck.integrations import names, support
 from asymcheck.integrations.callback import DeferredCheckpointer
+from asymcheck.integrations.forward import TrainerCallbackOptions, forwarded_options, with_retention
 from asymcheck.integrations.settings import HF_TRAINER, refusal
+from asymcheck.options import CheckpointerOptions, RetentionOptions, renamed_location
 from asymcheck.state.encode import decode
 from asymcheck.state.trainstate import RENAMED, Stateful
-from asymcheck.versions.storeloop import StoreLoop
-from asymcheck.versions.storespec import StoreSpec, make_store
+from asymcheck.versions.storespec import StoreSpec
 from asymstore import KeepBest, Manifest, NoCheckpointError
 from asymstore.api import CheckpointStore, CollectiveStore
+from asymstore.opener import open_store
+from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)
 
@@ -237,11 +241,12 @@ class AsymCheckCallback(TrainerCallback):
     checkpoints go on beside the versions.
 
     Args:
-        root_or_store: a directory, a list of tiers (fastest first) or an unopened store, as for
-            :class:`asymcheck.Checkpointer`; under DeepSpeed, what :func:`asymcheck.deepspeed.attach`
-            takes (a directory: the multi-rank root).
+        location: where the checkpoint lives: a directory, a list of tiers (fastest first) or an
+            unopened store, as for :class:`asymcheck.Checkpointer`; under DeepSpeed, what
+            :func:`asymcheck.deepspeed.attach` takes (a directory: the multi-rank root).
         every: take a version every ``every``-th optimizer step.
-        keep_last: versions kept (when the store is built here).
+        keep_last: versions kept (when the store is built here); the same rule as
+            ``retention=RetentionOptions(keep_last=...)`` (give it one way).
         stateful: further name -> object with ``state_dict``/``load_state_dict`` updated after the
             step (your own counters); the names ``hf.trainer_state``, ``hf.scheduler`` and their
             earlier ``trainer_state``, ``lr_scheduler`` are taken.
@@ -251,14 +256,27 @@ class AsymCheckCallback(TrainerCallback):
             ``k`` best by the Trainer's own ``metric_for_best_model`` and ``greater_is_better``
             (``metric_for_best_model`` must be set); a :class:`~asymstore.KeepBest` names the
             metric (as the Trainer logs it, for example ``"eval_loss"``) and the mode itself.
-        **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (or to ``attach()``):
-            ``keep_every``, ``max_overhead``, ``preempt_on``, ``host_slots``...
+        root_or_store: the former name of ``location``, deprecated (a ``DeprecationWarning``; goes
+            in the next release).
+        **options: the Checkpointer's typed option groups (:class:`asymcheck.options.CheckpointerOptions`),
+            passed to :class:`asymcheck.Checkpointer` (or to ``deepspeed.attach()``):
+            ``retention=RetentionOptions(keep_every=10)``, ``pacing=PacingOptions(max_overhead=None)``,
+            ``commits=CommitOptions(host_slots=1)``... The flat keywords of earlier releases
+            (``keep_every=10``) still work, with a ``DeprecationWarning``.
+
+    Raises:
+        ValueError: ``every``, ``keep_best`` or a ``stateful`` name is refused.
+        InvalidOptionError: an option out of its range, a flat keyword beside its own group, or a
+            retention rule given both as an argument and in ``retention=``.
+        TypeError: a keyword that is no option.
     """
 
-    def __init__(self, root_or_store: StoreSpec, *, every: int = 1, keep_last: int | None = 3,
+    def __init__(self, location: StoreSpec | None = None, *, every: int = 1, keep_last: int | None = 3,
                  stateful: Mapping[str, Stateful] | None = None, metrics: bool = True,
-                 keep_best: KeepBest | int | None = None, **checkpointer_options: Any) -> None:
+                 keep_best: KeepBest | int | None = None, root_or_store: StoreSpec | None = None,
+                 **options: Unpack[TrainerCallbackOptions]) -> None:
         """Keep the options; the Checkpointer is made at ``on_train_begin``, when the optimizer exists."""
+        where: StoreSpec = renamed_location(location, root_or_store, old="root_or_store", caller="AsymCheckCallback")
         taken = {STATE_NAME, SCHEDULER_NAME, *_OLD_NAMES} & set(stateful or {})
         if taken:
             raise ValueError(f"stateful names {sorted(taken)} are the callback's own")
@@ -267,13 +285,15 @@ class AsymCheckCallback(TrainerCallback):
         if isinstance(keep_best, bool) or not (keep_best is None or isinstance(keep_best, KeepBest)
                                                or (isinstance(keep_best, int) and keep_best >= 1)):
             raise ValueError(f"keep_best must be a KeepBest or an int >= 1, got {keep_best!r}")
+        self.options = forwarded_options("AsymCheckCallback", options, keep_last=keep_last)
+        """The Checkpointer's option groups (``keep_best`` is added when training begins)."""
         self.keep_best = keep_best
-        self.root_or_store = root_or_store
+        if isinstance(keep_best, KeepBest):  # a rule given twice is refused here, not when training begins
+            with_retention(self.retention, "AsymCheckCallback", keep_best=keep_best)
+        self.location: StoreSpec = where
         self.every = every
-        self.keep_last = keep_last
         self.stateful = dict(stateful or {})
         self.metrics = metrics
-        self.options = checkpointer_options
         self._run: DeferredCheckpointer[Checkpointer] = DeferredCheckpointer()
         self.resumed_step: int | None = None
         """The version the current ``train()`` resumed from (None: a fresh start)."""
@@ -291,6 +311,23 @@ class AsymCheckCallback(TrainerCallback):
     def checkpointer(self) -> Checkpointer | None:
         """The Checkpointer of the current ``train()`` (a ``DeepSpeedCheckpointer`` under DeepSpeed)."""
         return self._run.checkpointer
+
+    @property
+    def retention(self) -> RetentionOptions:
+        """The retention rules (``keep_best=k`` by the Trainer's metric is added when training begins)."""
+        return self.options["retention"]
+
+    @property
+    def keep_last(self) -> int | None:
+        """Versions kept per tier (``retention.keep_last``)."""
+        return self.retention.keep_last
+
+    @property
+    def root_or_store(self) -> StoreSpec:
+        """Deprecated: :attr:`location`."""
+        warnings.warn("AsymCheckCallback.root_or_store is now AsymCheckCallback.location", DeprecationWarning,
+                      stacklevel=2)
+        return self.location
 
     # -- resume ----------------------------------------------------------
 
@@ -316,9 +353,10 @@ class AsymCheckCallback(TrainerCallback):
         self._names = {STATE_NAME: STATE_NAME, SCHEDULER_NAME: SCHEDULER_NAME}
         if _is_deepspeed(trainer.args):
             return self._resume_dir_deepspeed(trainer)
-        store = make_store(self.root_or_store, self.keep_last, keep_every=self.options.get("keep_every"),
-                           keep_best=self._keep_best(trainer.args))  # as the Checkpointer will open it
-        loop = StoreLoop(store)
+        kept = self._retention(trainer.args)  # as the Checkpointer will open it
+        store = open_store(self.location, keep_last=kept.keep_last, keep_every=kept.keep_every,
+                           keep_best=kept.keep_best, across_layouts=self.options.get("across_layouts", "resume"))
+        loop = StoreLoop(store, name="asymcheck-hf-peek")
         try:
             manifest = loop.run(_newest_manifest(store))
         finally:
@@ -335,6 +373,10 @@ class AsymCheckCallback(TrainerCallback):
         logger.info("resuming from version %d (global step %d) through %s", manifest.step, state["global_step"],
                     directory)
         return directory
+
+    def _retention(self, args: TrainingArguments) -> RetentionOptions:
+        """The retention rules with ``keep_best`` (see :meth:`_keep_best`)."""
+        return with_retention(self.retention, "AsymCheckCallback", keep_best=self._keep_best(args))
 
     def _keep_best(self, args: TrainingArguments) -> KeepBest | None:
         """The ``keep_best`` rule: as given, or ``k`` best by the Trainer's ``metric_for_best_model``.
@@ -357,7 +399,7 @@ class AsymCheckCallback(TrainerCallback):
 
     def _deepspeed_root(self) -> str:
         """The multi-rank root under DeepSpeed (a directory)."""
-        root = self.root_or_store
+        root = self.location
         if not isinstance(root, (str, os.PathLike)):
             raise UnsupportedTrainerConfigError("deepspeed: the callback takes a directory (the multi-rank root)")
         return os.fspath(root)
@@ -412,10 +454,7 @@ class AsymCheckCallback(TrainerCallback):
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             stateful[names[SCHEDULER_NAME]] = scheduler
-        options = {"every": self.every, "keep_last": self.keep_last, **self.options}
-        keep_best = self._keep_best(args)
-        if keep_best is not None:
-            options["keep_best"] = keep_best
+        options: CheckpointerOptions = {**self.options, "retention": self._retention(args)}
         if _is_deepspeed(args):
             if self._trainer is None:
                 raise TrainerResumeError("under deepspeed, call trainer.train(resume_from_checkpoint="
@@ -423,12 +462,12 @@ class AsymCheckCallback(TrainerCallback):
             import asymcheck.deepspeed
 
             ckpt: Checkpointer = asymcheck.deepspeed.attach(self._trainer.model_wrapped, self._deepspeed_root(),
-                                                            stateful=stateful, **options)
+                                                            self.every, stateful=stateful, **options)
         else:
             optimizer = _torch_optimizer(kwargs.get("optimizer"))
             if not isinstance(model, torch.nn.Module):
                 raise TrainerResumeError("the Trainer passed no model to on_train_begin")
-            ckpt = Checkpointer(model, optimizer, self.root_or_store, stateful=stateful, **options)
+            ckpt = Checkpointer(model, optimizer, self.location, stateful=stateful, every=self.every, **options)
         self._run.start(ckpt)
         try:
             self._begin(state, expect, kwargs.get("train_dataloader"), args)

@@ -82,7 +82,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import lightning
 import torch
@@ -98,8 +98,10 @@ from asymcheck.errors import (
 )
 from asymcheck.integrations import names, position, settings, support
 from asymcheck.integrations.callback import DeferredCheckpointer
+from asymcheck.integrations.forward import CallbackOptions, forwarded_options
 from asymcheck.integrations.settings import LIGHTNING, refusal
-from asymcheck.snapshot.hooks import HookSet
+from asymcheck.options import CheckpointerOptions, RetentionOptions, renamed_location
+from asymcheck.snapshot.hooks import Driver, HookSet
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats
 from asymcheck.versions.storespec import StoreSpec
@@ -496,20 +498,24 @@ class LightningCheckpointer(Checkpointer):
     The torch step pre-hook of the plain Checkpointer fires before Lightning's closure (the forward
     and backward of the iteration), so here the version of the previous step is sealed by
     :meth:`before_step`, which :class:`AsymCheckCallback` calls in ``on_before_optimizer_step``; the step
-    post-hook still opens each version.
+    post-hook still opens each version. It drives the Checkpointer through its public ``hooks=``
+    factory and :attr:`asymcheck.Checkpointer.driver`.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: StoreSpec,
-                 **kwargs: Any) -> None:
-        """Build the Checkpointer, then hook the optimizer's step post-hook only (see :class:`AsymCheckCallback`)."""
-        super().__init__(model, optimizer, store, **kwargs)
-        self._hooks.remove()
-        self._hooks = HookSet(model, optimizer, on_forward=self._on_forward, on_grad=self._on_grad,
-                              on_step_pre=_noop, on_step_post=self._on_step_post)
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, location: StoreSpec, *,
+                 stateful: Mapping[str, Stateful] | None = None, every: int = 1,
+                 **options: Unpack[CheckpointerOptions]) -> None:
+        """Build the Checkpointer with the model's hooks and the optimizer's step post-hook only."""
+
+        def hooks(driver: Driver) -> HookSet:
+            return HookSet(model, optimizer, on_forward=driver.on_forward, on_grad=driver.on_grad,
+                           on_step_pre=_noop, on_step_post=driver.after_step)
+
+        super().__init__(model, optimizer, location, stateful=stateful, every=every, hooks=hooks, **options)
 
     def before_step(self) -> None:
         """Seal the open version: the optimizer is about to step (its closure ran)."""
-        self._on_step_pre()
+        self.driver.before_step()
 
 
 # -- the callback ----------------------------------------------------------------
@@ -519,11 +525,12 @@ class AsymCheckCallback(Callback):
     """A version every ``every`` optimizer steps of ``Trainer.fit``, and a resume when ``fit`` starts.
 
     Args:
-        root_or_store: a directory (a ``LocalTier``; under DDP a multi-rank store there), a list of
-            tiers (fastest first), or an unopened store; as :class:`asymcheck.Checkpointer` takes it.
-            One ``fit`` opens it and closes it.
+        location: where the checkpoint lives: a directory (a ``LocalTier``; under DDP a multi-rank
+            store there), a list of tiers (fastest first), or an unopened store; as
+            :class:`asymcheck.Checkpointer` takes it. One ``fit`` opens it and closes it.
         every: a version every ``every`` optimizer steps.
-        keep_last: versions kept per tier.
+        keep_last: versions kept per tier (the same rule as ``retention=RetentionOptions(keep_last=...)``:
+            give each rule one way).
         keep_every: also keep every version whose step is a multiple of it, permanently.
         monitor: a metric logged by the LightningModule (``self.log``), as ``ModelCheckpoint`` takes it:
             read from ``trainer.callback_metrics`` after each training batch and each validation, and
@@ -536,35 +543,47 @@ class AsymCheckCallback(Callback):
             loader a resume could not continue exactly (see :func:`data_problems`): ``"raise"``
             :class:`UnresumableDataError` naming it and what would differ, or ``"warn"``
             (:class:`InexactResumeWarning`, the same words) and train.
-        **checkpointer_options: passed to :class:`asymcheck.Checkpointer` (``max_overhead``,
-            ``on_error``, ``preempt_on``, ...).
+        root_or_store: the former name of ``location``, deprecated (a ``DeprecationWarning``; goes
+            in the next release).
+        **options: the Checkpointer's typed option groups (:class:`asymcheck.options.CheckpointerOptions`:
+            ``pacing=PacingOptions(max_overhead=None)``, ``failures=FailureOptions(on_error="raise")``,
+            ``preemption=...``, ...). The flat keywords of earlier releases (``max_overhead=None``)
+            still work, with a ``DeprecationWarning``.
+
+    Raises:
+        ValueError: ``every``, ``mode`` or ``inexact_data`` is out of its range.
+        InvalidOptionError: an option out of its range, a flat keyword beside its own group, or a
+            retention rule given both as an argument and in ``retention=``.
+        TypeError: a keyword that is no option.
 
     Attributes:
         checkpointer: the Checkpointer of the running (or last) ``fit``.
         restored: what the resume of the last ``fit`` loaded (None: it started fresh).
     """
 
-    def __init__(self, root_or_store: StoreSpec, *, every: int = 1, keep_last: int | None = 3,
+    def __init__(self, location: StoreSpec | None = None, *, every: int = 1, keep_last: int | None = 3,
                  keep_every: int | None = None, monitor: str | None = None, mode: Literal["min", "max"] = "min",
                  save_top_k: int = 1, resume: bool = True, inexact_data: InexactData = "raise",
-                 **checkpointer_options: Any) -> None:
+                 root_or_store: StoreSpec | None = None, **options: Unpack[CallbackOptions]) -> None:
         """Keep the options; nothing is opened until ``fit`` starts."""
+        where: StoreSpec = renamed_location(location, root_or_store, old="root_or_store", caller="AsymCheckCallback")
         if every < 1:
             raise ValueError("every must be >= 1")
         if inexact_data not in ("raise", "warn"):
             raise ValueError(f"inexact_data must be 'raise' or 'warn', got {inexact_data!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-        self.root_or_store = root_or_store
+        keep_best = KeepBest(monitor, mode, save_top_k) if monitor is not None and save_top_k > 0 else None
+        self.options = forwarded_options("AsymCheckCallback", options, keep_last=keep_last, keep_every=keep_every,
+                                         keep_best=keep_best)
+        """The Checkpointer's option groups (``retention`` holds keep_last, keep_every and monitor's rule)."""
+        self.location: StoreSpec = where
         self.every = every
-        self.keep_last = keep_last
-        self.keep_every = keep_every
         self.monitor = monitor
         self.mode = mode
         self.save_top_k = save_top_k
         self.resume = resume
         self.inexact_data: InexactData = inexact_data
-        self.options = checkpointer_options
         self._run: DeferredCheckpointer[LightningCheckpointer] = DeferredCheckpointer()
         self.restored: RestoreInfo | None = None
         self._loops = _LoopState()
@@ -580,6 +599,28 @@ class AsymCheckCallback(Callback):
     def checkpointer(self) -> LightningCheckpointer | None:
         """The Checkpointer of the running (or last) ``fit``."""
         return self._run.checkpointer
+
+    @property
+    def retention(self) -> RetentionOptions:
+        """The retention rules: ``keep_last``, ``keep_every`` and the best versions by ``monitor``."""
+        return self.options["retention"]
+
+    @property
+    def keep_last(self) -> int | None:
+        """Versions kept per tier (``retention.keep_last``)."""
+        return self.retention.keep_last
+
+    @property
+    def keep_every(self) -> int | None:
+        """Every version whose step is a multiple of it is kept (``retention.keep_every``)."""
+        return self.retention.keep_every
+
+    @property
+    def root_or_store(self) -> StoreSpec:
+        """Deprecated: :attr:`location`."""
+        warnings.warn("AsymCheckCallback.root_or_store is now AsymCheckCallback.location", DeprecationWarning,
+                      stacklevel=2)
+        return self.location
 
     @property
     def state_key(self) -> str:
@@ -599,18 +640,14 @@ class AsymCheckCallback(Callback):
             UnsupportedLightningConfigError: a setting named in the message is not supported.
         """
         _check(trainer, pl_module)
-        keep_best = None
-        if self.monitor is not None and self.save_top_k > 0:
-            keep_best = KeepBest(self.monitor, self.mode, self.save_top_k)
         self._loops = _LoopState()
         stateful: dict[str, Stateful] = {LOOPS_NAME: self._loops}
         for i, config in enumerate(trainer.lr_scheduler_configs):
             stateful[f"{SCHEDULER_PREFIX}{i}"] = config.scheduler
         self.restored = None
         self._positioned, self._data_loaded, self._data_told, self._data_unrecorded = [], None, set(), False
-        ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.root_or_store, stateful=stateful,
-                                     every=self.every, keep_last=self.keep_last, keep_every=self.keep_every,
-                                     keep_best=keep_best, **self.options)
+        ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.location, stateful=stateful,
+                                     every=self.every, **self.options)
         self._run.start(ckpt, marked=0)
         self._recorded = 0
         self._validated = self._resuming = False

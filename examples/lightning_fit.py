@@ -12,7 +12,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from asymcheck.lightning import AsymCheck, ResumableLoader
+from asymcheck.lightning import AsymCheckCallback, ResumableLoader
 
 
 # --8<-- [start:module]
@@ -49,7 +49,7 @@ def fit(root: str, steps: int) -> Regression:
     """Fit ``steps`` steps from the seed, with the callback on ``root``."""
     pl.seed_everything(0, verbose=False)
     model = Regression()
-    pl.Trainer(max_steps=steps, callbacks=[AsymCheck(root, monitor="train_loss")], **quiet).fit(model)
+    pl.Trainer(max_steps=steps, callbacks=[AsymCheckCallback(root, monitor="train_loss")], **quiet).fit(model)
     return model
 
 
@@ -61,7 +61,7 @@ fit(root, 12)  # a fit that stops after 12 steps: its last version is step 12
 pl.seed_everything(0, verbose=False)
 model = Regression()
 # --8<-- [start:fit]
-ckpt = AsymCheck(root, monitor="train_loss")  # a version every step; keep_last=3, and the best train_loss
+ckpt = AsymCheckCallback(root, monitor="train_loss")  # a version every step; keep_last=3, and the best train_loss
 trainer = pl.Trainer(max_steps=24, callbacks=[ckpt], **quiet)
 trainer.fit(model)  # resumes from the newest verified version in root (here step 12), fits to 24
 # --8<-- [end:fit]

@@ -245,9 +245,11 @@ def test_deepspeed_takes_the_retention_rules_to_its_multirank_store(name: str, r
                                                                     tmp_path: Path) -> None:
     """Under DeepSpeed the callback's keep_every reaches the multi-rank store: its versions are pruned by it."""
     from asymcheck.hf import AsymCheckCallback
+    from asymcheck.options import RetentionOptions
     from asymstore.multirank.globaldir import list_global_steps
 
-    assert AsymCheckCallback(str(tmp_path), keep_every=10, keep_best=1)._deepspeed_root() == str(tmp_path)
+    callback = AsymCheckCallback(str(tmp_path), keep_best=1, retention=RetentionOptions(keep_every=10))
+    assert callback._deepspeed_root() == str(tmp_path) and callback.retention.keep_every == 10
     at, where = kill_point(name)
     context = f"case {name}, killed at global step {at} ({where}), HF_KILL_SEED={SEED}\n{runs['output'][-6000:]}"
     assert runs["codes"].get(f"{name}-resume") == 0, context

@@ -1,4 +1,4 @@
-"""Lightning: ``asymcheck.lightning.AsymCheck`` on a real ``Trainer.fit``, killed by SIGKILL and resumed bit-exact.
+"""Lightning: ``asymcheck.lightning.AsymCheckCallback`` on a real ``Trainer.fit``, killed by SIGKILL, resumed bit-exact.
 
 A child (tests/procs/lightning_train.py) fits a small GPT-2 on CPU with a version every optimizer
 step, dies by SIGKILL inside ``training_step`` at a random step, and a fresh child resumes through
@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from asymcheck.lightning import AsymCheck, ResumableLoader, UnsupportedLightningConfigError
+from asymcheck.lightning import AsymCheckCallback, ResumableLoader, UnsupportedLightningConfigError
 from asymstore import AsymStore, LocalTier
 from asymstore.multirank.globaldir import list_global_steps
 from tests.support.launch import proc_argv, proc_env
@@ -226,7 +226,7 @@ class _Manual(pl.LightningModule):
 def test_manual_optimization_refused(tmp_path: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[AsymCheck(tmp_path / "ckpt")])
+                         callbacks=[AsymCheckCallback(tmp_path / "ckpt")])
     with pytest.raises(UnsupportedLightningConfigError, match="automatic_optimization=False"):
         trainer.fit(_Manual())
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("v*"))
@@ -253,7 +253,7 @@ def test_ckpt_path_refused(tmp_path: Path) -> None:
     trainer = pl.Trainer(max_steps=2, **quiet)
     trainer.fit(_Tiny())
     trainer.save_checkpoint(tmp_path / "lightning.ckpt")
-    trainer = pl.Trainer(max_steps=4, callbacks=[AsymCheck(tmp_path / "ckpt")], **quiet)
+    trainer = pl.Trainer(max_steps=4, callbacks=[AsymCheckCallback(tmp_path / "ckpt")], **quiet)
     with pytest.raises(UnsupportedLightningConfigError, match="ckpt_path="):
         trainer.fit(_Tiny(), ckpt_path=tmp_path / "lightning.ckpt")
 
@@ -275,7 +275,7 @@ def test_resumable_loader_skips_without_reading() -> None:
     loader = ResumableLoader(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
     torch.manual_seed(1)
     whole = [b.flatten().tolist() for b in loader]
-    loader.trained = 3  # what AsymCheck records after the third batch of the pass
+    loader.batches = 3  # what AsymCheckCallback records after the third batch of the pass
     state = loader.state_dict()
     after = torch.get_rng_state()
 

@@ -1,7 +1,7 @@
 """Lightning with the README's two lines: a plain shuffled ``DataLoader`` from ``train_dataloader()``, resumed exactly.
 
 A child (tests/procs/lightning_plain.py) fits Lightning's demo transformer with a plain
-``DataLoader(shuffle=True)`` and ``callbacks=[AsymCheck(root)]``, dies by SIGKILL inside a
+``DataLoader(shuffle=True)`` and ``callbacks=[AsymCheckCallback(root)]``, dies by SIGKILL inside a
 ``training_step`` (after the version of the previous step is committed), and a fresh child resumes
 and fits to the end: killed in the middle of an epoch, and with the version resumed sitting exactly
 at an epoch's end. Every loss after the resume and the final weights must equal those of an
@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from asymcheck.lightning import AsymCheck, InexactResumeWarning, UnresumableDataError
+from asymcheck.lightning import AsymCheckCallback, InexactResumeWarning, UnresumableDataError
 from asymstore import AsymStore, LocalTier
 from tests.support.launch import proc_argv, proc_env
 
@@ -121,7 +121,7 @@ class _Fit(pl.LightningModule):
         return self.loader
 
 
-def _trainer(callback: AsymCheck) -> pl.Trainer:
+def _trainer(callback: AsymCheckCallback) -> pl.Trainer:
     return pl.Trainer(accelerator="cpu", max_steps=4, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
 
@@ -140,7 +140,7 @@ def _steps(root: Path) -> list[int]:
 def test_unpositionable_loader_refused_before_training(tmp_path: Path, loader: Any, named: str) -> None:
     module = _Fit(loader())
     with pytest.raises(UnresumableDataError, match=rf"train loader 0 \(DataLoader of _\w+\): {named}"):
-        _trainer(AsymCheck(tmp_path / "ckpt")).fit(module)
+        _trainer(AsymCheckCallback(tmp_path / "ckpt")).fit(module)
     assert module.steps == 0 and _steps(tmp_path / "ckpt") == []
 
 
@@ -148,7 +148,7 @@ def test_unpositionable_loader_named_when_allowed(tmp_path: Path) -> None:
     module = _Fit(torch.utils.data.DataLoader(_Stream(), batch_size=4))
     named = r"train loader 0 \(DataLoader of _Stream\): reads an IterableDataset"
     with pytest.warns(InexactResumeWarning, match=named):
-        _trainer(AsymCheck(tmp_path / "ckpt", inexact_data="warn")).fit(module)
+        _trainer(AsymCheckCallback(tmp_path / "ckpt", inexact_data="warn")).fit(module)
     assert module.steps == 4 and max(_steps(tmp_path / "ckpt")) == 4
 
 
@@ -169,7 +169,7 @@ def test_plain_loader_positioned_during_fit_only(tmp_path: Path) -> None:
     loader = torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=True)
     sampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
     module = _Watching(loader)
-    _trainer(AsymCheck(tmp_path / "ckpt")).fit(module)
+    _trainer(AsymCheckCallback(tmp_path / "ckpt")).fit(module)
     assert module.steps == 4 and module.samplers == {"_PositionedSampler"}
     assert loader.batch_sampler.sampler is sampler  # type: ignore[union-attr]
 
@@ -182,11 +182,11 @@ def test_a_version_without_positions_is_refused_or_named(tmp_path: Path, monkeyp
     loader = torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=True)
     with monkeypatch.context() as m:
         m.setattr(integration, "DATA", "an_older_release_key")
-        _trainer(AsymCheck(tmp_path / "ckpt")).fit(_Fit(loader))
+        _trainer(AsymCheckCallback(tmp_path / "ckpt")).fit(_Fit(loader))
     named = r"\(step 4\) holds no position of the plain train loader"
 
-    def fit(**options: Any) -> tuple[_Fit, AsymCheck]:
-        module, callback = _Fit(loader), AsymCheck(tmp_path / "ckpt", **options)
+    def fit(**options: Any) -> tuple[_Fit, AsymCheckCallback]:
+        module, callback = _Fit(loader), AsymCheckCallback(tmp_path / "ckpt", **options)
         pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, callbacks=[callback]).fit(module)
         return module, callback

@@ -130,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     start_epoch = 0
     if not args.no_ckpt:
         import asymcheck.accelerate
+        from asymcheck.options import PartitionOptions, RetentionOptions
 
         ckpt = asymcheck.accelerate.attach(accelerator, model, optimizer, args.dir, scheduler=scheduler,
-                                           data=loader, keep_last=3, warmup=1, min_partition_bytes=4096)
+                                           data=loader, retention=RetentionOptions(keep_last=3),
+                                           partitions=PartitionOptions(warmup=1, min_partition_bytes=4096))
         completed = ckpt.resume() or 0
         batches = loader if args.raw else ckpt.loader
         start_epoch = ckpt.loader.epoch

@@ -38,6 +38,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from asymcheck.hf import AsymCheckCallback
+from asymcheck.options import PacingOptions, RetentionOptions
 
 SEQUENCES = 24
 LENGTH = 16
@@ -173,8 +174,9 @@ def run(argv: list[str]) -> int:
     ckpt = None
     if args.dir:
         # a version every step, always; with --eval also the best by the Trainer's metric_for_best_model
-        retention = {"keep_every": args.keep_every} if args.keep_every else {}
-        ckpt = AsymCheckCallback(args.dir, max_overhead=None, keep_best=1 if args.eval else None, **retention)
+        ckpt = AsymCheckCallback(args.dir, keep_best=1 if args.eval else None,
+                                 retention=RetentionOptions(keep_every=args.keep_every or None),
+                                 pacing=PacingOptions(max_overhead=None))
         trainer.add_callback(ckpt)
         if not args.plain_train:
             resume = ckpt.resume_from(trainer)

@@ -6,7 +6,7 @@ A stock-style LightningModule, as Lightning's own transformer example has it: th
 ``lightning.pytorch.demos.Transformer`` (small, dropout on) on synthetic tokens, SGD, and a plain
 ``DataLoader(dataset, batch_size=4, shuffle=True)`` returned by ``train_dataloader()`` (shuffled by
 the global RNG; no ``ResumableLoader``). 3 epochs of 6 batches. With ``--dir`` it runs under
-``callbacks=[AsymCheck(CKPT)]``; without it, it is the uninterrupted reference.
+``callbacks=[AsymCheckCallback(CKPT)]``; without it, it is the uninterrupted reference.
 ``--kill S``: inside the ``training_step`` after S optimizer steps, wait until every sealed version
 is committed (so the resume starts at step S - 1), then SIGKILL.
 
@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.demos import Transformer
 
-from asymcheck.lightning import AsymCheck
+from asymcheck.lightning import AsymCheckCallback
 
 VOCAB = 64
 SAMPLES = 24  # 6 batches of 4 per epoch
@@ -56,7 +56,7 @@ class Model(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.kill is not None and self.global_step == self.kill:
             for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
-                if isinstance(callback, AsymCheck) and callback.checkpointer is not None:
+                if isinstance(callback, AsymCheckCallback) and callback.checkpointer is not None:
                     callback.checkpointer.flush()  # the version of step kill - 1 is durable
             os.kill(os.getpid(), signal.SIGKILL)
         inputs, target = batch
@@ -86,7 +86,7 @@ def main() -> None:
     module = Model(out, args.kill)
     callbacks: list[pl.Callback] = []
     if args.dir:
-        callbacks.append(AsymCheck(args.dir))
+        callbacks.append(AsymCheckCallback(args.dir))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
     trainer.fit(module)

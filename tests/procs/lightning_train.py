@@ -7,7 +7,7 @@ dropout on) on synthetic tokens with ``lightning.pytorch.Trainer`` on CPU: AdamW
 scheduler, a train loader shuffled by the global RNG (one process) or a shuffling ``DistributedSampler``
 (``--ddp``: ``strategy="ddp"`` on 2 processes that the test starts with ``RANK``/``WORLD_SIZE``... in
 the environment), wrapped in ``asymcheck.lightning.ResumableLoader``, and a validation pass per epoch.
-With ``--dir`` it runs under ``asymcheck.lightning.AsymCheck`` (a version every step, ``monitor="val_loss"``,
+With ``--dir`` it runs under ``asymcheck.lightning.AsymCheckCallback`` (a version every step, ``monitor="val_loss"``,
 kept by in one process, recorded only under DDP); without it, it is the uninterrupted reference.
 ``--kill S``: SIGKILL inside the ``training_step`` after S optimizer steps, having written
 ``OUT/killed-rankR.json`` (``{"step": S, "signal": "SIGKILL"}``) just before.
@@ -33,7 +33,8 @@ import lightning.pytorch as pl
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from asymcheck.lightning import AsymCheck, ResumableLoader
+from asymcheck.lightning import AsymCheckCallback, ResumableLoader
+from asymcheck.options import PacingOptions
 
 EPOCHS = 3
 SAMPLES = 28  # 7 batches of 4 per epoch in one process, 4 per process under 2 (DistributedSampler pads)
@@ -130,8 +131,8 @@ def main() -> None:
         module.signal = signal.SIGTERM
     callbacks: list[pl.Callback] = []
     if args.dir:
-        options: dict[str, Any] = {"monitor": "val_loss", "save_top_k": 1}
-        callbacks.append(AsymCheck(args.dir, keep_last=2, max_overhead=None, **options))
+        callbacks.append(AsymCheckCallback(args.dir, keep_last=2, monitor="val_loss", save_top_k=1,
+                                           pacing=PacingOptions(max_overhead=None)))
     trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1,

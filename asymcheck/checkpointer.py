@@ -57,19 +57,20 @@ from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.cycle import VersionCycle
 from asymcheck.versions.progress import Progress
-from asymcheck.versions.storeloop import StoreLoop
 from asymcheck.versions.storespec import (
     RestoreInfo,
     StoreSpec,
     layout_recorder,
-    make_store,
     on_cuda,
     status_of,
     versions_of,
 )
-from asymstore import CorruptVersionError, InvalidMetaError, NoCheckpointError
+from asymstore import CorruptVersionError, NoCheckpointError
 from asymstore.api import CheckpointStore, TierStatus
+from asymstore.errors import InvalidMetaError
 from asymstore.multirank.rootlayout import AcrossLayouts
+from asymstore.opener import open_store
+from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ StateFactory = Callable[[CheckpointStore, StoreRunner], TrainingState]
 
 
 def _adapter_state(factory: StateFactory, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   loop: StoreLoop) -> TrainingState:
+                   loop: StoreLoop[CheckpointStore]) -> TrainingState:
     """The state an adapter's factory builds, checked to be of the Checkpointer's model and optimizer."""
     state = factory(loop.store, loop.run)
     if not isinstance(state, TrainingState) or state.model is not model or state.optimizer is not optimizer:
@@ -228,9 +229,9 @@ class Checkpointer:
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(commit.host_slots, pin=cuda)
         kept = options.retention
-        store = make_store(store_or_tiers, kept.keep_last, keep_every=kept.keep_every, keep_best=kept.keep_best,
-                           across_layouts=across_layouts)
-        self._loop = StoreLoop(store)
+        store = open_store(store_or_tiers, keep_last=kept.keep_last, keep_every=kept.keep_every,
+                           keep_best=kept.keep_best, across_layouts=across_layouts)
+        self._loop = StoreLoop(store, name="asymcheck-store")
         try:
             built = plain if state is None else _adapter_state(state, model, optimizer, self._loop)
             assert built is not None

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
@@ -35,10 +35,11 @@ from asymcheck.deepspeed.files import META_KEY, decode_file, encode_files, file_
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import NotInStoreError
-from asymcheck.versions.storeloop import StoreLoop
 from asymstore.api import Checkpoint
 from asymstore.io.files import atomic_write
 from asymstore.multirank import GlobalManifest, RankStore, WorldSizeMismatchError
+from asymstore.opener import OpenOptions, open_store
+from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,12 @@ class AsymCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         engine: the DeepSpeed engine (its ``global_steps`` numbers the versions); optional.
         keep_last: global versions kept per checkpoint directory; None (default) keeps all.
         timeout_s: how long a commit waits for every rank.
-        **store_kwargs: passed to each :class:`asymstore.multirank.RankStore`.
+        **store_kwargs: options of each :class:`asymstore.multirank.RankStore`
+            (:class:`asymstore.opener.OpenOptions`; ``wait_global`` is always True here).
     """
 
     def __init__(self, engine: Any = None, *, keep_last: int | None = None, timeout_s: float = 300.0,
-                 **store_kwargs: Any) -> None:
+                 **store_kwargs: Unpack[OpenOptions]) -> None:
         """Create the engine; stores open lazily, one per checkpoint directory."""
         super().__init__(None)
         register_deepspeed_types()
@@ -79,35 +81,33 @@ class AsymCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.keep_last = keep_last
         self.timeout_s = timeout_s
         self.store_kwargs = store_kwargs
-        self._loops: dict[str, StoreLoop] = {}
-        self._stores: dict[str, RankStore] = {}  # the store each loop owns, as this engine made it
+        self._loops: dict[str, StoreLoop[RankStore]] = {}
         self._current: _Save | None = None
         self._shards: dict[tuple[str, int, int], Checkpoint] = {}
 
     # -- stores ----------------------------------------------------------
 
-    def loop(self, save_dir: str) -> StoreLoop:
+    def loop(self, save_dir: str) -> StoreLoop[RankStore]:
         """The store loop of checkpoint directory ``save_dir`` (opened on first use)."""
         key = os.path.abspath(save_dir)
         loop = self._loops.get(key)
         if loop is None:
-            store = RankStore(os.path.join(key, STORE_DIR), keep_last=self.keep_last, timeout_s=self.timeout_s,
-                              wait_global=True, **self.store_kwargs)
-            loop = self._loops[key] = StoreLoop(store)
-            self._stores[key] = store
+            options: OpenOptions = {**self.store_kwargs, "wait_global": True}  # commit returns once published
+            store = open_store(os.path.join(key, STORE_DIR), keep_last=self.keep_last, timeout_s=self.timeout_s,
+                               multirank=True, **options)
+            assert isinstance(store, RankStore), "multirank=True opens a directory as a RankStore"
+            loop = self._loops[key] = StoreLoop(store, name="asymcheck-store")
         return loop
 
     def store(self, save_dir: str) -> RankStore:
         """The multi-rank store of ``save_dir`` (opened on first use)."""
-        self.loop(save_dir)
-        return self._stores[os.path.abspath(save_dir)]
+        return self.loop(save_dir).store
 
     def close(self) -> None:
         """Close every store (call once training is done)."""
         for loop in self._loops.values():
             loop.close()
         self._loops.clear()
-        self._stores.clear()
         self._shards.clear()
 
     # -- saving ----------------------------------------------------------

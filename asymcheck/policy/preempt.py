@@ -59,8 +59,8 @@ from typing import Any, Literal, TypeVar
 from asymcheck.policy.agreement import PreemptAgreement
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.progress import Progress
-from asymcheck.versions.storeloop import StoreLoop
 from asymstore.api import CheckpointStore, CollectiveStore
+from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)
 
@@ -202,9 +202,9 @@ class Preemption:
         finished: told the record once a flush ended (the Checkpointer keeps it).
     """
 
-    def __init__(self, progress: Progress, *, commits: CommitQueue, loop: StoreLoop, notice: SigtermNotice,
-                 agreement: PreemptAgreement | None, deadline_s: float | None, settle: Callable[[], None],
-                 seal_last: Callable[[bool], None], release: Callable[..., bool],
+    def __init__(self, progress: Progress, *, commits: CommitQueue, loop: StoreLoop[CheckpointStore],
+                 notice: SigtermNotice, agreement: PreemptAgreement | None, deadline_s: float | None,
+                 settle: Callable[[], None], seal_last: Callable[[bool], None], release: Callable[..., bool],
                  finished: Callable[[PreemptionRecord], None]) -> None:
         self.progress = progress
         self.commits = commits

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from asymcheck.stats import StatsRecorder
-from asymcheck.versions.storeloop import StoreLoop
 from asymstore import CommitResult
-from asymstore.api import DropReportingStore
+from asymstore.api import CheckpointStore, DropReportingStore
 from asymstore.errors import AsymstoreError, GlobalVersionDroppedError
+from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class CommitQueue:
             succeeds: the root's layout record (:func:`asymcheck.versions.storespec.layout_recorder`).
     """
 
-    def __init__(self, loop: StoreLoop, stats: StatsRecorder, *, max_inflight: int = 1,
+    def __init__(self, loop: StoreLoop[CheckpointStore], stats: StatsRecorder, *, max_inflight: int = 1,
                  when_busy: str = "wait", first_committed: Callable[[], None] | None = None) -> None:
         """Configure the queue."""
         if max_inflight < 1:

@@ -17,8 +17,9 @@ from asymcheck.state.trainstate import Moment, TrainingState
 from asymcheck.stats import StatsRecorder
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.progress import Progress
-from asymcheck.versions.storeloop import StoreLoop
+from asymstore.api import CheckpointStore
 from asymstore.format.pieces import LAYOUT_KEY
+from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,8 @@ class VersionCycle:
     """
 
     def __init__(self, state: TrainingState, progress: Progress, *, edits: EditTracker, planner: Planner,
-                 pool: HostPool, engine: CopyEngine, commits: CommitQueue, stats: StatsRecorder, loop: StoreLoop,
-                 on_recapture: Callable[[], None], save_on_close: bool) -> None:
+                 pool: HostPool, engine: CopyEngine, commits: CommitQueue, stats: StatsRecorder,
+                 loop: StoreLoop[CheckpointStore], on_recapture: Callable[[], None], save_on_close: bool) -> None:
         self.state = state
         self.progress = progress
         self.edits = edits

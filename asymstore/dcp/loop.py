@@ -1,13 +1,11 @@
-"""The DCP storage's loop thread: :class:`asymstore.runtime.loop.LoopThread` (its former home).
+"""The DCP storage's former loop thread: ``LoopThread`` lives in :mod:`asymstore.runtime.loop` now.
 
-``torch.distributed.checkpoint`` calls the storage synchronously, from the training thread
-(``dcp.save``, ``dcp.load``) or from its own executor thread (``dcp.async_save``); the store is
-asynchronous and binds its locks and tasks to one loop. So the writer (and a reader that opens a
-store of its own) opens the store on a private loop thread and sends every call there.
+``asymstore.dcp.loop.LoopThread`` works for one release, with a ``DeprecationWarning``; the writer and
+the reader keep their store on a :class:`asymstore.runtime.loop.StoreLoop`.
 """
 
 from __future__ import annotations
 
-from asymstore.runtime.loop import LoopThread
+from asymstore.runtime.lazy import moved_getattr
 
-__all__ = ["LoopThread"]
+__getattr__ = moved_getattr(__name__, {"LoopThread": ("asymstore.runtime.loop", "LoopThread")})

@@ -53,7 +53,6 @@ from torch.distributed.checkpoint.storage import StorageReader as _DCPStorageRea
 from torch.futures import Future
 
 from asymstore.dcp import metadata as md
-from asymstore.dcp.loop import LoopThread
 from asymstore.dcp.sources import RootSource, Source, StoreSource, Version
 from asymstore.dcp.spec import StoreSpec, own_store, parse_step, renamed_location
 from asymstore.dcp.writer import StorageWriter
@@ -67,6 +66,7 @@ from asymstore.errors import (
     describe,
 )
 from asymstore.multirank.store import RankStore
+from asymstore.runtime.loop import LoopThread, StoreLoop
 from asymstore.store import AsymStore
 
 if TYPE_CHECKING:
@@ -132,8 +132,8 @@ class StorageReader(_DCPStorageReader):
         self.default_step = step
         self.allow_pickle = allow_pickle
         self._requested: int | None = None
-        self._thread: LoopThread | None = None
-        self._store: AsymStore | RankStore | None = None
+        self._loop: StoreLoop[AsymStore | RankStore] | LoopThread | None = None
+        """The store this reader opened on its loop thread, or the bare loop thread a multi-rank root is read on."""
         self._source: Source | None = None
         self._version: Version | None = None
         self._metadata: Metadata | None = None
@@ -160,15 +160,9 @@ class StorageReader(_DCPStorageReader):
             store: AsymStore | RankStore | str = spec.open()
         else:
             store = own_store(spec, None, self._store_kwargs, read_only=True)
-            self._thread = LoopThread("asymstore-dcp-reader")
-            if not isinstance(store, str):
-                try:
-                    self._thread.run(store.open())
-                except BaseException:
-                    self._thread.stop()
-                    self._thread = None
-                    raise
-                self._store = store
+            # a multi-rank root is read without a store, on a loop thread of its own
+            self._loop = LoopThread("asymstore-dcp-reader") if isinstance(store, str) \
+                else StoreLoop(store, name="asymstore-dcp-reader")
         if isinstance(store, str):
             self._source = RootSource.of_root(store)
         elif isinstance(store, RankStore):
@@ -181,10 +175,10 @@ class StorageReader(_DCPStorageReader):
 
     def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         self._open()
-        if self._thread is None:
+        if self._loop is None:
             assert isinstance(self._source_spec, StorageWriter)
             return self._source_spec.run_on_store(coro)
-        return self._thread.run(coro)
+        return self._loop.run(coro)
 
     def steps(self) -> list[int]:
         """The steps a load may choose from, newest first (not yet verified; corrupt ones this reader saw left out)."""
@@ -193,21 +187,20 @@ class StorageReader(_DCPStorageReader):
 
     def close(self) -> None:
         """Close what this reader opened (a writer's store stays open); idempotent."""
-        thread, self._thread = self._thread, None
+        loop, self._loop = self._loop, None
         version, self._version = self._version, None
         try:
             if version is not None:
-                if thread is not None:
-                    thread.run(version.close())
+                if loop is not None:
+                    loop.run(version.close())
                 elif isinstance(self._source_spec, StorageWriter):
                     self._source_spec.run_on_store(version.close())
-            if thread is not None and self._store is not None:
-                thread.run(self._store.close())
         finally:
-            if thread is not None:
-                thread.stop()
-            self._store = None
             self._source = None
+            if isinstance(loop, StoreLoop):
+                loop.close()
+            elif loop is not None:
+                loop.stop()
 
     def __enter__(self) -> StorageReader:
         """Return the reader."""

@@ -14,12 +14,15 @@ from asymstore.errors import DCPStorageError
 from asymstore.format.names import is_uri
 from asymstore.multirank.store import RankStore
 from asymstore.opener import open_store, reads_multirank
+from asymstore.runtime.lazy import moved_getattr
 from asymstore.store import AsymStore
 from asymstore.tiers.protocol import Tier
 
 StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
 """An :class:`~asymstore.AsymStore`, a :class:`~asymstore.multirank.RankStore`, a list of tiers
 (fastest first), a directory, or a tier URI (``file://``, ``s3://``, ``hdfs://``)."""
+
+__getattr__ = moved_getattr(__name__, {"dist_world": ("asymstore.dist.world", "rank_world")})
 
 _STEP = re.compile(r"^(?:.*[/\\])?(?:step[-_]?)?(\d{1,18})$")
 
@@ -56,11 +59,6 @@ def renamed_location(location: object, store_kwargs: dict[str, Any], old: str, c
     if location is None:
         raise TypeError(f"{caller}() missing the argument 'location' (where the checkpoint lives)")
     return location
-
-
-def dist_world() -> tuple[int, int]:
-    """This process's rank and the world's size (:func:`asymstore.dist.world.rank_world`: the library's one rule)."""
-    return rank_world()
 
 
 def own_store(location: StoreSpec, keep_last: int | None, store_kwargs: dict[str, Any], *,

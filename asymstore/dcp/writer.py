@@ -50,11 +50,11 @@ from torch.futures import Future
 
 from asymstore.api import CommitResult
 from asymstore.dcp import metadata as md
-from asymstore.dcp.loop import LoopThread
 from asymstore.dcp.spec import StoreSpec, own_store, parse_step, renamed_location
 from asymstore.errors import DCPStorageError, InvalidNameError, StepCommittedError, StepOrderError
 from asymstore.format.manifest import validate_name
 from asymstore.multirank.store import RankStore
+from asymstore.runtime.loop import StoreLoop
 from asymstore.store import AsymStore
 
 logger = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ class StorageWriter(_DCPStorageWriter):
         self.keep_last = keep_last
         self.pickle_planner_data = pickle_planner_data
         self._store_kwargs = store_kwargs
-        self._store: AsymStore | RankStore | None = None
-        self._thread: LoopThread | None = None
+        self._loop: StoreLoop[AsymStore | RankStore] | None = None
         self._open_lock = threading.Lock()
         self._closed = False
         self._saves: dict[int, _Save] = {}  # the save in progress, by the thread DCP runs it on
@@ -165,17 +164,11 @@ class StorageWriter(_DCPStorageWriter):
         with self._open_lock:
             if self._closed:
                 raise DCPStorageError("the StorageWriter is closed")
-            if self._thread is not None and self._store is not None:
-                return self._store
+            if self._loop is not None:
+                return self._loop.store
             store = own_store(self._spec, self.keep_last, self._store_kwargs, read_only=False)
             assert not isinstance(store, str), "a writer always gets a store"
-            thread = LoopThread("asymstore-dcp-writer")
-            try:
-                thread.run(store.open())
-            except BaseException:
-                thread.stop()
-                raise
-            self._store, self._thread = store, thread
+            self._loop = StoreLoop(store, name="asymstore-dcp-writer")
             return store
 
     @property
@@ -186,21 +179,16 @@ class StorageWriter(_DCPStorageWriter):
     def run_on_store(self, coro: Any) -> Any:
         """Run a coroutine on the store's loop thread (how a reader sharing this writer's store reads)."""
         self.open()
-        assert self._thread is not None
-        return self._thread.run(coro)
+        assert self._loop is not None
+        return self._loop.run(coro)
 
     def close(self) -> None:
         """Close the store (waits for its background tiers) and stop the loop thread; idempotent."""
         with self._open_lock:
             self._closed = True
-            thread, store = self._thread, self._store
-            self._thread = None
-        if thread is None or store is None:
-            return
-        try:
-            thread.run(store.close())
-        finally:
-            thread.stop()
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
 
     def __enter__(self) -> StorageWriter:
         """Return the writer (opened at its first save)."""
@@ -212,8 +200,8 @@ class StorageWriter(_DCPStorageWriter):
         self.close()
 
     def _run(self, coro: Any) -> Any:
-        assert self._thread is not None, "opened in set_up_storage_writer"
-        return self._thread.run(coro)
+        assert self._loop is not None, "opened in set_up_storage_writer"
+        return self._loop.run(coro)
 
     # -- the StorageWriter interface ---------------------------------------
 
@@ -364,9 +352,9 @@ class StorageWriter(_DCPStorageWriter):
         self.last_step = save.step
 
     def _abandon(self, save: _Save) -> None:
-        if save.step is None or save.done or self._thread is None or self._store is None:
+        if save.step is None or save.done or self._loop is None:
             return
-        step, store = save.step, self._store
+        step, store = save.step, self._loop.store
         save.done = True
 
         async def drop() -> None:

@@ -3,13 +3,16 @@
 torch.distributed when its default process group is initialised; else ``RANK`` and
 ``WORLD_SIZE`` from the environment (a launcher such as ``torchrun`` sets both); else
 rank 0 of a job of one process. Arguments given explicitly win over all three. Every
-part of the library that derives a rank or a world size asks here (:func:`rank_world`).
+part of the library that derives a rank or a world size asks here (:func:`rank_world`;
+its former name ``env_rank_world`` works for one release, with a ``DeprecationWarning``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from asymstore.runtime.lazy import moved_getattr
 
 
 def _from_torch() -> tuple[int, int] | None:
@@ -55,6 +58,4 @@ def rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[
     return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size)
 
 
-def env_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """:func:`rank_world` under its former name (the rule is :func:`rank_world`'s: torch.distributed first)."""
-    return rank_world(rank, world_size)
+__getattr__ = moved_getattr(__name__, {"env_rank_world": (__name__, "rank_world")})

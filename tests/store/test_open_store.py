@@ -9,6 +9,7 @@ which opens its store with :func:`asymstore.open_store`).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import threading
 import warnings
@@ -25,11 +26,11 @@ from asymcheck.versions.storeloop import StoreLoop as CheckpointerLoop
 from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, LocalTier, RemoteTier, open_store
 from asymstore.dcp import StorageReader, StorageWriter
-from asymstore.dcp.loop import LoopThread as DCPLoopThread
 from asymstore.dcp.spec import own_store
-from asymstore.dist.world import env_rank_world, rank_world
+from asymstore.dist.world import rank_world
 from asymstore.errors import InvalidValueError, RootLayoutError, StoreClosedError
-from asymstore.multirank import RankStore, globaldir
+from asymstore.format.names import parse_rank_dirname, rank_dirname
+from asymstore.multirank import RankStore
 from asymstore.runtime.loop import LoopThread, StoreLoop
 from asymstore.tiers import from_location, rank_tier
 from tests.support.ranks import run_ranks, store
@@ -217,7 +218,9 @@ def one_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.usefixtures("one_process_group")
 def test_torch_distributed_when_initialised_wins_over_the_environment(tmp_path: Path) -> None:
     assert rank_world() == (0, 1)
-    assert env_rank_world(None, None) == (0, 1)  # the former name follows the same rule (RankStore's default)
+    with pytest.warns(DeprecationWarning, match="env_rank_world is deprecated"):
+        from asymstore.dist.world import env_rank_world
+    assert env_rank_world(None, None) == (0, 1)  # the former name is the same rule
     assert env_rank_world(None, 3) == (0, 3)
     assert isinstance(open_store(str(tmp_path)), AsymStore)  # one process: not a RankStore of 2
     assert isinstance(make_store(str(tmp_path), 3), AsymStore)
@@ -262,9 +265,10 @@ def test_the_checkpointers_store_at_a_uri_is_a_remote_tier(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("rank", [0, 7, 12345, 123456])
 def test_rank_tier_is_the_directory_the_multirank_layout_names(rank: int, tmp_path: Path) -> None:
+    name = rank_dirname(rank)
+    assert name == f"rank-{rank:05d}" and parse_rank_dirname(name) == rank
     tier = rank_tier(tmp_path, rank)
-    assert tier.root == os.path.join(str(tmp_path), globaldir.rank_dirname(rank))
-    assert globaldir.parse_rank_dirname(os.path.basename(tier.root)) == rank
+    assert tier.root == os.path.join(str(tmp_path), name)
     assert tier.fsync is False  # read-only by default
     assert rank_tier(tmp_path, rank, read_only=False).fsync is True
     assert rank_tier(tmp_path, rank, read_only=False, fsync=False).fsync is False
@@ -282,9 +286,36 @@ def test_from_location_builds_the_tier_a_location_names(tmp_path: Path) -> None:
 # -- one loop thread -------------------------------------------------------------------------------
 
 
-def test_one_loop_thread_class_serves_the_checkpointer_and_the_dcp_storage() -> None:
-    assert DCPLoopThread is LoopThread
+def test_one_loop_thread_class_serves_the_checkpointer_and_the_dcp_storage(tmp_path: Path) -> None:
     assert issubclass(CheckpointerLoop, StoreLoop)
+    writer = StorageWriter(str(tmp_path / "w"))
+    try:
+        writer.open()
+        assert isinstance(writer._loop, StoreLoop) and writer._loop.thread.name == "asymstore-dcp-writer"
+    finally:
+        writer.close()
+    assert writer._loop is None
+    reader = StorageReader(str(tmp_path / "w"))
+    try:
+        reader.steps()
+        assert isinstance(reader._loop, StoreLoop) and reader._loop.thread.name == "asymstore-dcp-reader"
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize(("old", "name", "new"), [
+    ("asymstore.dcp.loop", "LoopThread", LoopThread),
+    ("asymstore.dist.world", "env_rank_world", rank_world),
+    ("asymstore.dcp.spec", "dist_world", rank_world),
+    ("asymstore.multirank.globaldir", "rank_dirname", rank_dirname),
+])
+def test_the_former_names_work_for_one_release_with_a_deprecation_warning(old: str, name: str,
+                                                                          new: object) -> None:
+    module = importlib.import_module(old)
+    with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} is deprecated"):
+        assert getattr(module, name) is new
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
 
 
 def test_the_store_loop_opens_runs_and_closes_the_store_on_its_thread(tmp_path: Path) -> None:

@@ -88,9 +88,9 @@ class PeerTier:
                  local_world_size: int | None = None, keep: int = 2, timeout_s: float = 300.0,
                  close_timeout_s: float = 60.0, store: Any = None, name: str | None = None) -> None:
         """Configure; the group is built in ``open``."""
-        from asymstore.dist.world import env_rank_world
+        from asymstore.dist.world import rank_world
 
-        rank, world_size = env_rank_world(rank, world_size)
+        rank, world_size = rank_world(rank, world_size)
         self.ring: Ring = ring_of(rank, world_size, node_of=node_of, local_world_size=local_world_size)
         if keep < 1:
             raise ValueError("keep must be >= 1")

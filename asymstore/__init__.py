@@ -9,8 +9,9 @@ Quick start::
         await s.commit(step, meta={"lr": 1e-3})
         ckpt = await s.restore()
 
-The errors are imported eagerly; everything else on first use, so light
-tools (``python -m asymstore.fsck``) start without importing torch.
+The errors training code catches are here (imported eagerly); every error is in
+:mod:`asymstore.errors`. Everything else is imported on first use, so light tools
+(``python -m asymstore.fsck``) start without importing torch.
 """
 
 from __future__ import annotations
@@ -20,46 +21,22 @@ from typing import TYPE_CHECKING
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
-    CodecError,
-    CoordinationTimeoutError,
     CorruptVersionError,
-    DCPMetadataError,
-    DCPStorageError,
-    DestinationMismatchError,
-    DuplicateNameError,
-    EmptyStepError,
-    ExportError,
     GlobalCommitError,
-    GlobalCommitTimeoutError,
-    GlobalManifestError,
-    GlobalVersionDroppedError,
-    InvalidMetaError,
-    InvalidNameError,
-    InvalidStepError,
-    InvalidValueError,
-    LayoutError,
-    ManifestError,
     NoCheckpointError,
-    PeerError,
-    PeerProtocolError,
-    PermanentRemoteError,
-    ReadOnlyStoreError,
-    RemoteUnavailableError,
     RootLockedError,
-    SnapshotSkippedError,
-    StepCommittedError,
     StepOrderError,
-    StoreClosedError,
     TierError,
     VersionNotFoundError,
     WorldSizeMismatchError,
 )
-from asymstore.runtime.lazy import lazy_getattr
+from asymstore.runtime.lazy import lazy_getattr, moved_getattr
 
 if TYPE_CHECKING:
     from asymstore.api import Checkpoint, CheckpointStore, CommitResult, FlushStats, TierCalibration, TierStatus
     from asymstore.format.codec import PlaneCodec
     from asymstore.format.manifest import Manifest
+    from asymstore.opener import open_store
     from asymstore.policy.retention import KeepBest
     from asymstore.store import AsymStore
     from asymstore.tiers import (
@@ -98,7 +75,37 @@ _LAZY = {
 }
 
 
-__getattr__ = lazy_getattr(__name__, _LAZY)
+_MOVED_ERRORS = (
+    "CodecError",
+    "CoordinationTimeoutError",
+    "DCPMetadataError",
+    "DCPStorageError",
+    "DestinationMismatchError",
+    "DuplicateNameError",
+    "EmptyStepError",
+    "ExportError",
+    "GlobalCommitTimeoutError",
+    "GlobalManifestError",
+    "GlobalVersionDroppedError",
+    "InvalidMetaError",
+    "InvalidNameError",
+    "InvalidStepError",
+    "InvalidValueError",
+    "LayoutError",
+    "ManifestError",
+    "PeerError",
+    "PeerProtocolError",
+    "PermanentRemoteError",
+    "ReadOnlyStoreError",
+    "RemoteUnavailableError",
+    "SnapshotSkippedError",
+    "StepCommittedError",
+    "StoreClosedError",
+)
+"""Errors reached as ``asymstore.errors.X``; ``asymstore.X`` works for one release, with a DeprecationWarning."""
+
+__getattr__ = moved_getattr(__name__, {name: ("asymstore.errors", name) for name in _MOVED_ERRORS},
+                            fallback=lazy_getattr(__name__, _LAZY))
 
 
 __version__ = "0.1.0"
@@ -110,47 +117,22 @@ __all__ = [
     "CapacityError",
     "Checkpoint",
     "CheckpointStore",
-    "CodecError",
     "CommitResult",
-    "CoordinationTimeoutError",
     "CorruptVersionError",
-    "DCPMetadataError",
-    "DCPStorageError",
-    "DestinationMismatchError",
-    "DuplicateNameError",
-    "EmptyStepError",
-    "ExportError",
     "FlushStats",
     "GPUTier",
     "GlobalCommitError",
-    "GlobalCommitTimeoutError",
-    "GlobalManifestError",
-    "GlobalVersionDroppedError",
     "HostTier",
-    "InvalidMetaError",
-    "InvalidNameError",
-    "InvalidStepError",
-    "InvalidValueError",
     "KeepBest",
-    "LayoutError",
     "LocalTier",
     "Manifest",
-    "ManifestError",
     "NVMeTier",
     "NoCheckpointError",
-    "PeerError",
-    "PeerProtocolError",
     "PeerTier",
-    "PermanentRemoteError",
     "PlaneCodec",
-    "ReadOnlyStoreError",
     "RemoteTier",
-    "RemoteUnavailableError",
     "RootLockedError",
-    "SnapshotSkippedError",
-    "StepCommittedError",
     "StepOrderError",
-    "StoreClosedError",
     "Tier",
     "TierCalibration",
     "TierError",
@@ -158,4 +140,5 @@ __all__ = [
     "VersionNotFoundError",
     "VersionWriter",
     "WorldSizeMismatchError",
+    "open_store",
 ]

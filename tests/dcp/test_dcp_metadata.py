@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from asymstore import DCPMetadataError, DCPStorageError
 from asymstore.dcp import StorageReader, StorageWriter
 from asymstore.dcp import metadata as md
+from asymstore.errors import DCPMetadataError, DCPStorageError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

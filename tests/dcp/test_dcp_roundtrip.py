@@ -17,18 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-from asymstore import (
-    AsymStore,
-    DCPStorageError,
-    HostTier,
-    LocalTier,
-    NoCheckpointError,
-    NVMeTier,
-    RemoteTier,
-    StepCommittedError,
-    StepOrderError,
-)
+from asymstore import AsymStore, HostTier, LocalTier, NoCheckpointError, NVMeTier, RemoteTier, StepOrderError
 from asymstore.dcp import StorageReader, StorageWriter, parse_step
+from asymstore.errors import DCPStorageError, StepCommittedError
 from tests.support import dcp_train as t
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -7,7 +7,8 @@ import struct
 import pytest
 import torch
 
-from asymstore import AsymStore, CodecError, CorruptVersionError, LocalTier
+from asymstore import AsymStore, CorruptVersionError, LocalTier
+from asymstore.errors import CodecError
 from asymstore.format.checksum import checksum
 from asymstore.format.codec import (
     RAW,

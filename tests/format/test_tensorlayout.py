@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from asymstore import LayoutError
+from asymstore.errors import LayoutError
 from asymstore.format.manifest import Manifest, TensorEntry
 from asymstore.format.pieces import (
     MeshInfo,

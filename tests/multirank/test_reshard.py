@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asymstore import AsymStore, LayoutError, LocalTier
+from asymstore import AsymStore, LocalTier
+from asymstore.errors import LayoutError
 from asymstore.format.pieces import LAYOUT_KEY, MeshInfo, TensorLayout, layout_meta, parse_layout_meta, read_layouts
 from asymstore.multirank import RankStore
 from asymstore.multirank.reshard import read_range

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, InvalidMetaError, LocalTier
+from asymstore import AsymStore, HostTier, LocalTier
+from asymstore.errors import InvalidMetaError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import version_dirname
 from asymstore.fsck import check

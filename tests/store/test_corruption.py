@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from asymstore import AsymStore, HostTier, LocalTier, StepCommittedError
+from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.api import Checkpoint
+from asymstore.errors import StepCommittedError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, QUARANTINE, version_dirname
 from asymstore.format.parse import parse_manifest

@@ -12,19 +12,21 @@ from asymstore import (
     AsymStore,
     AsymstoreError,
     CapacityError,
+    LocalTier,
+    NoCheckpointError,
+    StepOrderError,
+    VersionNotFoundError,
+)
+from asymstore.errors import (
     DuplicateNameError,
     EmptyStepError,
     InvalidMetaError,
     InvalidNameError,
     InvalidStepError,
     InvalidValueError,
-    LocalTier,
     ManifestError,
-    NoCheckpointError,
     StepCommittedError,
-    StepOrderError,
     StoreClosedError,
-    VersionNotFoundError,
 )
 from asymstore.format.manifest import seal_document
 from asymstore.format.parse import parse_manifest
@@ -249,7 +251,7 @@ async def test_an_older_commit_started_during_a_newer_one_is_refused_typed(tmp_p
 
 
 async def test_a_read_only_store_reads_beside_a_live_writer_and_refuses_writes(tmp_path: object) -> None:
-    from asymstore import ReadOnlyStoreError
+    from asymstore.errors import ReadOnlyStoreError
 
     root = str(tmp_path)
     async with AsymStore([LocalTier(root)]) as writer:
@@ -266,3 +268,34 @@ async def test_a_read_only_store_reads_beside_a_live_writer_and_refuses_writes(t
         await pending.abort()
         await writer.put(2, "w", torch.full((3,), 2.0))
         await writer.commit(2)  # the writer still holds its root
+
+
+# -- where the errors live ---------------------------------------------------------------------------
+
+TOP_LEVEL_ERRORS = ["AsymstoreError", "CapacityError", "CorruptVersionError", "GlobalCommitError", "NoCheckpointError",
+                    "RootLockedError", "StepOrderError", "TierError", "VersionNotFoundError", "WorldSizeMismatchError"]
+
+
+def test_the_errors_training_code_catches_are_at_top_level_and_every_error_in_asymstore_errors() -> None:
+    import asymstore
+    import asymstore.errors as errors
+
+    every = {name for name, value in vars(errors).items()
+             if isinstance(value, type) and issubclass(value, errors.AsymstoreError)}
+    assert set(TOP_LEVEL_ERRORS) <= every
+    exported = {name for name in asymstore.__all__ if name in every}
+    assert exported == set(TOP_LEVEL_ERRORS)
+    for name in TOP_LEVEL_ERRORS:
+        assert getattr(asymstore, name) is getattr(errors, name)
+
+
+@pytest.mark.parametrize("name", ["InvalidValueError", "StepCommittedError", "ReadOnlyStoreError", "DCPStorageError",
+                                  "PeerError", "ExportError", "StoreClosedError", "SnapshotSkippedError"])
+def test_an_error_moved_off_the_top_level_works_there_for_one_release_with_a_warning(name: str) -> None:
+    import asymstore
+    import asymstore.errors as errors
+
+    with pytest.warns(DeprecationWarning, match=rf"asymstore\.{name} is deprecated.*asymstore\.errors\.{name}"):
+        assert getattr(asymstore, name) is getattr(errors, name)
+    with pytest.warns(DeprecationWarning):  # every use warns (the name is not cached on the package)
+        getattr(asymstore, name)

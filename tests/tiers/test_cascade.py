@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier, SnapshotSkippedError
-from asymstore.errors import TierError
+from asymstore import AsymStore, HostTier, LocalTier
+from asymstore.errors import SnapshotSkippedError, TierError
 from asymstore.format.names import version_dirname
 from asymstore.fsck import check
 from asymstore.testing_s3 import LoopbackS3

@@ -11,8 +11,8 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from asymstore import AsymStore, StepCommittedError
-from asymstore.errors import PermanentRemoteError, RemoteUnavailableError
+from asymstore import AsymStore
+from asymstore.errors import PermanentRemoteError, RemoteUnavailableError, StepCommittedError
 from asymstore.tiers.remote.retry import RetryPolicy, is_transient
 from asymstore.tiers.remote.tier import RemoteTier, open_filesystem
 

@@ -11,18 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from asymstore import (
-    AsymStore,
-    BoundedTier,
-    DestinationMismatchError,
-    GPUTier,
-    HostTier,
-    LocalTier,
-    ManifestError,
-    RootLockedError,
-    StepCommittedError,
-    Tier,
-)
+from asymstore import AsymStore, BoundedTier, GPUTier, HostTier, LocalTier, RootLockedError, Tier
+from asymstore.errors import DestinationMismatchError, ManifestError, StepCommittedError
 from asymstore.fsck import check
 from asymstore.tiers.nvme import NVMeTier
 from asymstore.tiers.remote.tier import RemoteTier

@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
-from asymstore.api import CheckpointStore, TierCalibration
+from asymstore.api import CheckpointStore
 from asymstore.dist.world import rank_world
 from asymstore.errors import RootLayoutError
-from asymstore.format.codec import PlaneCodec
 from asymstore.format.names import is_uri
 from asymstore.multirank.rootlayout import AcrossLayouts, check_across, survey, survey_for_reading
-from asymstore.policy.compression import Compression
 from asymstore.policy.retention import KeepBest
+from asymstore.store import StoreOptions
 from asymstore.tiers.location import from_location
 from asymstore.tiers.protocol import Tier
 
@@ -58,25 +57,6 @@ Location = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
 
 Layout = Literal["single", "multirank"]
 """How a directory is opened: one process's versions in the root itself, or a multi-rank root."""
-
-
-class StoreOptions(TypedDict, total=False):
-    """Options of the :class:`~asymstore.AsymStore` a location opens (this rank's own store under a RankStore).
-
-    See :class:`~asymstore.AsymStore` for each.
-    """
-
-    durable: Tier | str | None
-    segment_bytes: int | None
-    chunk_bytes: int | None
-    compression: Compression
-    codec: PlaneCodec | None
-    calibrations: Mapping[str, TierCalibration] | None
-    calibration_cache: str | os.PathLike[str] | bool
-    flush_memory_bytes: int
-    backlog: int
-    close_timeout_s: float | None
-    retention_floor: Callable[[], int | None] | None
 
 
 class RankOptions(TypedDict, total=False):
@@ -94,7 +74,13 @@ class RankOptions(TypedDict, total=False):
 
 
 class OpenOptions(StoreOptions, RankOptions, total=False):
-    """Every option :func:`open_store` passes on: the store's (:class:`StoreOptions`) and a RankStore's."""
+    """Every option :func:`open_store` passes on: the store's (:class:`~asymstore.store.StoreOptions`), a RankStore's.
+
+    ``retention_floor`` goes to a single-process store only (see :class:`~asymstore.AsymStore`): a RankStore
+    keeps its own.
+    """
+
+    retention_floor: Callable[[], int | None] | None
 
 
 _RANK_ONLY = frozenset(RankOptions.__annotations__)
@@ -148,8 +134,8 @@ def open_store(location: Location, *, read_only: bool = False, keep_last: int | 
         root: the multi-rank root when ``location`` is this rank's tiers (a RankStore then).
         multirank: always a RankStore (a directory, or tiers with ``root``), as DeepSpeed needs whatever
             the world size (default: decided by the rule above; a root's recorded layout is never overridden).
-        **options: the store's options (:class:`StoreOptions`) and a RankStore's (:class:`RankOptions`,
-            ignored by a single-process store).
+        **options: the store's options (:class:`~asymstore.store.StoreOptions`) and a RankStore's
+            (:class:`RankOptions`, ignored by a single-process store).
 
     Raises:
         RootLayoutError: (one process, writing) the root's layout record is not valid; (reading) the

@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from asymstore.api import Checkpoint, CheckpointStore, CommitResult, FlushStats, TierCalibration, TierStatus
 from asymstore.errors import (
@@ -49,6 +49,23 @@ DEFAULT_FLUSH_MEMORY_BYTES = 256 << 20
 DEFAULT_SHARE_BYTES = 64 << 20  # compressed chunks kept for a later tier that compresses them too
 
 
+class StoreOptions(TypedDict, total=False):
+    """Options of an :class:`AsymStore` beyond its tiers and retention (see :class:`AsymStore` for each).
+
+    :func:`asymstore.open_store` passes them to the store it opens, and a
+    :class:`~asymstore.multirank.RankStore` to this rank's own store, so mypy checks them there too.
+    """
+
+    durable: Tier | str | None
+    segment_bytes: int | None
+    chunk_bytes: int | None
+    compression: Compression
+    codec: PlaneCodec | None
+    calibrations: Mapping[str, TierCalibration] | None
+    calibration_cache: str | os.PathLike[str] | bool
+    flush_memory_bytes: int
+    backlog: int
+    close_timeout_s: float | None
 
 
 class AsymStore:

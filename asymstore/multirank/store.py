@@ -33,11 +33,11 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from asymstore.api import Checkpoint, CheckpointStore, CommitResult, Targets
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
-from asymstore.dist.world import env_rank_world
+from asymstore.dist.world import rank_world
 from asymstore.errors import (
     AsymstoreError,
     CoordinationProtocolError,
@@ -67,7 +67,7 @@ from asymstore.multirank.retention import (
 )
 from asymstore.multirank.rootlayout import AcrossLayouts, check_across
 from asymstore.policy.retention import KeepBest, Retention
-from asymstore.store import AsymStore
+from asymstore.store import AsymStore, StoreOptions
 from asymstore.tiers.location import rank_tier
 from asymstore.tiers.protocol import Tier
 
@@ -117,7 +117,8 @@ class RankStore:
             first global commit records the root as multi-rank (:mod:`.rootlayout`); under ``"resume"`` it is
             refused on every rank (:class:`~asymstore.errors.LayoutTakeoverError`) unless ``restore``
             resumed one of them.
-        **store_kwargs: passed to :class:`~asymstore.AsymStore` (``segment_bytes``, ``compression``...).
+        **store_kwargs: options of this rank's own :class:`~asymstore.AsymStore`
+            (:class:`~asymstore.store.StoreOptions`: ``segment_bytes``, ``compression``...).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, rank: int | None = None, world_size: int | None = None,
@@ -125,9 +126,10 @@ class RankStore:
                  kv: Any = None, keep_last: int | None = 3, keep_every: int | None = None,
                  keep_best: KeepBest | None = None, timeout_s: float = 300.0,
                  restore_timeout_s: float = 1800.0, wait_global: bool = False, namespace: str | None = None,
-                 fsync: bool = True, across_layouts: AcrossLayouts = "resume", **store_kwargs: Any) -> None:
+                 fsync: bool = True, across_layouts: AcrossLayouts = "resume",
+                 **store_kwargs: Unpack[StoreOptions]) -> None:
         """Configure; nothing is opened before ``open``."""
-        rank, world_size = env_rank_world(rank, world_size)
+        rank, world_size = rank_world(rank, world_size)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         if keep_last is not None and keep_last < 1:

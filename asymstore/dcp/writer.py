@@ -1,31 +1,13 @@
 """``StorageWriter``: ``dcp.save`` / ``dcp.async_save`` into asymstore versions.
 
-The call order of one save (``torch.distributed.checkpoint.state_dict_saver``),
-and what each call does here:
+Each save is one version: the store is built and opened on the first save, on the writer's own
+loop thread (:class:`asymstore.runtime.loop.StoreLoop`); ``write_data`` chooses the step (a
+:class:`~asymstore.multirank.RankStore` agrees on it through the job's key-value store), copies
+the resolved items in batches of :data:`BATCH_BYTES` and commits the shards of the ranks other
+than the coordinator; ``finish`` stores DCP's metadata as strict JSON (:mod:`asymstore.dcp.metadata`)
+and commits the version, which exists only then.
 
-0. ``reset(checkpoint_id)`` (only when ``checkpoint_id`` is given): the step
-   of the next save (:func:`~asymstore.dcp.spec.parse_step`).
-1. ``storage_meta()`` then ``set_up_storage_writer(is_coordinator, rank=..)``
-   (every rank): the store is built and opened on first use, on this
-   writer's own event loop thread; what an earlier save left staged but
-   uncommitted is dropped.
-2. ``prepare_local_plan`` (every rank) and ``prepare_global_plan``
-   (coordinator): the plans go through unchanged; the coordinator checks
-   that the number of ranks is the store's.
-3. ``write_data(plan, planner)`` (every rank): the step is chosen (a
-   :class:`~asymstore.multirank.RankStore` agrees on it through the job's
-   key-value store, never a collective), then each item the planner resolves
-   is copied into the store (``put``: a tensor as itself, a value DCP's
-   planner serialized as a uint8 tensor), a few at a time so that memory
-   holds one batch of resolved items; a rank other than the coordinator then
-   commits its shard (durable on its durable tier when it returns).
-4. ``finish(metadata, results)`` (coordinator): the metadata, with every
-   item's location, is encoded as strict JSON (:mod:`asymstore.dcp.metadata`)
-   into the uint8 tensor ``.dcp/metadata`` and the version is committed: one
-   :class:`~asymstore.AsymStore` commit, or the coordinator's shard and then
-   the global manifest once every rank reported its shard. ``dcp.save``
-   returns on every rank after this; the version exists only now (a save that
-   failed anywhere leaves the previous version the newest).
+Guide (DCP's call order and what each call does here): ``docs/guides/dcp.md``.
 """
 
 from __future__ import annotations

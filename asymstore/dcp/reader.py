@@ -1,39 +1,14 @@
 """``StorageReader``: ``dcp.load`` from asymstore versions, with DCP's own resharding.
 
-The call order of one load (``torch.distributed.checkpoint.state_dict_loader``),
-and what each call does here:
+``read_metadata`` chooses the newest (or the requested) version whose manifests and
+``.dcp/metadata`` verify, skipping steps this reader found corrupt; ``prepare_global_plan`` checks
+that every rank chose the same step; ``read_data`` reads each stored tensor the plan needs from the
+fastest copy that verifies and fills the planner's destinations with verified bytes only. A chunk no
+copy holds intact marks the step corrupt: one process that asked for no step goes on from the newest
+older version of the same layout, otherwise the typed error is kept in ``error`` and the next load
+skips the step on every rank.
 
-0. ``reset(checkpoint_id)`` (only when ``checkpoint_id`` is given): load
-   exactly that step (a global step for a multi-rank checkpoint).
-1. ``read_metadata()`` (every rank): the version is chosen: the newest (or the
-   requested) step whose manifests verify (a multi-rank version's shard
-   digests match its global manifest) and whose ``.dcp/metadata`` tensor
-   verifies and parses as strict JSON (:mod:`asymstore.dcp.metadata`). A newer
-   version that fails is skipped for the one before (logged; ``fallbacks``),
-   as are steps an earlier load through this reader found corrupt.
-2. ``set_up_storage_reader(metadata, ...)`` (every rank).
-3. ``prepare_local_plan`` (every rank) records the chosen step in the plan;
-   ``prepare_global_plan`` (coordinator) checks that every rank chose the same
-   one. If not (a rank found a copy corrupt that the others did not read), no
-   data is read: every rank's ``read_data`` raises
-   :class:`~asymstore.errors.DCPStorageError` and marks the newer steps, so
-   the next ``dcp.load`` through the same reader agrees on an older one.
-4. ``read_data(plan, planner)`` (every rank): for each stored tensor the plan
-   needs (DCP's planner decides which pieces of which ranks' chunks this
-   rank's tensors need: that is the resharding), the tensor is read and
-   verified chunk by chunk from the fastest copy that verifies, then the
-   planner's destination is filled with the requested region. A value DCP's
-   planner serialized goes to ``planner.load_bytes`` only after its checksum
-   verified. Destinations receive verified bytes only. A chunk that no copy
-   holds intact marks the step corrupt for this reader. When this process is
-   the whole load (one rank) and no step was asked for, the load then goes on
-   from the newest older version saved with the same layout (the same items,
-   shapes and dtypes), reading every item again from it, so the state is
-   that version's as a whole (``fallbacks`` says so). Otherwise it raises
-   :class:`~asymstore.errors.CorruptVersionError` (DCP raises a
-   ``CheckpointException`` whose ``failures`` map the rank to it; the reader
-   keeps it in ``error``), and the next ``dcp.load`` through the same reader
-   skips the step on every rank.
+Guide (DCP's call order, verification and fallback): ``docs/guides/dcp.md``.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """DCP's ``Metadata`` as strict JSON: what a DCP version stores besides its tensors, and how it is read back.
 
-``torch.distributed.checkpoint``'s own ``FileSystemWriter`` pickles the whole
-``Metadata`` object into ``.metadata``. Here it is one strict JSON document,
-stored as the uint8 tensor ``.dcp/metadata`` of the coordinator's shard (so
-its bytes are checksummed like every other chunk and verified before they are
-parsed), holding:
+DCP's own ``FileSystemWriter`` pickles ``Metadata``; here it is one strict JSON document, the uint8
+tensor ``.dcp/metadata`` of the coordinator's shard (checksummed and verified before it is parsed).
+Planner data strict JSON cannot hold is refused (:class:`~asymstore.errors.DCPStorageError`) unless
+the writer opts in with ``pickle_planner_data=True`` (the tensor ``.dcp/planner-data``, unpickled
+only by a reader with ``allow_pickle=True``). Decoding treats the document as untrusted: every field
+is type-checked and bounded, any deviation is a :class:`~asymstore.errors.DCPMetadataError`.
 
-* ``state_dict_metadata``: per fully qualified name, a tensor (dtype,
-  ``requires_grad``, global size, the chunks every rank saved: offsets and
-  sizes) or ``{"type": "bytes"}`` (a value DCP's planner serialized itself);
-* ``planner_data``: the flattening map of DCP's default planners
-  (flattened name -> path of keys and list indices into the nested
-  state dict), or null;
-* ``items``: where each saved chunk is: ``[fqn, offsets or null, rank, name]``,
-  the stored tensor ``name`` of rank ``rank``'s shard;
-* ``storage_meta`` and DCP's format ``version``.
-
-A custom planner may put anything into ``planner_data``. What strict JSON
-cannot hold is refused (:class:`~asymstore.errors.DCPStorageError`) unless the
-writer was built with ``pickle_planner_data=True``: then, and only then, that
-one object is pickled into the uint8 tensor ``.dcp/planner-data`` (checksummed
-like any chunk), and a reader unpickles it only when built with
-``allow_pickle=True`` and only after its checksum verified. Nothing else of
-a version is ever pickled by this package.
-
-Decoding treats the document as untrusted input: every field is type-checked
-and bounded, and any deviation is a :class:`~asymstore.errors.DCPMetadataError`.
+Guide (the document's fields, what is pickled): ``docs/guides/dcp.md``.
 """
 
 from __future__ import annotations

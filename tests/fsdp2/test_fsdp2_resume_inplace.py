@@ -74,12 +74,14 @@ def child(root: Path, phase: str) -> None:
     import torch.distributed as dist
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PacingOptions, RetentionOptions
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if phase == "save":
         model, opt = build(0)
-        with Checkpointer(model, opt, str(root / "ck"), keep_last=2, max_overhead=None):
+        with Checkpointer(model, opt, str(root / "ck"), retention=RetentionOptions(keep_last=2),
+                          pacing=PacingOptions(max_overhead=None)):
             for it in range(STEPS):
                 step(model, opt, it)
         state = full_state(model, opt)
@@ -90,7 +92,8 @@ def child(root: Path, phase: str) -> None:
         model, opt = build(1)
         step(model, opt, 100 + rank)  # the moments exist before the resume, as in a job that resumes mid-run
         before = local_pointers(model, opt)
-        ckpt = Checkpointer(model, opt, str(root / "ck"), max_overhead=None, save_on_close=False)
+        ckpt = Checkpointer(model, opt, str(root / "ck"),
+                            pacing=PacingOptions(max_overhead=None, save_on_close=False))
         assert ckpt.resume() == STEPS
         state = full_state(model, opt)
         for name, t in state.items():

@@ -294,6 +294,7 @@ def test_a_rank_dropping_a_version_does_not_stall_the_other_ranks_checkpointer(t
     import warnings
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PacingOptions, PartitionOptions, PreemptionOptions
     from tests.support.asymcheck_train import data, make_model, make_opt
 
     kv = dist.HashStore()
@@ -307,7 +308,9 @@ def test_a_rank_dropping_a_version_does_not_stall_the_other_ranks_checkpointer(t
                       compression="never")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Checkpointer(model, opt, s, max_overhead=None, preempt_on="none", warmup=1) as ckpt:
+            with Checkpointer(model, opt, s, pacing=PacingOptions(max_overhead=None),
+                              preemption=PreemptionOptions(preempt_on="none"),
+                              partitions=PartitionOptions(warmup=1)) as ckpt:
                 for it in range(8):
                     started = time.monotonic()
                     x, y = data(it)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
+from asymcheck.options import PacingOptions, PreemptionOptions
 from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, LocalTier
 from asymstore.errors import RootLayoutConflictError, RootLayoutError, RootUnreadableError
@@ -68,7 +69,8 @@ def train_one_step(root: Path) -> list[int]:
     """A Checkpointer of one process over ``root``: one step, closed; the steps its root then holds."""
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Checkpointer(model, opt, str(root), preempt_on="none", max_overhead=None) as ckpt:
+    with Checkpointer(model, opt, str(root), preemption=PreemptionOptions(preempt_on="none"),
+                      pacing=PacingOptions(max_overhead=None)) as ckpt:
         start = ckpt.resume() or 0
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
@@ -122,7 +124,8 @@ def test_a_damaged_record_is_a_typed_error_wherever_the_root_is_opened(tmp_path:
         make_store(str(root), 3)
     model = nn.Linear(3, 2)
     with pytest.raises(RootLayoutError):
-        Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), str(root), preempt_on="none")
+        Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), str(root),
+                     preemption=PreemptionOptions(preempt_on="none"))
     assert not model.weight._backward_hooks and not model._forward_pre_hooks  # nothing was hooked
     report = check(str(root))  # fsck names it and still lists the versions
     assert not report.ok and any(LAYOUT_FILE in p for p in report.layout_problems), report.problems

@@ -26,6 +26,7 @@ from torch import nn
 
 from asymcheck import Checkpointer
 from asymcheck.errors import CommitFailedError
+from asymcheck.options import PacingOptions, PreemptionOptions
 from asymcheck.versions.storespec import make_store
 from asymstore import AsymStore, LocalTier
 from asymstore.dcp.spec import own_store
@@ -241,7 +242,8 @@ def test_a_checkpointer_that_skips_resume_stops_at_the_next_step(tmp_path: Path)
     model = nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank_store = RankStore(root, rank=0, world_size=1, segment_bytes=1 << 20, compression="never")
-    ckpt = Checkpointer(model, opt, rank_store, preempt_on="none", max_overhead=None)
+    ckpt = Checkpointer(model, opt, rank_store, preemption=PreemptionOptions(preempt_on="none"),
+                        pacing=PacingOptions(max_overhead=None))
     steps = 0
     with pytest.raises(CommitFailedError, match="LayoutTakeoverError") as info:
         for _ in range(10):  # was: each failure logged and counted; training went on for the budget (30 min)

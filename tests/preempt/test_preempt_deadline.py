@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
+from asymcheck.options import PartitionOptions, PreemptionOptions
 from asymstore import AsymStore, HostTier, LocalTier
 from asymstore.testing import SlowLocalTier
 from asymstore.tiers.local import _DirWriter
@@ -104,7 +105,8 @@ def test_preempt_waits_for_the_persistent_copy_behind_a_memory_durable_tier(tmp_
     host, slow = HostTier(64 << 20), SlowLocalTier(disk, delay_s=0.3)
     store = AsymStore([host, slow], durable=host, **FAST)
     model, opt = make()
-    ckpt = Checkpointer(model, opt, store, preempt_on="none", warmup=1, min_partition_bytes=512)
+    ckpt = Checkpointer(model, opt, store, preemption=PreemptionOptions(preempt_on="none"),
+                        partitions=PartitionOptions(warmup=1, min_partition_bytes=512))
     train(model, opt, 5)
     record = ckpt.preempt(deadline_s=20.0)
     assert record.reason == "explicit" and record.step == 5
@@ -124,7 +126,8 @@ def test_preempt_stops_waiting_for_a_slow_persistent_tier_at_the_deadline(tmp_pa
     host, slow = HostTier(64 << 20), GatedLocalTier(disk, after=1)
     store = AsymStore([host, slow], durable=host, **FAST)
     model, opt = make()
-    ckpt = Checkpointer(model, opt, store, preempt_on="none", warmup=1, min_partition_bytes=512)
+    ckpt = Checkpointer(model, opt, store, preemption=PreemptionOptions(preempt_on="none"),
+                        partitions=PartitionOptions(warmup=1, min_partition_bytes=512))
     train(model, opt, 2)  # version 1 is sealed in the 2nd step
     assert wait_until(lambda: on_disk(disk) == [1])
     train(model, opt, 2)
@@ -143,7 +146,8 @@ def test_preempt_stops_waiting_for_a_slow_durable_commit_at_the_deadline(tmp_pat
     tier = GatedLocalTier(root, after=2)
     store = AsymStore([tier], **FAST)  # commits 3, 4... wait for the gate
     model, opt = make()
-    ckpt = Checkpointer(model, opt, store, preempt_on="none", warmup=1, min_partition_bytes=512)
+    ckpt = Checkpointer(model, opt, store, preemption=PreemptionOptions(preempt_on="none"),
+                        partitions=PartitionOptions(warmup=1, min_partition_bytes=512))
     train(model, opt, 4)  # version 3, sealed in the 4th step, is still committing
     record = ckpt.preempt(deadline_s=1.0)
     assert on_disk(root) == [1, 2]  # it returned while version 3's commit still waits: it did not wait for it
@@ -157,7 +161,8 @@ def test_preempt_stops_waiting_for_a_slow_durable_commit_at_the_deadline(tmp_pat
 def test_preempt_deadline_must_be_positive(tmp_path: Path) -> None:
     model, opt = make()
     try:
-        Checkpointer(model, opt, tmp_path / "c", preempt_on="none", preempt_deadline_s=0.0)
+        Checkpointer(model, opt, tmp_path / "c",
+                     preemption=PreemptionOptions(preempt_on="none", preempt_deadline_s=0.0))
     except ValueError as exc:
         assert "deadline" in str(exc)
     else:

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
+from asymcheck.options import PartitionOptions, RetentionOptions
 from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
 from asymstore.testing import CrashingLocalTier
@@ -228,8 +229,9 @@ def main() -> int:
     else:
         tier = (CrashingLocalTier(args.dir, crash_at="manifest_half", after=kill_at) if kind == "commit"
                 else LocalTier(args.dir))
-        ckpt = Checkpointer(model, opt, [tier], stateful=stateful, data=data, keep_last=3, warmup=2,
-                            min_partition_bytes=16 << 10)
+        ckpt = Checkpointer(model, opt, [tier], stateful=stateful, data=data,
+                            retention=RetentionOptions(keep_last=3),
+                            partitions=PartitionOptions(warmup=2, min_partition_bytes=16 << 10))
 
     def steps_done() -> int:
         return ckpt.step if ckpt is not None else step_of[0]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest_plugins = ["tests.support.servers"]
+pytest_plugins = ["tests.support.servers", "tests.support.deprecations"]
 
 SHM = "/dev/shm"
 

@@ -1,34 +1,15 @@
 """The collective restore of a :class:`~asymstore.multirank.RankStore`: every rank loads the same global version.
 
-Through the messages of a :class:`~asymstore.multirank.protocol.RestoreRound`
-(a round of the job's coordination store, fresh per restore):
+Through a :class:`~asymstore.multirank.protocol.RestoreRound`: every rank lists its shard steps; the
+coordinator offers the candidates one by one (newest first; other world sizes through
+:mod:`.reshard`); every rank checks its destinations against its shard (``fit``) before the
+coordinator says ``go``, then loads and verifies its shard against the global manifest's digest.
+The first candidate that loads on every rank wins. The coordinator's errors, and a destination a
+rank refused (:class:`~asymstore.errors.DestinationMismatchError`, before any byte is written), are
+raised on every rank alike. With ``into`` each rank reads straight into its destinations
+(:mod:`asymstore.read.load`).
 
-1. every rank lists the shard steps its tiers hold (``have/<rank>``);
-2. the coordinator (rank 0) lists the candidates: published global versions,
-   newest first (or only the step asked for), whose shards every rank holds,
-   or, with ``reshard`` set, versions of another world size (read from every
-   old rank's shard, :mod:`.reshard`);
-3. for each candidate in turn it posts ``try/<k>``; every rank checks its
-   destinations against its shard's manifest (nothing read into them yet) and
-   reports ``fit/<k>/<rank>``; the coordinator posts ``go/<k>`` once every rank
-   fits; then every rank loads and verifies its shard against the digest in
-   the global manifest and reports ``result/<k>/<rank>``; the first candidate
-   that loads on every rank wins (``try/<k+1>`` says ``done``), otherwise the
-   next one is tried;
-4. an error the coordinator hits (nothing published, another world size) is
-   posted as ``try/<k>`` so every rank raises the same error; a candidate
-   whose destinations a rank refused (``into`` raised
-   :class:`~asymstore.errors.DestinationMismatchError`: the live objects do not
-   fit it, which an older version would not mend) is posted as ``go/<k>``,
-   before any rank has written a byte into its destinations: that rank raises
-   its own error, the others a :class:`~asymstore.errors.DestinationMismatchError`
-   naming it, and every rank's destinations are as they were.
-
-With ``into``, each rank reads its shard straight into its destinations (one
-read, the checksums hashed as the bytes land: :mod:`asymstore.read.load`). A
-candidate that fails verification on one rank may have written the
-destinations of the others; the next candidate is read into the same tensors
-on every rank.
+Guide (the restore step by step): ``docs/guides/multirank.md``.
 """
 
 from __future__ import annotations

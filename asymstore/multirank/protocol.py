@@ -1,27 +1,15 @@
 """The multi-rank protocol as types: every round, key and payload on the job's coordination store.
 
-The ranks of a :class:`~asymstore.multirank.RankStore` agree only through keys
-of a c10d key-value store (:mod:`asymstore.dist.kv`), never a collective. This
-module is the one place that spells those keys and encodes their payloads
-(frozen dataclasses, strict JSON on the wire), as DCP's ``_DistWrapper`` keeps
-its rounds: what every other module calls is a round's typed method.
+The ranks of a :class:`~asymstore.multirank.RankStore` agree only through keys of a c10d key-value
+store (:mod:`asymstore.dist.kv`), never a collective; this module alone spells the keys and encodes
+the payloads (frozen dataclasses, strict JSON), as DCP's ``_DistWrapper`` keeps its rounds. Rounds
+(``s<n>`` counts the rank's opens): the session (:class:`Verdict`), the step agreement
+(:class:`Agreement`), the commit (:class:`CommitRound`), the restore (:class:`RestoreRound`) and
+retention (:class:`RetainSet`); each class names its keys. A value a peer put is untrusted: at most
+:data:`MAX_PAYLOAD_BYTES` of strict JSON of the expected shape, else
+:class:`~asymstore.errors.CoordinationProtocolError` naming the key.
 
-Rounds (``s<session>`` counts the rank's opens, the same on every rank):
-
-* **session**: ``session/<rank>`` and ``nonce`` are counters; ``s<n>/layout``
-  carries the coordinator's look at the root (:class:`Verdict`).
-* **agree** (``s<n>/agree/<i>``): the coordinator's :class:`Agreement` on the next step.
-* **commit** (:class:`CommitRound`, ``s<n>/commit/<tag>``): every rank's
-  :class:`ShardReport` under ``/rank/<r>``, the coordinator's :class:`GlobalAnswer`
-  under ``/global``, every rank's :class:`Flushed` under ``/flushed/<r>``.
-* **restore** (:class:`RestoreRound`, ``s<n>/restore/<i>``): ``/have/<r>``
-  (:class:`Have`), ``/try/<k>`` (:class:`TryMsg`), ``/fit/<k>/<r>`` (:class:`Fit`),
-  ``/go/<k>`` (:class:`Go`), ``/result/<k>/<r>`` (:class:`LoadResult`).
-* **retention**: counters ``retain/all`` and ``retain/<r>``, and ``retain/set`` (:class:`RetainSet`).
-
-A value a peer put is untrusted: it is read as at most :data:`MAX_PAYLOAD_BYTES`
-of strict JSON, and anything else (too large, not JSON, another shape or type)
-raises :class:`~asymstore.errors.CoordinationProtocolError` naming the key.
+Guide: ``docs/guides/multirank.md``.
 """
 
 from __future__ import annotations
@@ -602,7 +590,9 @@ def next_nonce(kv: KV) -> int:
 class CommitRound:
     """The keys of one global commit (``prefix`` = ``s<session>/commit/<tag>``) and its typed exchanges.
 
-    The methods block (call them in a thread).
+    Every rank's :class:`ShardReport` under ``<prefix>/rank/<r>``, the coordinator's
+    :class:`GlobalAnswer` under ``<prefix>/global``, every rank's :class:`Flushed` under
+    ``<prefix>/flushed/<r>``. The methods block (call them in a thread).
     """
 
     wire: Wire
@@ -664,7 +654,9 @@ class CommitRound:
 class RestoreRound:
     """The keys of one collective restore (``prefix`` = ``s<session>/restore/<i>``) and its typed exchanges.
 
-    The methods block (call them in a thread). See :mod:`asymstore.multirank.restore` for the order.
+    ``<prefix>/have/<r>`` (:class:`Have`), ``/try/<k>`` (:class:`TryMsg`), ``/fit/<k>/<r>`` (:class:`Fit`),
+    ``/go/<k>`` (:class:`Go`), ``/result/<k>/<r>`` (:class:`LoadResult`). The methods block (call them
+    in a thread). See :mod:`asymstore.multirank.restore` for the order.
     """
 
     wire: Wire

@@ -1,21 +1,14 @@
 """Retention of a multi-rank checkpoint: which global versions and shards are kept, and rolling back orphans.
 
-* The coordinator keeps the newest ``keep_last`` global versions
-  (:func:`retain_globals`) and tells each rank, through the coordination store
-  (:func:`~asymstore.multirank.protocol.raise_keep_from`: one request when every
-  rank is alike), the oldest shard step a kept version still needs.
-* With ``keep_every`` or ``keep_best`` (``Job.rules``) the kept global versions
-  are not the newest ones only: the coordinator judges every global version by
-  the retention note its global manifest carries (written at publish, as a
-  single store writes it into a version's meta, so a restart keeps the same
-  set) and posts (:class:`~asymstore.multirank.protocol.RetainSet`) the shard steps each rank must keep up
-  to the newest kept one; below that, a rank deletes every other shard.
-* Each rank then deletes its own shards no kept version needs (:func:`retain_shards`).
-* Shards of ranks no longer in the job are retired by the coordinator
-  (:func:`retire_departed_shards`, see :mod:`.departed`).
-* After a restore, a rank's own shards above the restored version that no
-  global version uses are rolled back before the same step is put again
-  (:func:`roll_back`).
+The coordinator keeps the newest ``keep_last`` global versions (:func:`retain_globals`), or with
+``keep_every``/``keep_best`` judges every global version by the retention note its manifest carries,
+and tells each rank through the coordination store which shard steps a kept version still needs
+(:class:`~asymstore.multirank.protocol.RetainSet`); each rank deletes its own shards no kept version
+needs (:func:`retain_shards`). Departed ranks' shards are retired by the coordinator
+(:func:`retire_departed_shards`, :mod:`.departed`); after a restore, a rank's unused shards above the
+restored version are rolled back (:func:`roll_back`).
+
+Guide: ``docs/guides/multirank.md``.
 """
 
 from __future__ import annotations

@@ -3,18 +3,14 @@
 ::
 
     ROOT/
-      rank-00000/                 rank 0's shards: an ordinary LocalTier root (v…/MANIFEST.json, LATEST)
-      rank-00001/
+      rank-00000/                 rank 0's shards: an ordinary LocalTier root (rank_dirname)
       global/
         LATEST                    hint: newest published global step
         v000000000012.json        global manifest of step 12: the commit point of the multi-rank version
         placement-<hex>.json      where every rank's tiers were when a version was committed (fsck reads it)
-        .tmp-v000000000013-<id>   a global manifest being written
-        .quarantine/              corrupt global manifests moved aside by fsck --repair
+        .tmp-v000000000013-<id>   a global manifest being written; .quarantine/: moved aside by fsck --repair
 
-A multi-rank version exists only once its global manifest is published;
-rank shards without one are ``partial`` (a commit that did not complete on
-every rank).
+A multi-rank version exists only once its global manifest is published. Guide: ``docs/guides/multirank.md``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """RankStore: one rank's shard store of a multi-rank checkpoint, with a two-phase global commit.
 
-Protocol (see :mod:`asymstore.multirank.globaldir` for the directories):
+Every rank commits its shard of a step to its own tiers (its own :class:`~asymstore.AsymStore`,
+``RankStore.local``) and reports it through the job's coordination store; the coordinator (rank 0)
+waits for every report, then publishes ``global/v…json`` (:mod:`.publish`, :mod:`.globaldir`) and
+applies retention (:mod:`.retention`): only then does the version exist. Waiting happens on the
+store's loop thread and through the key-value store only, never a collective. ``restore`` is
+collective: every rank loads the same global version, or every rank the one before
+(:mod:`.restore`).
 
-1. every rank commits its shard of step ``s`` to its own tiers (a commit of
-   its own :class:`~asymstore.AsymStore`, ``RankStore.local``: durable before
-   it returns);
-2. it reports the shard (step, tier-independent digest, size) under a key of
-   the job's c10d store;
-3. the coordinator (rank 0) waits for every rank's report, with a timeout,
-   then publishes ``global/v…s.json`` atomically and updates ``global/LATEST``
-   (:mod:`.publish`; retention follows, :mod:`.retention`). Only then does the
-   multi-rank version exist.
-
-Waiting happens on the store's own event loop thread (never the training
-thread) and only through the key-value store: never a collective on the
-training process group. A rank that dies or times out leaves no global
-manifest, so the previous global version stays the newest restorable one; its
-orphan shards are reported ``partial`` by fsck and rolled back when the same
-step is committed again after a restore.
-
-``restore`` is collective (every rank calls it): the coordinator picks the
-newest global version whose shards every rank holds, every rank loads and
-verifies its shard against the digest, and a version that fails on any rank
-is skipped for the one before, on every rank alike (:mod:`.restore`).
+Guide: ``docs/guides/multirank.md``.
 """
 
 from __future__ import annotations

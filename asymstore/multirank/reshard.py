@@ -1,33 +1,15 @@
 """Restoring a multi-rank version on another number of ranks, reading only the byte ranges each rank needs.
 
-A :class:`~asymstore.multirank.RankStore` whose ``reshard`` is set restores a
-global version written by N ranks on a job of M ranks (see
-:meth:`~asymstore.multirank.RankStore.restore`). Each rank
+A :class:`~asymstore.multirank.RankStore` whose ``reshard`` is set restores a global version written
+by N ranks on M ranks (see :meth:`~asymstore.multirank.RankStore.restore`). Each rank verifies every
+old shard's manifest against the global manifest and parses its tensor layouts, asks ``reshard``
+which piece of each sharded tensor it holds now, plans the overlapping chunks
+(:func:`asymstore.read.reshardplan.plan_piece`) and reads each old shard's chunks once, a segment's
+in one request (at most :data:`READ_BATCH_BYTES` each, :data:`READS_IN_FLIGHT` at a time), verifying
+each chunk before its bytes reach the new pieces. Tensors held whole and the JSON meta come from old
+rank ``rank % N``. A shard without layouts (DeepSpeed's) is refused.
 
-1. reads every old shard's manifest (through the peer tiers) and checks its
-   digest against the global manifest, then parses each shard's tensor layouts
-   (:func:`asymstore.format.pieces.read_layouts`);
-2. asks ``reshard`` which piece of each sharded global tensor it holds now;
-3. plans, for every piece of every tensor, the overlaps with the old pieces
-   (:func:`asymstore.read.reshardplan.plan_piece`), and from them the chunks
-   of each old shard that hold the overlapping byte ranges (a chunk is the
-   unit of verification, so the bytes read are those ranges rounded out to
-   whole chunks; a chunk, or a pack of small tensors, needed by several pieces
-   is read once); it then reads each old shard's chunks segment by segment,
-   a segment's chunks in one request (in batches of at most
-   :data:`READ_BATCH_BYTES`), the old shards concurrently (at most
-   :data:`READS_IN_FLIGHT` batches at a time), verifies each chunk and copies
-   its overlaps straight from the verified bytes into the new pieces (a raw
-   chunk that a new piece takes whole, contiguously, is read straight into
-   the new tensor and verified there: the new tensors reach the caller only
-   once every chunk has verified, as :func:`asymstore.read.load.load_version`
-   does for fresh tensors);
-4. takes every tensor held whole (RNG states, step counters, buffers) and the
-   JSON meta from old rank ``rank % N``, with ``meta["layout"]`` rewritten to
-   describe the new pieces.
-
-A shard without layout metadata (DeepSpeed's, or one written before layouts
-were recorded) is refused: where its pieces belong is unknown.
+Guide: ``docs/guides/fsdp2.md`` (Resuming on another number of ranks).
 """
 
 from __future__ import annotations

@@ -5,39 +5,13 @@
     ROOT/
       LAYOUT.json      {"format": 1, "layout": "multirank", "world_size": 3,
                         "previous": [{"layout": "single", "world_size": 1, "newest_step": 6, "resumed": true}]}
-      v000000000006/   single-process versions (a LocalTier root)        } at most one of the two is
-      global/ rank-*/  multi-rank versions (:mod:`.globaldir`)           } the root's current layout
+      v000000000006/   single-process versions          } at most one of the two is the root's current layout
+      global/ rank-*/  multi-rank versions (.globaldir) }
 
-A job opens a root through its recorded layout, never through a guess from
-which files happen to exist; every reader (a job, fsck, export, the DCP
-storage) follows one decision, :attr:`RootSurvey.current`: a root is
-multi-rank once it holds a published global version, and until then its
-single-process versions are its current ones (a ``global/``, or a record
-saying multi-rank, that a multi-rank job left when it stopped or died before
-its first global version does not change that). The record is written atomically (temporary
-file, fsync, rename, fsync of the root) by the first commit of a layout: a
-single-process :class:`~asymcheck.Checkpointer` store's first version, and a
-:class:`~asymstore.multirank.RankStore` coordinator's first global version
-under a layout or world size the record does not say yet. A multi-rank job
-that takes over a single-process root (resuming its versions, or starting
-fresh beside them on request, :func:`check_takeover`; its coordinator holds
-the root's writer lock meanwhile, :mod:`.takeover`) records the
-single-process layout it replaced in ``previous``: those versions stay where they are (retention of the new
-layout never deletes them) and fsck lists them as ``superseded``; the root's
-single-process ``LATEST`` hint is removed once the first global version is
-published, so no hint points at a layout no longer current. A job of one
-process on a multi-rank root goes on in the multi-rank layout (a
-``RankStore`` of world size 1): once multi-rank, a root stays multi-rank.
-
-The record is read as untrusted input: a regular file of at most
-:data:`MAX_RECORD_BYTES`, strict JSON, known fields and values only. Anything
-else is a :class:`~asymstore.errors.RootLayoutError`, never a guess.
-
-Roots written before layouts were recorded have no record: their layout is
-inferred once from what they hold (:attr:`RootSurvey.layout`) and recorded by
-their next commit. A root holding published versions of both layouts and no
-record saying which is current is a
-:class:`~asymstore.errors.RootLayoutConflictError`.
+Every reader follows one decision, :attr:`RootSurvey.current`: a root is multi-rank once it holds a
+published global version. The record is written atomically by the first commit of a layout, read as
+untrusted input (at most :data:`MAX_RECORD_BYTES`, strict JSON, known fields only, else
+:class:`~asymstore.errors.RootLayoutError`). Guide: ``docs/guides/fsdp2.md`` (the layout boundary).
 """
 
 from __future__ import annotations

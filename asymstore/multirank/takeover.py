@@ -1,32 +1,15 @@
 """A multi-rank job taking a single-process root over: one writer meanwhile, and never beside its versions unasked.
 
-A :class:`~asymstore.multirank.RankStore` opening a root whose current
-versions are single-process (:meth:`~asymstore.multirank.rootlayout.RootSurvey.takeover_pending`:
-``ROOT/v…`` and no global version) changes the root's layout: ``restore``
-reads the newest of them on every rank straight from ``ROOT/v…``, or the job
-starts beside them (``across_layouts="start_fresh"``), and its first global
-version records the root as multi-rank (:mod:`.rootlayout`).
+A :class:`~asymstore.multirank.RankStore` on a root whose current versions are single-process resumes
+the newest of them, or starts beside them (``across_layouts="start_fresh"``); its first global
+version records the root as multi-rank (:mod:`.rootlayout`). **One writer:** the coordinator holds
+the root's writer lock (``ROOT/.lock``, :class:`~asymstore.io.rootlock.DirLock`) from ``open`` until
+its first global version, so a single-process writer still on the root is a
+:class:`~asymstore.errors.RootLockedError`. **Every rank alike:** what the coordinator found goes to
+every rank (:func:`share`, :func:`verdict`), and every rank's first ``commit`` refuses to start beside
+versions it neither resumed nor was told to leave (:class:`~asymstore.errors.LayoutTakeoverError`).
 
-**One writer.** The coordinator (rank 0) takes the root's writer lock
-(``ROOT/.lock``: the :class:`~asymstore.io.rootlock.DirLock` a single-process
-store holds on its ``LocalTier`` while it is open) at ``open`` and keeps it
-until its first global version is published, or the store closes: a
-single-process job still writing the root (draining after SIGTERM, or a second
-job on the same root) makes ``open`` raise
-:class:`~asymstore.errors.RootLockedError` naming it, and none can open the
-root while the takeover is in progress, so no version appears beside the one
-being resumed, and no retention deletes it under the ranks reading it. A
-``restore`` that resumes a single-process version when none was seen at
-``open`` takes the lock there.
-
-**Every rank alike.** What the coordinator found at ``open`` (or why it
-could not open) goes to every rank through the coordination store
-(:func:`share`, :func:`verdict`): ``restore`` and ``commit`` raise the
-coordinator's typed error on every rank, and every rank's first ``commit``
-refuses, before anything is committed, a version that would start beside the
-single-process versions without having resumed them or been told to
-(:func:`~asymstore.multirank.rootlayout.check_takeover`:
-:class:`~asymstore.errors.LayoutTakeoverError`).
+Guide: ``docs/guides/fsdp2.md`` (Across the single-process / multi-rank boundary).
 """
 
 from __future__ import annotations

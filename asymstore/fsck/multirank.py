@@ -1,43 +1,16 @@
 """fsck of a multi-rank root: global manifests checked against the shards where they live.
 
-A multi-rank version is a global manifest ``global/v….json``; its shards live
-on the ranks' tiers, which need not be under the root: a shared-memory tier
-and a disk local to each node, a peer's memory, a remote store. Every global
-manifest names the placement record it was committed under
-(:mod:`asymstore.format.placement`), which lists every rank's tier locations
-and host; a version 1 manifest (or a root without records) has its shards in
-``ROOT/rank-NNNNN/``. Rank directories under the root are always checked.
+A global manifest names the placement record it was committed under
+(:mod:`asymstore.format.placement`): every rank's tier locations and host (a version 1 manifest has
+its shards in ``ROOT/rank-NNNNN/``, which are always checked). Each location is checked once like a
+single tier, then each global version is ``committed`` (every shard verifies somewhere), ``corrupt``
+(some shard is bad in every location, all of them seen), or ``unreachable`` (no copy verified and
+some location could not be seen from here: never repaired); shards no global manifest lists are
+``partial`` or ``orphaned``. ``node_local`` judges only the locations this node holds. ``repair``
+removes partial and orphaned shards and temporary files, quarantines corrupt global manifests and
+rewrites ``global/LATEST`` (never ``global/`` with ``node_local``).
 
-Each location that holds a rank's shards is checked like a single tier (once),
-then each global manifest's shards are looked up there:
-
-- ``committed``: every shard it lists verifies, with the digest it lists, in at
-  least one of the locations that hold it.
-- ``corrupt``: it does not parse, or a shard it lists is absent or damaged in
-  every location that holds it, and every one of them was seen: a directory
-  under the root, one on this host (the placement's host name), a remote URI
-  that answered, or a path given with ``node_local``. The version cannot be
-  restored.
-- ``unreachable``: no copy of a shard verified and at least one location could
-  not be seen from here: process or GPU memory, a directory that does not
-  exist on this machine, a directory that does but was recorded on another
-  host (it may be another disk of the same name), a remote that did not
-  answer. Nothing is concluded: ``repair`` never touches such a version and
-  reports it as refused (the CLI exits 2 with the reasons).
-- ``partial`` / ``orphaned``: a step whose shards exist (committed, in locations
-  that were seen) but that no global manifest lists, newer / older than the
-  newest global version: an incomplete multi-rank commit, or leftovers of
-  retention. Also ``global/.tmp-*`` and ``LATEST`` temp files.
-
-With ``node_local`` (a per-node check, ``fsck ROOT --node-local PATH...``) only
-the locations under those paths are examined — the ones this node holds — and
-a global version is judged only on the shards that live nowhere else.
-
-``repair`` removes partial and orphaned shards and temporary files from the
-locations that were seen, moves corrupt global manifests to
-``global/.quarantine/``, repairs every such location as a single tier, and
-rewrites ``global/LATEST``; with ``node_local`` it repairs only those locations
-and never touches ``global/``.
+Guide: ``docs/guides/fsck.md`` (Split layouts).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from asymcheck.options import (
     PreemptionOptions,
     RetentionOptions,
     WhenBusy,
+    renamed_location,
     resolve,
 )
 from asymcheck.policy.agreement import agreement_for
@@ -129,7 +130,7 @@ class Checkpointer:
     Args:
         model: the module trained.
         optimizer: its optimizer.
-        store_or_tiers: an unopened store (:class:`asymstore.AsymStore`,
+        location: where the checkpoint lives: an unopened store (:class:`asymstore.AsymStore`,
             :class:`asymstore.multirank.RankStore`, or any
             :class:`asymstore.api.CheckpointStore`; the Checkpointer
             opens and closes it), a list of tiers (fastest
@@ -156,7 +157,7 @@ class Checkpointer:
             last step saved on close).
         commits: host staging buffers and background commits
             (:class:`asymcheck.options.CommitOptions`; default: two slots, one commit at a time).
-        across_layouts: a directory ``store_or_tiers`` whose recorded layout (see
+        across_layouts: a directory ``location`` whose recorded layout (see
             :mod:`asymstore.multirank.rootlayout`) is single-process, opened by a job of several ranks:
             ``"resume"`` (default) makes :meth:`resume` take its newest version, each rank its part
             (as a version of another world size is resharded), or raise a typed error saying what the
@@ -170,6 +171,8 @@ class Checkpointer:
             function running a store coroutine on the Checkpointer's thread, and returns the
             :class:`asymcheck.state.trainstate.TrainingState` of ``model`` and ``optimizer`` (it then
             holds the ``stateful`` and ``data`` objects; pass neither here).
+        store_or_tiers: the former name of ``location``, deprecated (a ``DeprecationWarning``; goes in
+            the next release).
         **flat: the flat keywords of earlier releases (``keep_last=5``, ``warmup=2``, ...), deprecated:
             each is the field of the same name of one group (:data:`asymcheck.options.FLAT_OPTIONS`)
             and warns with a ``DeprecationWarning`` that names it.
@@ -180,22 +183,23 @@ class Checkpointer:
             than by ``Shard(d)`` / ``Replicate()``: nothing was hooked.
         InvalidOptionError: an option out of its range (``every=0``, ``partitioning="blocks"``), a group
             not of its class, or a flat keyword beside its own group: nothing was hooked.
-        TypeError: a keyword that is no option.
+        TypeError: a keyword that is no option; ``location`` and ``store_or_tiers`` both given, or neither.
         RootLayoutError: (one process, a directory) the root's ``LAYOUT.json`` is not valid; its
             subclass RootLayoutConflictError: the root holds both layouts and no record says which
             is current. Nothing was hooked. (Under several ranks the same errors come from ``resume()``.)
         ValueError: ``across_layouts`` is not one of its modes.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store_or_tiers: StoreSpec, *,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, location: StoreSpec | None = None, *,
                  stateful: Mapping[str, Stateful] | None = None, data: Mapping[str, Stateful] | None = None,
                  every: int = 1, retention: RetentionOptions | None = None,
                  partitions: PartitionOptions | None = None, failures: FailureOptions | None = None,
                  preemption: PreemptionOptions | None = None, pacing: PacingOptions | None = None,
                  commits: CommitOptions | None = None, across_layouts: AcrossLayouts = "resume",
                  hooks: HooksFactory | None = None, state: StateFactory | None = None,
-                 **flat: Unpack[FlatOptions]) -> None:
+                 store_or_tiers: StoreSpec | None = None, **flat: Unpack[FlatOptions]) -> None:
         """Open the store on its own thread and register the hooks."""
+        where: StoreSpec = renamed_location(location, store_or_tiers, old="store_or_tiers", caller=type(self).__name__)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise InvalidOptionError(f"every must be an int >= 1, got {every!r}")
         options = resolve({"retention": retention, "partitions": partitions, "failures": failures,
@@ -229,7 +233,7 @@ class Checkpointer:
         self._recorder = WindowRecorder(clock)
         self._pool = HostPool(commit.host_slots, pin=cuda)
         kept = options.retention
-        store = open_store(store_or_tiers, keep_last=kept.keep_last, keep_every=kept.keep_every,
+        store = open_store(where, keep_last=kept.keep_last, keep_every=kept.keep_every,
                            keep_best=kept.keep_best, across_layouts=across_layouts)
         self._loop = StoreLoop(store, name="asymcheck-store")
         try:
@@ -238,7 +242,7 @@ class Checkpointer:
             enable_resharding(self._loop.store, built)  # a RankStore resumes versions of another world size
             self._commits = CommitQueue(self._loop, self._stats, max_inflight=commit.max_inflight,
                                         when_busy=commit.when_busy,
-                                        first_committed=layout_recorder(store_or_tiers, store))
+                                        first_committed=layout_recorder(where, store))
             self._engine = CopyEngine(commit.copy)
         except BaseException:
             self._loop.close()

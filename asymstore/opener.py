@@ -1,32 +1,14 @@
 """One way to open a store: :func:`open_store` from wherever the user points.
 
 ``location`` is a directory, a tier URI (``file://``, ``s3://``, ``hdfs://``), a list of tiers
-(fastest first) or a store (returned as it is). This process's rank and the job's size come from
-one rule (:func:`asymstore.dist.world.rank_world`: torch.distributed when initialised, else
-``RANK``/``WORLD_SIZE``, else one process). A directory's layout is decided once, here, from what the
-root records (:mod:`asymstore.multirank.rootlayout`):
+(fastest first) or a store (returned as it is). Rank and world come from one rule
+(:func:`asymstore.dist.world.rank_world`). A directory's layout is decided once, here, from what the
+root records (:mod:`asymstore.multirank.rootlayout`): several ranks, or a multi-rank root, get this
+rank's ``RankStore``; otherwise an ``AsymStore`` over a ``LocalTier`` (a ``RemoteTier`` for a URI).
+``read_only=True`` opens a store that takes no lock and writes nothing; it is never a ``RankStore``,
+and a multi-rank root is read without a store (:func:`reads_multirank`).
 
-================================  =======================================================
-location, job                     store
-================================  =======================================================
-a store                           itself (its own options apply)
-a URI                             an ``AsymStore`` over a ``RemoteTier``
-a list of tiers                   an ``AsymStore`` over them; a ``RankStore`` with those
-                                  tiers when ``root=`` is given and several ranks run (or
-                                  ``multirank=True``)
-a directory, several ranks        a ``RankStore`` (each rank's ``rank-NNNNN/`` and
-                                  ``global/``); it resumes a single-process root's versions
-                                  unless ``across_layouts="start_fresh"``
-a directory, one process          a ``RankStore`` of one rank when the root is multi-rank
-                                  (a root stays multi-rank once it is), else an
-                                  ``AsymStore`` over a ``LocalTier``
-================================  =======================================================
-
-``read_only=True`` opens a store that reads and never writes, takes no lock and keeps everything
-(a writer may be saving meanwhile); it is never a ``RankStore``. A multi-rank root (one whose
-current versions are global, :func:`reads_multirank`) is read without a store: by
-:class:`asymstore.dcp.StorageReader`, ``python -m asymstore.export`` or fsck, so ``open_store``
-refuses to open one read-only.
+Guide (the table of what each location gets): ``docs/guides/store.md`` (Opening a store).
 """
 
 from __future__ import annotations

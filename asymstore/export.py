@@ -2,39 +2,14 @@
 
 ``python -m asymstore.export LOCATION [--step N] --to safetensors|dcp OUT [--prefix model/]``
 
-LOCATION is any tier location fsck takes (a directory, ``file://``, ``s3://``,
-``hdfs://``) or a multi-rank root (then rank 0's shard of the newest global
-version: the whole model under DDP). Without ``--step`` the newest version
-that verifies is exported: a version whose manifest, shard manifests or any
-chunk fails verification is discarded (its temporary output removed) and the
-one before it is tried (for a multi-rank root, the previous global version);
-the versions skipped are named in the summary (``"skipped"``) and on stderr.
-With ``--step`` exactly that version is exported, or nothing (exit 1). No
-output is ever left half-written. Tensors whose names start with ``--prefix``
-are exported with the prefix removed: ``model/`` is what
-:class:`asymcheck.Checkpointer` stores the model's ``state_dict`` under, so
-the output loads with ``model.load_state_dict``; ``--prefix ""`` exports
-every tensor under its stored name.
+LOCATION is any tier location fsck takes or a multi-rank root. Without ``--step`` the newest version
+that verifies is exported (the versions skipped are named); with it exactly that version, or nothing.
+No output is ever left half-written. ``safetensors`` is streamed chunk by chunk, each verified as it
+is read (memory: one segment and one chunk); ``dcp`` decodes each tensor whole. An FSDP2 root
+(shards with tensor layouts, :mod:`asymstore.format.pieces`) is consolidated one tensor at a time;
+DeepSpeed's ZeRO partitions go through ``python -m asymcheck.deepspeed.export``.
 
-- ``safetensors``: one file written as a stream: the header first (computed
-  from the manifest), then each tensor's bytes, chunk by chunk, every chunk
-  verified by its checksums as it is read. Memory: one segment and one chunk
-  at a time, whatever the model's size. Readable by ``safetensors.safe_open``
-  / ``safetensors.torch.load_file`` and by Hugging Face ``from_pretrained``.
-- ``dcp``: a ``torch.distributed.checkpoint`` directory that
-  ``torch.distributed.checkpoint.load`` reads. DCP's writer takes whole
-  tensors, so each tensor is decoded (and verified) into memory first;
-  memory is the exported tensors' size. The directory is written under a
-  temporary name and renamed into place; an existing OUT is replaced only when
-  it is empty or holds a DCP checkpoint's files alone (else ``ExportError``).
-
-A multi-rank root whose shards record tensor layouts (FSDP2's sharded
-parameters, :mod:`asymstore.format.pieces`) is consolidated: every rank's
-shard manifest is checked against the global manifest, and each sharded
-tensor is assembled whole from the pieces of every rank (each chunk read
-verified), one tensor at a time; tensors held whole come from rank 0. Memory:
-the largest tensor. DeepSpeed's flat ZeRO partitions record no layout: export
-them with ``python -m asymcheck.deepspeed.export`` and DeepSpeed's own tools.
+Guide: ``docs/guides/export.md``.
 """
 
 from __future__ import annotations

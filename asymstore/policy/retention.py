@@ -1,29 +1,14 @@
 """Retention of one tier (pure): which committed versions the rules keep, and why.
 
-Three rules, any of which keeps a version (orbax's preservation policies are
-the model):
-
-* ``keep_last`` — the newest N versions (the tier's own ``keep_last``, else
-  the store's; None keeps everything);
-* ``keep_every`` — every version whose step is a multiple of N, kept
-  permanently (a long run's milestones);
-* ``keep_best`` — the best k versions by a metric the trainer reported with
-  the version (``meta["metrics"][name]``), lowest or highest.
-
-The decision is recorded in each version's manifest meta when it is committed
-(:meth:`Retention.stamp`, under ``meta["asymstore"]["retention"]``): whether
-``keep_every`` pinned it, the metric it was judged by, and the rules in force.
-A restart therefore keeps the same set even with other settings (a pinned
-version stays pinned), and fsck tells which rule keeps each version from the
-manifests alone. Pins and bests apply to persistent tiers; a memory tier keeps
-only its newest versions (and evicts by capacity).
-
-Versions are deleted only after a newer one is committed, oldest first,
-manifest first (the tier's ``delete_version``); so a version directory without
-a manifest that is older than the oldest kept one is what an interrupted
-delete left (:func:`asymstore.format.names.retention_leftover`). Multi-rank
-retention (global versions, the shards they need) is
+Three rules, any of which keeps a version (orbax's preservation policies are the model):
+``keep_last`` (the newest N), ``keep_every`` (every multiple of N, permanently) and ``keep_best``
+(the best k by a reported metric). The decision is recorded in each version's manifest meta
+(:meth:`Retention.stamp`), so a restart keeps the same set and fsck tells which rule keeps a version.
+Versions are deleted only after a newer one is committed, oldest first, manifest first
+(:func:`asymstore.format.names.retention_leftover`). Multi-rank retention:
 :mod:`asymstore.multirank.retention`.
+
+Guide: ``docs/guides/store.md`` (Retention).
 """
 
 from __future__ import annotations

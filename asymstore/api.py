@@ -1,27 +1,15 @@
 """The API every layer passes around: value types, the store protocol and the store capabilities.
 
-It imports only the format and the errors, so every layer can use it and
-nothing here can form a cycle:
+It imports only the format and the errors, so every layer can use it and nothing here can form a
+cycle. **Value types**: :class:`TierCalibration`, :class:`FlushStats`, :class:`TierStatus`,
+:class:`CommitResult`, :class:`Checkpoint` and ``Into`` (restore destinations). **The store
+protocol** :class:`CheckpointStore`, which the adapters (``asymcheck``) program against and both
+:class:`~asymstore.AsymStore` and :class:`~asymstore.multirank.RankStore` satisfy; ``isinstance(x,
+CheckpointStore)`` tells a store from the other things an adapter accepts (tiers, a directory).
+**Store capabilities**: optional ``runtime_checkable`` protocols an adapter checks with
+``isinstance`` (:class:`DropReportingStore` and the multi-rank ones).
 
-* **value types**: :class:`TierCalibration` (a tier's write cost model),
-  :class:`FlushStats` (one version written to one tier), :class:`TierStatus`
-  (one tier as the store sees it), :class:`CommitResult`, :class:`Checkpoint`
-  (what a restore returns) and ``Into`` (restore destinations);
-* **the store protocol** :class:`CheckpointStore`, which the adapters
-  (``asymcheck``) program against. Both :class:`~asymstore.AsymStore` (one
-  process's tiers) and :class:`~asymstore.multirank.RankStore` (one rank's
-  shard store of a multi-rank checkpoint, which holds an ``AsymStore`` and
-  adds the global commit) satisfy it. It names only what the adapters use:
-  ``open`` / ``close``; ``adopt_many`` / ``abandon`` / ``commit`` (a sealed
-  version staged from the adapter's host slots without a copy, committed, or
-  dropped); ``restore`` (``into`` fills live tensors in place where the store
-  supports it); ``versions`` / ``newest_step``;
-* **store capabilities**, optional protocols an adapter checks with
-  ``isinstance`` (all ``runtime_checkable``): :class:`DropReportingStore`, and
-  the multi-rank ones below it.
-
-``isinstance(x, CheckpointStore)`` tells a store from the other things an
-adapter accepts (tiers, a directory).
+Guide: ``docs/guides/store.md``.
 """
 
 from __future__ import annotations

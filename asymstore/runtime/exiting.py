@@ -1,20 +1,13 @@
 """The library's threads at interpreter exit: stopped before the interpreter finalizes, never waited for without bound.
 
-A Python process ends in this order once its program ends (normally, by ``sys.exit`` or by an
-uncaught exception): ``threading._shutdown`` calls the callbacks registered with
-``threading._register_atexit``, newest first — ``concurrent.futures`` registers one that joins every
-``ThreadPoolExecutor`` worker without a bound, asyncio's default executor (``asyncio.to_thread``)
-included — and joins every non-daemon thread; then the ``atexit`` callbacks run; then the interpreter
-finalizes. A daemon thread that comes back from C++ code that had released the GIL (a gloo wait, a
-TCPStore call, most torch ops) after finalization began is ended with ``pthread_exit``, whose forced
-unwinding through pybind11's ``gil_scoped_release`` destructor calls ``std::terminate``: the process
-dies of SIGABRT ("terminate called without an active exception").
-
-So, before ``concurrent.futures`` joins its workers, :func:`exiting` turns true (the library's
+Before ``concurrent.futures`` joins its workers at exit, :func:`exiting` turns true (the library's
 polling waits, such as :meth:`asymstore.dist.kv.KV.wait`, give up at once) and the callbacks
 registered with :func:`at_exit` run: phase 0 stops the library's threads (event loops, the copy
 worker, the replica services), phase 1 ends the I/O their helpers may still be blocked in (the peer
-tier's gloo waits). Each callback bounds its own waits (:data:`EXIT_WAIT_S`).
+tier's gloo waits). Each callback bounds its own waits (:data:`EXIT_WAIT_S`); :func:`at_exit` says
+why a thread left running would end the process in SIGABRT.
+
+Guide (what a job sees when a peer dies): ``docs/guides/multirank.md``.
 """
 
 from __future__ import annotations
@@ -44,6 +37,15 @@ def exiting() -> bool:
 
 def at_exit(fn: Callable[[], None], *, phase: int = 0) -> int:
     """Call ``fn`` when the interpreter exits, before any thread is joined; return a handle for :func:`cancel`.
+
+    Why before: once a program ends, ``threading._shutdown`` runs the ``threading._register_atexit``
+    callbacks, newest first (``concurrent.futures`` registers one that joins every
+    ``ThreadPoolExecutor`` worker without a bound, asyncio's default executor included), joins the
+    non-daemon threads, then ``atexit`` runs and the interpreter finalizes. A daemon thread that comes
+    back from C++ code that released the GIL (a gloo wait, a TCPStore call, most torch ops) after
+    finalization began dies in ``pthread_exit``, whose unwinding through pybind11's
+    ``gil_scoped_release`` calls ``std::terminate``: SIGABRT. So :func:`exiting` turns true and these
+    callbacks run before ``concurrent.futures`` joins its workers.
 
     ``fn`` (and the object of a bound method) is held until :func:`cancel` or the exit: what owns a
     running thread must outlive it.

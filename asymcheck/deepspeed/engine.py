@@ -1,24 +1,14 @@
 """AsymCheckpointEngine: DeepSpeed's ``save_checkpoint`` / ``load_checkpoint`` through asymstore.
 
-DeepSpeed 0.19's engine hands every checkpoint file to ``checkpoint_engine``:
-``create(info)`` on every rank, ``save(state_dict, path)`` per file (rank 0
-the model states, every rank its ZeRO partition), ``commit(info)`` on every
-rank, then, on rank 0 only, it writes ``save_dir/latest`` itself with a plain
-``open(..., "w")`` (not atomic). Loading, it reads ``latest`` itself, finds the
-files with ``glob`` and calls ``checkpoint_engine.load(path)`` for each.
+DeepSpeed hands every checkpoint file to ``checkpoint_engine`` (``create``, ``save`` per file,
+``commit``) and writes ``latest`` itself, not atomically. This engine keeps each rank's files as one
+shard of a multi-rank version under ``save_dir/asymstore`` (a
+:class:`~asymstore.multirank.RankStore` opened by :func:`asymstore.open_store`); ``commit`` returns
+on every rank once rank 0 published the global manifest, then writes JSON stubs at the files' paths
+and replaces ``latest`` atomically. :func:`load_checkpoint` takes the tag from the global manifests,
+never from ``latest``. Every rank must see ``save_dir``.
 
-This engine keeps each rank's files as one shard of a multi-rank asymstore
-version under ``save_dir/asymstore`` (:class:`asymstore.multirank.RankStore`):
-tensors in checksummed segments, structure as JSON, no pickle. ``commit``
-commits the shard, and returns on every rank only once rank 0 published the
-global manifest (all ranks committed). It then writes JSON stubs at the
-files' usual paths (for DeepSpeed's glob) and, on rank 0, replaces ``latest``
-atomically; DeepSpeed then rewrites ``latest`` in place with the same tag.
-:func:`load_checkpoint` resolves the tag from the global manifests instead of
-that file, so a torn ``latest`` is never trusted.
-
-Files of other ranks are read from their shard directories, so every rank
-must see ``save_dir`` (as with DeepSpeed's own engine).
+Guide: ``docs/guides/deepspeed.md`` (DeepSpeed's own save_checkpoint through asymstore).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The Checkpointer's options, typed: groups by concern, forwarded by an integration as ``**options``."""
 
 import tempfile
-import warnings
 from typing import Unpack
 
 import torch
@@ -36,8 +35,6 @@ def my_integration(model: torch.nn.Module, optimizer: torch.optim.Optimizer, roo
 
 
 with tempfile.TemporaryDirectory() as root:
-    my_integration(model, optimizer, root, retention=RetentionOptions(keep_last=1)).close()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        my_integration(model, optimizer, root, keep_last=1).close()  # the flat form: deprecated, still works
-    assert any("retention=RetentionOptions(keep_last=...)" in str(w.message) for w in caught)
+    ckpt = my_integration(model, optimizer, root, retention=RetentionOptions(keep_last=1))
+    ckpt.close()
+    assert ckpt.options.retention.keep_last == 1

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from asymcheck.checkpointer import Checkpointer
+from asymcheck.options import RetentionOptions
 from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, HostTier, LocalTier, Tier
 
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.98 ** s)
     stateful: dict[str, Any] = {"sched": sched}
-    ckpt = (Checkpointer(model, opt, make_tiers(args.tiers, args.dir), stateful=stateful, keep_last=3)
+    ckpt = (Checkpointer(model, opt, make_tiers(args.tiers, args.dir), stateful=stateful,
+                         retention=RetentionOptions(keep_last=3))
             if args.role == "train" else None)
     start = 0
     if ckpt is not None:

@@ -104,6 +104,7 @@ def preempt_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PartitionOptions, PreemptionOptions
     from asymstore.multirank import RankStore
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
@@ -129,8 +130,9 @@ def preempt_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     elif rank_tiers(case, rank) is not None:  # "kill": {"rank": r, "at": "commit:N"}: r dies in its commit N + 1
         where = RankStore(case["dir"], tiers=rank_tiers(case, rank), keep_last=3, timeout_s=60.0)
     signal.signal(signal.SIGTERM, own_handler)
-    ckpt = Checkpointer(model, opt, where, stateful={"sched": sched, "pos": pos}, warmup=1,
-                        min_partition_bytes=512, preempt_deadline_s=case["preempt"].get("deadline_s", 25.0))
+    ckpt = Checkpointer(model, opt, where, stateful={"sched": sched, "pos": pos},
+                        partitions=PartitionOptions(warmup=1, min_partition_bytes=512),
+                        preemption=PreemptionOptions(preempt_deadline_s=case["preempt"].get("deadline_s", 25.0)))
     assert isinstance(ckpt.store, RankStore)
     log.event(event="resumed", step=ckpt.resume(), iteration=pos.iteration)
     if "spread_ms" in case["preempt"]:
@@ -154,13 +156,16 @@ def preempt_ds(case: dict[str, Any], rank: int, log: Log) -> None:
 
     import asymcheck.deepspeed as ads
     from asymcheck.deepspeed.hooks import inner_optimizer
+    from asymcheck.options import PartitionOptions, PreemptionOptions, RetentionOptions
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     n, at = case["iterations"], case["preempt"]["at"]
     engine = ds_engine(case["stage"])
     pos = DataPosition()
-    ckpt = ads.attach(engine, case["dir"], root=case["dir"], stateful={"pos": pos}, keep_last=3, timeout_s=60.0,
-                      warmup=1, min_partition_bytes=512, preempt_deadline_s=case["preempt"].get("deadline_s", 25.0))
+    ckpt = ads.attach(engine, case["dir"], root=case["dir"], stateful={"pos": pos}, timeout_s=60.0,
+                      retention=RetentionOptions(keep_last=3),
+                      partitions=PartitionOptions(warmup=1, min_partition_bytes=512),
+                      preemption=PreemptionOptions(preempt_deadline_s=case["preempt"].get("deadline_s", 25.0)))
     log.event(event="resumed", step=ckpt.resume(), iteration=pos.iteration)
     if "spread_ms" in case["preempt"]:
         engine.module.register_forward_pre_hook(spread_trigger(case, rank, log, lambda: pos.iteration))

@@ -1,25 +1,14 @@
 """The state of a DeepSpeed engine at one step: the files its ``save_checkpoint`` would write, captured lazily.
 
-A version holds, per rank, exactly the state dicts DeepSpeed's own
-``save_checkpoint`` builds (model states; the ZeRO partition of fp32 master
-weights and optimizer state; loss scaler; LR scheduler; step counters), plus
-RNG states and the user's stateful objects. The dicts are built by the
-engine's own code, with a capturing checkpoint engine swapped in for the call,
-so every ZeRO stage and precision is described the way DeepSpeed describes
-it; restoring goes through the engine's own ``load_checkpoint``.
+A version holds, per rank, the state dicts DeepSpeed's own ``save_checkpoint`` builds (built by the
+engine's own code with a capturing checkpoint engine swapped in, so every ZeRO stage and precision is
+described DeepSpeed's way), RNG states, the user's stateful objects and this rank's own module
+buffers; restoring goes through ``load_checkpoint``. Tensors only the optimizer step changes are
+copied in partitions during the next iteration, the rest at once. Private engine names used (nothing
+patched, no collective): ``_save_checkpoint``, ``_get_zero_ckpt_name``, ``save_zero_checkpoint``,
+``micro_steps``.
 
-Capture is lazy: tensors that only the optimizer step changes (model
-parameters, ZeRO-3 partitions, fp32 masters, optimizer moments) are referenced
-and copied in partitions during the next iteration; every other tensor (model
-buffers, loss scale) is copied at once.
-
-Uses two private engine methods, ``_save_checkpoint`` (builds and "saves" the
-model-states dict) and ``_get_zero_ckpt_name`` (the ZeRO file's name), and
-the attributes ``save_zero_checkpoint`` and ``micro_steps``; nothing is
-patched. Unlike ``save_checkpoint`` it runs no collective. DeepSpeed writes the
-module states of rank 0 only, so each version also holds this rank's own module
-buffers (BatchNorm statistics differ between ranks), loaded after DeepSpeed's
-``load_checkpoint``.
+Guide: ``docs/guides/deepspeed.md`` (What a version holds; Private DeepSpeed names).
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Where the snapshot protocol hooks into a DeepSpeed engine, without patching it.
 
-``engine.step()`` wraps the step of the torch optimizer inside DeepSpeed's
-(ZeRO) optimizer: before it, gradients are reduced and unscaled; after it,
-ZeRO copies the fp32 masters into the model's parameters and all-gathers
-them, steps the LR scheduler and counts ``global_steps``. ZeRO-3 calls the
-inner step once per parameter sub-group. So:
+``engine.step()`` wraps the torch optimizer's step inside DeepSpeed's (ZeRO) optimizer; ZeRO-3 calls
+the inner step once per parameter sub-group. So *step pre* (seal the previous version) is the inner
+optimizer's first step pre-hook of an engine step; *step done* (RNG states, ``data`` objects) its
+step post-hook; *step post* (open the new version) the first forward pre-hook after the step,
+prepended on the root module so it runs before ZeRO-3 gathers any parameter (counters, scheduler and
+parameters are final by then). Forward and post-accumulate-grad hooks drive the partitions as in the
+plain adapter.
 
-- *step pre* (drain and seal the previous version) is the inner optimizer's
-  first step pre-hook of an engine step: nothing the version holds has
-  changed yet;
-- *step done* (take the RNG states and ``data`` objects) is the inner
-  optimizer's step post-hook: nothing of the next iteration has drawn yet (a
-  batch drawn from the global RNG before the forward included);
-- *step post* (open the new version) is deferred to the first forward
-  pre-hook after the step, prepended on the root module so it runs before
-  ZeRO-3 gathers any parameter: ``engine.step()`` has finished by then, so
-  counters, scheduler and (gathered) parameters are final;
-- forward pre-hooks and post-accumulate-grad hooks drive the partitions, as
-  in the plain adapter.
+Guide: ``docs/guides/deepspeed.md`` (What a version holds).
 """
 
 from __future__ import annotations

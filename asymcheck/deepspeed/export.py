@@ -1,27 +1,16 @@
 """Write a DeepSpeed version out as the checkpoint directory DeepSpeed's own ``save_checkpoint`` would have made.
 
-Versions of ``attach()`` and of ``AsymCheckpointEngine`` hold, per rank, the
-state dicts DeepSpeed builds for its checkpoint files. This writes them as
-those files (``torch.save``, DeepSpeed's format; the store itself never
-pickles) plus ``latest``, so every DeepSpeed tool takes it from there:
-
-- ``engine.load_checkpoint(OUT, tag)`` in a plain DeepSpeed job of the same size;
-- ``python -m deepspeed.utils.zero_to_fp32 OUT WEIGHTS_DIR`` (or
-  ``get_fp32_state_dict_from_zero_checkpoint``): the full fp32 weights from the
-  ZeRO partitions of every rank, loadable on any number of ranks;
-- ``python -m deepspeed.checkpoint.ds_to_universal --input_folder OUT/TAG
-  --output_folder UNIVERSAL``: a universal checkpoint that a job with another
-  data-parallel degree loads with ``"checkpoint": {"load_universal": true}``.
-
 Usage::
 
     python -m asymcheck.deepspeed.export ROOT OUT [--step N]
 
-``ROOT`` is the directory given to ``attach()`` or the checkpoint directory of
-``install()`` (its ``asymstore/`` is found). Every rank's shard of the global
-version (the newest whose shards all verify, or ``--step``) is verified
-before anything is written; file names come from the manifests and must stay
-inside ``OUT``.
+Every rank's shard of the global version (the newest whose shards all verify, or ``--step``) is
+verified, then written as DeepSpeed's files (``torch.save``, DeepSpeed's format; the store never
+pickles) plus ``latest``, so ``engine.load_checkpoint``, ``zero_to_fp32`` and ``ds_to_universal`` take
+it from there. ``ROOT`` is ``attach()``'s directory or ``install()``'s checkpoint directory; file names
+come from the manifests and must stay inside ``OUT``.
+
+Guide: ``docs/guides/deepspeed.md`` (Resuming on another number of ranks).
 """
 
 from __future__ import annotations

@@ -1,45 +1,14 @@
 """Preemption: on SIGTERM, finish the version in flight on the durable tier within a deadline, then exit.
 
-Schedulers (Slurm, Kubernetes, spot instances, torchrun) send SIGTERM and a
-grace period before SIGKILL. The signal handler only records the notice: a
-handler runs between any two bytecodes of the training thread, possibly in
-the middle of ``optimizer.step()``, where no consistent state exists. The
-Checkpointer acts at its next hook of the next iteration instead (a training
-forward, a gradient, the next optimizer step) — never in the step's own
-post-hook, before the loop ran its ``scheduler.step()`` — where the state
-after the newest completed step is whole. Within the deadline
-(``preempt_deadline_s``, counted from the signal) it waits for the commits
-still running, seals that version, copies what is left, commits it, waits
-for the commit and for a persistent tier to hold it (a memory durable tier's
-background copy to disk: :meth:`asymstore.AsymStore.flush`; under several
-ranks, for the global version too), records what it managed in
-``ckpt.preempted`` and then hands the signal on to whatever the program had
-installed before — the default action terminates the process with SIGTERM's
-usual status, a Python handler is called, an ignored signal stays ignored.
-When the deadline passes it stops waiting (what is still running goes on
-until the process ends), records that the deadline hit, and hands the signal
-on all the same: the scheduler's SIGKILL would come anyway. A process that
-reaches no hook within the grace period is killed as before, with the durable
-tier holding the versions committed until then.
+The signal handler only records the notice (it may run in the middle of ``optimizer.step()``); the
+Checkpointer acts at its next hook of the next iteration, where the state after the newest completed
+step is whole: within the deadline (counted from the signal) it seals, commits and waits for a
+persistent tier (and, under several ranks, the global version) to hold that step, records
+``ckpt.preempted`` and hands the signal on to what the program had installed. Under several ranks
+every rank flushes the same step at the same boundary (:mod:`asymcheck.policy.agreement`).
+``Checkpointer.preempt(deadline_s)`` does the same on an explicit notice, without exiting.
 
-Under several ranks (DDP over a :class:`asymstore.multirank.RankStore`,
-DeepSpeed through :func:`asymcheck.deepspeed.attach`) the signal reaches the
-ranks milliseconds apart, so no rank acts alone: the first rank to see a
-notice publishes it through the job's key-value store with the step every
-rank must complete, every rank reads it once per iteration at its first
-training hook, and every rank flushes that same step at the same iteration
-boundary, after every collective of the step and before any of the next
-(:mod:`asymcheck.policy.agreement`). Each rank then waits, within the deadline, for
-the global commit of that step, records it and hands the signal on; a rank
-that only read the notice (no SIGTERM of its own yet) exits as if signalled
-when the notice came from a SIGTERM (``reason="peer"``). A rank whose peers
-are gone (the key-value store unreachable, or the global version never
-published in time) records ``peer_lost``.
-
-``Checkpointer.preempt(deadline_s)`` does the same on an explicit notice (a
-scheduler that announces preemption another way), from the training thread,
-without exiting; under several ranks every rank calls it after the same step
-(a collective, like ``close()``).
+Guide: ``docs/guides/preemption.md``.
 """
 
 from __future__ import annotations

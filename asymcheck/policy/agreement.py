@@ -1,41 +1,14 @@
 """Preemption that every rank agrees on: one notice, one step, one iteration boundary.
 
-SIGTERM reaches the ranks of a job milliseconds apart. A rank that flushed and
-exited at its own next hook would leave the others inside (or about to enter)
-a collective of the training step, where they die with a connection error
-instead of the signal. So under several ranks a notice is agreed on through
-the job's key-value store (the TCPStore client of the
-:class:`asymstore.multirank.RankStore`; never a collective, never from a
-background thread):
+SIGTERM reaches a job's ranks milliseconds apart, and a rank that flushed and exited alone would
+leave the others inside a collective. So the first rank to see a notice publishes, with
+``compare_set`` on one key of the job's key-value store (never a collective), the step ``T`` every
+rank must complete (``c + 1``, or ``c + 2`` once this iteration's gradients began); every rank reads
+the key once per iteration on the training thread, at its first hook after ``optimizer.step()``, and
+flushes at the boundary after ``T``: after every collective of ``T``, before any of ``T + 1``. A rank
+that cannot reach the store flushes its own shard and records that it lost its peers.
 
-1. The first rank to see a notice of its own (its SIGTERM at its next hook,
-   or ``preempt()``) publishes it with ``compare_set`` on one key: the step
-   ``T`` every rank must complete before it stops. A rank that has completed
-   ``c`` steps publishes ``T = c + 1`` from the iteration boundary or from a
-   forward hook of iteration ``c + 1`` (no rank can have completed step
-   ``c + 1``: its gradients need this rank's), and ``T = c + 2`` once this
-   iteration's gradients began (their collectives may be done, so another
-   rank may already be past step ``c + 1``). The first value wins; a later
-   publisher reads and adopts it.
-2. Every rank reads the key once per iteration, at its first training hook
-   after ``optimizer.step()`` (the *boundary*: one ``check``, a few tens of
-   microseconds on a local TCPStore), until it knows ``T``.
-3. Every rank trains on to step ``T`` (at most one step past the one in flight)
-   and flushes at the boundary after it, before the forward of ``T + 1``: no
-   rank can have passed that boundary when ``T`` was published, and every rank
-   reads the key at each boundary it passes, so all stop at the same one, after
-   every collective of step ``T`` and before any of ``T + 1``.
-
-The boundary read is on the training thread, not a watcher thread: one round
-trip per iteration is negligible next to a training step, it is synchronous
-with the boundary (a watcher's flag could be set just after a rank passed a
-boundary, which the argument of step 3 rules out), and a watcher polling every
-few milliseconds on every rank would load the job's single store server far
-more than one read per rank per iteration.
-
-A rank that cannot reach the key-value store (its server, hosted by rank 0 or
-the launcher, is gone) records that it lost its peers and, if it has a notice
-of its own, flushes at once what it can: its own shard.
+Guide (why T is safe, why no watcher thread): ``docs/guides/preemption.md`` (Several ranks).
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Pacing: keep what checkpointing costs the training step within a budget (``max_overhead``).
 
-On a GPU the copies and writes run on other engines; on a busy host they
-compete with training for cores and memory bandwidth, and what that costs
-shows only in the step time, not in the time the hooks block. So the
-:class:`Pacer` measures the step time itself:
+On a busy host the copies and writes compete with training for cores and memory bandwidth, which
+shows only in the step time. So the :class:`Pacer` measures it: after ``first_probe`` checkpointed
+steps, and every ``probe_every`` after, it takes no version for ``probe_steps`` steps (the quiet
+baseline); the overhead is the mean iteration since the previous probe over the median quiet one,
+minus one; the next interval is the smallest ``k`` with ``k0 · overhead(k0) / k`` within the budget
+(at most ``max_interval``). Paced steps take no version, so a crash loses at most ``interval`` steps.
 
-* after ``first_probe`` checkpointed steps, and every ``probe_every`` steps
-  after that, it takes no version for ``probe_steps`` steps; the iterations
-  after the first of them (whose commit has drained by then) are the *quiet*
-  baseline: training alone;
-* the overhead is the mean iteration time since the previous probe over the
-  median quiet iteration, minus one;
-* assuming a cost per version, the overhead at interval ``k`` is about
-  ``k0 · overhead(k0) / k``, so the next interval is the smallest ``k`` that
-  meets the budget (at most ``max_interval``), and shrinks back to 1 when the
-  cost falls.
-
-Every version taken is complete and committed as usual; paced steps simply
-take none, so a crash loses at most ``interval`` steps. ``stats()`` reports
-the interval, the overhead and baseline measured, and how many steps were
-paced or probed, with the reason.
+Guide: ``docs/guides/checkpointer.md`` (Pacing).
 """
 
 from __future__ import annotations

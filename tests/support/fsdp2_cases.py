@@ -128,6 +128,7 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
     import torch.distributed as dist
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PartitionOptions
     from asymcheck.state.trainstate import TrainingState
     from asymstore.multirank import RankStore
 
@@ -145,7 +146,8 @@ def run_fsdp2(case: dict[str, Any], rank: int, log: Log) -> None:
         tiers = rank_tiers(case, rank)
         where: Any = case["dir"] if tiers is None and "timeout_s" not in case else RankStore(
             case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0))
-        ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512,
+        ckpt = Checkpointer(model, opt, where, stateful=stateful,
+                            partitions=PartitionOptions(warmup=1, min_partition_bytes=512),
                             across_layouts=case.get("across", "resume"))
         assert isinstance(ckpt.store, RankStore) or (dist.get_world_size() == 1 and tiers is None)
         if case.get("expect_error"):  # resume() must raise the same typed error on every rank, and train nothing

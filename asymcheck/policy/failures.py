@@ -1,22 +1,15 @@
 """What a failed background commit does to training: the failure budget.
 
-A commit that fails (the durable tier is down, the disk full) is logged,
-counted in ``stats()`` and its version abandoned; every later step's version
-is the next attempt, so a storage outage heals by itself once the tier is
-back. Training is stopped (:class:`asymcheck.errors.NoDurableVersionError` at
-the next optimizer step) only when commits failed and the newest durable
-version is older than the budget: ``max_steps_without_durable`` optimizer
-steps or ``max_seconds_without_durable`` seconds, whichever is exceeded first
-(None switches a budget off). ``on_error="raise"`` stops at the first
-failure, ``"log"`` never stops. A commit every rank's check refused for the
-root's layout (:class:`~asymstore.errors.LayoutTakeoverError` with
-``every_rank``: a multi-rank job that would start beside a single-process
-root's versions without resuming them) refuses every later one too, so it
-stops training at the next step under ``"budget"`` as under ``"raise"``, on
-every rank alike. Any other layout error (one the coordinator alone meets at
-publish, an unreadable root) counts against the budget like any failure: a
-rank that stopped alone would leave the others waiting in their next
-collective.
+A failed commit is logged, counted in ``stats()`` and its version abandoned; every later step's
+version is the next attempt, so a storage outage heals by itself. Training stops
+(:class:`asymcheck.errors.NoDurableVersionError` at the next optimizer step) only when commits failed
+and the newest durable version is older than the budget (``max_steps_without_durable`` or
+``max_seconds_without_durable``); ``on_error="raise"`` stops at the first failure, ``"log"`` never.
+A commit every rank refused for the root's layout
+(:class:`~asymstore.errors.LayoutTakeoverError` with ``every_rank``) stops training at once on every
+rank; other layout errors count against the budget.
+
+Guide: ``docs/guides/checkpointer.md`` (When commits fail).
 """
 
 from __future__ import annotations

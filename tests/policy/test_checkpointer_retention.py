@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from asymcheck import Checkpointer
+from asymcheck.options import PacingOptions, PartitionOptions, RetentionOptions
 from asymcheck.versions.storespec import make_store
 from asymstore import KeepBest
 from asymstore.errors import InvalidMetaError
@@ -15,11 +16,12 @@ from asymstore.multirank.globaldir import list_global_steps
 from tests.support.asymcheck_train import make_model, make_opt, step_once
 
 
-def train(root: Path, until: int, **kwargs: object) -> dict[str, list[int]]:
+def train(root: Path, until: int, best: KeepBest) -> dict[str, list[int]]:
     model = make_model()
     opt, _ = make_opt(model)
-    with Checkpointer(model, opt, root, keep_last=2, keep_every=10, warmup=1, min_partition_bytes=512,
-                      max_overhead=None, **kwargs) as ckpt:  # type: ignore[arg-type]
+    with Checkpointer(model, opt, root, retention=RetentionOptions(keep_last=2, keep_every=10, keep_best=best),
+                      partitions=PartitionOptions(warmup=1, min_partition_bytes=512),
+                      pacing=PacingOptions(max_overhead=None)) as ckpt:
         start = ckpt.resume() or 0
         for it in range(start, until):
             step_once(model, opt, it)
@@ -31,8 +33,8 @@ def train(root: Path, until: int, **kwargs: object) -> dict[str, list[int]]:
 
 def test_fifty_steps_then_a_restart_keep_every_tenth_the_best_and_the_newest_two(tmp_path: Path) -> None:
     best = KeepBest("eval_loss", "min", k=1)
-    assert train(tmp_path / "c", 50, keep_best=best) == {f"local:{tmp_path / 'c'}": [10, 15, 20, 30, 40, 49, 50]}
-    assert train(tmp_path / "c", 56, keep_best=best) == {f"local:{tmp_path / 'c'}": [10, 15, 20, 30, 40, 50, 55, 56]}
+    assert train(tmp_path / "c", 50, best) == {f"local:{tmp_path / 'c'}": [10, 15, 20, 30, 40, 49, 50]}
+    assert train(tmp_path / "c", 56, best) == {f"local:{tmp_path / 'c'}": [10, 15, 20, 30, 40, 50, 55, 56]}
 
 
 def test_metrics_must_be_finite_numbers(tmp_path: Path) -> None:
@@ -51,6 +53,6 @@ def test_a_multirank_root_keeps_by_the_same_rules(tmp_path: Path) -> None:
     store = make_store(root, 2, keep_every=10, keep_best=KeepBest("eval_loss", "min", k=1))
     assert isinstance(store, RankStore) and store.job.rules is not None and store.job.rules.keep_every == 10
     best = KeepBest("eval_loss", "min", k=1)
-    assert list(train(root, 50, keep_best=best).values()) == [[10, 15, 20, 30, 40, 49, 50]]
-    assert list(train(root, 56, keep_best=best).values()) == [[10, 15, 20, 30, 40, 50, 55, 56]]
+    assert list(train(root, 50, best).values()) == [[10, 15, 20, 30, 40, 49, 50]]
+    assert list(train(root, 56, best).values()) == [[10, 15, 20, 30, 40, 50, 55, 56]]
     assert list_global_steps(str(root / "global")) == [10, 15, 20, 30, 40, 50, 55, 56]

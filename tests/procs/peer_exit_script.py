@@ -31,9 +31,10 @@ def main(case: dict[str, Any], rank: int, out: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PartitionOptions
     from asymstore import HostTier, LocalTier
-    from asymstore.multirank import RankStore
     from asymstore.format.names import rank_dirname
+    from asymstore.multirank import RankStore
     from asymstore.tiers.peer import PeerTier
 
     per_node, world = case["per_node"], case["world"]
@@ -48,7 +49,7 @@ def main(case: dict[str, Any], rank: int, out: Path) -> None:
     memory = HostTier(64 << 20, path=node / "own" / rank_dirname(rank))
     store = RankStore(case["dir"], durable=memory.name, tiers=[
         memory, PeerTier(64 << 20, path=node / "replicas"), LocalTier(Path(case["dir"]) / rank_dirname(rank))])
-    ckpt = Checkpointer(model, opt, store, warmup=1, min_partition_bytes=512)
+    ckpt = Checkpointer(model, opt, store, partitions=PartitionOptions(warmup=1, min_partition_bytes=512))
     start = ckpt.resume() or 0
     try:
         for it in range(start, case["iterations"]):

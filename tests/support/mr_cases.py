@@ -261,6 +261,7 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
     import deepspeed
 
     import asymcheck.deepspeed as ads
+    from asymcheck.options import PartitionOptions, RetentionOptions
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     n = case["iterations"]
@@ -281,8 +282,9 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
             from asymstore.multirank import RankStore
 
             where = RankStore(case["dir"], tiers=tiers, durable=where[0].name, keep_last=3, timeout_s=60.0)
-        ckpt = ads.attach(engine, where, root=case["dir"], stateful={"pos": pos}, keep_last=3,
-                          timeout_s=case.get("timeout_s", 60.0), warmup=1, min_partition_bytes=512, **objs)
+        ckpt = ads.attach(engine, where, root=case["dir"], stateful={"pos": pos},
+                          timeout_s=case.get("timeout_s", 60.0), retention=RetentionOptions(keep_last=3),
+                          partitions=PartitionOptions(warmup=1, min_partition_bytes=512), **objs)
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration, fallbacks=list(
             ckpt.restored.fallbacks) if ckpt.restored else [], fetched=loader.fetched if loader else None,
@@ -386,6 +388,7 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PartitionOptions
     from asymcheck.state.trainstate import TrainingState
     from asymstore.multirank import RankStore
 
@@ -405,7 +408,8 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         where: Any = case["dir"] if tiers is None and "timeout_s" not in case else RankStore(
             case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0),
             **({"durable": tiers[0].name} if case.get("peer") and tiers else {}))
-        ckpt = Checkpointer(model, opt, where, stateful=stateful, warmup=1, min_partition_bytes=512)
+        ckpt = Checkpointer(model, opt, where, stateful=stateful,
+                            partitions=PartitionOptions(warmup=1, min_partition_bytes=512))
         assert isinstance(ckpt.store, RankStore) or dist.get_world_size() == 1  # one rank: an ordinary store
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration,

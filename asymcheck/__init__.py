@@ -27,6 +27,15 @@ from asymcheck.errors import (
     UnsupportedModelError,
     UnsupportedStateError,
 )
+from asymcheck.options import (
+    CheckpointerOptions,
+    CommitOptions,
+    FailureOptions,
+    PacingOptions,
+    PartitionOptions,
+    PreemptionOptions,
+    RetentionOptions,
+)
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.snapshot.edits import DroppedVersionWarning
 from asymcheck.snapshot.partition import PARTITIONINGS, Partitioning, Plan
@@ -38,15 +47,22 @@ __all__ = [
     "AsymcheckError",
     "CheckpointStats",
     "Checkpointer",
+    "CheckpointerOptions",
     "CheckpointerStateError",
     "CommitFailedError",
+    "CommitOptions",
     "DroppedVersionWarning",
+    "FailureOptions",
     "InvalidOptionError",
     "NoDurableVersionError",
+    "PacingOptions",
+    "PartitionOptions",
     "Partitioning",
     "Plan",
+    "PreemptionOptions",
     "PreemptionRecord",
     "RestoreInfo",
+    "RetentionOptions",
     "StateMismatchError",
     "Stateful",
     "StepConflictError",

@@ -1,51 +1,16 @@
 """asymcheck for Hugging Face Accelerate: a version every optimizer step of what ``accelerator.prepare`` returned.
 
-Two lines after ``accelerator.prepare(...)``, on every process (``accelerate launch`` starts them)::
+Two lines after ``accelerator.prepare(...)``, on every process::
 
     ckpt = asymcheck.accelerate.attach(accelerator, model, optimizer, "ckpt", scheduler=lr_scheduler,
                                        data=train_dataloader)
     completed_steps = ckpt.resume() or 0    # optimizer steps already done; None on a fresh start
 
-and the loop iterates ``ckpt.loader`` where it iterated ``train_dataloader``: the same batches, and
-after a resume the interrupted epoch goes on after the batches its version had trained
-(``accelerator.skip_first_batches``: the skipped batches' indices are drawn, their samples are not
-read). ``ckpt.close()`` (or leaving a ``with`` block) commits the last step.
-
-What :func:`attach` builds follows what the script runs under:
-
-- one process, or several under DDP (``MULTI_CPU`` with gloo, ``MULTI_GPU``): an
-  :class:`asymcheck.Checkpointer` on the unwrapped model and the torch optimizer inside Accelerate's
-  ``AcceleratedOptimizer``, whose ``step`` Accelerate calls only when gradients synchronise, so a
-  gradient-accumulation micro-step (``accelerator.accumulate()``) neither takes nor seals a version;
-- the FSDP2 plugin (``fsdp_version=2``): the same Checkpointer on the ``fully_shard``-ed model (its
-  FSDP2 path: each rank's DTensor shards, with their layout; not exercised through Accelerate, which
-  runs FSDP on GPUs only);
-- the DeepSpeed plugin (ZeRO 0-3): :func:`asymcheck.deepspeed.attach` on the engine Accelerate built
-  (``accelerator.backward`` runs ``engine.step()``; the adapter hooks the torch optimizer inside it).
-
-Besides the model and optimizer a version holds the scheduler, Accelerate's ``GradScaler``
-(``accelerator.scaler``, mixed precision fp16), ``accelerator.step`` (the micro-step counter that
-decides which micro-step synchronises), the position of every data loader given as ``data=``,
-the RNG states, and the ``stateful=`` / ``data=`` objects. Refused with
-:class:`UnsupportedAccelerateConfigError` naming the setting, before anything is hooked: FSDP1,
-``torch.compile`` through Accelerate (``dynamo_backend``), fp8, tensor/context/sequence
-parallelism, stateful data loaders (``use_stateful_dataloader=True``), Megatron-LM, XLA and other
-distributed types; under DeepSpeed, what :func:`asymcheck.deepspeed.attach` refuses.
-
-Accelerate names relied on (checked against accelerate 1.15). No private name; these attributes
-are undocumented: ``AcceleratedOptimizer.optimizer`` (the torch optimizer whose step hooks drive
-versions), ``Accelerator.step`` (saved by Accelerate's own ``save_state`` too),
-``Accelerator.scaler``, ``Accelerator.use_stateful_dataloader``, ``Accelerator.distributed_type``,
-``Accelerator.deepspeed_engine_wrapped``, ``Accelerator.state.dynamo_plugin`` and
-``.fsdp_plugin``, ``Accelerator.gradient_state.active_dataloader`` (to notice a loader iterated
-around :class:`ResumableLoader`), and of Accelerate's prepared loaders (``DataLoaderShard``,
-``DataLoaderDispatcher``): ``iteration`` (the epoch of the current pass), ``set_epoch``,
-``synchronized_generator``, ``batch_sampler`` / ``sampler`` and the ``generator`` of the wrapped
-``DataLoader``. Public API used: ``Accelerator.unwrap_model``, ``Accelerator.skip_first_batches``,
-``DeepSpeedSchedulerWrapper``. Nothing is patched.
-
-Importing this module imports Accelerate (the ``accelerate`` extra); DeepSpeed is imported only
-when the accelerator runs the DeepSpeed plugin.
+and the loop iterates ``ckpt.loader`` where it iterated ``train_dataloader``. One process and DDP
+get an :class:`asymcheck.Checkpointer`, the FSDP2 plugin its FSDP2 path, the DeepSpeed plugin
+:func:`asymcheck.deepspeed.attach`. What a version holds, the data position, what is refused (a
+table of :data:`asymcheck.integrations.settings.ACCELERATE`) and the Accelerate names relied on:
+docs/guides/accelerate.md. Importing this module imports Accelerate (the ``accelerate`` extra).
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ class NotInStoreError(AsymcheckError, FileNotFoundError):
 class UnsupportedAccelerateConfigError(UnsupportedConfigError):
     """An Accelerate setting (or version) ``asymcheck.accelerate.attach()`` does not capture correctly.
 
-    The message names the setting; raised before anything is hooked.
+    The message names the setting; raised before anything is hooked. The refused settings:
+    docs/guides/accelerate.md.
     """
 
 
@@ -100,7 +101,8 @@ class UnsupportedTrainerConfigError(UnsupportedConfigError):
     """A Trainer setting ``asymcheck.hf.AsymCheckCallback`` does not capture, or resume, exactly.
 
     The message names the ``TrainingArguments`` field (or the model kind); raised by
-    ``resume_from()`` and at ``on_train_begin``, before anything is hooked.
+    ``resume_from()`` and at ``on_train_begin``, before anything is hooked. The refused settings:
+    docs/guides/hf-trainer.md.
     """
 
 
@@ -118,9 +120,10 @@ class TrainerResumeError(AsymcheckError, RuntimeError):
 
 
 class UnsupportedLightningConfigError(UnsupportedConfigError):
-    """A Lightning setting (or version) ``asymcheck.lightning.AsymCheck`` does not capture correctly.
+    """A Lightning setting (or version) ``asymcheck.lightning.AsymCheckCallback`` does not capture correctly.
 
-    The message names the setting; raised when ``fit`` starts, before anything is hooked.
+    The message names the setting; raised when ``fit`` starts, before anything is hooked. The refused
+    settings: docs/guides/lightning.md.
     """
 
 
@@ -132,7 +135,7 @@ class UnresumableDataError(AsymcheckError, ValueError):
 
     Raised before the first training step (Lightning: ``on_train_start``; Accelerate: ``attach()``;
     HF Trainer: ``on_train_begin``). Each integration has an option that trains anyway and warns
-    with :class:`InexactResumeWarning` naming the same (Lightning: ``AsymCheck(inexact_data="warn")``).
+    with :class:`InexactResumeWarning` naming the same (Lightning: ``AsymCheckCallback(inexact_data="warn")``).
     """
 
 

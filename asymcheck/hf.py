@@ -1,61 +1,16 @@
 """asymcheck for the Hugging Face Trainer: a version every optimizer step, resumed without a ``checkpoint-N``.
 
-Two lines (see docs/guides/hf-trainer.md)::
+Two lines::
 
     ckpt = asymcheck.hf.AsymCheckCallback("ckpt")                      # Trainer(..., callbacks=[ckpt]) too
     trainer.add_callback(ckpt)
     trainer.train(resume_from_checkpoint=ckpt.resume_from(trainer))    # None on a fresh start
 
-Each optimizer step (or every ``every`` steps) the callback's :class:`asymcheck.Checkpointer`
-(under ``deepspeed=``, :func:`asymcheck.deepspeed.attach` on the Trainer's engine) takes a
-version through the lazy snapshot: parameters and optimizer state as ``optimizer.step()``
-left them, the LR scheduler, the RNG states, and the Trainer's ``TrainerState`` (global step,
-epoch, log history, best metric: the fields of ``trainer_state.json``) as strict JSON in the
-version's meta. Nothing is pickled.
-
-Why a callback plus the Trainer's own ``resume_from_checkpoint`` (and not a callback alone,
-nor a Trainer subclass): the Trainer decides where its loop starts (the epoch, the batches
-``skip_first_batches`` skips, the first logged loss's denominator) inside ``train()``, from
-``trainer_state.json`` in the directory given as ``resume_from_checkpoint``, before the first
-callback event; those are local variables of its loop, which no callback can reach and which a
-subclass could reach only by overriding private methods. So :meth:`AsymCheckCallback.resume_from`
-picks the newest version, writes a *resume directory* (a private temporary directory, removed
-at ``on_train_begin``) holding that version's ``trainer_state.json`` and what the Trainer's
-loader insists on finding, and the Trainer positions its loop from it exactly as it does for its
-own checkpoints; the callback then loads the version itself, in place, at ``on_train_begin``
-and puts the RNG states back where the Trainer's own resume would. The directory holds:
-
-- without DeepSpeed: ``trainer_state.json`` and a sharded-weights index
-  (``model.safetensors.index.json``) whose one shard holds no tensor, so the Trainer's model
-  load reads nothing (a few hundred bytes; the model is read once, from the store);
-- with DeepSpeed: also the version's DeepSpeed files (written as
-  ``python -m asymcheck.deepspeed.export`` would) and ``scheduler.pt``, because the Trainer
-  loads the engine through ``engine.load_checkpoint`` from that directory before any callback
-  runs (``deepspeed_load_checkpoint``); this costs one write and one read of the state at resume.
-
-Refused, with :class:`asymcheck.errors.UnsupportedTrainerConfigError` naming the setting, before
-anything is hooked: ``fsdp``, ``fp16`` (the GradScaler's skipped steps), ``auto_find_batch_size``,
-``ignore_data_skip`` (the data position would not come back), ``accelerator_config.use_seedable_sampler=False``
-and ``train_sampling_strategy="group_by_length"`` (the order of a resumed epoch would be drawn anew),
-``torch_compile``, several GPUs in
-one process (``n_gpu > 1``), several processes without DeepSpeed, and PEFT models (the Trainer's
-resume loads adapters from the directory). Under DeepSpeed, what :func:`asymcheck.deepspeed.attach`
-refuses.
-
-Public plug-in points used: ``TrainerCallback`` events and the objects the Trainer passes to them
-(``model``, ``optimizer``, ``lr_scheduler``, ``train_dataloader``, ``args``, ``state``,
-``control``), ``train(resume_from_checkpoint=...)``, ``trainer.model_wrapped`` (the DeepSpeed
-engine), the file formats of ``trainer_state.json``, ``model.safetensors.index.json`` and
-``scheduler.pt``. Nothing is patched. Private or undocumented names relied on (checked against
-transformers 5.24 and accelerate 1.15): ``AcceleratedOptimizer.optimizer`` (the torch optimizer
-whose step hooks drive the snapshot); that ``Trainer._load_from_checkpoint`` accepts a
-sharded index and loads its shards with ``strict=False``; that the Trainer calls
-``on_step_begin`` after fetching the step's batches and reloads RNG states at the same point
-when it skipped batches (``_run_epoch``); that ``_finalize_training`` logs the summary
-(``train_runtime``) before loading the best model; under DeepSpeed, what
-:mod:`asymcheck.deepspeed` lists.
-
-Importing this module imports transformers.
+A version holds the parameters and optimizer state as ``optimizer.step()`` left them, the LR
+scheduler, the RNG states and the Trainer's ``TrainerState`` (strict JSON, nothing pickled). Why a
+callback plus the Trainer's own ``resume_from_checkpoint`` (the resume directory and what it
+holds), DeepSpeed, what is refused (a table of :data:`asymcheck.integrations.settings.HF_TRAINER`)
+and the private names relied on: docs/guides/hf-trainer.md. Importing this module imports transformers.
 """
 
 from __future__ import annotations

@@ -5,73 +5,12 @@ Two lines::
     ckpt = asymcheck.lightning.AsymCheckCallback("ckpt")    # a lightning.pytorch.Callback
     trainer = Trainer(..., callbacks=[ckpt])                 # trainer.fit(model, datamodule) resumes by itself
 
-When ``fit`` starts (``on_fit_start``: after the strategy set up the model and optimizers, before
-the fit loop runs, the point where ``fit(ckpt_path=...)`` restores) the callback builds an
-:class:`asymcheck.Checkpointer` on the LightningModule and the torch optimizer Lightning steps, and
-loads the newest version that verifies: parameters and buffers, the optimizer, every LR scheduler of
-``configure_optimizers``, the fit loop's state (``trainer.fit_loop.state_dict()``: epoch, global
-step, batch, optimizer and scheduler progress, and the state of resumable train loaders), and the RNG
-states. ``trainer.fit(model)`` then continues at the next batch, as ``fit(ckpt_path=...)`` would from a
-checkpoint saved in ``on_train_batch_end``. ``fit`` ending commits the last step.
-
-Where the hooks are (lightning 2.6, automatic optimization): Lightning runs ``training_step`` and
-``backward`` inside a closure passed to ``optimizer.step(closure)``, so a torch step pre-hook fires
-*before* the forward of its iteration, which would leave no forward or backward to copy the previous
-version in. The version of step ``t`` is therefore sealed in ``on_before_optimizer_step`` of step
-``t + 1`` (after the closure's forward and backward, before the parameter update; gradient clipping
-comes after it and touches only gradients), and opened by the torch step *post*-hook of the
-optimizer (after the update, inside ``optimizer.step``). Between the two nothing changes the
-parameters or the optimizer state (``zero_grad`` touches gradients), so the version is whole. The
-small state is taken in ``on_train_batch_start`` of the first batch after the step (through
-:meth:`asymcheck.Checkpointer.mark`), right before ``training_step``: by then whatever ran since the
-step is done (the scheduler, which Lightning steps after ``optimizer.step``, validation, the end of an
-epoch and the next pass's first draws) and nothing of the next step has drawn yet; the RNG states, the
-schedulers and the loop state (recorded in ``on_train_batch_end`` of the step's batch) are taken then.
-After a resume, the RNG states are set back in the first ``on_train_batch_start``, since Lightning's new
-loader iterator has drawn from them; so a restart at an epoch's end or in its middle continues exactly.
-
-The data position: a plain ``DataLoader`` returned by ``train_dataloader()`` (a map-style dataset,
-``num_workers=0``, a torch ``BatchSampler`` over a torch sampler: ``shuffle=True`` or not, a
-``DistributedSampler`` that Lightning put in under DDP) is positioned by the callback itself: in
-``on_train_start`` (Lightning has created the loader's iterator, but without workers its
-``BatchSampler`` draws nothing until the first batch) it puts a sampler in front of the
-``BatchSampler``'s ``sampler`` (given back at ``teardown``) that records the RNG states each pass
-begins with (the global torch generator, the sampler's ``generator``); ``on_train_batch_end``
-counts the batches of the pass trained, and both go into the version with the loop state. After a
-resume the first pass draws its order from the interrupted pass's RNG states and drops the indices
-of the batches already trained (never reading their samples), so the interrupted epoch goes on at
-the next batch of its own order; ``DistributedSampler``'s epoch comes back with Lightning's loop
-state (``set_epoch``). A train loader wrapped in :class:`ResumableLoader` positions itself the same
-way (with workers too). Any other loader with ``state_dict``/``load_state_dict`` is saved and
-restored through Lightning's own loop state, as ``fit(ckpt_path=...)`` does (torchdata's
-``StatefulDataLoader``). Any other train loader (an ``IterableDataset`` without state, workers, a
-custom batch sampler or sampler, an iterable that is not a ``DataLoader``, several plain loaders)
-is named in ``on_train_start``, before the first training step: :class:`UnresumableDataError`, or
-with ``inexact_data="warn"`` an :class:`InexactResumeWarning` (see :func:`data_problems`).
-
-Refused with :class:`UnsupportedLightningConfigError` naming the setting, when ``fit`` starts and
-before anything is hooked: manual optimization (``automatic_optimization=False``), more than one
-optimizer, ``precision="16-mixed"``/``"16"`` (a GradScaler may skip ``optimizer.step`` after
-``on_before_optimizer_step`` ran), ``fit(ckpt_path=...)`` (Lightning's own restore would follow the
-callback's), strategies other than one device and DDP (``DDPStrategy``: ``ddp`` is tested,
-``ddp_spawn`` is not; DeepSpeed and FSDP are not wired here), and Lightning versions other than 2.6.
-
-Lightning names relied on (checked against lightning 2.6): the Callback hooks ``on_fit_start``,
-``on_train_batch_start``, ``on_before_optimizer_step``, ``on_train_batch_end``,
-``on_validation_end``, ``on_fit_end``, ``on_exception``, ``teardown``; ``Trainer.optimizers``,
-``Trainer.lr_scheduler_configs``, ``Trainer.strategy``, ``Trainer.precision``,
-``Trainer.callback_metrics``, ``Trainer.sanity_checking``, ``Trainer.train_dataloader``,
-``Trainer.ckpt_path``, ``Trainer.world_size``, the hooks ``on_train_start`` and ``on_train_epoch_start``,
-the public attributes of torch's ``DataLoader`` (``dataset``, ``num_workers``, ``batch_sampler``) and
-``BatchSampler`` (``sampler``, ``batch_size``; ``sampler`` is set while ``fit`` runs),
-``Trainer.fit_loop`` with its ``state_dict()`` / ``load_state_dict()`` (public methods of Lightning's
-loops, what ``fit(ckpt_path=...)`` calls) and one key of that state's undocumented layout
-(``["state_dict"]["combined_loader"]``, the list of the train loaders' states, which the callback
-refreshes when the train loader is one :class:`ResumableLoader`), and
-``LightningModule.automatic_optimization``. No private name; nothing is patched.
-``trainer.save_checkpoint`` and ``ModelCheckpoint`` keep working beside it.
-
-Importing this module imports Lightning (the ``lightning`` extra).
+When ``fit`` starts the callback builds a :class:`LightningCheckpointer` (sealing each version in
+``on_before_optimizer_step``, since Lightning's closure runs the forward after the step pre-hook)
+and loads the newest version that verifies; the fit goes on at the next batch. When each part of
+a version is taken, the data position of each kind of train loader, what is refused (a table of
+:data:`asymcheck.integrations.settings.LIGHTNING`) and the Lightning names relied on:
+docs/guides/lightning.md. Importing this module imports Lightning (the ``lightning`` extra).
 """
 
 from __future__ import annotations

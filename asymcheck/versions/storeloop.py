@@ -1,16 +1,19 @@
-"""The Checkpointer's store on its own event loop thread: :class:`asymstore.runtime.loop.StoreLoop`.
+"""The Checkpointer's former loop class: use :class:`asymstore.runtime.loop.StoreLoop` (``name=`` names the thread).
 
-The loop thread and the store's open and close live in :mod:`asymstore.runtime.loop` (one class
-for the Checkpointer and the DCP storage); this module names the Checkpointer's kind of it.
+``asymcheck.versions.storeloop.StoreLoop`` works for one release, with a ``DeprecationWarning``: it is
+:class:`asymstore.runtime.loop.StoreLoop` whose thread is named ``asymcheck-store``.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 from asymstore.api import CheckpointStore
 from asymstore.runtime import loop as _loop
 
 
-class StoreLoop(_loop.StoreLoop[CheckpointStore]):
+class _CheckpointerLoop(_loop.StoreLoop[CheckpointStore]):
     """A :class:`~asymstore.api.CheckpointStore` on its loop thread (``asymcheck-store``); opened on construction.
 
     Args:
@@ -22,4 +25,10 @@ class StoreLoop(_loop.StoreLoop[CheckpointStore]):
         super().__init__(store, name="asymcheck-store")
 
 
-__all__ = ["StoreLoop"]
+def __getattr__(name: str) -> Any:
+    """``StoreLoop``, with a DeprecationWarning; removed next release."""
+    if name != "StoreLoop":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.StoreLoop is deprecated and goes in the next release: use "
+                  "asymstore.runtime.loop.StoreLoop(store, name='asymcheck-store')", DeprecationWarning, stacklevel=2)
+    return _CheckpointerLoop

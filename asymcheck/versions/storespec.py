@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ class RestoreInfo:
 
 def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None = None,
                keep_best: KeepBest | None = None, across_layouts: AcrossLayouts = "resume") -> CheckpointStore:
-    """The Checkpointer's store for ``spec``: :func:`asymstore.opener.open_store` (the one way to open a store).
+    """Deprecated (goes in the next release): :func:`asymstore.open_store` with the same arguments as keywords.
 
     ``spec`` itself is any :class:`~asymstore.api.CheckpointStore` (its own retention applies). A
     directory is opened by its recorded layout (:mod:`asymstore.multirank.rootlayout`): a
@@ -50,6 +51,9 @@ def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None
         RootLayoutConflictError: (one process) the root holds both layouts and no record says which is current.
         ValueError: ``across_layouts`` is not one of its modes.
     """
+    warnings.warn("asymcheck.versions.storespec.make_store is deprecated and goes in the next release: use "
+                  "asymstore.open_store(location, keep_last=..., keep_every=..., keep_best=..., across_layouts=...)",
+                  DeprecationWarning, stacklevel=2)
     return open_store(spec, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
                       across_layouts=across_layouts)
 
@@ -57,7 +61,7 @@ def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None
 def layout_recorder(spec: StoreSpec, store: CheckpointStore) -> Callable[[], None] | None:
     """What records a directory's single-process layout at the store's first commit (None: nothing to record).
 
-    Only a store :func:`make_store` built over a directory for one process: a ``RankStore`` records its
+    Only a store :func:`asymstore.open_store` built over a directory for one process: a ``RankStore`` records its
     layout itself (its coordinator, at its first global commit); a store the user built is the user's.
     """
     if not isinstance(spec, (str, os.PathLike)) or isinstance(store, CollectiveStore) or is_uri(os.fspath(spec)):

@@ -22,8 +22,7 @@ from torch import nn
 
 from asymcheck import Checkpointer
 from asymcheck.options import PacingOptions, PreemptionOptions
-from asymcheck.versions.storespec import make_store
-from asymstore import AsymStore, LocalTier
+from asymstore import AsymStore, LocalTier, open_store
 from asymstore.errors import RootLayoutConflictError, RootLayoutError, RootUnreadableError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.fsck import check, repair
@@ -121,7 +120,7 @@ def test_a_damaged_record_is_a_typed_error_wherever_the_root_is_opened(tmp_path:
     with pytest.raises(RootLayoutError):
         survey(str(root))
     with pytest.raises(RootLayoutError):
-        make_store(str(root), 3)
+        open_store(str(root), keep_last=3)
     model = nn.Linear(3, 2)
     with pytest.raises(RootLayoutError):
         Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), str(root),
@@ -189,7 +188,7 @@ def test_a_recorded_takeover_lists_the_single_process_versions_as_superseded(tmp
     assert not report.ok and len(report.layout_problems) == 1 and "stale" in report.layout_problems[0]
     repair(report)
     assert check(str(root)).ok
-    assert survey(str(root)).layout == "multirank" and isinstance(make_store(str(root), 3), RankStore)
+    assert survey(str(root)).layout == "multirank" and isinstance(open_store(str(root), keep_last=3), RankStore)
 
 
 def swap_after_open(monkeypatch: pytest.MonkeyPatch, path: Path, target: Path) -> list[str]:
@@ -248,4 +247,4 @@ def test_a_root_that_cannot_be_listed_is_a_typed_error(tmp_path: Path, monkeypat
     with pytest.raises(RootUnreadableError):
         check(str(root))
     with pytest.raises(RootUnreadableError):
-        make_store(str(root), 3)
+        open_store(str(root), keep_last=3)

@@ -27,8 +27,7 @@ from torch import nn
 from asymcheck import Checkpointer
 from asymcheck.errors import CommitFailedError
 from asymcheck.options import PacingOptions, PreemptionOptions
-from asymcheck.versions.storespec import make_store
-from asymstore import AsymStore, LocalTier
+from asymstore import AsymStore, LocalTier, open_store
 from asymstore.dcp.spec import own_store
 from asymstore.errors import LayoutTakeoverError, RootLockedError, WorldSizeMismatchError
 from asymstore.export import export
@@ -105,7 +104,7 @@ def test_a_job_that_stopped_at_restore_leaves_the_single_process_versions_curren
     assert exported_step(root, tmp_path) == 6  # was: NoCheckpointError (no global version)
     reader = own_store(str(root), None, {}, read_only=True)  # was: the root as a multi-rank root (nothing in it)
     assert isinstance(reader, AsymStore)
-    assert isinstance(make_store(str(root), 3), AsymStore)
+    assert isinstance(open_store(str(root), keep_last=3), AsymStore)
 
 
 def test_a_job_that_died_before_its_first_global_version_leaves_them_current(tmp_path: Path) -> None:

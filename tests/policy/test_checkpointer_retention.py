@@ -8,8 +8,7 @@ import pytest
 
 from asymcheck import Checkpointer
 from asymcheck.options import PacingOptions, PartitionOptions, RetentionOptions
-from asymcheck.versions.storespec import make_store
-from asymstore import KeepBest
+from asymstore import KeepBest, open_store
 from asymstore.errors import InvalidMetaError
 from asymstore.multirank import RankStore
 from asymstore.multirank.globaldir import list_global_steps
@@ -50,7 +49,7 @@ def test_metrics_must_be_finite_numbers(tmp_path: Path) -> None:
 def test_a_multirank_root_keeps_by_the_same_rules(tmp_path: Path) -> None:
     root = tmp_path / "mr"
     (root / "global").mkdir(parents=True)  # a multi-rank root: the store is a RankStore (one rank here)
-    store = make_store(root, 2, keep_every=10, keep_best=KeepBest("eval_loss", "min", k=1))
+    store = open_store(root, keep_last=2, keep_every=10, keep_best=KeepBest("eval_loss", "min", k=1))
     assert isinstance(store, RankStore) and store.job.rules is not None and store.job.rules.keep_every == 10
     best = KeepBest("eval_loss", "min", k=1)
     assert list(train(root, 50, best).values()) == [[10, 15, 20, 30, 40, 49, 50]]

@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 import asymstore
-from asymcheck.versions.storeloop import StoreLoop as CheckpointerLoop
-from asymcheck.versions.storespec import make_store
+from asymcheck import Checkpointer
 from asymstore import AsymStore, LocalTier, RemoteTier, open_store
 from asymstore.dcp import StorageReader, StorageWriter
 from asymstore.dcp.spec import own_store
@@ -223,7 +222,7 @@ def test_torch_distributed_when_initialised_wins_over_the_environment(tmp_path: 
     assert env_rank_world(None, None) == (0, 1)  # the former name is the same rule
     assert env_rank_world(None, 3) == (0, 3)
     assert isinstance(open_store(str(tmp_path)), AsymStore)  # one process: not a RankStore of 2
-    assert isinstance(make_store(str(tmp_path), 3), AsymStore)
+    assert isinstance(open_store(str(tmp_path), keep_last=3), AsymStore)
 
 
 @pytest.mark.parametrize("caller", ["rule", "checkpointer", "dcp"])
@@ -234,7 +233,7 @@ def test_the_environment_rules_when_torch_distributed_is_not_initialised(world: 
         assert rank_world() == world and rank_world(0, 4) == (0, 4)
         return
     # every caller follows it: the Checkpointer's store and the DCP writer's store are this rank's RankStore
-    built = make_store(str(tmp_path), 3) if caller == "checkpointer" else own_store(str(tmp_path), 3, {},
+    built = open_store(str(tmp_path), keep_last=3) if caller == "checkpointer" else own_store(str(tmp_path), 3, {},
                                                                                      read_only=False)
     assert isinstance(built, RankStore) and (built.rank, built.world_size) == world
 
@@ -256,7 +255,7 @@ def test_a_malformed_rank_in_the_environment_is_named(monkeypatch: pytest.Monkey
 
 def test_the_checkpointers_store_at_a_uri_is_a_remote_tier(tmp_path: Path) -> None:
     (tmp_path / "r").mkdir()
-    s = make_store(f"file://{tmp_path / 'r'}", 3)
+    s = open_store(f"file://{tmp_path / 'r'}", keep_last=3)
     assert isinstance(s, AsymStore) and isinstance(s.tiers[0], RemoteTier)
 
 
@@ -287,7 +286,9 @@ def test_from_location_builds_the_tier_a_location_names(tmp_path: Path) -> None:
 
 
 def test_one_loop_thread_class_serves_the_checkpointer_and_the_dcp_storage(tmp_path: Path) -> None:
-    assert issubclass(CheckpointerLoop, StoreLoop)
+    with Checkpointer(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters()),
+                      tmp_path / "c") as ckpt:
+        assert type(ckpt._loop) is StoreLoop and ckpt._loop.thread.name == "asymcheck-store"
     writer = StorageWriter(str(tmp_path / "w"))
     try:
         writer.open()
@@ -318,6 +319,22 @@ def test_the_former_names_work_for_one_release_with_a_deprecation_warning(old: s
         module.no_such_name  # noqa: B018
 
 
+def test_the_checkpointers_former_loop_and_store_builder_warn_for_one_release(tmp_path: Path) -> None:
+    from asymcheck.versions import storeloop, storespec
+
+    with pytest.warns(DeprecationWarning, match="storeloop.StoreLoop is deprecated"):
+        old_loop = storeloop.StoreLoop
+    assert issubclass(old_loop, StoreLoop)
+    with pytest.warns(DeprecationWarning, match="make_store is deprecated"):
+        built = storespec.make_store(str(tmp_path), 3)
+    assert isinstance(built, AsymStore) and built.keep_last == 3
+    loop = old_loop(AsymStore([LocalTier(tmp_path / "s")], keep_last=None, compression="never"))
+    try:
+        assert loop.thread.name == "asymcheck-store"
+    finally:
+        loop.close()
+
+
 def test_the_store_loop_opens_runs_and_closes_the_store_on_its_thread(tmp_path: Path) -> None:
     s = AsymStore([LocalTier(tmp_path)], keep_last=None, compression="never")
 
@@ -325,7 +342,7 @@ def test_the_store_loop_opens_runs_and_closes_the_store_on_its_thread(tmp_path: 
         await s.put_many(step, tensors(step))
         await s.commit(step)
 
-    loop = CheckpointerLoop(s)
+    loop = StoreLoop(s, name="asymcheck-store")
     assert loop.thread.name == "asymcheck-store" and loop.thread.running
     loop.run(put_commit(5))
     fut = loop.submit(put_commit(6))

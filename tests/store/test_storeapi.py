@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
-from asymcheck.versions.storespec import make_store
-from asymstore import AsymStore, CheckpointStore, LocalTier
+from asymstore import AsymStore, CheckpointStore, LocalTier, open_store
 from asymstore.api import CollectiveStore, ReshardingStore
 from asymstore.multirank import RankStore
 from tests.support.asymcheck_train import data, equal_state, make_model, make_opt, tensors_of
@@ -29,7 +28,7 @@ def test_both_stores_satisfy_the_protocol_and_nothing_else_passes_for_a_store(tm
     ranked = RankStore(tmp_path / "mr", rank=0, world_size=1)
     for s in (plain, ranked):
         assert isinstance(s, CheckpointStore)
-        assert make_store(s, keep_last=1) is s
+        assert open_store(s, keep_last=1) is s
     assert isinstance(ranked.local, AsymStore) and not isinstance(ranked, AsymStore)  # held, not inherited
     assert ranked.tiers == ranked.local.tiers
     # the capabilities the adapters check for: only the multi-rank store has them

@@ -15,7 +15,7 @@ import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, TypeVar, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 from asymcheck.errors import InvalidOptionError
 from asymcheck.policy.failures import ON_ERROR, OnError
@@ -43,7 +43,6 @@ __all__ = [
 
 WhenBusy = Literal["wait", "skip"]
 CopyMode = Literal["thread", "inline"]
-L = TypeVar("L")
 
 
 def _int(owner: str, name: str, value: object, *, least: int, optional: bool = False) -> None:
@@ -357,7 +356,7 @@ def resolve(groups: Mapping[str, object], flat: Mapping[str, Any], *, caller: st
     return Options(**values)
 
 
-def renamed_location(location: L | None, old_value: L | None, *, old: str, caller: str, stacklevel: int = 3) -> L:
+def renamed_location(location: object, old_value: object, *, old: str, caller: str, stacklevel: int = 3) -> Any:
     """Where the checkpoint lives: ``location``, or the value given under its former keyword ``old`` (deprecated).
 
     Every entry point names the parameter ``location``; the former names (``store_or_tiers``,

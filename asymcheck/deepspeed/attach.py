@@ -117,7 +117,7 @@ def attach(engine: Any, location: StoreSpec | None = None, every: int = 1, *,
             flat keyword beside its own group.
         TypeError: a keyword that is no option.
     """
-    location = renamed_location(location, store_or_tiers, old="store_or_tiers", caller="attach")
+    where: StoreSpec = renamed_location(location, store_or_tiers, old="store_or_tiers", caller="attach")
     check_engine(engine, "attach")
     flat: dict[str, Any] = dict(options)
     groups = {name: flat.pop(name, None) for name in GROUPS}
@@ -125,12 +125,12 @@ def attach(engine: Any, location: StoreSpec | None = None, every: int = 1, *,
     resolved = resolve(groups, flat, caller="attach", stacklevel=3)
     keep_last, keep_every, keep_best = (resolved.retention.keep_last, resolved.retention.keep_every,
                                         resolved.retention.keep_best)
-    if isinstance(location, CollectiveStore):
-        store = location
+    if isinstance(where, CollectiveStore):
+        store = where
     else:  # a RankStore whatever the world size: a directory, or this rank's tiers with root=
-        if root is None and not isinstance(location, (str, os.PathLike)):
+        if root is None and not isinstance(where, (str, os.PathLike)):
             raise ValueError("attach() with a list of tiers needs root= (the directory of the global manifests)")
-        opened = open_store(location, root=root, multirank=True, keep_last=keep_last, keep_every=keep_every,
+        opened = open_store(where, root=root, multirank=True, keep_last=keep_last, keep_every=keep_every,
                             keep_best=keep_best, timeout_s=timeout_s)
         assert isinstance(opened, CollectiveStore)
         store = opened

@@ -2,9 +2,9 @@
 
 Quick start::
 
-    from asymstore import AsymStore, HostTier, LocalTier
+    from asymstore import AsymStore, LocalTier, host_tier
 
-    async with AsymStore([HostTier(capacity_bytes=2 << 30), LocalTier("ckpt")], keep_last=3) as s:
+    async with AsymStore([host_tier(capacity_bytes=2 << 30), LocalTier("ckpt")], keep_last=3) as s:
         await s.put_many(step, state_dict)
         await s.commit(step, meta={"lr": 1e-3})
         ckpt = await s.restore()
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
         RemoteTier,
         Tier,
         VersionWriter,
+        host_tier,
     )
 
 _LAZY = {
@@ -60,6 +61,7 @@ _LAZY = {
     "FlushStats": "asymstore.api",
     "GPUTier": "asymstore.tiers",
     "HostTier": "asymstore.tiers",
+    "host_tier": "asymstore.tiers",
     "KeepBest": "asymstore.policy.retention",
     "LocalTier": "asymstore.tiers",
     "Manifest": "asymstore.format.manifest",
@@ -140,5 +142,6 @@ __all__ = [
     "VersionNotFoundError",
     "VersionWriter",
     "WorldSizeMismatchError",
+    "host_tier",
     "open_store",
 ]

@@ -10,8 +10,8 @@ with a Checkpointer every iteration; per method, ``warmup + steps`` iterations, 
 repetition:
 
 - ``none``: no checkpoint;
-- ``memory``: a RankStore over [shared-memory HostTier] (durable);
-- ``memory+peer``: [shared-memory HostTier (durable), PeerTier]: each version also copied to the other rank;
+- ``memory``: a RankStore over [shared-memory host_tier] (durable);
+- ``memory+peer``: [shared-memory host_tier (durable), PeerTier]: each version also copied to the other rank;
 - ``memory+floor``: ``memory``, plus the least work a peer replica needs per step, with none of the peer
   tier's code: after each step a background thread (one per run) copies every parameter and optimizer state
   tensor into one flat buffer reused from step to step, then both ranks exchange that buffer through a gloo
@@ -71,12 +71,12 @@ def train_step(model: Any, opt: Any, args: argparse.Namespace, it: int, rank: in
 
 
 def tiers(method: str, args: argparse.Namespace, rank: int, work: Path, shm: Path) -> list[Any]:
-    from asymstore import HostTier, LocalTier
+    from asymstore import LocalTier, host_tier
     from asymstore.tiers.peer import PeerTier
     from asymstore.tiers.remote.tier import RemoteTier
 
     cap = args.capacity_gib << 30
-    out: list[Any] = [HostTier(cap, path=shm / method.replace("+", "_") / f"rank-{rank}")]
+    out: list[Any] = [host_tier(cap, path=shm / method.replace("+", "_") / f"rank-{rank}")]
     if "peer" in method or method == "all":
         out.append(PeerTier(cap, path=shm / method.replace("+", "_") / "replicas", node_of=[0, 1]))
     if method == "all":

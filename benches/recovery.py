@@ -10,7 +10,7 @@ AdamW, under an ``asymcheck.Checkpointer``, then saves the model and optimizer
 state five ways:
 
 - ``local``: an ``AsymStore`` over a ``LocalTier`` (fsynced, atomic);
-- ``shm``: an ``AsymStore`` over ``HostTier(path=/dev/shm/...)``;
+- ``shm``: an ``AsymStore`` over ``host_tier(path=/dev/shm/...)``;
 - ``torch.load``: ``torch.save`` of both state dicts, fsynced;
 - ``dcp.load``: ``torch.distributed.checkpoint.save`` of both state dicts;
 - ``checkpointer``: the version the Checkpointer (over a ``LocalTier``)
@@ -106,12 +106,12 @@ async def save_store(tiers: list[Any], state: dict[str, torch.Tensor]) -> None:
 def save_all(config: str, work: Path, shm: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from asymstore import HostTier, LocalTier
+    from asymstore import LocalTier, host_tier
 
     model, opt = live(config, work / "ckpt")  # "checkpointer": the Checkpointer commits the step as it closes
     state = flat_state(model, opt)
     asyncio.run(save_store([LocalTier(work / "local")], state))
-    asyncio.run(save_store([HostTier(capacity_bytes=4 * nbytes(state) + (64 << 20), path=str(shm))], state))
+    asyncio.run(save_store([host_tier(capacity_bytes=4 * nbytes(state) + (64 << 20), path=str(shm))], state))
     path = work / "torch" / "state.pt"
     path.parent.mkdir(parents=True)
     with open(path, "wb") as f:
@@ -177,9 +177,9 @@ def child(config: str, method: str, work: Path, shm: Path) -> dict[str, Any]:
         step = ckpt.resume()
         extra = {"open_s": opened - start, "resume_s": time.perf_counter() - opened, "step": step}
     elif method in ("local", "shm"):
-        from asymstore import AsymStore, HostTier, LocalTier
+        from asymstore import AsymStore, LocalTier, host_tier
 
-        tier: Any = LocalTier(work / "local") if method == "local" else HostTier(capacity_bytes=1 << 40,
+        tier: Any = LocalTier(work / "local") if method == "local" else host_tier(capacity_bytes=1 << 40,
                                                                                    path=str(shm))
 
         async def restore() -> None:

@@ -4,7 +4,7 @@ Runs the real code — ``RankStore.commit`` (shard report, the coordinator's
 ``publish_global`` with its placement record and global retention),
 ``RankStore.restore`` (the collective agreement of :mod:`asymstore.multirank.restore`)
 and the peer ring assignment (:func:`asymstore.tiers.peer.ring.ring_of`) — with tiny
-shards (one 1 KiB tensor in a process-memory ``HostTier`` per rank) so that only
+shards (one 1 KiB tensor in a process-memory ``host_tier`` per rank) so that only
 the protocol costs. One ``torch.distributed.TCPStore`` server (as ``torchrun``
 starts it); the coordinator (rank 0) alone in its own process, so that its CPU
 is that process's; the other ranks as asyncio tasks in ``--procs`` worker
@@ -83,7 +83,7 @@ def worker(ranks: list[int], world: int, root: str, port: int, commits: int, out
     """Host ``ranks``: open, commit ``commits + 1`` steps, restore; send timings and request counts."""
     import torch
 
-    from asymstore import HostTier
+    from asymstore import host_tier
     from asymstore.multirank import RankStore
 
     clients = {r: client(port) for r in ranks}
@@ -94,7 +94,7 @@ def worker(ranks: list[int], world: int, root: str, port: int, commits: int, out
         return use.ru_utime + use.ru_stime
 
     async def one(rank: int) -> None:
-        store = RankStore(root, rank=rank, world_size=world, kv=clients[rank], tiers=[HostTier(1 << 20)],
+        store = RankStore(root, rank=rank, world_size=world, kv=clients[rank], tiers=[host_tier(1 << 20)],
                           keep_last=3, timeout_s=600.0, restore_timeout_s=600.0, fsync=False,
                           segment_bytes=1 << 20, compression="never")
         async with store:

@@ -26,7 +26,7 @@ from tier_common import ArrowLimit, Case, CudaLimit, DiskLimit, Limit, MemcpyLim
 
 from asymstore.format.names import version_dirname
 from asymstore.testing_s3 import LoopbackS3
-from asymstore.tiers import GPUTier, HostTier, LocalTier, NVMeTier, RemoteTier, Tier
+from asymstore.tiers import GPUTier, LocalTier, NVMeTier, RemoteTier, Tier, host_tier
 
 STUB_LIBCUDA = REPO / "tests" / "support" / "stub_libcuda.c"
 TEMP_DIRS: list[str] = []  # made by the scenarios; the bench removes them at exit
@@ -60,10 +60,10 @@ class Setup:
 
 
 def host_cases(key: str, setup: Setup) -> list[Case]:
-    """HostTier in process memory against memcpy into preallocated memory."""
+    """host_tier in process memory against memcpy into preallocated memory."""
     nbytes = setup.nbytes
     mem_cap = setup.mem_cap
-    return [Case(key, "HostTier (process memory)", nbytes, lambda: HostTier(mem_cap),
+    return [Case(key, "host_tier (process memory)", nbytes, lambda: host_tier(mem_cap),
                  lambda _t: MemcpyLimit(nbytes), warm_up=True)]
 
 

@@ -13,10 +13,10 @@ each, one part, random bytes) -> ``publish`` is the write; the read is
 measurement, in the same repetition, the same bytes go through the device's
 limit:
 
-* ``host`` (HostTier in process memory) and ``gpu`` (GPUTier; on the CPU
+* ``host`` (host_tier in process memory) and ``gpu`` (GPUTier; on the CPU
   device where there is no CUDA): memcpy of the same segments into a
   preallocated, already touched buffer, both as a memoryview slice
-  assignment (what HostTier does) and as ``torch.Tensor.copy_``; the faster
+  assignment (what host_tier does) and as ``torch.Tensor.copy_``; the faster
   of the two is the limit. On a CUDA machine the GPU tier's limits are the
   host->device copy of the same segments (write) and the device->host copy
   into preallocated host memory (read); a device->device copy is recorded

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from asymstore import HostTier, LocalTier
+from asymstore import LocalTier, host_tier
 from asymstore.dcp import StorageReader, StorageWriter
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: DCP without a group
@@ -49,7 +49,7 @@ def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: in
 
 model, optimizer = make()
 # --8<-- [start:save]
-writer = StorageWriter([HostTier(capacity_bytes=256 << 20), LocalTier("ckpt")], keep_last=3)
+writer = StorageWriter([host_tier(capacity_bytes=256 << 20), LocalTier("ckpt")], keep_last=3)
 future = None
 for step in range(STEPS):
     train_step(model, optimizer, step)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from asymcheck import Checkpointer
-from asymstore import HostTier, LocalTier
+from asymstore import LocalTier, host_tier
 from asymstore.multirank import RankStore
 from asymstore.tiers.peer import PeerTier
 
@@ -36,7 +36,7 @@ def train(shared: str, shm: str, local_nvme: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     # --8<-- [start:tiers]
     rank = int(os.environ["RANK"])
-    memory = HostTier(64 << 20, path=f"{shm}/ckpt/rank-{rank}")              # survives the process
+    memory = host_tier(64 << 20, path=f"{shm}/ckpt/rank-{rank}")              # survives the process
     store = RankStore(f"{shared}/ckpt", durable=memory.name, tiers=[          # global/ on shared storage
         memory,
         PeerTier(64 << 20, path=f"{shm}/ckpt/replicas"),                     # survives the node

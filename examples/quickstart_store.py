@@ -8,12 +8,12 @@ import asyncio
 
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 
 
 async def main() -> None:
     model = torch.nn.Linear(256, 256)
-    async with AsymStore([HostTier(capacity_bytes=256 << 20), LocalTier("ckpt")], keep_last=3) as s:
+    async with AsymStore([host_tier(capacity_bytes=256 << 20), LocalTier("ckpt")], keep_last=3) as s:
         for step in range(3):
             await s.put(step, "rng", torch.get_rng_state())  # one name; many per step, any order, concurrently
             await s.put_many(step, model.state_dict())       # a mapping of name -> tensor

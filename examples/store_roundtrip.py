@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.fsck import check
 
 
@@ -41,7 +41,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 async def main(root: str) -> int:
     shutil.rmtree(root, ignore_errors=True)
-    async with AsymStore([HostTier(capacity_bytes=64 << 20), LocalTier(root)], keep_last=3) as store:
+    async with AsymStore([host_tier(capacity_bytes=64 << 20), LocalTier(root)], keep_last=3) as store:
         for step in range(5):
             t0 = time.perf_counter()
             await store.put_many(step, make_state(step))

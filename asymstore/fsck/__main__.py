@@ -1,7 +1,7 @@
 """``python -m asymstore.fsck LOCATION [--deep] [--repair] [--json]``.
 
 LOCATION is any tier location a store takes: a directory (``LocalTier``,
-``NVMeTier``, ``HostTier(path=...)``, a multi-rank root), or a URI
+``NVMeTier``, ``host_tier(path=...)``, a multi-rank root), or a URI
 (``file:///path``, ``s3://bucket/prefix?endpoint_override=...``,
 ``hdfs://namenode:port/path``). ``--repair`` implies ``--deep``: it acts on
 everything a deep check finds, flipped bytes included.

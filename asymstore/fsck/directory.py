@@ -1,4 +1,4 @@
-"""fsck of a directory-backed tier (``LocalTier`` or ``HostTier(path=...)``): check every entry, repair what is safe."""
+"""fsck of a directory tier (``LocalTier`` or ``host_tier(path=...)``): check every entry, repair what is safe."""
 
 from __future__ import annotations
 

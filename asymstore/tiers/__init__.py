@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from asymstore.tiers.local import LocalTier
     from asymstore.tiers.location import from_location, rank_tier
     from asymstore.tiers.memory.capacity import BoundedTier
-    from asymstore.tiers.memory.factory import HostTier
+    from asymstore.tiers.memory.factory import HostTier, host_tier
     from asymstore.tiers.memory.gpu import GPUTier
     from asymstore.tiers.nvme import NVMeTier
     from asymstore.tiers.peer.tier import PeerTier
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "GPUTier": "asymstore.tiers.memory.gpu",
     "HostTier": "asymstore.tiers.memory.factory",
+    "host_tier": "asymstore.tiers.memory.factory",
     "BoundedTier": "asymstore.tiers.memory.capacity",
     "LocalTier": "asymstore.tiers.local",
     "from_location": "asymstore.tiers.location",
@@ -39,6 +40,16 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [
-    "BoundedTier", "GPUTier", "HostTier", "LocalTier", "NVMeTier", "PeerTier", "RemoteTier", "Tier", "VersionWriter",
-    "from_location", "rank_tier",
+    "BoundedTier",
+    "GPUTier",
+    "HostTier",
+    "LocalTier",
+    "NVMeTier",
+    "PeerTier",
+    "RemoteTier",
+    "Tier",
+    "VersionWriter",
+    "from_location",
+    "host_tier",
+    "rank_tier",
 ]

@@ -77,7 +77,7 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
         await tier.write_latest(max(state.versions))
         await _retain(state, retention)  # retries a delete that failed earlier, so reconcile after it
         await sweep(state, retention)
-        # a bounded tier (HostTier) evicts old versions on its own in ``begin``
+        # a bounded tier (host_tier) evicts old versions on its own in ``begin``
         state.versions &= set(await tier.list_versions()) | {step}
     except Exception as exc:  # the version is committed; housekeeping can wait
         state.last_error = describe(exc)

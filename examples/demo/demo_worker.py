@@ -27,7 +27,7 @@ import torch
 from asymcheck.checkpointer import Checkpointer
 from asymcheck.options import RetentionOptions
 from asymcheck.state.trainstate import TrainingState
-from asymstore import AsymStore, HostTier, LocalTier, Tier
+from asymstore import AsymStore, LocalTier, Tier, host_tier
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ def make_tiers(spec: str, ckpt_dir: str) -> list[Tier]:
     for name in spec.split(","):
         name = name.strip()
         if name == "host":
-            tiers.append(HostTier(capacity_bytes=1 << 30))
+            tiers.append(host_tier(capacity_bytes=1 << 30))
         elif name == "shm":
-            tiers.append(HostTier(capacity_bytes=1 << 30, path=shm_path(ckpt_dir)))
+            tiers.append(host_tier(capacity_bytes=1 << 30, path=shm_path(ckpt_dir)))
         elif name == "local":
             tiers.append(LocalTier(ckpt_dir))
         else:

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-from asymstore import AsymStore, HostTier, LocalTier, NoCheckpointError, NVMeTier, RemoteTier, StepOrderError
+from asymstore import AsymStore, LocalTier, NoCheckpointError, NVMeTier, RemoteTier, StepOrderError, host_tier
 from asymstore.dcp import StorageReader, StorageWriter, parse_step
 from asymstore.errors import DCPStorageError, StepCommittedError
 from tests.support import dcp_train as t
@@ -114,7 +114,7 @@ def test_async_save_and_resume_in_the_same_process(tmp_path: Path) -> None:
 
 
 TIERS = {
-    "host+local": lambda p: [HostTier(capacity_bytes=64 << 20), LocalTier(p / "local")],
+    "host+local": lambda p: [host_tier(capacity_bytes=64 << 20), LocalTier(p / "local")],
     "remote-file": lambda p: [RemoteTier(f"file://{p / 'remote'}")],
     "nvme": lambda p: [NVMeTier(p / "nvme")],
     "local+remote": lambda p: [LocalTier(p / "local"), RemoteTier(f"file://{p / 'remote'}")],

@@ -1,6 +1,6 @@
 """fsck on split layouts: shards on node-local disks and in peers' memory, the commit points on the shared root.
 
-4 DDP ranks as 2 simulated nodes of 2 with the README's peer layout — a shared-memory HostTier (durable), a
+4 DDP ranks as 2 simulated nodes of 2 with the README's peer layout — a shared-memory host_tier (durable), a
 PeerTier and a LocalTier per rank on its node's own disk, outside the root — are SIGKILLed mid-training, lose
 node 1 (memory and disks) and resume from the peers. fsck then finds every shard where the placement record
 says it lives: the recovered root verifies and ``--repair`` changes nothing; a shard it cannot see is

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from asymstore import AsymStore, GPUTier, HostTier
+from asymstore import AsymStore, GPUTier, host_tier
 from asymstore.tiers.nvme import NVMeTier
 
 pytestmark = [pytest.mark.gpu,
@@ -33,7 +33,7 @@ async def test_gpu_tier_holds_versions_in_device_memory() -> None:
 
 
 async def test_host_pool_is_pinned_with_cuda() -> None:
-    tier = HostTier(64 << 20)
+    tier = host_tier(64 << 20)
     async with AsymStore([tier], compression="never") as store:
         await store.put_many(0, state())
         await store.commit(0)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer, DroppedVersionWarning
-from asymstore import HostTier, LocalTier
+from asymstore import LocalTier, host_tier
 from tests.support.asymcheck_train import (
     Recorder,
     check_version,
@@ -72,7 +72,7 @@ def train(root: Path, iterations: int, *, accum: int = 1, amp: bool = False, hos
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**20, growth_interval=2) if amp else None
     if scaler is not None:
         stateful["scaler"] = scaler
-    where: Any = [HostTier(256 << 20), LocalTier(root)] if host else root
+    where: Any = [host_tier(256 << 20), LocalTier(root)] if host else root
     rec = Recorder()
     with open_ckpt(model, opt, where, stateful=stateful) as ckpt:
         rec.hook(model, opt, lambda: ckpt.step)

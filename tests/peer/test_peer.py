@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.errors import PeerError, PeerProtocolError
 from asymstore.read.load import load_version
 from asymstore.tiers.peer import PeerTier, ring_of
@@ -166,13 +166,13 @@ def test_replicas_in_shared_memory_outlive_the_tier_and_are_served_to_a_new_one(
             await tier.close()
 
     assert run_ranks(2, first) == {0: None, 1: None}
-    listed = HostTier(1 << 20, path=shm / "node-1" / "of-rank-00000")
+    listed = host_tier(1 << 20, path=shm / "node-1" / "of-rank-00000")
     assert asyncio.run(_list(listed)) == [5]
     out = run_ranks(2, second)
     assert out[0] == ([5], manifest) and out[1] == ([], None), out
 
 
-async def _list(tier: HostTier) -> list[int]:
+async def _list(tier: host_tier) -> list[int]:
     await tier.open()
     try:
         return await tier.list_versions()

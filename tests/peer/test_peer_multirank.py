@@ -37,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from asymstore import HostTier
+from asymstore import host_tier
 from asymstore.format.names import rank_dirname
 from asymstore.read.load import load_version
 from tests.support.mr_harness import Case, Script, assert_same_state, run_cases
@@ -84,7 +84,7 @@ def replicas(case: dict[str, Any], holder_node: int, of_rank: int) -> Path:
 
 def listed(path: Path) -> list[int]:
     async def go() -> list[int]:
-        tier = HostTier(64 << 20, path=path)
+        tier = host_tier(64 << 20, path=path)
         await tier.open()
         try:
             steps = await tier.list_versions()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.errors import InvalidMetaError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import version_dirname
@@ -21,7 +21,7 @@ def loss_at(step: int) -> float:
 
 
 async def run(root: Path, steps: range, **rules: object) -> list[int]:
-    async with AsymStore([HostTier(64 << 20), LocalTier(root)], keep_last=2, **rules) as store:  # type: ignore[arg-type]
+    async with AsymStore([host_tier(64 << 20), LocalTier(root)], keep_last=2, **rules) as store:  # type: ignore[arg-type]
         for step in steps:
             await store.put(step, "w", torch.full((256,), float(step)))
             meta = {"metrics": {"eval_loss": loss_at(step)}} if step % 3 == 2 else {}  # evaluated now and then
@@ -47,7 +47,7 @@ async def test_fifty_steps_keep_last_every_and_best_then_a_restart_keeps_the_sam
 
 
 async def test_the_memory_tier_keeps_only_the_newest_and_the_stores_key_is_reserved(tmp_path: Path) -> None:
-    async with AsymStore([HostTier(64 << 20), LocalTier(tmp_path / "c")], keep_last=2, keep_every=2) as store:
+    async with AsymStore([host_tier(64 << 20), LocalTier(tmp_path / "c")], keep_last=2, keep_every=2) as store:
         for step in range(1, 7):
             await store.put(step, "w", torch.zeros(4))
             await store.commit(step)

@@ -19,7 +19,7 @@ from torch import nn
 
 from asymcheck import Checkpointer
 from asymcheck.options import PartitionOptions, PreemptionOptions
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.testing import SlowLocalTier
 from asymstore.tiers.local import _DirWriter
 
@@ -102,7 +102,7 @@ def wait_until(cond: object, timeout: float = 30.0) -> bool:
 
 def test_preempt_waits_for_the_persistent_copy_behind_a_memory_durable_tier(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    host, slow = HostTier(64 << 20), SlowLocalTier(disk, delay_s=0.3)
+    host, slow = host_tier(64 << 20), SlowLocalTier(disk, delay_s=0.3)
     store = AsymStore([host, slow], durable=host, **FAST)
     model, opt = make()
     ckpt = Checkpointer(model, opt, store, preemption=PreemptionOptions(preempt_on="none"),
@@ -123,7 +123,7 @@ def test_preempt_waits_for_the_persistent_copy_behind_a_memory_durable_tier(tmp_
 def test_preempt_stops_waiting_for_a_slow_persistent_tier_at_the_deadline(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     # the first copy to the disk is quick, every later one stalls 3 s: the newest cannot get there in time
-    host, slow = HostTier(64 << 20), GatedLocalTier(disk, after=1)
+    host, slow = host_tier(64 << 20), GatedLocalTier(disk, after=1)
     store = AsymStore([host, slow], durable=host, **FAST)
     model, opt = make()
     ckpt = Checkpointer(model, opt, store, preemption=PreemptionOptions(preempt_on="none"),

@@ -2,7 +2,7 @@
 
 ``python -m tests.procs.peer_exit_script CASE.json RANK``
 
-The README's peer layout (a RankStore with the memory tier durable: [HostTier in shared memory, PeerTier,
+The README's peer layout (a RankStore with the memory tier durable: [host_tier in shared memory, PeerTier,
 LocalTier]) under plain DDP (gloo), training ``iterations`` with a Checkpointer. Each iteration appends
 ``{"it"}`` to ``OUT/progress-rankR.jsonl``; when the program's main function ends, however it ends, the
 wall-clock time is written to ``OUT/ended-rankR.json`` (with the exception that ended it), and the
@@ -32,7 +32,7 @@ def main(case: dict[str, Any], rank: int, out: Path) -> None:
 
     from asymcheck import Checkpointer
     from asymcheck.options import PartitionOptions
-    from asymstore import HostTier, LocalTier
+    from asymstore import LocalTier, host_tier
     from asymstore.format.names import rank_dirname
     from asymstore.multirank import RankStore
     from asymstore.tiers.peer import PeerTier
@@ -46,7 +46,7 @@ def main(case: dict[str, Any], rank: int, out: Path) -> None:
     model = DDP(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     node = Path(case["shm"]) / f"node-{rank // per_node}"
-    memory = HostTier(64 << 20, path=node / "own" / rank_dirname(rank))
+    memory = host_tier(64 << 20, path=node / "own" / rank_dirname(rank))
     store = RankStore(case["dir"], durable=memory.name, tiers=[
         memory, PeerTier(64 << 20, path=node / "replicas"), LocalTier(Path(case["dir"]) / rank_dirname(rank))])
     ckpt = Checkpointer(model, opt, store, partitions=PartitionOptions(warmup=1, min_partition_bytes=512))

@@ -5,7 +5,7 @@ Run as ``python -m tests.procs.store_child MODE ...``:
 - ``crash ROOT PHASE AFTER NSTEPS COMPRESSION``: commit steps ``step_of(0..NSTEPS-1)``
   to a ``CrashingLocalTier`` (keep_last=2) that SIGKILLs the process at PHASE.
 - ``loop ROOT``: commit steps to a ``LocalTier`` (keep_last=2) until killed.
-- ``shm PATH NSTEPS CAPACITY``: commit NSTEPS steps to ``HostTier(path=PATH)``,
+- ``shm PATH NSTEPS CAPACITY``: commit NSTEPS steps to ``host_tier(path=PATH)``,
   then SIGKILL itself.
 
 Every mode prints ``committed STEP`` (flushed) once ``commit`` has returned.
@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.testing import CrashingLocalTier
 from tests.support.store import make_state, step_of, store_kw
 
@@ -47,7 +47,7 @@ async def _main(argv: list[str]) -> None:
             await _commit_all(store, 1_000_000)
     elif mode == "shm":
         nsteps, capacity = int(argv[2]), int(argv[3])
-        store = AsymStore([HostTier(capacity, path=root)], keep_last=None, **store_kw())
+        store = AsymStore([host_tier(capacity, path=root)], keep_last=None, **store_kw())
         await store.open()
         await _commit_all(store, nsteps)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.errors import DuplicateNameError, InvalidValueError, TierError
 from asymstore.testing import FailingLocalTier, SlowLocalTier
 
@@ -110,7 +110,7 @@ async def test_background_tiers_get_a_private_copy_so_the_owner_gets_its_memory_
     data = tensors(5)
     expect = {k: v.clone() for k, v in data.items()}
     slow = LocalTier(os.path.join(str(tmp_path), "slow"))
-    async with AsymStore([HostTier(64 << 20), LocalTier(os.path.join(str(tmp_path), "fast")), slow],
+    async with AsymStore([host_tier(64 << 20), LocalTier(os.path.join(str(tmp_path), "fast")), slow],
                          durable="local:" + os.path.join(str(tmp_path), "fast"), **FAST) as store:  # type: ignore[arg-type]
         await store.adopt_many(1, data, release=rel)
         await store.commit(1)

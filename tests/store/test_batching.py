@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier, TierCalibration
+from asymstore import AsymStore, LocalTier, TierCalibration, host_tier
 from asymstore.format.checksum import StreamingChecksum, checksum
 from asymstore.format.codec import RAW, PlaneCodec
 from asymstore.format.manifest import MANIFEST_NAME, seal_document
@@ -286,7 +286,7 @@ async def test_store_uses_the_cache_file_and_given_calibrations_win(tmp_path: Pa
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cachedir"))
     assert default_cache_path() == str(tmp_path / "cachedir" / "calibration.json")
-    async with AsymStore([HostTier(name="host"), LocalTier(tmp_path / "d", name="disk")],
+    async with AsymStore([host_tier(name="host"), LocalTier(tmp_path / "d", name="disk")],
                          calibrations={"host": FAST}) as store:
         status = store.status()
     host, disk = status["host"].calibration, status["disk"].calibration

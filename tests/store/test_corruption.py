@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.api import Checkpoint
 from asymstore.errors import StepCommittedError
 from asymstore.format.manifest import MANIFEST_NAME
@@ -191,7 +191,7 @@ async def test_corrupt_fast_tier_restores_from_local(tmp_path: Path, shm_dir: st
     local_root = tmp_path / "local"
 
     def tiers() -> list[Any]:
-        return [HostTier(1 << 20, path=shm_dir, name="host"), LocalTier(local_root, name="disk")]
+        return [host_tier(1 << 20, path=shm_dir, name="host"), LocalTier(local_root, name="disk")]
 
     async with AsymStore(tiers(), keep_last=None, **store_kw()) as store:
         for step in STEPS:

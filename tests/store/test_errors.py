@@ -199,11 +199,11 @@ class _DiskFull(LocalTier):
 
 @pytest.mark.parametrize("capacity", [False, True])
 async def test_durable_failure_keeps_previous_and_allows_retry(tmp_path: object, capacity: bool) -> None:
-    from asymstore import HostTier, TierError
+    from asymstore import TierError, host_tier
     disk = _DiskFull(str(tmp_path))
     disk.fail = False
     disk.capacity = capacity
-    async with AsymStore([HostTier(capacity_bytes=1 << 20), disk]) as s:
+    async with AsymStore([host_tier(capacity_bytes=1 << 20), disk]) as s:
         await s.put(1, "w", torch.ones(2))
         await s.commit(1)
         disk.fail = True

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier
+from asymstore import AsymStore, host_tier
 from asymstore.testing import SlowLocalTier
 
 FAST = {"segment_bytes": 256 << 10}
@@ -30,7 +30,7 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("memory", ["process", "shm"])
 async def test_each_version_a_slow_tier_writes_is_read_from_the_memory_tiers_copy(tmp_path: Path, memory: str) -> None:
     slow = SlowLocalTier(os.path.join(str(tmp_path), "slow"), delay_s=0.05)
-    host = HostTier(64 << 20, path=tmp_path / "shm" if memory == "shm" else None)
+    host = host_tier(64 << 20, path=tmp_path / "shm" if memory == "shm" else None)
     owned = tensors(0)
     releases = []
     expect: dict[int, dict[str, torch.Tensor]] = {}
@@ -59,7 +59,7 @@ async def test_each_version_a_slow_tier_writes_is_read_from_the_memory_tiers_cop
 
 async def test_a_chunk_the_memory_tier_compressed_is_copied_for_the_slow_tier_instead(tmp_path: Path) -> None:
     slow = SlowLocalTier(os.path.join(str(tmp_path), "slow"), delay_s=0.05)
-    host = HostTier(64 << 20)
+    host = host_tier(64 << 20)
     owned = tensors(3)
     expect = {k: v.clone() for k, v in owned.items()}
     async with AsymStore([host, slow], durable=host.name, compression="always",
@@ -87,13 +87,13 @@ def test_a_tier_whose_views_are_copies_is_never_borrowed_from() -> None:
             raise AssertionError("a segment was borrowed from a tier that lends copies")
 
     assert lend_from(DeviceViews(), None, None, {}) is None  # type: ignore[arg-type]
-    assert HostTier(1 << 20).lends_copies is False  # type: ignore[attr-defined]
+    assert host_tier(1 << 20).lends_copies is False  # type: ignore[attr-defined]
 
 
 async def test_closing_with_versions_still_queued_closes_every_view(tmp_path: Path) -> None:
     """Versions the slow tier never writes (skipped for newer ones, or dropped at close) still give their views back."""
     slow = SlowLocalTier(os.path.join(str(tmp_path), "slow"), delay_s=0.3)
-    host = HostTier(64 << 20)
+    host = host_tier(64 << 20)
     store = AsymStore([host, slow], durable=host.name, backlog=1, compression="never",
                       **FAST)  # type: ignore[arg-type]
     await store.open()

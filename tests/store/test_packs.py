@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier, TierCalibration
+from asymstore import AsymStore, LocalTier, TierCalibration, host_tier
 from asymstore.errors import DuplicateNameError, InvalidNameError, ManifestError
 from asymstore.format.globalmanifest import shard_digest
 from asymstore.format.manifest import FORMAT_VERSION, MANIFEST_NAME, PACKED_FORMAT_VERSION, seal_document
@@ -142,7 +142,7 @@ async def test_one_damaged_small_tensor_fails_its_version_and_restore_falls_back
     assert bad.status == "corrupt" and report.newest_restorable == 1
     assert any("checksum mismatch" in p and "packed tensors" in p for p in bad.problems), bad.problems
 
-    tiers = [LocalTier(tmp_path)] if tier == "local" else [HostTier(capacity_bytes=64 << 20), LocalTier(tmp_path)]
+    tiers = [LocalTier(tmp_path)] if tier == "local" else [host_tier(capacity_bytes=64 << 20), LocalTier(tmp_path)]
     async with AsymStore(tiers) as store:
         ckpt = await store.restore()
         assert ckpt.step == 1 and ckpt.fell_back and "checksum mismatch" in ckpt.fallbacks[-1]

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.format.checksum import checksum
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.parse import parse_manifest
@@ -22,8 +22,8 @@ def tiers(request: pytest.FixtureRequest, tmp_path: object) -> list[object]:
     if request.param == "local":
         return [LocalTier(os.path.join(root, "disk"))]
     if request.param == "host-memory":
-        return [HostTier(capacity_bytes=64 << 20)]
-    return [HostTier(capacity_bytes=64 << 20, path=os.path.join(root, "shm"))]
+        return [host_tier(capacity_bytes=64 << 20)]
+    return [host_tier(capacity_bytes=64 << 20, path=os.path.join(root, "shm"))]
 
 
 async def test_every_dtype_and_shape_round_trips(tiers: list[object]) -> None:
@@ -140,7 +140,7 @@ async def test_store_reopens_and_continues(tmp_path: object) -> None:
 
 
 async def test_two_tiers_commit_to_both_and_restore_from_fastest(tmp_path: object) -> None:
-    host = HostTier(capacity_bytes=1 << 20)
+    host = host_tier(capacity_bytes=1 << 20)
     disk = LocalTier(str(tmp_path))
     async with AsymStore([host, disk]) as store:
         assert store.durable_tier is disk
@@ -149,13 +149,13 @@ async def test_two_tiers_commit_to_both_and_restore_from_fastest(tmp_path: objec
         assert result.tiers == [host.name, disk.name]
         ckpt = await store.restore()
         assert ckpt.tier == host.name
-    async with AsymStore([HostTier(capacity_bytes=1 << 20), LocalTier(str(tmp_path))]) as store:
+    async with AsymStore([host_tier(capacity_bytes=1 << 20), LocalTier(str(tmp_path))]) as store:
         ckpt = await store.restore()  # a new process has an empty host tier: disk answers
         assert ckpt.tier == disk.name and torch.equal(ckpt.tensors["w"], torch.arange(10))
 
 
 async def test_host_tier_too_small_is_skipped_not_fatal(tmp_path: object) -> None:
-    host = HostTier(capacity_bytes=1024)
+    host = host_tier(capacity_bytes=1024)
     async with AsymStore([host, LocalTier(str(tmp_path))]) as store:
         await store.put(0, "w", torch.zeros(4096))
         result = await store.commit(0)

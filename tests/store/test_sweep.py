@@ -4,7 +4,7 @@ version retention keeps: what an interrupted retention delete leaves. Every othe
 manifest a person, a disk or a tool lost, under no retention at all or newer than the oldest kept version — is moved
 to ``.quarantine/`` (bytes intact) and reported: a WARNING naming the path and why, ``status()[tier].quarantined``,
 the entries ``sweep_leftovers`` returns, and fsck. At open and after each publish; on a directory tier, a
-shared-memory HostTier(path=...) and a remote tier. Real directories with fsync, /dev/shm, a real pyarrow file://
+shared-memory host_tier(path=...) and a remote tier. Real directories with fsync, /dev/shm, a real pyarrow file://
 filesystem and the loopback moto S3 server.
 """
 
@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.format.names import version_dirname
 from asymstore.fsck import check, repair
 from asymstore.io.rootlock import sweep_directory
@@ -157,10 +157,10 @@ async def test_the_sweep_after_a_publish_judges_the_same_way(tmp_path: Path) -> 
 
 def test_a_shared_memory_tier_quarantines_the_same_way(shm_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     root = Path(shm_dir) / "host"
-    asyncio.run(commit_all(HostTier(64 << 20, path=root)))
+    asyncio.run(commit_all(host_tier(64 << 20, path=root)))
     (root / "v000000000001" / "MANIFEST.json").unlink()
     with caplog.at_level(logging.WARNING):
-        listed, newest, quarantined = asyncio.run(reopen(HostTier(64 << 20, path=root)))
+        listed, newest, quarantined = asyncio.run(reopen(host_tier(64 << 20, path=root)))
     assert listed == [2, 3, 4, 5] and newest == 5
     [moved] = list((root / ".quarantine").iterdir())
     assert moved.name.startswith("v000000000001-") and any(moved.iterdir()) and quarantined == [str(moved)]

@@ -21,7 +21,7 @@ Case fields:
 - ``step_s`` (DDP, DeepSpeed): sleep this long at the start of every iteration.
 - ``ordered`` (DDP): average gradients with :func:`ordered_mean` (bit-identical restarts beyond 2 ranks).
 - ``peer`` (DDP, DeepSpeed): ``{"shm": dir, "per_node": n, "crash": {"rank": r, "step": s} | absent}``: ranks in
-  simulated nodes of ``n``, each rank's tiers [HostTier in ``shm/node-K/own``, PeerTier holding its
+  simulated nodes of ``n``, each rank's tiers [host_tier in ``shm/node-K/own``, PeerTier holding its
   source's replicas in ``shm/node-K/replicas``, LocalTier ``dir/rank-NNNNN``], the memory tier durable;
   with ``crash``, rank r dies right after sending the first segment of step s to its peer; with ``disks``, each
   rank's disk tier is ``disks/node-N/rank-NNNNN`` (node-local, outside the root) instead of ``dir/rank-NNNNN``.
@@ -159,7 +159,7 @@ def kill_spec(case: dict[str, Any], rank: int) -> tuple[str, int]:
 
 def peer_tiers(case: dict[str, Any], rank: int) -> list[Any]:
     """[shared memory, peer, local disk] of ``rank`` on its simulated node (``peer`` field, see the docstring)."""
-    from asymstore import HostTier, LocalTier
+    from asymstore import LocalTier, host_tier
     from asymstore.format.names import rank_dirname
     from asymstore.testing import CrashingPeerTier
     from asymstore.tiers.peer import PeerTier
@@ -169,7 +169,7 @@ def peer_tiers(case: dict[str, Any], rank: int) -> list[Any]:
     kw: dict[str, Any] = {"capacity_bytes": 64 << 20, "path": node / "replicas", "local_world_size": peer["per_node"],
                           "timeout_s": 60.0, "close_timeout_s": 20.0}
     crash = peer.get("crash")
-    return [HostTier(64 << 20, path=node / "own" / rank_dirname(rank)),
+    return [host_tier(64 << 20, path=node / "own" / rank_dirname(rank)),
             CrashingPeerTier(at_step=crash["step"], **kw) if crash and crash["rank"] == rank else PeerTier(**kw),
             LocalTier(Path(peer["disks"]) / f"node-{rank // peer['per_node']}" / rank_dirname(rank)
                       if peer.get("disks") else Path(case["dir"]) / rank_dirname(rank))]

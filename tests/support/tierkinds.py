@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from asymstore import HostTier, LocalTier, NVMeTier, Tier
+from asymstore import LocalTier, NVMeTier, Tier, host_tier
 from asymstore.tiers.remote.tier import RemoteTier
 
 Kind = Literal["memory", "shm", "local", "nvme", "remote", "s3"]
@@ -28,9 +28,9 @@ Digest = tuple[str, tuple[int, ...], str]
 def make_tier(kind: Kind, path: str) -> Tier:
     """A fresh tier of ``kind`` over ``path`` (ignored for process memory)."""
     if kind == "memory":
-        return HostTier(256 << 20, pin=False)
+        return host_tier(256 << 20, pin=False)
     if kind == "shm":
-        return HostTier(256 << 20, path=path)
+        return host_tier(256 << 20, path=path)
     if kind == "local":
         return LocalTier(path)
     if kind == "nvme":

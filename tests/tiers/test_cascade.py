@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.errors import SnapshotSkippedError, TierError
 from asymstore.format.names import version_dirname
 from asymstore.fsck import check
@@ -39,7 +39,7 @@ async def test_dead_remote_never_blocks_and_catches_up(tmp_path: object, s3_serv
     uri = s3_server.uri("cascade")
     nvme_root = os.path.join(str(tmp_path), "nvme")
     remote = RemoteTier(uri, retry=RetryPolicy(attempts=2, deadline_s=2.0, initial_s=0.05, max_backoff_s=0.2))
-    tiers = [HostTier(64 << 20, path=shm_dir), NVMeTier(nvme_root, engine="posix"), remote]
+    tiers = [host_tier(64 << 20, path=shm_dir), NVMeTier(nvme_root, engine="posix"), remote]
     async with AsymStore(tiers, keep_last=3, **FAST) as store:  # type: ignore[arg-type]
         for step in range(3):
             await store.put_many(step, state(step))
@@ -105,7 +105,7 @@ class SlowTier(LocalTier):
 @pytest.mark.parametrize("policy", ["wait", "skip"])
 async def test_back_pressure_with_a_pool_smaller_than_two_versions(tmp_path: object, policy: str) -> None:
     one = sum(t.numel() * t.element_size() for t in state(0).values())
-    host = HostTier(int(one * 1.5), policy=policy)  # room for one version, not two
+    host = host_tier(int(one * 1.5), policy=policy)  # room for one version, not two
     slow = SlowTier(str(tmp_path), delay=0.6)
     async with AsymStore([host, slow], durable=host, keep_last=5, **FAST) as store:
         await store.put_many(0, state(0))
@@ -142,7 +142,7 @@ async def test_fallback_across_tiers_then_versions(tmp_path: object, shm_dir: st
     disk = os.path.join(str(tmp_path), "disk")
 
     def tiers() -> list[object]:
-        return [HostTier(64 << 20, path=shm_dir), NVMeTier(disk, engine="posix")]
+        return [host_tier(64 << 20, path=shm_dir), NVMeTier(disk, engine="posix")]
 
     async with AsymStore(tiers(), **FAST) as store:  # type: ignore[arg-type]
         for step in (1, 2):

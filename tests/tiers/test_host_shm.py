@@ -1,4 +1,4 @@
-"""HostTier on /dev/shm: versions survive a killed process, and capacity is never exceeded."""
+"""host_tier on /dev/shm: versions survive a killed process, and capacity is never exceeded."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from asymstore import AsymStore, CapacityError, HostTier, VersionNotFoundError
+from asymstore import AsymStore, CapacityError, VersionNotFoundError, host_tier
 from tests.support.store import committed_steps, fsck_json, make_state, same_state, spawn, store_kw
 
 
 async def version_bytes() -> int:
-    """Bytes a HostTier reserves for one version of ``make_state`` (segments plus a manifest bound)."""
-    host = HostTier()
+    """Bytes a host_tier reserves for one version of ``make_state`` (segments plus a manifest bound)."""
+    host = host_tier()
     async with AsymStore([host], **store_kw()) as store:
         await store.put_many(10, make_state(10))
         await store.commit(10, meta={"step": 10})
@@ -34,7 +34,7 @@ async def test_restart_restores_from_shm(shm_dir: str) -> None:
     assert child.returncode == -signal.SIGKILL, err
     assert committed_steps(out) == [10, 20, 30]
 
-    host = HostTier(capacity, path=shm_dir)
+    host = host_tier(capacity, path=shm_dir)
     async with AsymStore([host], keep_last=None, **store_kw()) as store:
         assert store.versions() == {host.name: [20, 30]}  # 10 was evicted for 30
         assert store.durable_tier is host and not host.persistent
@@ -59,7 +59,7 @@ async def test_capacity_eviction(request: pytest.FixtureRequest, where: str) -> 
     shm_dir: str = request.getfixturevalue("shm_dir") if where == "shm" else ""
     size = await version_bytes()
     capacity = size * 5 // 2
-    host = HostTier(capacity, path=shm_dir or None)
+    host = host_tier(capacity, path=shm_dir or None)
     async with AsymStore([host], keep_last=None, **store_kw()) as store:
         for step in (10, 20, 30, 40):
             await store.put_many(step, make_state(step))
@@ -79,7 +79,7 @@ async def test_capacity_eviction(request: pytest.FixtureRequest, where: str) -> 
 
 async def test_version_larger_than_capacity(shm_dir: str) -> None:
     size = await version_bytes()
-    host = HostTier(size * 3 // 2, path=shm_dir)
+    host = host_tier(size * 3 // 2, path=shm_dir)
     async with AsymStore([host], keep_last=None, **store_kw()) as store:
         await store.put_many(10, make_state(10))
         await store.commit(10, meta={"step": 10})

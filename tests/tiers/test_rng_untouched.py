@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from asymstore import AsymStore, HostTier
+from asymstore import AsymStore, host_tier
 from asymstore.testing import FailingLocalTier
 from asymstore.tiers.remote.retry import RetryPolicy
 
@@ -37,7 +37,7 @@ async def test_background_retries_leave_the_global_random_state_alone(tmp_path: 
     random.seed(99)
     before = random.getstate()
     disk = FailingLocalTier(tmp_path / "disk", fail_at="segments_written", times=2)
-    memory = HostTier(16 << 20)
+    memory = host_tier(16 << 20)
     async with AsymStore([memory, disk], keep_last=2, durable=memory) as store:  # the disk is a background tier
         await store.put(1, "w", torch.ones(16))
         await store.commit(1)

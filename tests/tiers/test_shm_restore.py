@@ -1,4 +1,4 @@
-"""Restore from a shared-memory HostTier: buffered reads straight into tensors, fresh tensors built in bulk.
+"""Restore from a shared-memory host_tier: buffered reads straight into tensors, fresh tensors built in bulk.
 
 Each round trip runs with ``compression="auto"`` (a memory tier: the cost model never compresses, every chunk
 is raw) and ``compression="always"`` (compressed chunks on shm, as the manifests' codecs show).
@@ -15,7 +15,7 @@ import pytest
 import torch
 import xxhash
 
-from asymstore import AsymStore, CorruptVersionError, HostTier
+from asymstore import AsymStore, CorruptVersionError, host_tier
 from asymstore.io.files import read_ranges
 from asymstore.read.load import load_version
 from tests.support.store import same_state
@@ -40,8 +40,8 @@ def state(step: int) -> dict[str, torch.Tensor]:
 COMPRESSIONS = ["auto", "always"]
 
 
-async def save(path: str, steps: list[int], compression: Any = "auto") -> HostTier:
-    host = HostTier(1 << 30, path=path)
+async def save(path: str, steps: list[int], compression: Any = "auto") -> host_tier:
+    host = host_tier(1 << 30, path=path)
     async with AsymStore([host], keep_last=None, segment_bytes=64 << 10, chunk_bytes=CHUNK,
                          compression=compression) as store:
         for step in steps:
@@ -90,7 +90,7 @@ async def test_restore_bit_exact(shm_dir: str, how: str, compression: str) -> No
     want = state(10)
     into = {} if how == "fresh" else {k: torch.zeros_like(v) for k, v in want.items()
                                       if how == "into" or k in ("big", "small3")}
-    async with AsymStore([HostTier(1 << 30, path=shm_dir)]) as store:
+    async with AsymStore([host_tier(1 << 30, path=shm_dir)]) as store:
         ckpt = await store.restore(into=into or None)
     assert ckpt.step == 10 and not ckpt.fell_back
     assert same_state(ckpt.tensors, want)
@@ -115,7 +115,7 @@ async def test_flipped_byte_falls_back(shm_dir: str, how: str, compression: str)
         f.seek(1000)
         f.write(bytes([byte[0] ^ 0x10]))
     into = {k: torch.zeros_like(v) for k, v in state(10).items()} if how == "into" else None
-    async with AsymStore([HostTier(1 << 30, path=shm_dir)]) as store:
+    async with AsymStore([host_tier(1 << 30, path=shm_dir)]) as store:
         ckpt = await store.restore(into=into)
     assert ckpt.step == 10 and ckpt.fell_back
     assert same_state(ckpt.tensors, state(10))
@@ -132,7 +132,7 @@ async def test_truncated_file_is_typed_error(shm_dir: str, compression: str) -> 
         await load_version(host, 20)
     with pytest.raises(CorruptVersionError):
         await load_version(host, 20, into={"big": torch.empty(300, 77)})
-    async with AsymStore([HostTier(1 << 30, path=shm_dir)]) as store:
+    async with AsymStore([host_tier(1 << 30, path=shm_dir)]) as store:
         ckpt = await store.restore()
     assert ckpt.step == 10 and ckpt.fell_back
     assert same_state(ckpt.tensors, state(10))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from asymstore import AsymStore, BoundedTier, GPUTier, HostTier, LocalTier, RootLockedError, Tier
+from asymstore import AsymStore, BoundedTier, GPUTier, LocalTier, RootLockedError, Tier, host_tier
 from asymstore.errors import DestinationMismatchError, ManifestError, StepCommittedError
 from asymstore.fsck import check
 from asymstore.tiers.nvme import NVMeTier
@@ -27,14 +27,14 @@ def make_tier(request: pytest.FixtureRequest, tmp_path: object) -> Callable[[], 
     if kind == "local":
         return lambda: LocalTier(os.path.join(root, "local"))
     if kind == "host-memory":
-        tier = HostTier(capacity_bytes=64 << 20)
+        tier = host_tier(capacity_bytes=64 << 20)
         return lambda: tier  # one process-memory tier: "reopening" is the same object
     if kind == "gpu":
         gpu = GPUTier(capacity_bytes=64 << 20)  # the CPU device where CUDA is absent
         return lambda: gpu
     if kind == "host-shm":
         shm = request.getfixturevalue("shm_dir")
-        return lambda: HostTier(capacity_bytes=64 << 20, path=shm)
+        return lambda: host_tier(capacity_bytes=64 << 20, path=shm)
     if kind == "nvme-posix":
         return lambda: NVMeTier(os.path.join(root, "nvme"), engine="posix", task_size=64 << 10)
     if kind == "nvme-kvikio":
@@ -143,13 +143,13 @@ async def test_bad_segment_names_never_escape(make_tier: Callable[[], Tier], nam
 _KILLED_WRITER = """
 import asyncio, os, signal, sys
 import torch
-from asymstore import AsymStore, HostTier, LocalTier
+from asymstore import AsymStore, host_tier, LocalTier
 from asymstore.tiers.nvme import NVMeTier
 from asymstore.tiers.remote.tier import RemoteTier
 
 kind, where = sys.argv[1], sys.argv[2]
 if kind == "host-shm":
-    tier = HostTier(capacity_bytes=64 << 20, path=where)
+    tier = host_tier(capacity_bytes=64 << 20, path=where)
 elif kind.startswith("nvme"):
     tier = NVMeTier(where, engine="posix")  # same layout as kvikio's; the parent's writer uses its own engine
 elif kind.startswith("remote"):
@@ -264,7 +264,7 @@ async def test_restore_into_verifies_on_the_destination_and_falls_back(tmp_path:
 
 async def test_restore_into_from_shared_memory_hashes_as_it_reads_and_falls_back(shm_dir: str) -> None:
     big = {step: {"w": torch.randn(1_000_003, generator=torch.Generator().manual_seed(step))} for step in (1, 2)}
-    async with AsymStore([HostTier(1 << 30, path=shm_dir)], keep_last=None, compression="never") as store:
+    async with AsymStore([host_tier(1 << 30, path=shm_dir)], keep_last=None, compression="never") as store:
         for step in (1, 2):
             await store.put_many(step, big[step])
             await store.commit(step)
@@ -275,7 +275,7 @@ async def test_restore_into_from_shared_memory_hashes_as_it_reads_and_falls_back
         f.seek(1_500_000)
         f.write(bytes([byte[0] ^ 0x10]))
     dest = {"w": torch.empty(1_000_003)}
-    async with AsymStore([HostTier(1 << 30, path=shm_dir)], read_only=True) as store:
+    async with AsymStore([host_tier(1 << 30, path=shm_dir)], read_only=True) as store:
         ckpt = await store.restore(into=dest)
     assert ckpt.step == 1 and "checksum mismatch" in ckpt.fallbacks[0]
     assert torch.equal(dest["w"], big[1]["w"])

@@ -4,7 +4,7 @@
 (:class:`~asymstore.tiers.memory.process.MemoryTier`, its
 :class:`~asymstore.tiers.memory.gpu.GPUTier`, and
 :class:`~asymstore.tiers.memory.shm.ShmTier`); the factory
-:func:`~asymstore.tiers.memory.factory.HostTier` chooses between them.
+:func:`~asymstore.tiers.memory.factory.host_tier` chooses between them.
 
 This module holds what they share: the capacity accounting, eviction and
 back-pressure. The bytes held never exceed ``capacity_bytes``. To make room

@@ -1,8 +1,9 @@
-"""``HostTier(...)``: the bounded host-memory tier a user asks for, in process memory or in shared-memory files.
+"""``host_tier(...)``: the factory of the bounded host-memory tier, in process memory or in shared-memory files.
 
-``HostTier(capacity_bytes)`` keeps versions in process memory
+It is a function, named as one: it returns one of two classes. ``host_tier(capacity_bytes)`` keeps
+versions in process memory
 (:class:`~asymstore.tiers.memory.process.MemoryTier`); they die with the process.
-``HostTier(capacity_bytes, path=...)`` (for example ``/dev/shm/asym-job42``)
+``host_tier(capacity_bytes, path=...)`` (for example ``/dev/shm/asym-job42``)
 keeps them as files on a tmpfs in the same layout as a ``LocalTier``
 (:class:`~asymstore.tiers.memory.shm.ShmTier`), so a training process that was
 killed can be restarted on the same node and restore without touching disk.
@@ -13,15 +14,17 @@ bytes held never exceed ``capacity_bytes``.
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Any
 
 from asymstore.tiers.memory.capacity import BackPressure, BoundedTier
 from asymstore.tiers.memory.process import MemoryTier
 from asymstore.tiers.memory.shm import ShmTier
 
 
-def HostTier(capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | None = None,
-             name: str | None = None, keep_last: int | None = None, policy: BackPressure = "wait",
-             wait_timeout_s: float | None = None, pin: bool | None = None) -> BoundedTier:
+def host_tier(capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | None = None,
+              name: str | None = None, keep_last: int | None = None, policy: BackPressure = "wait",
+              wait_timeout_s: float | None = None, pin: bool | None = None) -> BoundedTier:
     """Return a bounded host-memory tier: shared-memory files under ``path``, else process memory.
 
     Args:
@@ -44,3 +47,10 @@ def HostTier(capacity_bytes: int = 2 << 30, *, path: str | os.PathLike[str] | No
                           wait_timeout_s=wait_timeout_s, pin=pin)
     return ShmTier(capacity_bytes, path=path, name=name, keep_last=keep_last, policy=policy,
                    wait_timeout_s=wait_timeout_s)
+
+
+def HostTier(*args: Any, **kwargs: Any) -> BoundedTier:
+    """Deprecated alias of :func:`host_tier` (it was never a class); goes in the next release."""
+    warnings.warn("asymstore.HostTier is deprecated and goes in the next release: use asymstore.host_tier "
+                  "(a factory returning a MemoryTier or a ShmTier)", DeprecationWarning, stacklevel=2)
+    return host_tier(*args, **kwargs)

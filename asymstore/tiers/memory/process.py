@@ -1,6 +1,6 @@
-"""MemoryTier: the :func:`~asymstore.tiers.HostTier` tier that keeps versions in process memory.
+"""MemoryTier: the :func:`~asymstore.tiers.host_tier` tier that keeps versions in process memory.
 
-``HostTier(capacity_bytes)`` constructs one. Segments live in a
+``host_tier(capacity_bytes)`` constructs one. Segments live in a
 :class:`BufferPool` of page-locked buffers (when CUDA is present; plain
 memory otherwise) reused from version to version; versions die with the
 process. Capacity, eviction, holds and back-pressure are
@@ -49,7 +49,7 @@ class _MemVersion:
 
 
 class MemoryTier(BoundedTier):
-    """Bounded tier in process memory (what ``HostTier(capacity_bytes)`` returns).
+    """Bounded tier in process memory (what ``host_tier(capacity_bytes)`` returns).
 
     Args:
         capacity_bytes: most bytes held at once (committed plus in flight).
@@ -74,7 +74,7 @@ class MemoryTier(BoundedTier):
 
     def __repr__(self) -> str:
         """Return a short description."""
-        return f"HostTier('memory', capacity_bytes={self.capacity_bytes})"
+        return f"host_tier('memory', capacity_bytes={self.capacity_bytes})"
 
     @property
     def path(self) -> None:

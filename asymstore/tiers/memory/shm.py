@@ -1,6 +1,6 @@
-"""ShmTier: the :func:`~asymstore.tiers.HostTier` tier that keeps versions as shared-memory files.
+"""ShmTier: the :func:`~asymstore.tiers.host_tier` tier that keeps versions as shared-memory files.
 
-``HostTier(capacity_bytes, path=...)`` builds one over a tmpfs directory (``/dev/shm/asym-job42``).
+``host_tier(capacity_bytes, path=...)`` builds one over a tmpfs directory (``/dev/shm/asym-job42``).
 Files are laid out, published and read as :class:`LocalTier` does it (with fsync off), so a killed
 process restarted on the same node restores without touching disk, and fsck checks the directory
 like any root. Capacity, eviction, holds and back-pressure are
@@ -37,7 +37,7 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ShmTier(BoundedTier):
-    """Bounded tier of shared-memory files (what ``HostTier(capacity_bytes, path=...)`` returns).
+    """Bounded tier of shared-memory files (what ``host_tier(capacity_bytes, path=...)`` returns).
 
     Args:
         capacity_bytes: most bytes held at once (committed, in flight and dead writers' leftovers).
@@ -63,7 +63,7 @@ class ShmTier(BoundedTier):
 
     def __repr__(self) -> str:
         """Return a short description."""
-        return f"HostTier({self._files.root!r}, capacity_bytes={self.capacity_bytes})"
+        return f"host_tier({self._files.root!r}, capacity_bytes={self.capacity_bytes})"
 
     @property
     def path(self) -> str:

@@ -1,7 +1,7 @@
 """The receiving end of a peer tier: replicas of one source rank, verified on arrival, served back on request.
 
 The service runs its own event loop on a thread, with the replica tier (a bounded
-:func:`~asymstore.tiers.memory.factory.HostTier`) on it, and two loops: **receive** (``REPL``:
+:func:`~asymstore.tiers.memory.factory.host_tier`) on it, and two loops: **receive** (``REPL``:
 ``begin``, ``segment``, ``manifest``, ``delete``, ``probe``) checks every segment's checksum and the
 manifest before the replica is published atomically, then acknowledges it; a version that does not
 verify is aborted, so no half replica is ever listed. **serve** (``REQ``: ``list``, ``manifest``,

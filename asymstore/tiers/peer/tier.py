@@ -1,7 +1,7 @@
 """PeerTier: a rank's versions copied into the memory of a rank on another node, and read back from it.
 
 Put it after the memory tier (the ``durable`` one) and before the disk:
-``[HostTier(...), PeerTier(...), LocalTier(...)]``. It is written by the background cascade, so
+``[host_tier(...), PeerTier(...), LocalTier(...)]``. It is written by the background cascade, so
 ``commit`` never waits for it and a slow peer skips to the newest version. Writing sends the
 segments, then the manifest, to the ring neighbour (:mod:`asymstore.tiers.peer.ring`), which
 verifies them and publishes the replica atomically before it acknowledges; reading asks the
@@ -31,7 +31,7 @@ from asymstore.errors import (
     TierError,
     VersionNotFoundError,
 )
-from asymstore.tiers.memory.factory import HostTier
+from asymstore.tiers.memory.factory import host_tier
 from asymstore.tiers.peer.link import (
     FRAME,
     TAG_ACK,
@@ -131,7 +131,7 @@ class PeerTier:
     def replica_tier(self) -> Tier:
         """A new, unopened tier for the replicas this rank holds (``path/of-rank-NNNNN`` in shared memory)."""
         src, location = self.held_replicas()
-        return HostTier(self.capacity_bytes, path=location, name=f"replicas-of-{src}", policy="skip")
+        return host_tier(self.capacity_bytes, path=location, name=f"replicas-of-{src}", policy="skip")
 
     @property
     def background_error(self) -> str | None:

@@ -44,7 +44,7 @@ from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
 from asymcheck.versions.storespec import StoreSpec
-from asymstore.api import CheckpointStore
+from asymstore.protocols import CheckpointStore
 
 logger = logging.getLogger(__name__)
 

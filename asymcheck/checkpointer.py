@@ -67,11 +67,12 @@ from asymcheck.versions.storespec import (
     versions_of,
 )
 from asymstore import CorruptVersionError, NoCheckpointError
-from asymstore.api import CheckpointStore, TierStatus
 from asymstore.errors import InvalidMetaError
 from asymstore.multirank.rootlayout import AcrossLayouts
 from asymstore.opener import open_store
+from asymstore.protocols import CheckpointStore
 from asymstore.runtime.loop import StoreLoop
+from asymstore.values import TierStatus
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Checkpointer:
         optimizer: its optimizer.
         location: where the checkpoint lives: an unopened store (:class:`asymstore.AsymStore`,
             :class:`asymstore.multirank.RankStore`, or any
-            :class:`asymstore.api.CheckpointStore`; the Checkpointer
+            :class:`asymstore.protocols.CheckpointStore`; the Checkpointer
             opens and closes it), a list of tiers (fastest
             first), or a directory path (a single ``LocalTier``; in a
             torch.distributed job of several ranks, an

@@ -45,8 +45,8 @@ from asymcheck.state.encode import decode
 from asymcheck.state.trainstate import RENAMED, Stateful
 from asymcheck.versions.storespec import StoreSpec
 from asymstore import KeepBest, Manifest, NoCheckpointError
-from asymstore.api import CheckpointStore, CollectiveStore
 from asymstore.opener import open_store
+from asymstore.protocols import CheckpointStore, CollectiveStore
 from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ from asymstore.errors import (
 from asymstore.runtime.lazy import lazy_getattr, moved_getattr
 
 if TYPE_CHECKING:
-    from asymstore.api import Checkpoint, CheckpointStore, CommitResult, FlushStats, TierCalibration, TierStatus
     from asymstore.format.codec import PlaneCodec
     from asymstore.format.manifest import Manifest
     from asymstore.opener import open_store
     from asymstore.policy.retention import KeepBest
+    from asymstore.protocols import CheckpointStore
     from asymstore.store import AsymStore
     from asymstore.tiers import (
         BoundedTier,
@@ -51,14 +51,15 @@ if TYPE_CHECKING:
         VersionWriter,
         host_tier,
     )
+    from asymstore.values import Checkpoint, CommitResult, FlushStats, TierCalibration, TierStatus
 
 _LAZY = {
     "BoundedTier": "asymstore.tiers",
     "AsymStore": "asymstore.store",
-    "Checkpoint": "asymstore.api",
-    "CheckpointStore": "asymstore.api",
-    "CommitResult": "asymstore.api",
-    "FlushStats": "asymstore.api",
+    "Checkpoint": "asymstore.values",
+    "CheckpointStore": "asymstore.protocols",
+    "CommitResult": "asymstore.values",
+    "FlushStats": "asymstore.values",
     "GPUTier": "asymstore.tiers",
     "HostTier": "asymstore.tiers",
     "host_tier": "asymstore.tiers",
@@ -70,8 +71,8 @@ _LAZY = {
     "PlaneCodec": "asymstore.format.codec",
     "RemoteTier": "asymstore.tiers",
     "Tier": "asymstore.tiers",
-    "TierCalibration": "asymstore.api",
-    "TierStatus": "asymstore.api",
+    "TierCalibration": "asymstore.values",
+    "TierStatus": "asymstore.values",
     "VersionWriter": "asymstore.tiers",
     "open_store": "asymstore.opener",
 }

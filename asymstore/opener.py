@@ -18,12 +18,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
-from asymstore.api import CheckpointStore
 from asymstore.dist.world import rank_world
 from asymstore.errors import RootLayoutError
 from asymstore.format.names import is_uri
 from asymstore.multirank.rootlayout import AcrossLayouts, check_across, survey, survey_for_reading
 from asymstore.policy.retention import KeepBest
+from asymstore.protocols import CheckpointStore
 from asymstore.store import StoreOptions
 from asymstore.tiers.location import from_location
 from asymstore.tiers.protocol import Tier

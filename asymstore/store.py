@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from asymstore.api import Checkpoint, CheckpointStore, CommitResult, FlushStats, TierCalibration, TierStatus
 from asymstore.errors import (
     AsymstoreError,
     CapacityError,
@@ -29,8 +28,10 @@ from asymstore.policy.calibration import CalibrationCache, calibrate
 from asymstore.policy.compression import COMPRESSION_POLICIES, Compression
 from asymstore.policy.costmodel import assumed_calibration
 from asymstore.policy.retention import KeepBest, Retention
+from asymstore.protocols import CheckpointStore
 from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
+from asymstore.values import Checkpoint, CommitResult, FlushStats, TierCalibration, TierStatus
 from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
 from asymstore.write.puts import Release, Stager, check_step
@@ -40,7 +41,7 @@ from asymstore.write.tierwrite import TierState, sweep, write_version
 
 if TYPE_CHECKING:
 
-    from asymstore.api import Into
+    from asymstore.values import Into
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.options import GROUPS, CheckpointerOptions, renamed_location, resolve
 from asymcheck.snapshot.hooks import Driver
 from asymcheck.state.trainstate import Stateful
-from asymstore.api import CheckpointStore, CollectiveStore, ReshardingStore
 from asymstore.opener import open_store
+from asymstore.protocols import CheckpointStore, CollectiveStore, ReshardingStore
 from asymstore.tiers.protocol import Tier
 
 logger = logging.getLogger(__name__)

@@ -25,11 +25,11 @@ from asymcheck.deepspeed.files import META_KEY, decode_file, encode_files, file_
 from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import NotInStoreError
-from asymstore.api import Checkpoint
 from asymstore.io.files import atomic_write
 from asymstore.multirank import GlobalManifest, RankStore, WorldSizeMismatchError
 from asymstore.opener import OpenOptions, open_store
 from asymstore.runtime.loop import StoreLoop
+from asymstore.values import Checkpoint
 
 logger = logging.getLogger(__name__)
 

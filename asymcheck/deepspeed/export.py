@@ -29,11 +29,11 @@ from asymcheck.deepspeed.files import META_KEY, decode_file, file_keys
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import DeepSpeedExportError
 from asymstore import AsymstoreError, CorruptVersionError
-from asymstore.api import Checkpoint
 from asymstore.format.globalmanifest import shard_digest
 from asymstore.multirank import globaldir
 from asymstore.opener import open_store
 from asymstore.tiers.location import rank_tier
+from asymstore.values import Checkpoint
 
 logger = logging.getLogger(__name__)
 

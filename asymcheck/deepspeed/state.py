@@ -38,9 +38,10 @@ from asymcheck.errors import StateMismatchError, UnsupportedStateError
 from asymcheck.state import rng
 from asymcheck.state.encode import decode, encode
 from asymcheck.state.trainstate import Capture, Moment, Stateful, TrainingState
-from asymstore.api import Checkpoint, CollectiveStore
 from asymstore.errors import AsymstoreError
 from asymstore.format.tensors import host_copy
+from asymstore.protocols import CollectiveStore
+from asymstore.values import Checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asymstore.api import CollectiveStore
 from asymstore.dist.kv import KV
+from asymstore.protocols import CollectiveStore
 
 logger = logging.getLogger(__name__)
 

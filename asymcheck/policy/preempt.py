@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar
 from asymcheck.policy.agreement import PreemptAgreement
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.progress import Progress
-from asymstore.api import CheckpointStore, CollectiveStore
+from asymstore.protocols import CheckpointStore, CollectiveStore
 from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from asymcheck.errors import StateMismatchError
 from asymcheck.state import dtensors
 from asymcheck.state.trainstate import TrainingState
-from asymstore.api import CheckpointStore, ReshardingStore
 from asymstore.format.pieces import MeshInfo, TensorLayout
+from asymstore.protocols import CheckpointStore, ReshardingStore
 
 logger = logging.getLogger(__name__)
 

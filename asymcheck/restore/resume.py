@@ -24,10 +24,11 @@ from asymcheck.errors import StateMismatchError
 from asymcheck.state import dtensors
 from asymcheck.state.encode import encode
 from asymcheck.state.trainstate import TrainingState
-from asymstore.api import Checkpoint, CheckpointStore, CollectiveStore
 from asymstore.errors import DestinationMismatchError
 from asymstore.format.manifest import Manifest
 from asymstore.format.tensors import dtype_from_name
+from asymstore.protocols import CheckpointStore, CollectiveStore
+from asymstore.values import Checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import torch
 
 from asymcheck.stats import StatsRecorder
 from asymstore import CommitResult
-from asymstore.api import CheckpointStore, DropReportingStore
 from asymstore.errors import AsymstoreError, GlobalVersionDroppedError
+from asymstore.protocols import CheckpointStore, DropReportingStore
 from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)

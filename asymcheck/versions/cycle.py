@@ -17,8 +17,8 @@ from asymcheck.state.trainstate import Moment, TrainingState
 from asymcheck.stats import StatsRecorder
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.progress import Progress
-from asymstore.api import CheckpointStore
 from asymstore.format.pieces import LAYOUT_KEY
+from asymstore.protocols import CheckpointStore
 from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)

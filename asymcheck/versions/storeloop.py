@@ -9,12 +9,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from asymstore.api import CheckpointStore
+from asymstore.protocols import CheckpointStore
 from asymstore.runtime import loop as _loop
 
 
 class _CheckpointerLoop(_loop.StoreLoop[CheckpointStore]):
-    """A :class:`~asymstore.api.CheckpointStore` on its loop thread (``asymcheck-store``); opened on construction.
+    """A :class:`~asymstore.protocols.CheckpointStore` on its loop thread (``asymcheck-store``); opened on construction.
 
     Args:
         store: a store that is not open yet (this loop opens and closes it).

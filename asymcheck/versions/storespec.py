@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from asymstore import KeepBest, Tier
-from asymstore.api import CheckpointStore, CollectiveStore, TierStatus
 from asymstore.format.names import is_uri
 from asymstore.multirank.rootlayout import AcrossLayouts, record_single
 from asymstore.opener import open_store
+from asymstore.protocols import CheckpointStore, CollectiveStore
+from asymstore.values import TierStatus
 
 StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
 
@@ -37,7 +38,7 @@ def make_store(spec: StoreSpec, keep_last: int | None, *, keep_every: int | None
                keep_best: KeepBest | None = None, across_layouts: AcrossLayouts = "resume") -> CheckpointStore:
     """Deprecated (goes in the next release): :func:`asymstore.open_store` with the same arguments as keywords.
 
-    ``spec`` itself is any :class:`~asymstore.api.CheckpointStore` (its own retention applies). A
+    ``spec`` itself is any :class:`~asymstore.protocols.CheckpointStore` (its own retention applies). A
     directory is opened by its recorded layout (:mod:`asymstore.multirank.rootlayout`): a
     :class:`~asymstore.multirank.RankStore` in a job of several ranks (which resumes a single-process
     root's versions too, unless ``across_layouts="start_fresh"``), or in one process when the root is

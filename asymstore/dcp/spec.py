@@ -8,12 +8,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from asymstore.api import CheckpointStore
 from asymstore.dist.world import rank_world
 from asymstore.errors import DCPStorageError
 from asymstore.format.names import is_uri
 from asymstore.multirank.store import RankStore
 from asymstore.opener import open_store, reads_multirank
+from asymstore.protocols import CheckpointStore
 from asymstore.runtime.lazy import moved_getattr
 from asymstore.store import AsymStore
 from asymstore.tiers.protocol import Tier

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DCPStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from asymstore.api import CommitResult
 from asymstore.dcp import metadata as md
 from asymstore.dcp.spec import StoreSpec, own_store, parse_step, renamed_location
 from asymstore.errors import DCPStorageError, InvalidNameError, StepCommittedError, StepOrderError
@@ -38,6 +37,7 @@ from asymstore.format.manifest import validate_name
 from asymstore.multirank.store import RankStore
 from asymstore.runtime.loop import StoreLoop
 from asymstore.store import AsymStore
+from asymstore.values import CommitResult
 
 logger = logging.getLogger(__name__)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from asymstore.api import Checkpoint
 from asymstore.errors import AsymstoreError, CorruptVersionError, describe
 from asymstore.format.manifest import Manifest
 from asymstore.read.load import load_version
 from asymstore.read.verify import read_manifest
 from asymstore.tiers.protocol import Tier
+from asymstore.values import Checkpoint
 
 
 async def read_peer_shard(tiers: Sequence[Tier], rank: int, step: int) -> Checkpoint:

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from asymstore.api import Checkpoint, Targets
 from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, describe
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import Chunk, Manifest
@@ -31,6 +30,7 @@ from asymstore.multirank.rootlayout import is_single_root
 from asymstore.read.reshardplan import PieceRead, plan_piece, strides
 from asymstore.read.verify import decode_one, read_manifest, verify_segment
 from asymstore.tiers.protocol import ReadIntoTier, Tier
+from asymstore.values import Checkpoint, Targets
 
 if TYPE_CHECKING:
     import torch

@@ -18,7 +18,6 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from asymstore.api import Checkpoint
 from asymstore.errors import (
     AsymstoreError,
     CoordinationProtocolError,
@@ -37,11 +36,12 @@ from asymstore.multirank import rootlayout, takeover
 from asymstore.multirank.protocol import Fit, Go, Have, LoadResult, Relayed, RestoreRound, TryMsg
 from asymstore.multirank.reshard import restore_resharded
 from asymstore.read.load import check_destinations
+from asymstore.values import Checkpoint
 
 if TYPE_CHECKING:
-    from asymstore.api import Into, Targets
     from asymstore.multirank.job import Job
     from asymstore.store import AsymStore
+    from asymstore.values import Into, Targets
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
-from asymstore.api import Checkpoint, CheckpointStore, CommitResult, Targets
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
 from asymstore.dist.world import rank_world
 from asymstore.errors import (
@@ -53,12 +52,14 @@ from asymstore.multirank.retention import (
 )
 from asymstore.multirank.rootlayout import AcrossLayouts, check_across
 from asymstore.policy.retention import KeepBest, Retention
+from asymstore.protocols import CheckpointStore
 from asymstore.store import AsymStore, StoreOptions
 from asymstore.tiers.location import rank_tier
 from asymstore.tiers.protocol import Tier
+from asymstore.values import Checkpoint, CommitResult, Targets
 
 if TYPE_CHECKING:
-    from asymstore.api import Into, TierCalibration, TierStatus
+    from asymstore.values import Into, TierCalibration, TierStatus
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class RankStore:
 
     It holds this rank's own :class:`~asymstore.AsymStore` (``local``, over
     ``tiers``) and adds the global commit and the collective restore; it is a
-    :class:`~asymstore.api.CheckpointStore`, so it goes wherever the
+    :class:`~asymstore.protocols.CheckpointStore`, so it goes wherever the
     adapters take a store (e.g. as the store of :class:`asymcheck.Checkpointer`
     under DDP). Every rank must commit the same steps, and every rank must
     call ``restore``.

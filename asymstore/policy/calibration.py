@@ -20,11 +20,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from asymstore.api import TierCalibration
 from asymstore.format.checksum import host_fill_seconds_per_byte
 from asymstore.io.files import atomic_write, read_whole
 from asymstore.policy.costmodel import assumed_calibration, fit
 from asymstore.tiers.protocol import ProbeableTier
+from asymstore.values import TierCalibration
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Writing one segment of ``n`` bytes costs ``t_write(n) = a + b·n``; writing ``N`
 of ``B`` costs ``T(B) = a·N/B + b·N + c·B``, where ``c = b + f`` is the part no pipelining hides
 (``f`` the host's cost per byte of filling a segment). ``T`` is smallest at ``B* = sqrt(a·N/c)``
 (:func:`optimal_segment_bytes`). The constants of a tier are a
-:class:`~asymstore.api.TierCalibration`, measured by :mod:`asymstore.policy.calibration`.
+:class:`~asymstore.values.TierCalibration`, measured by :mod:`asymstore.policy.calibration`.
 
 The model and its terms: docs/concepts/batching.md.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from asymstore.api import TierCalibration
 from asymstore.format.checksum import host_fill_seconds_per_byte
+from asymstore.values import TierCalibration
 
 ALIGN = 4096
 MIN_SEGMENT_BYTES = 1 << 20

@@ -2,7 +2,7 @@
 
 Reading and verifying one version on one tier lives in :mod:`asymstore.read.load`
 and :mod:`asymstore.read.verify`; what a restore returns is
-:class:`asymstore.api.Checkpoint`.
+:class:`asymstore.values.Checkpoint`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from asymstore.api import Checkpoint
 from asymstore.errors import (
     AsymstoreError,
     CorruptVersionError,
@@ -22,10 +21,11 @@ from asymstore.errors import (
     describe,
 )
 from asymstore.read.load import load_version
+from asymstore.values import Checkpoint
 
 if TYPE_CHECKING:
-    from asymstore.api import Into
     from asymstore.tiers.protocol import Tier
+    from asymstore.values import Into
 
 logger = logging.getLogger(__name__)
 

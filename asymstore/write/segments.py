@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from asymstore.api import FlushStats, TierCalibration
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.codec import (
     RAW,
@@ -47,6 +46,7 @@ from asymstore.policy.compression import Compression, pays, worth_sampling
 from asymstore.policy.costmodel import optimal_segment_bytes, predicted_seconds
 from asymstore.runtime.gcpause import gc_paused
 from asymstore.tiers.protocol import Buffer
+from asymstore.values import FlushStats, TierCalibration
 from asymstore.write.copybuffers import CopyBuffers
 from asymstore.write.staging import StagedPack, StagedTensor
 

@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from asymstore.api import FlushStats, TierCalibration
 from asymstore.errors import AsymstoreError, TierError, describe
 from asymstore.format.manifest import Manifest
 from asymstore.format.parse import parse_manifest
@@ -16,6 +15,7 @@ from asymstore.policy.compression import Compression
 from asymstore.policy.costmodel import assumed_calibration
 from asymstore.policy.retention import Note, Retention, beyond_keep_last, keep_last_of
 from asymstore.tiers.protocol import ExclusiveTier, Tier, VersionWriter
+from asymstore.values import FlushStats, TierCalibration
 from asymstore.write.segments import SegmentBuilder, VersionPlan
 
 logger = logging.getLogger(__name__)

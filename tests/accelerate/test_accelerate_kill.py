@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from asymstore import AsymStore, LocalTier
-from asymstore.api import Checkpoint
+from asymstore.values import Checkpoint
 from tests.support.launch import proc_argv, proc_env
 from tests.support.mr_harness import free_ports
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asymstore.api import Checkpoint
 from asymstore.format.pieces import TensorLayout, read_layouts
+from asymstore.values import Checkpoint
 from tests.support.fsdp2_cases import global_tensors
 from tests.support.mr_harness import Case, assert_same_state, run_cases
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from asymstore import AsymStore, LocalTier, host_tier
-from asymstore.api import Checkpoint
 from asymstore.errors import StepCommittedError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, QUARANTINE, version_dirname
 from asymstore.format.parse import parse_manifest
+from asymstore.values import Checkpoint
 from tests.support.store import fsck_json, make_state, same_state, store_kw
 
 STEPS = (10, 20, 30)

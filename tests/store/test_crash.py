@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 
 from asymstore import AsymStore, LocalTier, TierError
-from asymstore.api import Checkpoint
 from asymstore.errors import ManifestError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import LATEST, TMP_PREFIX, version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.io.rootlock import LOCK_NAME
 from asymstore.testing import PHASES, CrashingLocalTier, FailingLocalTier
+from asymstore.values import Checkpoint
 from tests.support.store import (
     committed_steps,
     fsck_json,

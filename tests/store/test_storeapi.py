@@ -11,8 +11,8 @@ from torch import nn
 
 from asymcheck import Checkpointer
 from asymstore import AsymStore, CheckpointStore, LocalTier, open_store
-from asymstore.api import CollectiveStore, ReshardingStore
 from asymstore.multirank import RankStore
+from asymstore.protocols import CollectiveStore, ReshardingStore
 from tests.support.asymcheck_train import data, equal_state, make_model, make_opt, tensors_of
 
 
@@ -61,3 +61,21 @@ def test_the_checkpointer_takes_either_store_and_resumes_from_it(tmp_path: Path,
     with Checkpointer(model2, opt2, make()) as ckpt:
         assert ckpt.resume() == 3
     equal_state(after, model2.state_dict())
+
+
+def test_asymstore_api_was_split_into_values_and_protocols_and_its_names_warn_for_one_release() -> None:
+    import importlib
+
+    import asymstore.protocols
+    import asymstore.values
+
+    api = importlib.import_module("asymstore.api")
+    moved = {"Checkpoint": asymstore.values, "CommitResult": asymstore.values, "TierStatus": asymstore.values,
+             "FlushStats": asymstore.values, "TierCalibration": asymstore.values, "Targets": asymstore.values,
+             "CheckpointStore": asymstore.protocols, "CollectiveStore": asymstore.protocols,
+             "DropReportingStore": asymstore.protocols, "ReshardingStore": asymstore.protocols}
+    for name, home in moved.items():
+        with pytest.warns(DeprecationWarning, match=rf"asymstore\.api\.{name} is deprecated.*{home.__name__}"):
+            assert getattr(api, name) is getattr(home, name)
+    with pytest.raises(AttributeError):
+        api.Manifest  # noqa: B018  (never lived there)

@@ -18,8 +18,8 @@ from asymcheck import Checkpointer
 from asymcheck.options import PartitionOptions, RetentionOptions
 from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
-from asymstore.api import Checkpoint
 from asymstore.format.names import version_dirname
+from asymstore.values import Checkpoint
 
 
 def make_model(seed: int = 0, hidden: int = 64) -> nn.Sequential:

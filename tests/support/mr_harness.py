@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from asymstore import AsymStore, LocalTier
-from asymstore.api import Checkpoint
+from asymstore.values import Checkpoint
 from tests.support.launch import proc_argv, proc_env
 
 

@@ -1,0 +1,173 @@
+"""The store protocol and its capabilities: what the adapters program against.
+
+:class:`CheckpointStore` is the protocol ``asymcheck`` programs against; both
+:class:`~asymstore.AsymStore` and :class:`~asymstore.multirank.RankStore` satisfy it, and
+``isinstance(x, CheckpointStore)`` tells a store from the other things an adapter accepts (tiers,
+a directory). **Capabilities** are optional ``runtime_checkable`` protocols an adapter checks with
+``isinstance``: :class:`DropReportingStore`, :class:`CollectiveStore` (one rank's part of a
+multi-rank checkpoint) and :class:`ReshardingStore`. The values they pass are in
+:mod:`asymstore.values`.
+
+Guide: ``docs/guides/store.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
+
+from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.manifest import Manifest
+from asymstore.values import Checkpoint, CommitResult, Targets, TierStatus
+
+if TYPE_CHECKING:
+    from asymstore.dist.kv import KV
+    from asymstore.values import Into
+
+
+# -- the store protocol and its capabilities ------------------------------------
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """A versioned checkpoint store, as the adapters use it (see the module docstring)."""
+
+    async def open(self) -> Self:
+        """Open the store (before any other call); return it."""
+        ...
+
+    async def close(self) -> None:
+        """Wait for what the store still writes, then close it."""
+        ...
+
+    def versions(self) -> dict[str, list[int]]:
+        """Committed steps per tier name, ascending."""
+        ...
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        ...
+
+    @property
+    def newest_persistent_step(self) -> int | None:
+        """The newest step some persistent tier holds, or None."""
+        ...
+
+    async def flush(self, timeout_s: float | None = None) -> int | None:
+        """Wait (at most ``timeout_s``) until a persistent tier holds the newest step; return the newest it holds."""
+        ...
+
+    def status(self) -> dict[str, TierStatus]:
+        """Per tier: versions, lag, errors (see :meth:`asymstore.AsymStore.status`)."""
+        ...
+
+    async def adopt_many(self, step: int, tensors: Mapping[str, object], *,
+                         release: Callable[[], None] | None = None) -> None:
+        """Stage ``tensors`` for ``step`` without copying; ``release`` runs once the store is done with them."""
+        ...
+
+    def abandon(self, step: int) -> None:
+        """Drop everything staged for an uncommitted ``step`` (adopted tensors are released)."""
+        ...
+
+    async def commit(self, step: int, meta: Mapping[str, Any] | None = None) -> CommitResult:
+        """Commit ``step`` with its JSON ``meta``; return once it is durable."""
+        ...
+
+    async def restore(self, step: int | None = None, *, into: Into | None = None) -> Checkpoint:
+        """Return the newest version that verifies (or ``step``), optionally read into ``into``."""
+        ...
+
+    async def read_manifest(self, step: int | None = None) -> Manifest:
+        """The manifest of the newest version whose manifest reads (or of ``step``); no tensor is read."""
+        ...
+
+
+@runtime_checkable
+class DropReportingStore(Protocol):
+    """A store whose commit of a step involves others, who must hear when this process will not commit it.
+
+    :class:`~asymstore.multirank.RankStore` is one: a rank that drops a version
+    (an edit between steps, a version skipped under back-pressure) reports it,
+    so the coordinator abandons that step's global commit at once instead of
+    waiting for the rank until its timeout. The adapters check for it with
+    ``isinstance``.
+    """
+
+    async def report_dropped(self, step: int, reason: str) -> None:
+        """Say that ``step`` will not be committed by this process, and why."""
+        ...
+
+
+@runtime_checkable
+class CollectiveStore(CheckpointStore, Protocol):
+    """A store that is one rank's part of a multi-rank checkpoint (:class:`~asymstore.multirank.RankStore` is one).
+
+    Its versions are global: every rank commits the same steps, the
+    coordinator (rank 0) publishes a global manifest once all did, and
+    ``restore`` is collective (every rank loads the same global version, into
+    fresh tensors). The adapters check for it with ``isinstance`` to agree on
+    preemption through the job's key-value store, to restore collectively, and
+    to know which global version a rank is on; the DeepSpeed adapter reads
+    other ranks' shards through it.
+    """
+
+    published_step: int | None
+    """The newest global step this rank saw published."""
+    restored_global: GlobalManifest | None
+    """The global version ``restore`` chose."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks."""
+        ...
+
+    @property
+    def is_coordinator(self) -> bool:
+        """True on the rank that publishes global manifests."""
+        ...
+
+    def coordination(self) -> KV:
+        """The job's coordination client, never a collective (after ``open``; ``StoreClosedError`` before)."""
+        ...
+
+    def session_key(self, name: str) -> str:
+        """A coordination key of this session, the same on every rank."""
+        ...
+
+    def global_steps(self) -> list[int]:
+        """Published global steps, ascending."""
+        ...
+
+    def read_global(self, step: int) -> GlobalManifest:
+        """The global manifest of ``step``."""
+        ...
+
+    def newest_global(self) -> GlobalManifest | None:
+        """The newest global manifest that parses, or None."""
+        ...
+
+    async def read_shard(self, rank: int, step: int) -> Checkpoint:
+        """Read and verify ``rank``'s shard ``step``."""
+        ...
+
+    async def read_shard_manifest(self, rank: int, step: int) -> Manifest:
+        """Read ``rank``'s shard manifest ``step``."""
+        ...
+
+
+@runtime_checkable
+class ReshardingStore(Protocol):
+    """A store that can restore versions written by another number of ranks, given the pieces this rank holds now.
+
+    ``reshard`` is None (refuse such versions: ``WorldSizeMismatchError``) or
+    the :data:`Targets` function; the Checkpointer sets it for its model.
+    """
+
+    reshard: Targets | None

@@ -85,8 +85,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     committed0 = stored0 = 0
     if args.child == "asymcheck":
         from asymcheck import Checkpointer
+        from asymcheck.options import RetentionOptions
         from asymstore import LocalTier
-        ckpt = Checkpointer(model, opt, [LocalTier(root)], keep_last=2)
+        ckpt = Checkpointer(model, opt, [LocalTier(root)], retention=RetentionOptions(keep_last=2))
     load0 = os.getloadavg()
     t0 = c0 = 0.0
     before: dict[int, float] = {}

@@ -7,8 +7,9 @@ on 127.0.0.1), once per stage and method (order rotated per repetition):
 - ``none``: no checkpoint (the baseline);
 - ``attach``: ``asymcheck.deepspeed.attach(engine, dir)``: a version every
   iteration, copied during the next forward/backward, committed by every rank
-  in the background, published globally by rank 0 (``when_busy="wait"``: a
-  commit still running when the next version is sealed makes the step wait);
+  in the background, published globally by rank 0 (the default
+  ``commits=CommitOptions(when_busy="wait")``: a commit still running when
+  the next version is sealed makes the step wait);
 - ``save_checkpoint``: ``engine.save_checkpoint(dir)`` after every step with
   DeepSpeed's default engine (``torch.save``, synchronous; the previous tag is
   deleted after each save, outside the timing).
@@ -63,8 +64,10 @@ def run_one(args: argparse.Namespace, stage: int, method: str, rank: int, work: 
     ckpt = None
     if method == "attach":
         from asymcheck.deepspeed import attach
+        from asymcheck.options import PartitionOptions, RetentionOptions
 
-        ckpt = attach(engine, root, keep_last=2, warmup=min(3, args.warmup))
+        ckpt = attach(engine, root, retention=RetentionOptions(keep_last=2),
+                      partitions=PartitionOptions(warmup=min(3, args.warmup)))
     vocab = GPT2_CONFIGS[args.config]["vocab_size"]
     times: list[float] = []
     for it in range(args.warmup + args.steps):

@@ -85,8 +85,10 @@ def run_method(args: argparse.Namespace, method: str, rank: int, work: Path) -> 
     ckpt = None
     if method == "asymcheck":
         from asymcheck import Checkpointer
+        from asymcheck.options import PacingOptions, RetentionOptions
 
-        ckpt = Checkpointer(model, opt, str(root), keep_last=2, max_overhead=None)
+        ckpt = Checkpointer(model, opt, str(root), retention=RetentionOptions(keep_last=2),
+                            pacing=PacingOptions(max_overhead=None))
     pending = None
     # DCP's async save runs collectives from its own thread: on the training group they would interleave
     # with FSDP2's all-gathers (a size mismatch); a dedicated group, as DCP's docs advise
@@ -119,13 +121,14 @@ def save_both(args: argparse.Namespace, rank: int, work: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PacingOptions
 
     model, opt, _ = sharded(args)
     if rank == 0:
         for d in ("resume-asym", "resume-dcp"):
             shutil.rmtree(work / d, ignore_errors=True)
     dist.barrier()
-    with Checkpointer(model, opt, str(work / "resume-asym"), max_overhead=None):
+    with Checkpointer(model, opt, str(work / "resume-asym"), pacing=PacingOptions(max_overhead=None)):
         for it in range(args.warmup):
             train_step(model, opt, args, it, rank)
     msd, osd = get_state_dict(model, opt)
@@ -150,8 +153,10 @@ def resume(args: argparse.Namespace, rank: int, work: Path, method: str) -> dict
         return floor(args, dist.get_rank(), dist.get_world_size(), work)
     if method == "asymcheck":
         from asymcheck import Checkpointer
+        from asymcheck.options import PacingOptions
 
-        ckpt = Checkpointer(model, opt, str(work / "resume-asym"), max_overhead=None, save_on_close=False)
+        ckpt = Checkpointer(model, opt, str(work / "resume-asym"),
+                            pacing=PacingOptions(max_overhead=None, save_on_close=False))
         if args.profile and rank == 0:
             import cProfile
 

@@ -23,7 +23,7 @@ benches/common.py) training on synthetic tokens, a checkpoint after every optimi
 - ``lightning``: ``lightning.pytorch.Trainer.fit``.
   ``none``: ``enable_checkpointing=False``; ``own``: ``ModelCheckpoint(dirpath=dir, every_n_train_steps=1)``
   (its default ``save_top_k=1`` without ``monitor``: the newest checkpoint is kept, the one before deleted);
-  ``asymcheck``: ``asymcheck.lightning.AsymCheck(dir)`` with ``train_dataloader()`` returning a
+  ``asymcheck``: ``asymcheck.lightning.AsymCheckCallback(dir)`` with ``train_dataloader()`` returning a
   ``ResumableLoader``.
 - ``dcp``: a plain loop saving ``get_state_dict(model, optimizer)`` with ``dcp.async_save`` after every
   step, the previous save's future awaited before the next (as DCP's docs and TorchTitan do).
@@ -31,10 +31,10 @@ benches/common.py) training on synthetic tokens, a checkpoint after every optimi
   removed once their successor's save is done); ``asymcheck``: one ``asymstore.dcp.StorageWriter(dir)``
   with ``checkpoint_id=str(step)``.
 
-Every asymcheck method keeps 2 versions and takes one every step, always (``max_overhead=None``: no
-pacing); its commits are durable (fsync) when they complete. Of the frameworks' own saves only DCP's
-``FileSystemWriter`` fsyncs (``sync_files=True``, its default); ``save_state``, the Trainer's and
-Lightning's saves leave their files in the page cache.
+Every asymcheck method keeps 2 versions and takes one every step, always
+(``pacing=PacingOptions(max_overhead=None)``: no pacing); its commits are durable (fsync) when they
+complete. Of the frameworks' own saves only DCP's ``FileSystemWriter`` fsyncs (``sync_files=True``, its
+default); ``save_state``, the Trainer's and Lightning's saves leave their files in the page cache.
 
 Timing: a step is the wall time between consecutive step boundaries (the end of the loop body in the
 plain loops, after the checkpoint call; ``on_step_end`` for the Trainer, whose save follows it, and
@@ -100,7 +100,7 @@ LABELS: dict[str, dict[str, str]] = {
                    "asymcheck": "asymcheck.accelerate.attach"},
     "hf": {"none": "save_strategy=no", "own": "Trainer save_steps=1", "asymcheck": "asymcheck.hf.AsymCheckCallback"},
     "lightning": {"none": "no checkpoint", "own": "ModelCheckpoint(every_n_train_steps=1)",
-                  "asymcheck": "asymcheck.lightning.AsymCheck"},
+                  "asymcheck": "asymcheck.lightning.AsymCheckCallback"},
     "dcp": {"none": "no checkpoint", "own": "dcp.async_save + FileSystemWriter",
             "asymcheck": "dcp.async_save + asymstore.dcp.StorageWriter"},
 }
@@ -191,9 +191,11 @@ def run_accelerate(method: str, args: argparse.Namespace, root: Path, clock: Clo
     batches: Any = loader
     if method == "asymcheck":
         import asymcheck.accelerate
+        from asymcheck.options import PacingOptions, RetentionOptions
 
         ckpt = asymcheck.accelerate.attach(accelerator, model, optimizer, str(root), scheduler=scheduler, data=loader,
-                                           keep_last=KEEP, max_overhead=None)
+                                           retention=RetentionOptions(keep_last=KEEP),
+                                           pacing=PacingOptions(max_overhead=None))
         extra["resumed"] = ckpt.resume()
         batches = ckpt.loader
     model.train()
@@ -246,8 +248,9 @@ def run_hf(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> d
     resume = None
     if method == "asymcheck":
         from asymcheck.hf import AsymCheckCallback
+        from asymcheck.options import PacingOptions
 
-        callback = AsymCheckCallback(str(root / "asym"), keep_last=KEEP, max_overhead=None)
+        callback = AsymCheckCallback(str(root / "asym"), keep_last=KEEP, pacing=PacingOptions(max_overhead=None))
         ticker.callback = callback
         trainer.add_callback(callback)
         resume = callback.resume_from(trainer)
@@ -264,7 +267,8 @@ def run_lightning(method: str, args: argparse.Namespace, root: Path, clock: Cloc
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from asymcheck.lightning import AsymCheck, ResumableLoader
+    from asymcheck.lightning import AsymCheckCallback, ResumableLoader
+    from asymcheck.options import PacingOptions
 
     n = args.warmup + args.steps + 1  # boundaries at batch ends: n ends make n - 1 steps
     vocab = GPT2_CONFIGS[args.config]["vocab_size"]
@@ -295,7 +299,7 @@ def run_lightning(method: str, args: argparse.Namespace, root: Path, clock: Cloc
     if method == "own":
         callbacks.append(ModelCheckpoint(dirpath=str(root), every_n_train_steps=1))
     elif method == "asymcheck":
-        asym = AsymCheck(str(root), keep_last=KEEP, max_overhead=None)
+        asym = AsymCheckCallback(str(root), keep_last=KEEP, pacing=PacingOptions(max_overhead=None))
         callbacks.append(asym)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=n, logger=False, enable_checkpointing=method == "own",
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -6,8 +6,9 @@ Run by hand (never a timed test), from the repository root::
     .venv/bin/python benches/partitioning.py             # GPT-2 8m and 30m, 4 rounds (long on 2 cores)
     .venv/bin/python benches/partitioning.py --setups single,ddp --configs 30m --rounds 6
 
-Each method is ``asymcheck.Checkpointer(partitioning=...)`` taking a version after every optimizer
-step (``max_overhead=None``: no pacing; ``keep_last=2``; commits fsynced to a directory), or none:
+Each method is ``asymcheck.Checkpointer(partitions=PartitionOptions(partitioning=...))`` taking a
+version after every optimizer step (``pacing=PacingOptions(max_overhead=None)``: no pacing;
+``retention=RetentionOptions(keep_last=2)``; commits fsynced to a directory), or none:
 
 - ``none``: no checkpoint (the baseline);
 - ``asymmetric``: partitions sized to the measured idle windows between hooks, ``r_i = R * t_i / T``
@@ -168,7 +169,12 @@ def child(args: argparse.Namespace) -> None:
     vocab = GPT2_CONFIGS[args.config]["vocab_size"]
     ckpt: Any = None
     mode = None if method == "none" else method
-    opts: dict[str, Any] = {"keep_last": 2, "max_overhead": None, "warmup": 3}
+    opts: dict[str, Any] = {}  # the Checkpointer's option groups (none for the baseline)
+    if mode is not None:
+        from asymcheck.options import PacingOptions, PartitionOptions, RetentionOptions
+
+        opts = {"retention": RetentionOptions(keep_last=2), "pacing": PacingOptions(max_overhead=None),
+                "partitions": PartitionOptions(partitioning=mode, warmup=3)}
     dist: Any = None
     if setup == "single":
         from asymcheck import Checkpointer
@@ -176,7 +182,7 @@ def child(args: argparse.Namespace) -> None:
         model, opt, nparams = build_gpt2(args.config, args.seq)
         model.to(device)  # in place: the optimizer keeps the same parameters
         if mode is not None:
-            ckpt = Checkpointer(model, opt, root, partitioning=mode, **opts)
+            ckpt = Checkpointer(model, opt, root, **opts)
 
         def step(ids: torch.Tensor) -> None:
             model(input_ids=ids, labels=ids).loss.backward()
@@ -193,7 +199,7 @@ def child(args: argparse.Namespace) -> None:
         ddp = DistributedDataParallel(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         if mode is not None:  # a directory in a job of several ranks: a multi-rank store
-            ckpt = Checkpointer(ddp, opt, root, partitioning=mode, **opts)
+            ckpt = Checkpointer(ddp, opt, root, **opts)
 
         def step(ids: torch.Tensor) -> None:
             ddp(input_ids=ids, labels=ids).loss.backward()
@@ -211,7 +217,7 @@ def child(args: argparse.Namespace) -> None:
         if mode is not None:
             from asymcheck.deepspeed import attach
 
-            ckpt = attach(engine, root, partitioning=mode, **opts)
+            ckpt = attach(engine, root, **opts)
 
         def step(ids: torch.Tensor) -> None:
             engine.backward(engine(input_ids=ids, labels=ids).loss)

@@ -168,6 +168,7 @@ def run_method(args: argparse.Namespace, method: str, rank: int, work: Path, shm
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PacingOptions
     from asymstore.multirank import RankStore
 
     model, opt, nparams = build_gpt2(args.config, args.seq)
@@ -181,7 +182,7 @@ def run_method(args: argparse.Namespace, method: str, rank: int, work: Path, shm
     if method != "none":
         ts = tiers(method, args, rank, work, shm)
         ckpt = Checkpointer(model, opt, RankStore(root, tiers=ts, durable=ts[0].name, keep_last=2),
-                            max_overhead=None)
+                            pacing=PacingOptions(max_overhead=None))
     floor = FloorReplica(model, opt, rank) if method == "memory+floor" else None
     times: list[float] = []
     lags: list[int] = []
@@ -249,6 +250,7 @@ def recover(args: argparse.Namespace, rank: int, work: Path, shm: Path) -> dict[
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from asymcheck import Checkpointer
+    from asymcheck.options import PacingOptions
     from asymstore import AsymStore
     from asymstore.multirank import RankStore
 
@@ -260,7 +262,8 @@ def recover(args: argparse.Namespace, rank: int, work: Path, shm: Path) -> dict[
             shutil.rmtree(shm / d, ignore_errors=True)
     dist.barrier()
     ts = tiers("all", args, rank, work, shm)
-    with Checkpointer(model, opt, RankStore(work / "all", tiers=ts, durable=ts[0].name), max_overhead=None):
+    with Checkpointer(model, opt, RankStore(work / "all", tiers=ts, durable=ts[0].name),
+                      pacing=PacingOptions(max_overhead=None)):
         for it in range(args.warmup):
             train_step(model, opt, args, it, rank)
     dist.barrier()

@@ -66,9 +66,10 @@ def live(config: str, ckpt_root: Path | None = None) -> tuple[torch.nn.Module, t
     ckpt: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if ckpt_root is not None:
         from asymcheck import Checkpointer
+        from asymcheck.options import RetentionOptions
         from asymstore import LocalTier
 
-        ckpt = Checkpointer(model, opt, [LocalTier(ckpt_root)], keep_last=1)
+        ckpt = Checkpointer(model, opt, [LocalTier(ckpt_root)], retention=RetentionOptions(keep_last=1))
     with ckpt:
         x = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
         model(x, labels=x).loss.backward()
@@ -170,9 +171,10 @@ def child(config: str, method: str, work: Path, shm: Path) -> dict[str, Any]:
     start = time.perf_counter()
     if method == "checkpointer":
         from asymcheck import Checkpointer
+        from asymcheck.options import RetentionOptions
         from asymstore import LocalTier
 
-        ckpt = Checkpointer(model, opt, [LocalTier(work / "ckpt")], keep_last=1)
+        ckpt = Checkpointer(model, opt, [LocalTier(work / "ckpt")], retention=RetentionOptions(keep_last=1))
         opened = time.perf_counter()
         step = ckpt.resume()
         extra = {"open_s": opened - start, "resume_s": time.perf_counter() - opened, "step": step}

@@ -8,8 +8,8 @@ after every optimizer step into its own directory:
 - ``none``: no checkpoint (the baseline).
 - ``asymcheck``: ``asymcheck.Checkpointer`` into a LocalTier (fsynced, atomic);
   when a commit is still running as the next version is sealed, it waits.
-- ``asymcheck-skip``: the same with ``when_busy="skip"``: it drops that
-  version instead (the counts of committed and skipped versions are reported).
+- ``asymcheck-skip``: the same with ``commits=CommitOptions(when_busy="skip")``:
+  it drops that version instead (the counts of committed and skipped versions are reported).
 - ``asymcheck-inline`` (only with ``--methods``): copies inside the hooks
   instead of on the copy thread, to measure what the thread buys.
 - ``asymcheck-1slot`` (only with ``--methods``): one host slot instead of the
@@ -41,8 +41,8 @@ over the RSS at its start (sampled every 10 ms, and the kernel's VmHWM;
 median and max over the repetitions, in GiB and as a multiple of the state:
 fp32 parameters + two AdamW moments). Per config, for each asymcheck method,
 the targets as ratios: step time <= 1.10x none; its overhead over none <= 0.5
-of dcp.async_save's; peak RSS growth <= host_slots (2, the Checkpointer's
-default) x state + 256 MiB. Between runs the page cache is synced (and the
+of dcp.async_save's; peak RSS growth <= ``CommitOptions.host_slots`` (2, the
+Checkpointer's default) x state + 256 MiB. Between runs the page cache is synced (and the
 C heap trimmed), so one method's write-back or freed memory does not affect
 the next. Writes JSON and a PNG of stall per step.
 
@@ -82,7 +82,7 @@ from harness import add_child_flag, add_quick_flag, order, run_fresh, take_json
 from harness import child_argv as harness_argv
 
 from asymcheck import Checkpointer
-from asymcheck.options import CommitOptions
+from asymcheck.options import CommitOptions, CopyMode, RetentionOptions, WhenBusy
 from asymstore import LocalTier
 
 METHODS = ["none", "asymcheck", "asymcheck-skip", "torch.save", "dcp.async_save", "floor"]
@@ -215,11 +215,11 @@ class Floor(Method):
 
 
 class Asym(Method):
-    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, when_busy: str,
-                 copy: str = "thread", host_slots: int = HOST_SLOTS) -> None:
+    def __init__(self, root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, when_busy: WhenBusy,
+                 copy: CopyMode = "thread", host_slots: int = HOST_SLOTS) -> None:
         super().__init__(root)
-        self.ckpt = Checkpointer(model, opt, [LocalTier(root)], keep_last=2, when_busy=when_busy, copy=copy,
-                                 host_slots=host_slots)
+        self.ckpt = Checkpointer(model, opt, [LocalTier(root)], retention=RetentionOptions(keep_last=2),
+                                 commits=CommitOptions(when_busy=when_busy, copy=copy, host_slots=host_slots))
 
     def close(self) -> list[float] | None:
         self.ckpt.close()

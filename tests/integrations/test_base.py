@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 import asymcheck
 import asymcheck.accelerate
@@ -104,7 +103,7 @@ def test_the_trainer_check_reports_the_tables_reasons_and_the_untested_version(m
         asymcheck.hf.check_trainer(trainer_args(fp16=True, n_gpu=2))  # type: ignore[arg-type]
     assert refusal(HF_TRAINER, "fp16=True").line() in str(info.value)
     assert refusal(HF_TRAINER, "n_gpu").line("n_gpu=2") in str(info.value)
-    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    monkeypatch.setattr(asymcheck.hf.transformers, "__version__", "5.25.0")  # the module object the check reads
     with pytest.raises(UnsupportedTrainerConfigError, match=r"transformers 5\.25\.0: only 5\.24\.x is tested"):
         asymcheck.hf.check_trainer(trainer_args())  # type: ignore[arg-type]
 

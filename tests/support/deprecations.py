@@ -29,13 +29,6 @@ OWN = ("asymcheck", "asymstore")
 
 ROOT = Path(__file__).resolve().parents[2]
 
-NOT_YET = ("asymcheck/accelerate.py", "asymcheck/hf.py", "asymcheck/lightning.py", "asymcheck/integrations/",
-           "tests/accelerate/", "tests/hf/", "tests/lightning/")
-"""Files (under the repository root) whose calls still take deprecated paths while they are converted
-to the typed Checkpointer options (issue 30, item 3): a DeprecationWarning attributed to a call in one
-of them stays a warning. Remove each entry once its file passes without it."""
-
-
 def issuer(frame: FrameType | None) -> str:
     """The module of the first frame outside :mod:`warnings` from ``frame`` outwards: the one that warned."""
     while frame is not None and frame.f_globals.get("__name__") == "warnings":
@@ -46,15 +39,6 @@ def issuer(frame: FrameType | None) -> str:
 def ours(module: str) -> bool:
     """Whether ``module`` is (in) one of the :data:`OWN` packages."""
     return module.split(".", 1)[0] in OWN
-
-
-def not_yet(filename: str) -> bool:
-    """Whether ``filename`` (where a warning is attributed) is one of the :data:`NOT_YET` files."""
-    try:
-        relative = Path(filename).resolve().relative_to(ROOT).as_posix()
-    except ValueError:
-        return False
-    return any(relative == entry or (entry.endswith("/") and relative.startswith(entry)) for entry in NOT_YET)
 
 
 class Raiser:
@@ -74,8 +58,7 @@ class Raiser:
     def show(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: TextIO | None = None, line: str | None = None) -> None:
         """Raise ``message`` when asymcheck/asymstore issued it as a deprecation, else show it as before."""
-        if (issubclass(category, DeprecationWarning) and ours(issuer(sys._getframe(1)))
-                and not not_yet(filename)):
+        if (issubclass(category, DeprecationWarning) and ours(issuer(sys._getframe(1)))):
             raise message if isinstance(message, Warning) else category(message)
         self.previous(message, category, filename, lineno, file, line)
 

@@ -8,7 +8,7 @@ import pytest
 
 import asymcheck
 from asymcheck.options import resolve
-from tests.support.deprecations import ROOT, Raiser, issuer, not_yet
+from tests.support.deprecations import ROOT, Raiser, issuer
 
 
 def test_a_deprecation_asymcheck_issues_is_raised_where_the_test_called_it() -> None:
@@ -49,9 +49,7 @@ def test_other_deprecations_and_other_warnings_stay_warnings() -> None:
     assert shown == [own, user]
 
 
-def test_issuer_skips_the_warnings_module_and_not_yet_names_files_under_the_root() -> None:
+def test_issuer_skips_the_warnings_module() -> None:
     import sys
 
     assert issuer(sys._getframe()) == __name__
-    assert not_yet(str(ROOT / "asymcheck" / "hf.py")) and not_yet(str(ROOT / "tests" / "hf" / "test_x.py"))
-    assert not not_yet(str(ROOT / "asymcheck" / "checkpointer.py")) and not not_yet("/elsewhere/asymcheck/hf.py")

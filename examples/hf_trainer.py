@@ -2,7 +2,7 @@
 
 A small GPT-2 (no download, synthetic tokens, dropout on, a shuffled dataset) trains for 9 steps
 with the Trainer on CPU. The first run stops after 5 steps (as a crash would; the kill tests in
-tests/hf/ SIGKILL it instead); a second run, with a new model, Trainer and callback, resumes from
+tests/asymcheck/hf/ SIGKILL it instead); a second run, with a new model, Trainer and callback, resumes from
 the newest version in ``ckpt/`` (no ``checkpoint-N`` directory) and trains to the end. Its logged
 losses and final weights equal those of an uninterrupted run of the plain Trainer, bit for bit.
 Runs in a temporary directory, removed at the end.

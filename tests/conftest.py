@@ -1,6 +1,7 @@
 """Fixtures of every test; the S3 server and stub libcuda ones come from tests/support/servers.py.
 
-Layout: tests/<area>/test_*.py are the tests, tests/support/ the helpers they import
+Layout: the tests mirror the source tree (tests/asymstore/write/ tests asymstore/write/, tests/asymcheck/snapshot/
+tests asymcheck/snapshot/, the frameworks under tests/asymcheck/<framework>/), tests/support/ the helpers they import
 (``from tests.support.x import ...``), tests/procs/ the scripts they run as child processes
 (``python -m tests.procs.NAME``, see tests/support/launch.py).
 """

@@ -1,6 +1,6 @@
 """Which DeepSpeed engines ``attach()`` and ``install()`` capture correctly; everything else is refused.
 
-The adapters are tested (tests/deepspeed/test_deepspeed_multirank.py) with DeepSpeed
+The adapters are tested (tests/asymcheck/deepspeed/test_multirank.py) with DeepSpeed
 0.19 on the CPU accelerator and gloo, 1 and 2 ranks, ZeRO stages 0-3 with
 fp32 training, data parallelism only. Settings whose state lives where the
 capture does not look (offloaded optimizer state or parameters, expert

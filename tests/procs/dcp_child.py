@@ -1,4 +1,4 @@
-"""Child processes of tests/dcp (``python -m tests.procs.dcp_child MODE ...``; never imported by pytest).
+"""Child processes of tests/asymstore/dcp (``python -m tests.procs.dcp_child MODE ...``; never imported by pytest).
 
 ``train ROOT OUT STEPS [--reference]``: trains the GPT-2 of tests/support/dcp_train.py to STEPS, resuming
 with ``dcp.load`` from what ROOT holds, with a ``dcp.async_save`` of every step into ROOT through

@@ -1,4 +1,6 @@
-"""A user's training script on one rank, a process of its own as torchrun starts it (tests/peer/test_peer_multirank.py).
+"""A user's training script on one rank, in a process of its own as torchrun starts it.
+
+Run by tests/asymstore/tiers/peer/test_multirank.py.
 
 ``python -m tests.procs.peer_exit_script CASE.json RANK``
 

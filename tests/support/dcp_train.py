@@ -1,4 +1,4 @@
-"""GPT-2 and FSDP2 training with ``torch.distributed.checkpoint`` through asymstore.dcp (tests/dcp, procs/dcp_child).
+"""GPT-2 and FSDP2 training with ``torch.distributed.checkpoint`` through asymstore.dcp (tests/asymstore/dcp).
 
 The GPT-2 is ``GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)`` with its dropout
 on (so the RNG state matters), trained on synthetic tokens that are a function of the step, with AdamW. The

@@ -244,7 +244,8 @@ class _PositionedSampler(torch.utils.data.Sampler[int]):
     Attributes:
         inner: the loader's own sampler.
         batch_size: the ``BatchSampler``'s batch size (a trained batch is that many indices).
-        batches: batches of the current pass trained (set by :class:`AsymCheckCallback`).
+        position: the pass position (:class:`~asymcheck.integrations.position.LoaderPosition`; its ``batches``
+            are set by :class:`AsymCheckCallback`).
     """
 
     def __init__(self, inner: Any, batch_size: int) -> None:
@@ -252,15 +253,6 @@ class _PositionedSampler(torch.utils.data.Sampler[int]):
         self.inner = inner
         self.batch_size = batch_size
         self.position = position.LoaderPosition()
-
-    @property
-    def batches(self) -> int:
-        """Batches of the current pass trained (set by :class:`AsymCheckCallback`)."""
-        return self.position.batches
-
-    @batches.setter
-    def batches(self, value: int) -> None:
-        self.position.batches = value
 
     def __len__(self) -> int:
         """The inner sampler's length."""
@@ -720,7 +712,7 @@ class AsymCheckCallback(Callback):
             for loader in _loaders(trainer):
                 loader.batches = batch_idx + 1
             for _, positioned in self._positioned:
-                positioned.batches = batch_idx + 1
+                positioned.position.batches = batch_idx + 1
             self._loops.recorded = trainer.fit_loop.state_dict()
             if self._positioned:
                 self._loops.recorded[DATA] = self._positions()

@@ -259,16 +259,21 @@ FLAT_OPTIONS: dict[str, str] = {
 """Each deprecated flat keyword -> the group parameter whose field of the same name replaces it."""
 
 
-class FlatOptions(TypedDict, total=False):
-    """The flat keywords of earlier releases, deprecated: each is the field of the same name of a group.
+class GroupOptions(TypedDict, total=False):
+    """The group parameters of :class:`asymcheck.Checkpointer` (and ``across_layouts``), as keywords to forward."""
 
-    ``keep_last=5`` is ``retention=RetentionOptions(keep_last=5)``; :data:`FLAT_OPTIONS` maps each
-    keyword to its group. They work for one release, with a ``DeprecationWarning``.
-    """
+    retention: RetentionOptions
+    partitions: PartitionOptions
+    failures: FailureOptions
+    preemption: PreemptionOptions
+    pacing: PacingOptions
+    commits: CommitOptions
+    across_layouts: AcrossLayouts
 
-    keep_last: int | None
-    keep_every: int | None
-    keep_best: KeepBest | None
+
+class FlatOtherOptions(TypedDict, total=False):
+    """The deprecated flat keywords but the retention ones (which some integrations take as their own arguments)."""
+
     partitioning: Partitioning
     warmup: int
     max_partitions: int
@@ -288,21 +293,25 @@ class FlatOptions(TypedDict, total=False):
     copy: CopyMode
 
 
-class CheckpointerOptions(FlatOptions, total=False):
+class FlatOptions(FlatOtherOptions, total=False):
+    """The flat keywords of earlier releases, deprecated: each is the field of the same name of a group.
+
+    ``keep_last=5`` is ``retention=RetentionOptions(keep_last=5)``; :data:`FLAT_OPTIONS` maps each
+    keyword to its group. They work for one release, with a ``DeprecationWarning``.
+    """
+
+    keep_last: int | None
+    keep_every: int | None
+    keep_best: KeepBest | None
+
+
+class CheckpointerOptions(GroupOptions, FlatOptions, total=False):
     """The options an integration forwards to the Checkpointer: ``**options: Unpack[CheckpointerOptions]``.
 
     Every group parameter (and ``across_layouts``) of :class:`asymcheck.Checkpointer`, plus the
     deprecated flat keywords of :class:`FlatOptions`; a key not listed is a type error. ``every``,
     ``stateful`` and ``data`` are the integration's own parameters, not in here.
     """
-
-    retention: RetentionOptions
-    partitions: PartitionOptions
-    failures: FailureOptions
-    preemption: PreemptionOptions
-    pacing: PacingOptions
-    commits: CommitOptions
-    across_layouts: AcrossLayouts
 
 
 @dataclass(frozen=True, kw_only=True)

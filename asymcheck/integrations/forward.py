@@ -11,27 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from typing import Any
 
 from asymcheck.errors import InvalidOptionError
 from asymcheck.options import (
     GROUPS,
     CheckpointerOptions,
-    CommitOptions,
-    CopyMode,
-    FailureOptions,
-    PacingOptions,
-    PartitionOptions,
-    PreemptionOptions,
+    FlatOtherOptions,
+    GroupOptions,
     RetentionOptions,
-    WhenBusy,
     resolve,
 )
-from asymcheck.policy.failures import OnError
-from asymcheck.policy.preempt import PreemptOn
-from asymcheck.snapshot.partition import Clock, Partitioning
 from asymstore import KeepBest
-from asymstore.multirank.rootlayout import AcrossLayouts
 
 __all__ = ["CallbackOptions", "TrainerCallbackOptions", "forwarded_options", "with_retention"]
 
@@ -39,44 +30,19 @@ RETENTION_ARGUMENTS = ("keep_last", "keep_every", "keep_best")
 """The retention fields a callback takes as its own arguments: not in :class:`CallbackOptions`."""
 
 
-class CallbackOptions(TypedDict, total=False):
+class CallbackOptions(GroupOptions, FlatOtherOptions, total=False):
     """:class:`asymcheck.options.CheckpointerOptions` without ``keep_last``, ``keep_every`` and ``keep_best``.
 
     What ``asymcheck.lightning.AsymCheckCallback`` takes as ``**options``: its own ``keep_last``,
-    ``keep_every`` and ``monitor`` arguments are the retention rules' flat forms there (a
-    TypedDict cannot drop keys of another, so the keys are listed again; a test keeps them equal).
+    ``keep_every`` and ``monitor`` arguments are the retention rules' flat forms there.
     """
-
-    retention: RetentionOptions
-    partitions: PartitionOptions
-    failures: FailureOptions
-    preemption: PreemptionOptions
-    pacing: PacingOptions
-    commits: CommitOptions
-    across_layouts: AcrossLayouts
-    partitioning: Partitioning
-    warmup: int
-    max_partitions: int
-    min_partition_bytes: int
-    replan_tolerance: float
-    clock: Clock | None
-    on_error: OnError
-    max_steps_without_durable: int | None
-    max_seconds_without_durable: float | None
-    preempt_on: PreemptOn
-    preempt_deadline_s: float | None
-    max_overhead: float | None
-    save_on_close: bool
-    max_inflight: int
-    when_busy: WhenBusy
-    host_slots: int
-    copy: CopyMode
 
 
 class TrainerCallbackOptions(CallbackOptions, total=False):
     """What ``asymcheck.hf.AsymCheckCallback`` takes as ``**options``: its own are ``keep_last`` and ``keep_best``."""
 
     keep_every: int | None
+
 
 _DEFAULT = RetentionOptions()
 

@@ -1,23 +1,11 @@
 """What one step's training state is, how it is captured and how it is loaded back.
 
-The state has two parts, captured at different moments (see
-:class:`asymcheck.Checkpointer` for when):
-
-- the *flat state*: model parameters, optimizer parameters not in the model,
-  and optimizer state tensors. Only ``optimizer.step()`` changes them, so they
-  are read lazily, in partitions, during the next iteration.
-- the *eager state*: buffers and extra state of the model, optimizer state
-  scalars, and the *moment* of the step: RNG states and the ``data`` objects
-  (data loaders, samplers: anything that advances when a batch is drawn), all
-  taken when the step returns, before anything of the next iteration draws;
-  then the optimizer's param groups and every ``stateful`` object (LR
-  schedulers, GradScaler, counters advanced at the end of the loop body), taken
-  at the first training activity of the next iteration, after the loop's
-  ``scheduler.step()`` and ``scaler.update()`` ran. These are small and copied
-  at once.
-
-Everything non-tensor goes into the version's JSON ``meta`` through
-:mod:`asymcheck.state.encode`; nothing is pickled.
+Two parts, captured at different moments: the *flat state* (parameters and optimizer state
+tensors, which only ``optimizer.step()`` changes) is read lazily, in partitions, during the next
+iteration; the *eager state* (buffers, optimizer scalars, RNG states, ``data`` objects, param
+groups and ``stateful`` objects) is small and copied at once, each part at its own moment.
+Non-tensors go into the version's JSON ``meta`` through :mod:`asymcheck.state.encode`; nothing is
+pickled. When each part is taken: the table in ``docs/guides/checkpointer.md``.
 """
 
 from __future__ import annotations

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,8 +22,8 @@ from asymcheck.options import (
 from asymcheck.snapshot.hooks import Driver, HookSet
 from asymcheck.state.trainstate import TrainingState
 from asymstore import KeepBest
+from tests.support.mypy_snippets import assert_mypy_flags_exactly_the_marked_lines
 
-ROOT = Path(__file__).resolve().parents[2]
 QUIET = PreemptionOptions(preempt_on="none")  # tests build Checkpointers off the main thread too
 
 
@@ -191,24 +188,7 @@ def caller(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
 
 
 def test_mypy_reports_every_misspelt_option_and_accepts_the_right_ones(tmp_path: Path) -> None:
-    pytest.importorskip("mypy")
-    source = textwrap.dedent(SNIPPET)
-    path = tmp_path / "snippet.py"
-    path.write_text(source)
-    expected = {i + 1: line.split("# LINE ")[1] for i, line in enumerate(source.splitlines()) if "# LINE " in line}
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--ignore-missing-imports", "--no-error-summary",
-         "--follow-imports=silent", "--cache-dir", str(ROOT / ".mypy_cache"), "--python-version", "3.11",
-         str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    errors: dict[int, list[str]] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith(str(path)) and ": error:" in line:
-            errors.setdefault(int(line.split(":")[1]), []).append(line)
-    assert done.returncode == 1, done.stdout + done.stderr
-    missing = {name for lineno, name in expected.items() if lineno not in errors}
-    assert not missing, f"mypy did not flag {sorted(missing)}:\n{done.stdout}"
-    unexpected = {lineno: msgs for lineno, msgs in errors.items() if lineno not in expected}
-    assert not unexpected, f"mypy flagged correct lines:\n{done.stdout}"
+    assert_mypy_flags_exactly_the_marked_lines(SNIPPET, tmp_path)
 
 
 # -- the driver interface ------------------------------------------------------------

@@ -14,9 +14,6 @@ through its public interface.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +29,7 @@ from asymcheck.errors import InvalidOptionError
 from asymcheck.integrations.forward import RETENTION_ARGUMENTS, CallbackOptions, TrainerCallbackOptions
 from asymcheck.options import CheckpointerOptions, PacingOptions, PreemptionOptions, RetentionOptions
 from asymstore import KeepBest
+from tests.support.mypy_snippets import assert_mypy_flags_exactly_the_marked_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 QUIET = PreemptionOptions(preempt_on="none")
@@ -86,24 +84,7 @@ def build(acc: object, model: torch.nn.Module, opt: torch.optim.Optimizer) -> No
 
 
 def test_mypy_flags_a_misspelt_option_to_every_integration(tmp_path: Path) -> None:
-    pytest.importorskip("mypy")
-    source = textwrap.dedent(SNIPPET)
-    path = tmp_path / "snippet.py"
-    path.write_text(source)
-    expected = {i + 1: line.split("# LINE ")[1] for i, line in enumerate(source.splitlines()) if "# LINE " in line}
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--ignore-missing-imports", "--no-error-summary",
-         "--follow-imports=silent", "--cache-dir", str(ROOT / ".mypy_cache"), "--python-version", "3.11",
-         str(path)], cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
-    errors: dict[int, list[str]] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith(str(path)) and ": error:" in line:
-            errors.setdefault(int(line.split(":")[1]), []).append(line)
-    assert done.returncode == 1, done.stdout + done.stderr
-    missing = {name for lineno, name in expected.items() if lineno not in errors}
-    assert not missing, f"mypy did not flag {sorted(missing)}:\n{done.stdout}"
-    unexpected = {lineno: msgs for lineno, msgs in errors.items() if lineno not in expected}
-    assert not unexpected, f"mypy flagged correct lines:\n{done.stdout}"
+    assert_mypy_flags_exactly_the_marked_lines(SNIPPET, tmp_path)
 
 
 def test_the_callbacks_options_are_the_checkpointers_but_their_own_retention_arguments() -> None:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from asymstore.multirank import RankStore
 from asymstore.store import StoreOptions
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.mypy_snippets import assert_mypy_flags_exactly_the_marked_lines
 
 SNIPPET = '''
 from typing import Unpack
@@ -40,24 +36,7 @@ def forward(**options: Unpack[StoreOptions]) -> None:
 
 
 def test_mypy_reports_a_misspelt_rankstore_option_and_accepts_the_right_ones(tmp_path: Path) -> None:
-    pytest.importorskip("mypy")
-    source = textwrap.dedent(SNIPPET)
-    path = tmp_path / "snippet.py"
-    path.write_text(source)
-    expected = {i + 1: line.split("# LINE ")[1] for i, line in enumerate(source.splitlines()) if "# LINE " in line}
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--ignore-missing-imports", "--no-error-summary",
-         "--follow-imports=silent", "--cache-dir", str(ROOT / ".mypy_cache"), "--python-version", "3.11",
-         str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    errors: dict[int, list[str]] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith(str(path)) and ": error:" in line:
-            errors.setdefault(int(line.split(":")[1]), []).append(line)
-    assert done.returncode == 1, done.stdout + done.stderr
-    missing = {name for lineno, name in expected.items() if lineno not in errors}
-    assert not missing, f"mypy did not flag {sorted(missing)}:\n{done.stdout}"
-    unexpected = {lineno: msgs for lineno, msgs in errors.items() if lineno not in expected}
-    assert not unexpected, f"mypy flagged correct lines:\n{done.stdout}"
+    assert_mypy_flags_exactly_the_marked_lines(SNIPPET, tmp_path)
 
 
 def test_a_rankstores_options_reach_its_own_store(tmp_path: Path) -> None:

@@ -124,9 +124,6 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
             problems.append(refusal(HF_TRAINER, setting).line())
     if args.n_gpu > 1:
         problems.append(refusal(HF_TRAINER, "n_gpu").line(f"n_gpu={args.n_gpu}"))
-    if args.world_size > 1 and not _is_deepspeed(args):
-        problems.append(refusal(HF_TRAINER, "world_size without deepspeed").line(
-            f"world_size={args.world_size} without deepspeed"))
     if model is not None and hasattr(model, "peft_config"):
         problems.append(refusal(HF_TRAINER, "a PEFT model").line())
     support.require_supported(problems, UnsupportedTrainerConfigError,

@@ -63,7 +63,6 @@ HF_TRAINER: tuple[Refusal, ...] = (
             "resumes inside an epoch with other RNG states, so the rest of the epoch would come in a new order"),
     Refusal("torch_compile=True", "untested: the snapshot hooks run inside the compiled modules"),
     Refusal("n_gpu", "torch.nn.DataParallel"),
-    Refusal("world_size without deepspeed", "untested with the Trainer"),
     Refusal("a PEFT model", "the Trainer's resume loads adapters from the resume directory"),
 )
 """What :class:`asymcheck.hf.AsymCheckCallback` refuses (under DeepSpeed also what the DeepSpeed adapter refuses)."""

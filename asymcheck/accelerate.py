@@ -30,6 +30,7 @@ from accelerate.utils import DistributedType
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
 from asymcheck.errors import (
+    AsymcheckError,
     DataPositionError,
     InexactResumeWarning,
     StateMismatchError,
@@ -48,8 +49,8 @@ from asymstore.protocols import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AccelerateCheckpointer", "DataPositionError", "ResumableLoader", "UnsupportedAccelerateConfigError",
-           "attach", "unsupported_settings"]
+__all__ = ["AccelerateCheckpointer", "DataPositionError", "MissingLocationError", "ResumableLoader",
+           "UnsupportedAccelerateConfigError", "attach", "unsupported_settings"]
 
 STEP_NAME = names.ACCELERATE_STEP  # the data object holding ``accelerator.step``
 SCHEDULER_NAME = names.ACCELERATE_SCHEDULER
@@ -61,6 +62,14 @@ _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MUL
 
 
 # -- what is refused -----------------------------------------------------------
+
+
+class MissingLocationError(AsymcheckError, TypeError):
+    """:func:`attach` was given no location (None): the message names the line that gives it one.
+
+    A ``TypeError`` as Python's own for a missing argument; ``run_clm_no_trainer.py``'s ``--output_dir``
+    is None unless given, so ``attach(..., args.output_dir, ...)`` lands here.
+    """
 
 
 def unsupported_settings(accelerator: Any) -> list[str]:
@@ -477,6 +486,8 @@ def attach(accelerator: Any, model: Any, optimizer: Any, location: StoreSpec | N
         UnsupportedConfigError: under DeepSpeed, a configuration :func:`asymcheck.deepspeed.attach`
             refuses.
         UnresumableDataError: ``data`` holds a torch ``DataLoader`` that ``prepare`` did not return.
+        MissingLocationError: ``location`` is None (a ``TypeError``; a script's ``--output_dir`` that
+            was not given); nothing was hooked.
         InvalidOptionError: an option out of its range, or a flat keyword beside its own group.
         TypeError: a keyword that is no option.
 
@@ -485,6 +496,11 @@ def attach(accelerator: Any, model: Any, optimizer: Any, location: StoreSpec | N
             from a loader), or a prepared loader uses worker processes (random transforms in them
             differ after a resume).
     """
+    if location is None and root_or_store is None:
+        raise MissingLocationError(
+            "attach() missing the argument 'location' (where the checkpoint lives), or it was None: a script's "
+            "--output_dir is None unless given (run_clm_no_trainer.py's is); pass a directory, e.g. "
+            "os.path.join(args.output_dir or \".\", \"asymcheck\")")
     where: StoreSpec = renamed_location(location, root_or_store, old="root_or_store", caller="attach")
     forwarded = forwarded_options("attach", options)
     _check(accelerator)

@@ -176,3 +176,17 @@ def test_a_prepared_loader_with_workers_is_named(tmp_path: Path) -> None:
     with pytest.warns(InexactResumeWarning, match="num_workers=2") as record:
         attach(acc, model, opt, str(tmp_path), data=loader).close()
     assert len(record) == 1
+
+
+def test_no_location_is_a_typed_error_naming_the_fix(tmp_path: Path) -> None:
+    """run_clm_no_trainer.py's --output_dir is None unless given: attach(..., args.output_dir) names the line to use."""
+    from asymcheck.accelerate import MissingLocationError
+    from asymcheck.errors import AsymcheckError
+
+    acc, model, opt = plain_job()
+    for make in (lambda: attach(acc, model, opt, None, data={}), lambda: attach(acc, model, opt, data={})):
+        with pytest.raises(MissingLocationError, match="missing the argument 'location'") as info:
+            make()
+        assert isinstance(info.value, AsymcheckError) and isinstance(info.value, TypeError)
+        assert 'os.path.join(args.output_dir or ".", "asymcheck")' in str(info.value)
+    assert not any(tmp_path.iterdir())

@@ -20,7 +20,7 @@ import itertools
 import logging
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Unpack
 
 import lightning
@@ -40,7 +40,7 @@ from asymcheck.integrations.callback import DeferredCheckpointer
 from asymcheck.integrations.forward import CallbackOptions, forwarded_options
 from asymcheck.integrations.settings import LIGHTNING, refusal
 from asymcheck.options import CheckpointerOptions, RetentionOptions, renamed_location
-from asymcheck.snapshot.hooks import Driver, HookSet
+from asymcheck.snapshot.hooks import Driver, Hooks, HookSet
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats
 from asymcheck.versions.storespec import StoreSpec
@@ -55,7 +55,28 @@ LOOPS_NAME = names.LIGHTNING_FIT_LOOP
 SCHEDULER_PREFIX = names.LIGHTNING_SCHEDULER + "."
 MARKED = "asymcheck_marked"  # in the recorded loop state: the version's small state was taken before training_step
 DATA = "asymcheck_data"  # in the recorded loop state: the positions of the plain DataLoaders the callback positions
+PRECISION_NAME = names.reserved("lightning", "precision")
+"""The precision plugin's state (its GradScaler's scale and growth tracker), when it has a scaler."""
+OPTIMIZER_PREFIX = names.reserved("lightning", "optimizer") + "."
+"""With ``<i>``: the state of ``trainer.optimizers[i]`` for ``i >= 1`` (the first is the Checkpointer's own)."""
 InexactData = Literal["raise", "warn"]
+Sealing = Literal["closure", "step", "batch"]
+"""Where a :class:`LightningCheckpointer` seals the previous version and opens the next:
+
+- ``"closure"`` (automatic optimization): sealed by :meth:`LightningCheckpointer.before_step` in
+  ``on_before_optimizer_step`` (the torch step pre-hook fires before Lightning's closure), opened
+  by the optimizer's step post-hook.
+- ``"step"`` (automatic optimization with a GradScaler): Lightning runs the closure, then
+  ``scaler.step(optimizer)``, which calls ``optimizer.step()`` only when the gradients are finite:
+  sealed in the optimizer's step pre-hook and opened in its post-hook, so a step the scaler skips
+  is no version and leaves the open version open.
+- ``"batch"`` (manual optimization, any number of optimizers): sealed at the step pre-hook of the
+  first optimizer that steps in a ``training_step``; opened by :meth:`LightningCheckpointer.batch_end`
+  in ``on_train_batch_end`` when an optimizer step completed in it: a version is one ``training_step``,
+  after all its optimizer steps.
+"""
+# what the callback captures exactly: full precision, and mixed precision (a GradScaler's state is in the version)
+_PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed")
 # samplers whose pass is decided by the global torch RNG, their ``generator`` and Lightning's set_epoch alone
 _SAMPLERS = (torch.utils.data.SequentialSampler, torch.utils.data.RandomSampler,
              torch.utils.data.SubsetRandomSampler, torch.utils.data.WeightedRandomSampler,
@@ -76,12 +97,9 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
         One line per refused setting (empty: supported).
     """
     out = support.version_problems("lightning", lightning.__version__)
-    if not module.automatic_optimization:
-        out.append(refusal(LIGHTNING, "automatic_optimization=False").line())
-    if len(trainer.optimizers) != 1:
-        out.append(refusal(LIGHTNING, "configure_optimizers").line(
-            f"configure_optimizers returned {len(trainer.optimizers)} optimizers"))
-    if str(trainer.precision) in ("16-mixed", "16", "16-true"):
+    if not trainer.optimizers:
+        out.append(refusal(LIGHTNING, "configure_optimizers").line("configure_optimizers returned no optimizer"))
+    if str(trainer.precision) not in _PRECISIONS:
         out.append(refusal(LIGHTNING, "precision").line(f"precision={trainer.precision}"))
     if trainer.ckpt_path is not None:
         out.append(refusal(LIGHTNING, "fit(ckpt_path=...)").line(f"fit(ckpt_path={str(trainer.ckpt_path)!r})"))
@@ -423,30 +441,99 @@ def _noop() -> None:
     pass
 
 
-class LightningCheckpointer(Checkpointer):
-    """A :class:`asymcheck.Checkpointer` sealing versions in ``on_before_optimizer_step`` (made by AsymCheckCallback).
+class _BatchHooks:
+    """The hooks of manual optimization: HookSet's forward and grad hooks, every optimizer's step hooks.
 
-    The torch step pre-hook of the plain Checkpointer fires before Lightning's closure (the forward
-    and backward of the iteration), so here the version of the previous step is sealed by
-    :meth:`before_step`, which :class:`AsymCheckCallback` calls in ``on_before_optimizer_step``; the step
-    post-hook still opens each version. It drives the Checkpointer through its public ``hooks=``
-    factory and :attr:`asymcheck.Checkpointer.driver`.
+    The first step pre-hook after a version opened seals it (once: a ``before_step`` only after an
+    ``after_step``); each step post-hook records that a step completed; :meth:`batch_end` opens the
+    next version when one did.
+    """
+
+    def __init__(self, driver: Driver, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._driver = driver
+        self._inner = HookSet(model, optimizers[0], on_forward=driver.on_forward, on_grad=driver.on_grad,
+                              on_step_pre=_noop, on_step_post=_noop)
+        self._handles = [h for opt in optimizers for h in (
+            opt.register_step_pre_hook(lambda o, args, kwargs: self._pre()),
+            opt.register_step_post_hook(lambda o, args, kwargs: self._post()))]
+        self._sealed = False  # before_step was delivered and no after_step since
+        self._stepped = False  # an optimizer step completed since the last batch_end
+
+    def _pre(self) -> None:
+        if not self._sealed:
+            self._sealed = True
+            self._driver.before_step()
+
+    def _post(self) -> None:
+        self._stepped = True
+
+    def batch_end(self) -> None:
+        if self._stepped:
+            self._stepped = self._sealed = False
+            self._driver.after_step()
+
+    def refresh(self) -> int:
+        return self._inner.refresh()
+
+    def settle(self) -> None:
+        self._inner.settle()
+
+    def remove(self) -> None:
+        self._inner.remove()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class LightningCheckpointer(Checkpointer):
+    """A :class:`asymcheck.Checkpointer` sealing versions at Lightning's moments (made by AsymCheckCallback).
+
+    Where it seals and opens a version is its ``sealing`` (:data:`Sealing`). Under automatic
+    optimization without a GradScaler the torch step pre-hook of the plain Checkpointer fires before
+    Lightning's closure (the forward and backward of the iteration), so the version of the previous
+    step is sealed by :meth:`before_step`, which :class:`AsymCheckCallback` calls in
+    ``on_before_optimizer_step``; the step post-hook still opens each version. The parameters and the
+    first optimizer's state are copied lazily; the other optimizers' states (manual optimization)
+    are ``stateful`` objects, copied at once when the version takes its small state. It drives the
+    Checkpointer through its public ``hooks=`` factory and :attr:`asymcheck.Checkpointer.driver`.
+
+    Args:
+        model: the LightningModule.
+        optimizer: the first optimizer (the others, under ``sealing="batch"``, go in ``optimizers``).
+        location: as :class:`asymcheck.Checkpointer` takes it.
+        stateful: as :class:`asymcheck.Checkpointer` takes it.
+        every: a version every ``every`` steps (``"batch"``: training steps that stepped).
+        sealing: where versions are sealed and opened.
+        optimizers: under ``"batch"``, every optimizer whose steps are hooked (default: ``optimizer``).
+        **options: the Checkpointer's typed option groups.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, location: StoreSpec, *,
-                 stateful: Mapping[str, Stateful] | None = None, every: int = 1,
+                 stateful: Mapping[str, Stateful] | None = None, every: int = 1, sealing: Sealing = "closure",
+                 optimizers: Sequence[torch.optim.Optimizer] = (),
                  **options: Unpack[CheckpointerOptions]) -> None:
-        """Build the Checkpointer with the model's hooks and the optimizer's step post-hook only."""
+        """Build the Checkpointer with the model's hooks and the step hooks ``sealing`` needs."""
+        self.sealing: Sealing = sealing
+        self._batch_hooks: _BatchHooks | None = None
 
-        def hooks(driver: Driver) -> HookSet:
+        def hooks(driver: Driver) -> Hooks:
+            if sealing == "batch":
+                self._batch_hooks = _BatchHooks(driver, model, list(optimizers) or [optimizer])
+                return self._batch_hooks
             return HookSet(model, optimizer, on_forward=driver.on_forward, on_grad=driver.on_grad,
-                           on_step_pre=_noop, on_step_post=driver.after_step)
+                           on_step_pre=driver.before_step if sealing == "step" else _noop,
+                           on_step_post=driver.after_step)
 
         super().__init__(model, optimizer, location, stateful=stateful, every=every, hooks=hooks, **options)
 
     def before_step(self) -> None:
-        """Seal the open version: the optimizer is about to step (its closure ran)."""
+        """Seal the open version: the optimizer is about to step (its closure ran). For ``sealing="closure"``."""
         self.driver.before_step()
+
+    def batch_end(self) -> None:
+        """A ``training_step`` ended: open the next version if an optimizer step completed in it (``"batch"``)."""
+        if self._batch_hooks is not None:
+            self._batch_hooks.batch_end()
 
 
 # -- the callback ----------------------------------------------------------------
@@ -575,10 +662,18 @@ class AsymCheckCallback(Callback):
         stateful: dict[str, Stateful] = {LOOPS_NAME: self._loops}
         for i, config in enumerate(trainer.lr_scheduler_configs):
             stateful[f"{SCHEDULER_PREFIX}{i}"] = config.scheduler
+        for i, optimizer in enumerate(trainer.optimizers[1:], start=1):
+            stateful[f"{OPTIMIZER_PREFIX}{i}"] = optimizer
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:  # the GradScaler's scale and growth tracker (MixedPrecision's state_dict)
+            stateful[PRECISION_NAME] = trainer.precision_plugin
+        sealing: Sealing = ("batch" if not pl_module.automatic_optimization else
+                            "step" if scaler is not None else "closure")
         self.restored = None
         self._positioned, self._data_loaded, self._data_told, self._data_unrecorded = [], None, set(), False
         ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.location, stateful=stateful,
-                                     every=self.every, **self.options)
+                                     every=self.every, sealing=sealing, optimizers=trainer.optimizers,
+                                     **self.options)
         self._run.start(ckpt, marked=0)
         self._recorded = 0
         self._validated = self._resuming = False
@@ -697,8 +792,12 @@ class AsymCheckCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        """Seal the previous step's version: the closure's forward and backward copied it."""
-        if self.checkpointer is not None:
+        """Seal the previous step's version: the closure's forward and backward copied it.
+
+        Only under automatic optimization without a GradScaler (``sealing="closure"``); otherwise the
+        optimizers' own step pre-hooks seal (see :data:`Sealing`).
+        """
+        if self.checkpointer is not None and self.checkpointer.sealing == "closure":
             self.checkpointer.before_step()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -707,6 +806,7 @@ class AsymCheckCallback(Callback):
         ckpt = self.checkpointer
         if ckpt is None:
             return
+        ckpt.batch_end()  # manual optimization: the training_step's steps are done, its version opens
         if ckpt.step != self._recorded:  # an optimizer step ran in this batch
             self._recorded = ckpt.step
             for loader in _loaders(trainer):

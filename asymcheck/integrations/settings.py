@@ -69,9 +69,9 @@ HF_TRAINER: tuple[Refusal, ...] = (
 
 LIGHTNING: tuple[Refusal, ...] = (
     Refusal("version", "only the tested major.minor of lightning is supported"),
-    Refusal("automatic_optimization=False", "manual optimization: the loop's own steps are not tracked"),
-    Refusal("configure_optimizers", "exactly one is supported"),
-    Refusal("precision", "fp16: a GradScaler may skip optimizer.step after on_before_optimizer_step; use bf16 or 32"),
+    Refusal("configure_optimizers", "no optimizer: nothing steps, so no version would be taken"),
+    Refusal("precision", "32-true, 64-true, bf16-mixed and 16-mixed are supported; 16-true, bf16-true and the "
+            "other plugins' precisions are untested"),
     Refusal("fit(ckpt_path=...)",
             "Lightning's restore would replace the version's state after the callback loaded it: resume from the "
             "store, or AsymCheckCallback(resume=False) on a fresh directory"),

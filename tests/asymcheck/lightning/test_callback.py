@@ -223,13 +223,14 @@ class _Manual(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
 
 
-def test_manual_optimization_refused(tmp_path: Path) -> None:
+def test_untested_precision_refused(tmp_path: Path) -> None:
+    """``precision="bf16-true"`` (bf16 parameters) is untested: refused, typed, before anything is written."""
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_progress_bar=False, enable_model_summary=False, precision="bf16-true",
                          callbacks=[AsymCheckCallback(tmp_path / "ckpt")])
-    with pytest.raises(UnsupportedLightningConfigError, match="automatic_optimization=False"):
+    with pytest.raises(UnsupportedLightningConfigError, match="precision=bf16-true"):
         trainer.fit(_Manual())
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").glob("v*"))
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("v*"))
 
 
 class _Tiny(pl.LightningModule):

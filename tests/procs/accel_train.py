@@ -15,6 +15,14 @@ and gloo), ``ds`` (the DeepSpeed plugin, ZeRO stage ``--stage``, DeepSpeed's CPU
 ``--accum``: micro-steps per optimizer step. ``--kill S``: SIGKILL inside the forward of the first
 micro-batch after S optimizer steps (every process of the job does). ``--raw``: iterate the loader
 itself while attached; the first optimizer step must raise ``DataPositionError`` (an event).
+``--precision``: ``no``; ``bf16`` (``Accelerator(mixed_precision="bf16")``: autocast on the CPU);
+``fp16`` (``Accelerator(mixed_precision="fp16")`` on CUDA: Accelerate's ``GradScaler``); ``fp16-cpu``
+(the same scaler path on the CPU: Accelerate makes its fp16 scaler on GPUs only, and on the CPU
+trains fp16 in fp32 without one, so this test-only shim gives the ``Accelerator`` a
+``torch.amp.GradScaler("cpu")`` before ``prepare``, the object Accelerate itself would put there; the
+reference run has it too). Under ``fp16``/``fp16-cpu`` the loss of a few fixed micro-batches is made
+infinite (``OVERFLOW``, in every run) so that the scaler skips their optimizer steps and backs off, and
+the loop counts only the steps that ran (``optimizer.step_was_skipped``).
 
 The tests start it through tests/procs/accel_zygote.py (a fork server), which calls :func:`main`.
 
@@ -69,7 +77,10 @@ def save_final(path: Path, step: int, tensors: dict[str, torch.Tensor], meta: di
     asyncio.run(write())
 
 
-def make_accelerator(mode: str, accum: int, stage: int) -> Any:
+OVERFLOW = {"0:3", "1:2", "1:5", "2:7"}  # epoch:batch whose loss is made inf under fp16 (the scaler skips the step)
+
+
+def make_accelerator(mode: str, accum: int, stage: int, precision: str = "no") -> Any:
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
@@ -77,7 +88,13 @@ def make_accelerator(mode: str, accum: int, stage: int) -> Any:
         plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=accum, gradient_clipping=1.0)
         return Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=accum,
                            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
-    return Accelerator(cpu=True, gradient_accumulation_steps=accum)
+    if precision == "fp16":  # CUDA: Accelerate makes the GradScaler itself
+        return Accelerator(mixed_precision="fp16", gradient_accumulation_steps=accum)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum,
+                              mixed_precision="bf16" if precision == "bf16" else "no")
+    if precision == "fp16-cpu":  # test-only shim: the scaler Accelerate gives fp16 on a GPU, on the CPU
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    return accelerator
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill", type=int, default=-1)
     ap.add_argument("--no-ckpt", action="store_true")
     ap.add_argument("--raw", action="store_true", help="iterate the loader itself while attached (an error)")
+    ap.add_argument("--precision", choices=["no", "bf16", "fp16", "fp16-cpu"], default="no")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import set_seed
     from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
 
-    accelerator = make_accelerator(args.mode, args.accum, args.stage)
+    accelerator = make_accelerator(args.mode, args.accum, args.stage, args.precision)
+    overflow = OVERFLOW if args.precision.startswith("fp16") else set()
     rank = accelerator.process_index
     losses = open(out / f"losses-rank{rank}.jsonl", "a")
     events = open(out / f"events-rank{rank}.jsonl", "a")
@@ -163,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             number = ckpt.loader.batches if ckpt is not None else i + 1
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
+                if f"{epoch}:{number}" in overflow:
+                    loss = loss * float("inf")  # the scaler finds inf gradients and skips this optimizer step
                 accelerator.backward(loss)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
             losses.write(json.dumps({"key": f"{epoch}:{number}", "loss": loss.item().hex()}) + "\n")
             losses.flush()
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients and not optimizer.step_was_skipped:
                 completed += 1
                 if args.kill >= 0:
                     state["completed"] = completed
@@ -197,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 def write_final(mode: str, accelerator: Any, model: Any, optimizer: Any, scheduler: Any, loader: Any, path: Path,
                 completed: int) -> None:
     extra = {"accelerator_step": int(accelerator.step), "epoch": int(loader.iteration), "completed": completed}
+    stateful: dict[str, Any] = {"sched": scheduler}
+    if accelerator.scaler is not None:
+        stateful["scaler"] = accelerator.scaler
     if mode == "ds":
         from asymcheck.deepspeed import DeepSpeedState
 
@@ -205,7 +229,7 @@ def write_final(mode: str, accelerator: Any, model: Any, optimizer: Any, schedul
         from asymcheck.state.trainstate import TrainingState
 
         tensors, meta = TrainingState(accelerator.unwrap_model(model), optimizer.optimizer,
-                                      stateful={"sched": scheduler}).capture_all()
+                                      stateful=stateful).capture_all()
     meta["final"] = extra
     save_final(path, completed, tensors, meta)
 

@@ -13,8 +13,12 @@ process, must equal those of an uninterrupted job without asymcheck, bit for bit
 the epoch's last optimizer step has one), 2-process DDP (gloo) without and with ``accumulate()``, and
 the DeepSpeed plugin with ZeRO-2 and ZeRO-3 on 2 processes (DeepSpeed's CPU accelerator). The other ZeRO
 stages and accumulation under DeepSpeed are ``exhaustive``. ``ACCELERATE_KILL_SEED`` replays the kill
-points (each case prints its own). The plugin's FSDP2 is not here: Accelerate 1.15 runs FSDP only on GPUs (on the
-CPU it prepares the model with DDP).
+points (each case prints its own). Mixed precision: bf16 (Accelerate's CPU autocast) with ``accumulate()``,
+and fp16's ``GradScaler`` with skipped steps (a few micro-batches' losses made infinite in every run: a
+version is one completed optimizer step, the scaler's scale and growth tracker are in it) through
+Accelerate's own scaler path on the CPU (``torch.amp.GradScaler("cpu")`` handed to the ``Accelerator``, which
+makes its fp16 scaler only on GPUs); real fp16 on CUDA is a ``gpu`` test. The plugin's FSDP2 is not here:
+Accelerate 1.15 runs FSDP only on GPUs (on the CPU it prepares the model with DDP).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 
 from asymstore import AsymStore, LocalTier
 from asymstore.values import Checkpoint
+from tests.procs.accel_train import OVERFLOW
 from tests.support.launch import proc_argv, proc_env
 from tests.support.mr_harness import free_ports
 
@@ -54,6 +59,7 @@ class Config:
     world: int
     accum: int = 1
     stage: int = 2
+    precision: str = "no"  # no | bf16 | fp16 (CUDA) | fp16-cpu (Accelerate's scaler path with GradScaler("cpu"))
 
     @property
     def batches(self) -> int:
@@ -62,15 +68,22 @@ class Config:
 
     @property
     def steps(self) -> int:
-        """Optimizer steps of the whole job (an epoch's last step may have fewer micro-batches)."""
-        return EPOCHS * -(-self.batches // self.accum)
+        """Optimizer steps the job completes (an epoch's last step may have fewer micro-batches).
+
+        Under fp16 the scaler skips the step of each micro-batch in ``accel_train.OVERFLOW`` (one per step,
+        ``accum`` is 1 there): no version is taken for it.
+        """
+        skipped = len(OVERFLOW) if self.precision.startswith("fp16") else 0
+        return EPOCHS * -(-self.batches // self.accum) - skipped
 
     @property
     def name(self) -> str:
-        return f"{self.mode}{self.stage if self.mode == 'ds' else ''}-w{self.world}-a{self.accum}"
+        precision = "" if self.precision == "no" else f"-{self.precision}"
+        return f"{self.mode}{self.stage if self.mode == 'ds' else ''}-w{self.world}-a{self.accum}{precision}"
 
     def args(self) -> list[str]:
-        return ["--mode", self.mode, "--accum", str(self.accum), "--stage", str(self.stage)]
+        return ["--mode", self.mode, "--accum", str(self.accum), "--stage", str(self.stage),
+                "--precision", self.precision]
 
 
 CONFIGS = [
@@ -84,6 +97,13 @@ CONFIGS = [
     # GPT-2 ties lm_head.weight to wte.weight: the ZeRO-3 capture must empty the tied name too
     pytest.param(Config("ds", 2, stage=3), id="ds-zero3"),
     pytest.param(Config("ds", 2, accum=2), id="ds-zero2-accum2", marks=pytest.mark.exhaustive),
+    pytest.param(Config("single", 1, accum=2, precision="bf16"), id="single-accum2-bf16"),
+    # Accelerate's fp16 GradScaler path (accelerator.backward scales, AcceleratedOptimizer steps through the scaler
+    # and skips on inf): on the CPU with GradScaler("cpu") given to the Accelerator (Accelerate makes one on GPUs only)
+    pytest.param(Config("single", 1, precision="fp16-cpu"), id="single-fp16-cpu-scaler"),
+    pytest.param(Config("ddp", 2, precision="bf16"), id="ddp2-bf16", marks=pytest.mark.exhaustive),
+    pytest.param(Config("single", 1, precision="fp16"), id="single-fp16-cuda",
+                 marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ]
 
 
@@ -244,6 +264,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     raw = Job(Config("single", 1), base / "raw", ["--dir", str(base / "raw-ckpt"), "--raw"])
     jobs: list[Job] = [raw]
     for config in dict.fromkeys(selected):
+        if config.precision == "fp16" and not torch.cuda.is_available():
+            continue  # skipped: Accelerate's fp16 on the CPU trains in fp32 without a scaler
         d = base / config.name
         kill = random.Random(f"{SEED}-{config.name}").randint(3, config.steps - 3)
         print(f"{config.name}: SIGKILL after {kill} optimizer steps (ACCELERATE_KILL_SEED={SEED})")

@@ -38,8 +38,12 @@ TESTED: dict[str, tuple[int, int]] = {
 
 ACCELERATE: tuple[Refusal, ...] = (
     Refusal("version", "only the tested major.minor of accelerate is supported"),
-    Refusal("distributed_type", "one process, DDP, FSDP2 and DeepSpeed are supported"),
-    Refusal("fsdp_version", "FSDP1's flat parameters; use fsdp_version=2"),
+    Refusal("distributed_type", "one process, DDP and DeepSpeed are supported"),
+    Refusal("fsdp_version", "FSDP1's flat parameters are not captured; FSDP2 is the sharded route: "
+            "FullyShardedDataParallelPlugin(fsdp_version=2)"),
+    Refusal("fsdp_version=2", "Accelerate 1.15 runs FSDP on GPUs only (on the CPU it ignores the plugin and prepares "
+            "DDP, which is supported) and its FSDP2 route is not yet tested on a GPU; the Checkpointer's FSDP2 path "
+            "is, in your own loop with fully_shard"),
     Refusal("dynamo_backend", "torch.compile: the snapshot hooks are not exercised under compiled graphs"),
     Refusal("DataLoaderConfiguration(use_stateful_dataloader=True)",
             "torchdata's StatefulDataLoader draws from the global RNG when Accelerate first reads its state, so a "

@@ -24,11 +24,18 @@ StoreSpec = CheckpointStore | Sequence[Tier] | str | os.PathLike[str]
 
 __getattr__ = moved_getattr(__name__, {"dist_world": ("asymstore.dist.world", "rank_world")})
 
-_STEP = re.compile(r"^(?:.*[/\\])?(?:step[-_]?)?(\d{1,18})$")
+_STEP = re.compile(r"^(?:(?:.*[-_.])?(?:step|checkpoint|ckpt)[-_]?)?(\d{1,18})$", re.IGNORECASE)
+"""The last path component of a ``checkpoint_id``: digits, after ``step``, ``checkpoint`` or ``ckpt`` when any."""
 
 
 def parse_step(checkpoint_id: object) -> int:
-    """The step a DCP ``checkpoint_id`` names: an int, or a string like ``"12"``, ``"step-12"``, ``".../step_12"``.
+    """The step a DCP ``checkpoint_id`` names: an int, or a string whose last path component names it.
+
+    That component is the step's digits, alone or after ``step``, ``checkpoint`` or ``ckpt`` (and a
+    ``-`` or ``_``), which may follow a prefix ending in ``-``, ``_`` or ``.``: ``"12"``,
+    ``"step-12"``, ``".../step_12"``, ``"checkpoint_step12"`` (PyTorch's DCP recipe names its saves
+    ``f"{CHECKPOINT_DIR}_step{step}"``), ``"checkpoint-12"``, ``"global_step12"``. Nothing else is
+    guessed: ``"epoch_3"`` or ``"run-3"`` names no step.
 
     Raises:
         DCPStorageError: it names no step.
@@ -37,11 +44,12 @@ def parse_step(checkpoint_id: object) -> int:
         if checkpoint_id >= 0:
             return checkpoint_id
     elif isinstance(checkpoint_id, (str, os.PathLike)):
-        match = _STEP.match(str(os.fspath(checkpoint_id)).rstrip("/\\"))
+        text = str(os.fspath(checkpoint_id)).rstrip("/\\")
+        match = _STEP.match(re.split(r"[/\\]", text)[-1])
         if match:
             return int(match.group(1))
     raise DCPStorageError(f"checkpoint_id {checkpoint_id!r} names no step: give the step as an int or as a "
-                          "string such as '12' or 'step-12'")
+                          "string such as '12', 'step-12' or 'checkpoint_step12'")
 
 
 def renamed_location(location: object, store_kwargs: dict[str, Any], old: str, caller: str) -> Any:

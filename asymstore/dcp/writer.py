@@ -18,8 +18,8 @@ import logging
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -31,11 +31,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from asymstore.dcp import metadata as md
+from asymstore.dcp import session as shared
+from asymstore.dcp.session import Save as _Save
+from asymstore.dcp.session import Session
 from asymstore.dcp.spec import StoreSpec, own_store, parse_step, renamed_location
 from asymstore.errors import DCPStorageError, InvalidNameError, StepCommittedError, StepOrderError
 from asymstore.format.manifest import validate_name
 from asymstore.multirank.store import RankStore
-from asymstore.runtime.loop import StoreLoop
 from asymstore.store import AsymStore
 from asymstore.values import CommitResult
 
@@ -49,19 +51,6 @@ BATCH_BYTES = 64 << 20
 _DCP_VERSION: str = getattr(importlib.import_module("torch.distributed.checkpoint.filesystem"), "CURRENT_DCP_VERSION",
                             "1.0.0")
 """The DCP format version DCP's own writer records (``Metadata.version``)."""
-
-
-@dataclass
-class _Save:
-    """One ``dcp.save`` in progress."""
-
-    rank: int
-    coordinator: bool
-    requested: int | None
-    save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    step: int | None = None
-    done: bool = False
-    superseded: bool = False
 
 
 class StorageWriter(_DCPStorageWriter):
@@ -123,12 +112,11 @@ class StorageWriter(_DCPStorageWriter):
         self.keep_last = keep_last
         self.pickle_planner_data = pickle_planner_data
         self._store_kwargs = store_kwargs
-        self._loop: StoreLoop[AsymStore | RankStore] | None = None
+        self._session: Session | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._open_lock = threading.Lock()
         self._closed = False
-        self._saves: dict[int, _Save] = {}  # the save in progress, by the thread DCP runs it on
         self._requested: int | None = None
-        self._last_chosen: int | None = None
         self.last_step: int | None = None
         """The step of the last save this writer committed (None before one)."""
         self.last_commit: CommitResult | None = None
@@ -139,19 +127,34 @@ class StorageWriter(_DCPStorageWriter):
     def open(self) -> AsymStore | RankStore:
         """Build and open the store now (the first save does it otherwise); return it.
 
+        The writers of one process that name the same directory or URI share one open store (and
+        one save at a time, as one writer would): a new writer per save, DCP's idiom, meets no lock
+        of its own process (see :mod:`asymstore.dcp.session`).
+
         Raises:
-            DCPStorageError: the writer is closed, or the store cannot be built for this job.
-            RootLockedError: another live store writes the directory.
+            DCPStorageError: the writer is closed, the store cannot be built for this job, or the
+                root is open in this process by a writer with other options.
+            RootLockedError: another process (or a store that is not a StorageWriter's) writes the directory.
         """
+        return self._open_session().loop.store
+
+    def _open_session(self) -> Session:
         with self._open_lock:
             if self._closed:
                 raise DCPStorageError("the StorageWriter is closed")
-            if self._loop is not None:
-                return self._loop.store
-            store = own_store(self._spec, self.keep_last, self._store_kwargs, read_only=False)
-            assert not isinstance(store, str), "a writer always gets a store"
-            self._loop = StoreLoop(store, name="asymstore-dcp-writer")
-            return store
+            if self._session is not None:
+                return self._session
+
+            def build() -> AsymStore | RankStore:
+                store = own_store(self._spec, self.keep_last, self._store_kwargs, read_only=False)
+                assert not isinstance(store, str), "a writer always gets a store"
+                return store
+            session = shared.acquire(shared.shared_key(self._spec), (self.keep_last, dict(self._store_kwargs)),
+                                     build, "asymstore-dcp-writer")
+            self._session = session
+            # dropped without close() (DCP's idiom): let go of the shared store, closing nothing
+            self._finalizer = weakref.finalize(self, shared.release, session, close=False)
+            return session
 
     @property
     def store(self) -> AsymStore | RankStore:
@@ -160,17 +163,21 @@ class StorageWriter(_DCPStorageWriter):
 
     def run_on_store(self, coro: Any) -> Any:
         """Run a coroutine on the store's loop thread (how a reader sharing this writer's store reads)."""
-        self.open()
-        assert self._loop is not None
-        return self._loop.run(coro)
+        return self._open_session().loop.run(coro)
 
     def close(self) -> None:
-        """Close the store (waits for its background tiers) and stop the loop thread; idempotent."""
+        """Close the store (waits for its background tiers) and stop its loop thread; idempotent.
+
+        A store shared with other writers of the same root in this process closes with the last of them.
+        """
         with self._open_lock:
             self._closed = True
-            loop, self._loop = self._loop, None
-        if loop is not None:
-            loop.close()
+            session, self._session = self._session, None
+            finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        if session is not None:
+            shared.release(session, close=True)
 
     def __enter__(self) -> StorageWriter:
         """Return the writer (opened at its first save)."""
@@ -182,8 +189,8 @@ class StorageWriter(_DCPStorageWriter):
         self.close()
 
     def _run(self, coro: Any) -> Any:
-        assert self._loop is not None, "opened in set_up_storage_writer"
-        return self._loop.run(coro)
+        assert self._session is not None, "opened in set_up_storage_writer"
+        return self._session.loop.run(coro)
 
     # -- the StorageWriter interface ---------------------------------------
 
@@ -218,7 +225,8 @@ class StorageWriter(_DCPStorageWriter):
         if not kwargs.get("use_collectives", True):
             raise DCPStorageError("use_collectives=False is not supported: a version is published by the "
                                   "coordinator once every rank's shard is committed")
-        store = self.open()
+        session = self._open_session()
+        store = session.loop.store
         rank = int(kwargs.get("rank") or 0)
         if isinstance(store, RankStore):
             if store.rank != rank:
@@ -227,8 +235,9 @@ class StorageWriter(_DCPStorageWriter):
         elif rank != 0 or not is_coordinator:
             raise DCPStorageError("several ranks cannot share one AsymStore: give each rank a RankStore (or a "
                                   "directory, which becomes one)")
-        previous = list(self._saves.values())
-        self._saves = {threading.get_ident(): _Save(rank, is_coordinator, self._requested)}
+        with session.lock:  # the previous save of this root: this writer's, or another writer's of it
+            previous = list(session.saves.values())
+            session.saves = {threading.get_ident(): _Save(rank, is_coordinator, self._requested, uuid.uuid4().hex)}
         self._requested = None
         for save in previous:
             if not save.done:
@@ -266,7 +275,8 @@ class StorageWriter(_DCPStorageWriter):
         store = self.open()
         try:
             save.step = self._call(save, lambda: self._choose_step(store, save))
-            self._last_chosen = max(save.step, self._last_chosen or 0)
+            session = self._open_session()
+            session.last_chosen = max(save.step, session.last_chosen or 0)
             results = self._stage(store, save, plan, planner)
             if isinstance(store, RankStore) and not save.coordinator:
                 step, meta = save.step, self._shard_meta(store, save, len(results))
@@ -313,7 +323,7 @@ class StorageWriter(_DCPStorageWriter):
 
     def _mine(self) -> _Save:
         """The save DCP runs on this thread (DCP calls every method of one save from one thread)."""
-        save = self._saves.get(threading.get_ident())
+        save = self._open_session().saves.get(threading.get_ident())
         if save is None or save.done or save.superseded:
             raise DCPStorageError("this save is not in progress any more: a newer save began before it finished "
                                   "(one save at a time per writer: wait for an async_save's future before the next "
@@ -332,11 +342,14 @@ class StorageWriter(_DCPStorageWriter):
     def _finished(self, save: _Save) -> None:
         save.done = True
         self.last_step = save.step
+        session = self._session
+        if session is not None and save.step is not None:
+            session.last_step = max(save.step, session.last_step or 0)
 
     def _abandon(self, save: _Save) -> None:
-        if save.step is None or save.done or self._loop is None:
+        if save.step is None or save.done or self._session is None:
             return
-        step, store = save.step, self._loop.store
+        step, store = save.step, self._session.loop.store
         save.done = True
 
         async def drop() -> None:
@@ -348,14 +361,15 @@ class StorageWriter(_DCPStorageWriter):
             logger.warning("could not drop the uncommitted step %d: %s", step, exc)
 
     async def _choose_step(self, store: AsymStore | RankStore, save: _Save) -> int:
+        session = self._open_session()
         if isinstance(store, RankStore):
-            floor = 0 if self._last_chosen is None else self._last_chosen + 1  # never a step an earlier save took
+            floor = 0 if session.last_chosen is None else session.last_chosen + 1  # never a step a save took
             step = await store.agree_step(max(save.requested or 0, floor))
             if save.requested is not None and step != save.requested:
                 raise StepOrderError(f"step {save.requested} is not newer than the newest global version "
                                      f"(the next is {step})")
             return step
-        newest = max((s for s in (store.newest_step, self.last_step, self._last_chosen) if s is not None),
+        newest = max((s for s in (store.newest_step, session.last_step, session.last_chosen) if s is not None),
                      default=None)
         if save.requested is None:
             return 0 if newest is None else newest + 1

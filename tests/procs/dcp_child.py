@@ -1,11 +1,17 @@
 """Child processes of tests/asymstore/dcp (``python -m tests.procs.dcp_child MODE ...``; never imported by pytest).
 
-``train ROOT OUT STEPS [--reference]``: trains the GPT-2 of tests/support/dcp_train.py to STEPS, resuming
-with ``dcp.load`` from what ROOT holds, with a ``dcp.async_save`` of every step into ROOT through
+``train ROOT OUT STEPS [--reference] [--idiom]``: trains the GPT-2 of tests/support/dcp_train.py to STEPS,
+resuming with ``dcp.load`` from what ROOT holds, with a ``dcp.async_save`` of every step into ROOT through
 ``asymstore.dcp.StorageWriter`` (the previous save's future is waited for before the next, as TorchTitan
-does). ``OUT/losses.jsonl`` gets each step's loss, ``OUT/progress.jsonl`` each step once its save is done,
+does). Without ``--idiom`` one writer saves every step and the resume reads through it; with ``--idiom``
+it is DCP's own recipe: a new ``StorageWriter(ROOT)`` per save, ``checkpoint_id=f"checkpoint_step{step}"``
+(the recipe's form), never closed, and the resume through a new ``StorageReader(ROOT)``.
+``OUT/losses.jsonl`` gets each step's loss, ``OUT/progress.jsonl`` each step once its save is done,
 ``OUT/final.json`` the digests of the final state. With ``--reference`` the same process then trains a fresh
 model for STEPS without any checkpoint and writes ``OUT/ref.json`` (losses and final digests).
+
+``save ROOT STEP``: one ``dcp.save`` into ROOT through a new ``StorageWriter(ROOT)``; prints ``saved``, or
+``failed:`` and the type names of the errors DCP's ``CheckpointException`` carries.
 
 ``reshard OUT`` (on 2 gloo ranks: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): an FSDP2 model trains 2 steps
 and ``dcp.async_save``-s into ``OUT/root2`` (a RankStore per rank, from the directory); rank 0 writes the digests
@@ -41,10 +47,51 @@ def append(path: Path, doc: dict[str, object]) -> None:
         f.flush()
 
 
-def train(root: str, out: Path, steps: int, reference: bool) -> None:
+def train(root: str, out: Path, steps: int, reference: bool, idiom: bool = False) -> None:
     torch.set_num_threads(1)
     model = t.gpt2()
     opt = t.optimizer(model)
+    if idiom:
+        train_idiom(root, out, steps, model, opt)
+    else:
+        train_one_writer(root, out, steps, model, opt)
+    t.write_json(out / "final.json", t.digests({"model": model.state_dict(), "optim": opt.state_dict()}))
+    if reference:
+        model = t.gpt2()
+        opt = t.optimizer(model)
+        losses = [t.train_step(model, opt, step).hex() for step in range(steps)]
+        t.write_json(out / "ref.json", {"losses": losses, "final": t.digests({"model": model.state_dict(),
+                                                                             "optim": opt.state_dict()})})
+
+
+def train_idiom(root: str, out: Path, steps: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """DCP's recipe: a new writer per save, never closed (the store they share closes at exit)."""
+    reader = StorageReader(root)
+    start = 0
+    if reader.steps():
+        state = t.app_state(model, opt, -1)
+        dcp.load(state, storage_reader=reader)
+        t.apply_state(model, opt, state)
+        assert reader.step == state["step"], (reader.step, state["step"])
+        start = state["step"] + 1
+        append(out / "progress.jsonl", {"resumed": state["step"], "fallbacks": reader.fallbacks})
+    reader.close()
+    future = None
+    for step in range(start, steps):
+        loss = t.train_step(model, opt, step)
+        append(out / "losses.jsonl", {"step": step, "loss": loss.hex()})
+        state = t.app_state(model, opt, step)
+        if future is not None:
+            future.result()
+            append(out / "progress.jsonl", {"saved": step - 1, "t": time.time()})
+        future = dcp.async_save(state, storage_writer=StorageWriter(root, keep_last=2),
+                                checkpoint_id=f"checkpoint_step{step}")
+    if future is not None:
+        future.result()
+        append(out / "progress.jsonl", {"saved": steps - 1, "t": time.time()})
+
+
+def train_one_writer(root: str, out: Path, steps: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     with StorageWriter(root, keep_last=2) as writer:
         reader = StorageReader(writer)
         start = 0
@@ -67,13 +114,17 @@ def train(root: str, out: Path, steps: int, reference: bool) -> None:
         if future is not None:
             future.result()
             append(out / "progress.jsonl", {"saved": steps - 1, "t": time.time()})
-    t.write_json(out / "final.json", t.digests({"model": model.state_dict(), "optim": opt.state_dict()}))
-    if reference:
-        model = t.gpt2()
-        opt = t.optimizer(model)
-        losses = [t.train_step(model, opt, step).hex() for step in range(steps)]
-        t.write_json(out / "ref.json", {"losses": losses, "final": t.digests({"model": model.state_dict(),
-                                                                             "optim": opt.state_dict()})})
+
+
+def save_once(root: str, step: int) -> None:
+    """One ``dcp.save`` of a small state at ``step`` through a new writer; prints ``saved`` or the typed failure."""
+    try:
+        dcp.save({"w": torch.full((3,), float(step))}, storage_writer=StorageWriter(root), checkpoint_id=step)
+    except CheckpointException as exc:
+        kinds = sorted({type(f[0] if isinstance(f, tuple) else f).__name__ for f in exc.failures.values()})
+        print("failed:", ",".join(kinds), flush=True)
+        return
+    print("saved", flush=True)
 
 
 def reshard(out: Path) -> None:
@@ -130,7 +181,9 @@ def reshard(out: Path) -> None:
 def main(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "train":
-        train(argv[1], Path(argv[2]), int(argv[3]), "--reference" in argv[4:])
+        train(argv[1], Path(argv[2]), int(argv[3]), "--reference" in argv[4:], "--idiom" in argv[4:])
+    elif mode == "save":
+        save_once(argv[1], int(argv[2]))
     elif mode == "reshard":
         reshard(Path(argv[1]))
     else:

@@ -4,7 +4,8 @@
 Two processes of tests/procs/dcp_child.py (``train``): the first is killed once a random step's save is done (the
 kill lands in the next step's training or its save, which runs on DCP's thread); the second resumes from the
 newest version, trains to the end, then runs the uninterrupted reference in the same process. fsck finds the
-root clean. ``DCP_KILL_SEED`` replays the kill point (the test prints it).
+root clean. ``DCP_KILL_SEED`` replays the kill point (the test prints it). Twice: one writer for every save, and
+DCP's own recipe (a new ``StorageWriter`` per save, ``checkpoint_id=f"checkpoint_step{step}"``, never closed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from asymstore.dcp import StorageReader
 from tests.support import dcp_train as t
 from tests.support.launch import proc_argv, proc_env
 
@@ -32,13 +34,15 @@ def progress(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_sigkill_and_resume_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writers", ["one-writer", "writer-per-save"])
+def test_sigkill_and_resume_bit_exact(tmp_path: Path, writers: str) -> None:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     env = proc_env(OMP_NUM_THREADS="1")
-    kill_after = random.Random(f"{SEED}-sigkill").randint(1, STEPS - 4)
+    flags = ["--idiom"] if writers == "writer-per-save" else []
+    kill_after = random.Random(f"{SEED}-sigkill-{writers}").randint(1, STEPS - 4)
     print(f"SIGKILL once step {kill_after} is saved (DCP_KILL_SEED={SEED})")
-    first = subprocess.Popen(proc_argv("dcp_child", "train", str(root), str(out), str(STEPS)), env=env,
+    first = subprocess.Popen(proc_argv("dcp_child", "train", str(root), str(out), str(STEPS), *flags), env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -53,7 +57,7 @@ def test_sigkill_and_resume_bit_exact(tmp_path: Path) -> None:
     saved = max(p["saved"] for p in progress(out) if "saved" in p)  # type: ignore[type-var]
     assert saved < STEPS - 1, "the run ended before it was killed"
 
-    second = subprocess.run(proc_argv("dcp_child", "train", str(root), str(out), str(STEPS), "--reference"),
+    second = subprocess.run(proc_argv("dcp_child", "train", str(root), str(out), str(STEPS), "--reference", *flags),
                             env=env, capture_output=True, text=True, timeout=300, check=False)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     resumed = [p for p in progress(out) if "resumed" in p]
@@ -67,5 +71,8 @@ def test_sigkill_and_resume_bit_exact(tmp_path: Path) -> None:
     assert [losses[s] for s in range(STEPS)] == ref["losses"]
     assert t.read_json(out / "final.json") == ref["final"]
 
+    if writers == "writer-per-save":  # every save was the step its checkpoint_id named; keep_last=2 kept two
+        with StorageReader(root) as reader:
+            assert reader.steps() == [STEPS - 1, STEPS - 2]
     done = t.fsck(root, "--deep")
     assert done.returncode == 0 and "verdict: OK" in done.stdout, done.stdout + done.stderr

@@ -7,9 +7,10 @@ Two lines after ``accelerator.prepare(...)``, on every process::
     completed_steps = ckpt.resume() or 0    # optimizer steps already done; None on a fresh start
 
 and the loop iterates ``ckpt.loader`` where it iterated ``train_dataloader``. One process and DDP
-get an :class:`asymcheck.Checkpointer`, the FSDP2 plugin its FSDP2 path, the DeepSpeed plugin
-:func:`asymcheck.deepspeed.attach`. What a version holds, the data position, what is refused (a
-table of :data:`asymcheck.integrations.settings.ACCELERATE`) and the Accelerate names relied on:
+get an :class:`asymcheck.Checkpointer`, the DeepSpeed plugin :func:`asymcheck.deepspeed.attach`
+(the FSDP plugin is refused: FSDP1 always, FSDP2 until its GPU-only route is tested). What a
+version holds, the data position, what is refused (a table of
+:data:`asymcheck.integrations.settings.ACCELERATE`) and the Accelerate names relied on:
 docs/guides/accelerate.md. Importing this module imports Accelerate (the ``accelerate`` extra).
 """
 
@@ -90,6 +91,8 @@ def unsupported_settings(accelerator: Any) -> list[str]:
         version = getattr(getattr(state, "fsdp_plugin", None), "fsdp_version", None)
         if version != 2:
             out.append(refusal(ACCELERATE, "fsdp_version").line(f"fsdp_version={version}"))
+        else:  # GPU-only in Accelerate 1.15, not yet run through attach() on a GPU
+            out.append(refusal(ACCELERATE, "fsdp_version=2").line())
     dynamo = getattr(getattr(state, "dynamo_plugin", None), "backend", None)
     if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
         out.append(refusal(ACCELERATE, "dynamo_backend").line(f"dynamo_backend={getattr(dynamo, 'value', dynamo)}"))

@@ -40,9 +40,6 @@ def with_state(**changes: Any) -> Any:
 def test_supported_settings_pass() -> None:
     for kind in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED):
         assert unsupported_settings(accelerator(distributed_type=kind)) == []
-    fsdp2 = with_state(fsdp_plugin=SimpleNamespace(fsdp_version=2))
-    fsdp2.distributed_type = DistributedType.FSDP
-    assert unsupported_settings(fsdp2) == []
 
 
 @pytest.mark.parametrize(("acc", "setting"), [
@@ -62,10 +59,26 @@ def test_refused_settings_are_named(acc: Any, setting: str) -> None:
     assert isinstance(info.value, UnsupportedConfigError)
 
 
-def test_fsdp1_is_refused() -> None:
+def test_fsdp1_is_refused_naming_the_switch_to_fsdp2() -> None:
     acc = with_state(fsdp_plugin=SimpleNamespace(fsdp_version=1))
     acc.distributed_type = DistributedType.FSDP
-    assert any("fsdp_version=1" in p for p in unsupported_settings(acc))
+    problems = unsupported_settings(acc)
+    assert len(problems) == 1 and problems[0].startswith("fsdp_version=1 ("), problems
+    assert "FullyShardedDataParallelPlugin(fsdp_version=2)" in problems[0]
+    with pytest.raises(UnsupportedAccelerateConfigError, match="fsdp_version=1"):
+        attach(acc, None, None, "unused")
+
+
+def test_fsdp2_is_refused_as_gpu_only_and_untested(tmp_path: Path) -> None:
+    """Accelerate 1.15 runs FSDP on GPUs only (on the CPU it prepares DDP): the route is refused before anything."""
+    acc = with_state(fsdp_plugin=SimpleNamespace(fsdp_version=2))
+    acc.distributed_type = DistributedType.FSDP
+    problems = unsupported_settings(acc)
+    assert len(problems) == 1 and problems[0].startswith("fsdp_version=2 (Accelerate 1.15 runs FSDP on GPUs only"), \
+        problems
+    with pytest.raises(UnsupportedAccelerateConfigError, match="fsdp_version=2"):
+        attach(acc, torch.nn.Linear(2, 2), None, str(tmp_path / "ckpt"), data={})
+    assert not any(tmp_path.iterdir())  # refused before the store was opened
 
 
 def test_untested_accelerate_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,10 +14,17 @@ kept by in one process, recorded only under DDP); without it, it is the uninterr
 ``--accum N``: ``accumulate_grad_batches=N``.
 ``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then
 Lightning's handler ends the fit by its ``SIGTERMException``, exit status 0, no final state written).
+``--precision P``: ``bf16-mixed`` (``Trainer(precision="bf16-mixed")``: autocast, no scaler) or ``16-mixed``:
+fp16 autocast with a GradScaler. On CPU Lightning turns ``precision="16-mixed"`` into ``bf16-mixed``, so
+the child passes the same plugin that flag builds on a GPU, ``MixedPrecision("16-mixed", "cpu",
+scaler=torch.amp.GradScaler("cpu", ...))``, its scaler starting at 2**24 and growing every 4 finite steps,
+so that the fit has steps the scaler skips (about one in five). ``--gpu``: on CUDA (``deterministic=True``),
+``precision="16-mixed"`` as a user writes it.
 
 Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch, validation
 losses under ``"val:epoch"``) and, when it finishes, ``OUT/final-rankR.pt`` (parameters, optimizer and
-scheduler state, torch RNG, global step and epoch, as tensors).
+scheduler state, torch RNG, global step and epoch, the GradScaler's state, as tensors), and after a
+resume ``OUT/resumed-rankR.json`` (``{"step": S}``, the version the callback loaded).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from asymcheck.lightning import AsymCheckCallback, ResumableLoader
@@ -109,6 +117,8 @@ def final_state(trainer: pl.Trainer, module: Model) -> dict[str, torch.Tensor]:
     out["rng"] = torch.get_rng_state()
     out["global_step"] = torch.tensor(trainer.global_step)
     out["epoch"] = torch.tensor(trainer.current_epoch)
+    for k, v in trainer.precision_plugin.state_dict().items():  # the GradScaler's (empty without one)
+        out[f"scaler/{k}"] = torch.tensor(v, dtype=torch.float64)
     return out
 
 
@@ -120,6 +130,8 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--sigterm", action="store_true")
+    parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
+    parser.add_argument("--gpu", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,14 +142,25 @@ def main() -> None:
     if args.sigterm:
         module.signal = signal.SIGTERM
     callbacks: list[pl.Callback] = []
+    ckpt = None
     if args.dir:
-        callbacks.append(AsymCheckCallback(args.dir, keep_last=2, monitor="val_loss", save_top_k=1,
-                                           pacing=PacingOptions(max_overhead=None)))
-    trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
+        ckpt = AsymCheckCallback(args.dir, keep_last=2, monitor="val_loss", save_top_k=1,
+                                 pacing=PacingOptions(max_overhead=None))
+        callbacks.append(ckpt)
+    precision: dict[str, Any] = {}
+    if args.precision == "16-mixed" and not args.gpu:  # what precision="16-mixed" builds on a GPU, on the CPU
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=4)
+        precision["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    elif args.precision != "32-true":
+        precision["precision"] = args.precision
+    trainer = pl.Trainer(accelerator="gpu" if args.gpu else "cpu", devices=2 if args.ddp else 1,
+                         strategy="ddp" if args.ddp else "auto", deterministic=args.gpu,
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1,
-                         accumulate_grad_batches=args.accum)
+                         accumulate_grad_batches=args.accum, **precision)
     trainer.fit(module)
+    if ckpt is not None and ckpt.restored is not None:
+        (out / f"resumed-rank{trainer.global_rank}.json").write_text(json.dumps({"step": ckpt.restored.step}))
     torch.save(final_state(trainer, module), out / f"final-rank{trainer.global_rank}.pt")
 
 

@@ -43,9 +43,9 @@ DDP_STEPS = 12  # 3 epochs of 4 batches per process under 2
 SEED = int(os.environ.get("LIGHTNING_KILL_SEED", random.randrange(1 << 30)))
 
 
-def kill_point(name: str, steps: int) -> int:
+def kill_point(name: str, steps: int, first: int = 2) -> int:
     """The drawn kill step of test ``name`` (``LIGHTNING_KILL_SEED`` replays it); printed for a failure report."""
-    kill = random.Random(f"{SEED}-{name}").randint(2, steps - 1)
+    kill = random.Random(f"{SEED}-{name}").randint(first, steps - 1)
     print(f"{name}: kill after {kill} optimizer steps (LIGHTNING_KILL_SEED={SEED})")
     return kill
 
@@ -53,7 +53,7 @@ def kill_point(name: str, steps: int) -> int:
 class _Launch:
     """One child per rank of a fit, started now; :meth:`wait` checks how they ended."""
 
-    def __init__(self, out: Path, *args: str, ddp: bool = False) -> None:
+    def __init__(self, out: Path, *args: str, ddp: bool = False, proc: str = "lightning_train") -> None:
         self.out = out
         self.done = False
         port = free_ports(1)[0]
@@ -63,7 +63,7 @@ class _Launch:
             if ddp:
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                            LOCAL_RANK=str(rank), NODE_RANK="0")
-            argv = proc_argv("lightning_train", "--out", str(out), *args, *(["--ddp"] if ddp else []))
+            argv = proc_argv(proc, "--out", str(out), *args, *(["--ddp"] if ddp else []))
             self.procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                env=env))
 
@@ -221,6 +221,60 @@ class _Manual(pl.LightningModule):
 
     def train_dataloader(self) -> Any:
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+
+
+def _resumed_step(out: Path) -> int:
+    """The version the resumed child loaded (it must have resumed: a fresh start would also match)."""
+    marker = out / "resumed-rank0.json"
+    assert marker.exists(), "the second child started fresh instead of resuming"
+    step: int = json.loads(marker.read_text())["step"]
+    return step
+
+
+# 16-mixed: fp16 autocast and a GradScaler (on CPU the plugin precision="16-mixed" builds on a GPU; see the child)
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_kill_and_resume(tmp_path: Path, precision: str) -> None:
+    """Mixed precision: every loss after the resume and the final state (the scaler's too) equal an uninterrupted fit.
+
+    Under 16-mixed the scaler starts high and skips about one step in two at first: a skipped step is
+    no version, the scaler's scale and growth tracker are in each version.
+    """
+    ref = _Launch(tmp_path / "ref", "--precision", precision)
+    kill = kill_point(f"mixed_precision_{precision}", STEPS, first=10)
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _run(out, "--dir", str(root), "--kill", str(kill), "--precision", precision, killed=(kill, signal.SIGKILL))
+    _run(out, "--dir", str(root), "--precision", precision)
+    reference = ref.wait()
+    _check_same(reference, out, 1)
+    final = torch.load(reference / "final-rank0.pt")
+    optimizer_steps = int(final["opt/0/step"].flatten()[0])  # AdamW's own count: the steps not skipped
+    versions = sorted(next(iter(_versions(root).values())))
+    assert 1 <= _resumed_step(out) < kill
+    if precision == "16-mixed":  # the scaler skipped steps, and only completed steps became versions
+        assert "scaler/scale" in final and optimizer_steps < int(final["global_step"]), final["global_step"]
+        assert versions[-1] == optimizer_steps
+    else:
+        assert "scaler/scale" not in final and optimizer_steps == STEPS and versions[-1] == STEPS
+
+
+@pytest.mark.parametrize("optimizers", [1, 2])
+def test_manual_optimization_kill_and_resume(tmp_path: Path, optimizers: int) -> None:
+    """Manual optimization with one optimizer (and its scheduler), and a GAN-style module with two.
+
+    A version is one ``training_step`` after all its optimizer steps (the GAN's generator steps every
+    other batch): every loss after the resume and the final parameters, every optimizer's state, the
+    scheduler and the RNG equal an uninterrupted fit's.
+    """
+    args = ("--optimizers", str(optimizers))
+    ref = _Launch(tmp_path / "ref", *args, proc="lightning_manual")
+    kill = kill_point(f"manual_{optimizers}", STEPS, first=3)
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _Launch(out, "--dir", str(root), "--kill", str(kill), *args, proc="lightning_manual").wait(
+        killed=(kill, signal.SIGKILL))
+    _Launch(out, "--dir", str(root), *args, proc="lightning_manual").wait()
+    _check_same(ref.wait(), out, 1)
+    assert 1 <= _resumed_step(out) < kill
+    assert sorted(next(iter(_versions(root).values())))[-1] == STEPS  # a version per training_step
 
 
 def test_untested_precision_refused(tmp_path: Path) -> None:

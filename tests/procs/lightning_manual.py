@@ -1,0 +1,145 @@
+"""A training child of the Lightning manual-optimization tests (run as a script; never imported by pytest).
+
+``python -m tests.procs.lightning_manual --out OUT [--dir CKPT] [--kill B] [--optimizers 1|2]``
+
+Fits a LightningModule with ``automatic_optimization = False`` on CPU, one process, for 3 epochs of
+7 batches (a plain ``DataLoader`` shuffled by the global RNG, positioned by the callback):
+
+- ``--optimizers 1``: an MLP with dropout, one AdamW and a per-step LambdaLR stepped in
+  ``training_step`` (``self.lr_schedulers().step()``);
+- ``--optimizers 2``: a GAN-style module: a generator and a discriminator (dropout in both), noise
+  drawn from the global RNG in ``training_step``, ``opt_d.step()`` every batch and ``opt_g.step()``
+  every other batch (``n_critic=2``), so some ``training_step``\\ s step one optimizer, some both.
+
+With ``--dir`` it runs under ``asymcheck.lightning.AsymCheckCallback`` (a version every training
+step); without it, it is the uninterrupted reference. ``--kill B``: SIGKILL inside the ``B``-th
+``training_step`` (counted over epochs from 0), having written ``OUT/killed-rank0.json`` (``{"step": B,
+"signal": "SIGKILL"}``) just before. Writes ``OUT/losses-rank0.jsonl`` (``{"key": "epoch:batch", "loss":
+hex float}``), when it finishes ``OUT/final-rank0.pt`` (parameters, every optimizer's state, the
+scheduler, torch RNG, global step and epoch, as tensors), and after a resume ``OUT/resumed-rank0.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from asymcheck.lightning import AsymCheckCallback
+from asymcheck.options import PacingOptions
+
+EPOCHS = 3
+BATCHES = 7
+BATCH = 4
+
+
+def mlp(i: int, o: int) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(i, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, o))
+
+
+class Manual(pl.LightningModule):
+    def __init__(self, out: Path, kill: int | None, optimizers: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.out = out
+        self.kill = kill
+        self.two = optimizers == 2
+        self.g = mlp(8, 4)
+        self.d = mlp(4, 1)
+
+    def _log(self, key: str, loss: torch.Tensor) -> None:
+        with (self.out / "losses-rank0.jsonl").open("a") as f:
+            f.write(json.dumps({"key": key, "loss": float(loss).hex()}) + "\n")
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        if self.kill is not None and self.current_epoch * BATCHES + batch_idx == self.kill:
+            (self.out / "killed-rank0.json").write_text(json.dumps({"step": self.kill, "signal": "SIGKILL"}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        real = batch[0]
+        key = f"{self.current_epoch}:{batch_idx}"
+        if not self.two:
+            opt = self.optimizers()
+            loss = (self.d(self.g(torch.randn(len(real), 8)) + real)).square().mean()
+            opt.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(loss)
+            opt.step()  # type: ignore[union-attr]
+            self.lr_schedulers().step()  # type: ignore[union-attr]
+            self._log(key, loss)
+            return
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
+        fake = self.g(torch.randn(len(real), 8))
+        d_loss = bce(self.d(real), torch.ones(len(real), 1)) + bce(self.d(fake.detach()), torch.zeros(len(real), 1))
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self._log(f"d:{key}", d_loss)
+        if batch_idx % 2 == 0:  # n_critic = 2: the generator steps every other batch
+            g_loss = bce(self.d(fake), torch.ones(len(real), 1))
+            opt_g.zero_grad()
+            self.manual_backward(g_loss)
+            opt_g.step()
+            self._log(f"g:{key}", g_loss)
+
+    def configure_optimizers(self) -> Any:
+        if not self.two:
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
+            return {"optimizer": opt, "lr_scheduler": sched}
+        return [torch.optim.Adam(self.g.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+                torch.optim.AdamW(self.d.parameters(), lr=1e-3)]
+
+    def train_dataloader(self) -> Any:
+        data = torch.randn(BATCHES * BATCH, 4, generator=torch.Generator().manual_seed(5)) * 0.5 + 1.0
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=BATCH, shuffle=True)
+
+
+def final_state(trainer: pl.Trainer, module: Manual) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.detach().clone() for k, v in module.state_dict().items()}
+    for j, optimizer in enumerate(trainer.optimizers):
+        sd = optimizer.state_dict()
+        for i, st in sd["state"].items():
+            for k, v in st.items():
+                out[f"opt{j}/{i}/{k}"] = torch.as_tensor(v).clone()
+        out[f"opt{j}/lr"] = torch.tensor([g["lr"] for g in sd["param_groups"]], dtype=torch.float64)
+    for j, config in enumerate(trainer.lr_scheduler_configs):
+        out[f"sched{j}/last_epoch"] = torch.tensor(config.scheduler.last_epoch)
+    out["rng"] = torch.get_rng_state()
+    out["global_step"] = torch.tensor(trainer.global_step)
+    out["epoch"] = torch.tensor(trainer.current_epoch)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dir")
+    parser.add_argument("--kill", type=int)
+    parser.add_argument("--optimizers", type=int, choices=[1, 2], default=1)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    module = Manual(out, args.kill, args.optimizers)
+    ckpt = None
+    callbacks: list[pl.Callback] = []
+    if args.dir:
+        ckpt = AsymCheckCallback(args.dir, keep_last=2, pacing=PacingOptions(max_overhead=None))
+        callbacks.append(ckpt)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module)
+    torch.save(final_state(trainer, module), out / "final-rank0.pt")
+    if ckpt is not None and ckpt.restored is not None:
+        (out / "resumed-rank0.json").write_text(json.dumps({"step": ckpt.restored.step}))
+
+
+if __name__ == "__main__":
+    main()

@@ -85,6 +85,17 @@ assert reader.step == 4 and state["step"] == 4
 reader.close()
 # --8<-- [end:older]
 
+# --8<-- [start:idiom]
+for step in range(STEPS, STEPS + 3):                # DCP's recipe: a new writer for every save, never closed
+    train_step(model, optimizer, step)
+    dcp.save(app_state(model, optimizer, step), storage_writer=StorageWriter("ckpt", keep_last=3),
+             checkpoint_id=f"checkpoint_step{step}")   # the version's step: 6, then 7, then 8
+StorageWriter("ckpt", keep_last=3).close()          # closes the store they shared (else the process's exit does)
+with StorageReader("ckpt") as reader:
+    print("steps kept:", reader.steps())            # [8, 7, 6]
+    assert reader.steps() == [8, 7, 6]
+# --8<-- [end:idiom]
+
 done = subprocess.run([sys.executable, "-m", "asymstore.fsck", "ckpt"], capture_output=True, text=True, check=False)
 print(done.stdout.strip())
 assert done.returncode == 0, done.stdout + done.stderr

@@ -13,7 +13,8 @@ A session is counted by its writers: :func:`release` from a writer's ``close`` c
 no writer holds it. A writer dropped without ``close`` (the idiom never calls it) lets go of its count
 without closing anything (it may be collected on any thread, the store's loop thread included); the
 session stays open for the next writer, and is closed at the interpreter's exit (bounded by
-:data:`~asymstore.runtime.exiting.EXIT_WAIT_S`) or by the next ``close`` of a writer of that root.
+:data:`~asymstore.runtime.exiting.EXIT_WAIT_S`) or by the ``close`` of any writer of that root, even one
+that never saved (:func:`close_idle`).
 
 Guide: ``docs/guides/dcp.md`` (Steps, and what the lock refuses).
 """
@@ -140,6 +141,16 @@ def release(session: Session, *, close: bool) -> None:
             del _open[session.key]
     cancel(session.exit_handle)
     session.loop.close()
+
+
+def close_idle(key: SessionKey | None) -> None:
+    """Close the session of ``key`` if no writer holds it (its writers were dropped without ``close``)."""
+    with _lock:
+        session = _open.get(key) if key is not None else None
+        if session is None or session.refs > 0:
+            return
+        session.refs = 1
+    release(session, close=True)
 
 
 def _close_at_exit(session: Session) -> None:

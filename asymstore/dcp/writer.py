@@ -168,7 +168,9 @@ class StorageWriter(_DCPStorageWriter):
     def close(self) -> None:
         """Close the store (waits for its background tiers) and stop its loop thread; idempotent.
 
-        A store shared with other writers of the same root in this process closes with the last of them.
+        A store shared with other writers of the same root in this process closes with the last of them;
+        closing a writer that never opened closes the store its root's dropped writers left open, if no
+        live writer holds it (``StorageWriter(root).close()`` after DCP's idiom).
         """
         with self._open_lock:
             self._closed = True
@@ -178,6 +180,8 @@ class StorageWriter(_DCPStorageWriter):
             finalizer.detach()
         if session is not None:
             shared.release(session, close=True)
+        else:
+            shared.close_idle(shared.shared_key(self._spec))
 
     def __enter__(self) -> StorageWriter:
         """Return the writer (opened at its first save)."""

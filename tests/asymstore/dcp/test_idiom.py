@@ -118,6 +118,11 @@ def test_writers_of_one_root_share_one_save_at_a_time(tmp_path: Path) -> None:
         back = {"w": torch.full((2,), 9.0)}
         dcp.load(back, storage_reader=reader)
         assert reader.step == 6 and torch.equal(back["w"], torch.zeros(2))
+    dcp.save({"w": torch.ones(2)}, storage_writer=StorageWriter(root), checkpoint_id=9)  # dropped unclosed
+    gc.collect()
+    assert not lock_is_free(root)
+    StorageWriter(root).close()  # a writer that never saved closes what the dropped one left open
+    assert lock_is_free(root)
 
 
 def test_a_second_process_on_the_root_is_refused(tmp_path: Path) -> None:

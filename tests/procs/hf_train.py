@@ -18,7 +18,11 @@ once the Trainer's global step is S, at ``--kill-where``: ``forward`` (inside th
 step S+1, after its batch was fetched), ``step-end`` (in ``on_step_end`` of step S, before the
 step's log) or ``log`` (right after step S's loss was logged). A run that ends writes ``OUT/result.pt``:
 the loss log (global step, loss as a float), the final model parameters and optimizer state,
-and how many sequences the dataset was asked for.
+and how many sequences the dataset was asked for, the Trainer's world size and model wrapper, the autocast
+dtype every training forward ran under and how many training forwards the first attention ran (twice a
+micro-batch under gradient checkpointing). With ``WORLD_SIZE`` > 1 in the environment (what ``torchrun``
+sets) and no ``--deepspeed`` the run is the Trainer's DDP, gloo on CPU (``use_cpu=True``); ``--bf16`` and
+``--grad-ckpt`` pass ``bf16=True`` and ``gradient_checkpointing=True``.
 Lines on stdout are JSON events.
 """
 
@@ -152,7 +156,10 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--eval", type=int, default=0,
                     help="evaluate and save every N steps (dropout off, the eval loader draws a seed), "
                          "load_best_model_at_end by eval_loss")
+    ap.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): the CPU autocast")
+    ap.add_argument("--grad-ckpt", action="store_true", help="TrainingArguments(gradient_checkpointing=True)")
     args = ap.parse_args(argv)
+    ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.deepspeed < 0  # torchrun's environment, no DeepSpeed
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +172,9 @@ def run(argv: list[str]) -> int:
         save_strategy="steps" if args.save_steps or args.eval else "no", save_steps=args.eval or args.save_steps or 500,
         eval_strategy="steps" if args.eval else "no", eval_steps=args.eval or None, per_device_eval_batch_size=BATCH,
         load_best_model_at_end=bool(args.eval), metric_for_best_model="eval_loss" if args.eval else None,
-        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16,
+        ddp_backend="gloo" if ddp else None,
+        **({"gradient_checkpointing": True} if args.grad_ckpt else {}),  # as users write it (5.24: a FutureWarning)
         deepspeed=deepspeed_config(args.deepspeed) if args.deepspeed >= 0 else None)
     data = Tokens()
     held_out = Tokens(seed=8, n=8) if args.eval else None
@@ -183,7 +192,18 @@ def run(argv: list[str]) -> int:
         emit(event="resume", dir=resume is not None)
     if args.kill_at >= 0:
         trainer.add_callback(Killer(args.kill_at, args.kill_where, model, ckpt))
+    autocast_seen: set[str] = set()  # the autocast the training forwards ran under
+    calls = [0]  # training forwards of the first attention (gradient checkpointing recomputes each in backward)
+
+    def watch(module: torch.nn.Module, inputs: Any) -> None:
+        if module.training:
+            calls[0] += 1
+            on = torch.is_autocast_enabled("cpu")
+            autocast_seen.add(str(torch.get_autocast_dtype("cpu")) if on else "off")
+
+    model.transformer.h[0].attn.register_forward_pre_hook(watch)  # inside the checkpointed block: recomputed
     trainer.train(resume_from_checkpoint=resume)
+    recomputed = calls[0]
     if ckpt is not None:
         emit(event="done", resumed=ckpt.resumed_step, versions=ckpt.final_versions)
     losses = [(h["step"], float(h["loss"])) for h in trainer.state.log_history if "loss" in h]
@@ -192,7 +212,9 @@ def run(argv: list[str]) -> int:
     versions = sorted({v for vs in (ckpt.final_versions or {}).values() for v in vs}) if ckpt else []
     torch.save({"losses": losses, "evals": evals, "versions": versions, "state": final_state(trainer),
                 "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
-                "resumed": ckpt.resumed_step if ckpt else None, "fetched": data.fetched},
+                "resumed": ckpt.resumed_step if ckpt else None, "fetched": data.fetched,
+                "world": trainer.args.world_size, "wrapper": type(trainer.model_wrapped).__name__,
+                "autocast": sorted(autocast_seen), "block_forwards": recomputed},
                out / ("result.pt" if rank == "0" else f"result-rank{rank}.pt"))
     return 0
 

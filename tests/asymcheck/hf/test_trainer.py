@@ -11,7 +11,18 @@ equal those of an uninterrupted run of the plain Trainer, bit for bit. Cases: ``
 ``accum`` (gradient accumulation of 2 micro-batches, with the Trainer's own ``save_steps``
 checkpoints beside the versions); ``deepspeed`` (ZeRO-2 through ``TrainingArguments(deepspeed=...)``
 on one rank: the callback attaches the DeepSpeed adapter to the Trainer's engine, with ``keep_every=5``
-beside ``keep_last=3``, which its multi-rank store must apply); ``deepspeed-2ranks`` (the same on 2 ranks).
+beside ``keep_last=3``, which its multi-rank store must apply); ``deepspeed-2ranks`` (the same on 2 ranks);
+``ddp-2ranks`` (``ddp-4ranks`` in ``make test-all``): DDP without DeepSpeed, each rank a process with the
+environment ``torchrun --nproc_per_node N`` gives it, gloo on CPU (``use_cpu=True``), every rank SIGKILLed at
+the same step and restarted with the same command; the callback's directory is a multi-rank root (a shard
+per rank, global versions). The comparison is with the uninterrupted run, bit for bit: on 2 ranks the
+all-reduce adds two gradients, the same sum in either order, whatever DDP's buckets (which it rebuilds after
+each process's first step); on 4 ranks the order could depend on the buckets, but this model's gradients fit
+DDP's first bucket and the runs came out bit-exact (seeds 5, 6, 7; if a seed ever differs there, compare with
+a run restarted at the same step without a kill, as the multirank guide does); ``bf16`` (``bf16=True``: the
+Trainer's CPU autocast, checked in every training forward); ``grad-ckpt`` (``gradient_checkpointing=True``:
+every attention forward runs again inside backward, counted, and fires the Checkpointer's forward pre-hooks
+there).
 All runs of the module share one driver process (torch and transformers imported once; each run a forked child).
 """
 
@@ -52,6 +63,10 @@ CASES: dict[str, tuple[list[str], int, bool]] = {
     "deepspeed-accum": (["--deepspeed", "2", "--ga", "2"], 1, False),
     "deepspeed-2ranks": (["--deepspeed", "2"], 2, True),  # the multi-rank Trainer
     "plain-late": ([], 1, False),  # a second kill point for the plain loop
+    "ddp-2ranks": ([], 2, True),  # DDP (gloo on CPU, use_cpu=True) under torchrun's environment, no DeepSpeed
+    "ddp-4ranks": ([], 4, False),
+    "bf16": (["--bf16"], 1, True),  # the Trainer's CPU autocast to bfloat16
+    "grad-ckpt": (["--grad-ckpt"], 1, True),  # gradient checkpointing: forwards recomputed inside backward
 }
 
 
@@ -66,14 +81,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def job(name: str, argv: list[str], ranks: int, deepspeed: bool) -> list[dict[str, Any]]:
-    """The runs of one job: one per rank (DeepSpeed: the launcher's environment, one port per job)."""
-    if not deepspeed:
+def job(name: str, argv: list[str], ranks: int, launched: bool) -> list[dict[str, Any]]:
+    """The runs of one job: one per rank; ``launched``, each with the environment torchrun gives it (a port per job)."""
+    if not launched:
         return [{"name": name, "argv": argv}]
     port = str(free_port())
     return [{"name": name if rank == 0 else f"{name}-rank{rank}", "argv": argv,
              "env": {"RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
-                     "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}}
+                     "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                     "ROLE_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}}
             for rank in range(ranks)]
 
 
@@ -83,13 +99,13 @@ def plan_for(names: list[str], root: Path) -> dict[str, Any]:
     second: list[list[dict[str, Any]]] = []
     for name in names:
         extra, ranks, _ = CASES[name]
-        ds = "--deepspeed" in extra
+        launched = ranks > 1 or "--deepspeed" in extra  # DeepSpeed on one rank needs the launcher's environment too
         at, where = kill_point(name)
         out, ck = str(root / name), str(root / f"{name}-ck")
-        ref = job(f"{name}-ref", ["--out", str(root / f"{name}-ref"), *extra], ranks, ds)
+        ref = job(f"{name}-ref", ["--out", str(root / f"{name}-ref"), *extra], ranks, launched)
         kill = job(f"{name}-kill", ["--out", out, "--dir", ck, "--kill-at", str(at), "--kill-where", where, *extra],
-                   ranks, ds)
-        resume = job(f"{name}-resume", ["--out", out, "--dir", ck, *extra], ranks, ds)
+                   ranks, launched)
+        resume = job(f"{name}-resume", ["--out", out, "--dir", ck, *extra], ranks, launched)
         first += [ref + kill] if ranks == 1 else [ref, kill]
         second.append(resume)
     singles = [runs for runs in second if len(runs) == 1]  # independent resumes: two side by side
@@ -168,6 +184,19 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
     assert sorted(got["state"]) == sorted(ref["state"])
     differ = [k for k in ref["state"] if not torch.equal(ref["state"][k], got["state"][k])]
     assert not differ, f"{differ[:5]}: {context}"
+    ranks = CASES[name][1]
+    assert ref["world"] == got["world"] == ranks, context  # the Trainer itself ran distributed
+    if name.startswith("ddp"):  # DDP: the wrapped model, one shard per rank and global versions, ranks in sync
+        assert ref["wrapper"] == got["wrapper"] == "DistributedDataParallel", context
+        assert sorted(p.name for p in (root / f"{name}-ck").glob("rank-*")) == [f"rank-{r:05d}" for r in range(ranks)]
+        assert (root / f"{name}-ck" / "global" / f"v{STEPS:012d}.json").exists(), context
+        rank0 = load(root / name, "result.pt")["state"]
+        assert all(torch.equal(rank0[k], v) for k, v in got["state"].items() if k.startswith("model/")), context
+    # the configuration really ran: bf16 autocast in every training forward, every block forward recomputed
+    assert got["autocast"] == ref["autocast"] == (["torch.bfloat16"] if "--bf16" in extra else ["off"]), context
+    per_step = (2 if "--grad-ckpt" in extra else 1) * ga
+    assert ref["block_forwards"] == STEPS * per_step, context
+    assert got["block_forwards"] == (STEPS - got["resumed"]) * per_step, context
     every = int(extra[extra.index("--save-steps") + 1]) if "--save-steps" in extra else 0
     if every and result == "result.pt":  # the Trainer's own checkpoints beside the versions
         for n in range(every, STEPS + 1, every):

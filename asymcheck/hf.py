@@ -9,8 +9,9 @@ Two lines::
 A version holds the parameters and optimizer state as ``optimizer.step()`` left them, the LR
 scheduler, the RNG states and the Trainer's ``TrainerState`` (strict JSON, nothing pickled). Why a
 callback plus the Trainer's own ``resume_from_checkpoint`` (the resume directory and what it
-holds), DeepSpeed, what is refused (a table of :data:`asymcheck.integrations.settings.HF_TRAINER`)
-and the private names relied on: docs/guides/hf-trainer.md. Importing this module imports transformers.
+holds), DDP under ``torchrun``, DeepSpeed, what is refused (a table of
+:data:`asymcheck.integrations.settings.HF_TRAINER`) and the private names relied on:
+docs/guides/hf-trainer.md. Importing this module imports transformers.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class AsymCheckCallback(TrainerCallback):
 
     Args:
         location: where the checkpoint lives: a directory, a list of tiers (fastest first) or an
-            unopened store, as for :class:`asymcheck.Checkpointer`; under DeepSpeed, what
+            unopened store, as for :class:`asymcheck.Checkpointer` (under DDP, a directory is the
+            multi-rank root: a shard per rank, global versions); under DeepSpeed, what
             :func:`asymcheck.deepspeed.attach` takes (a directory: the multi-rank root).
         every: take a version every ``every``-th optimizer step.
         keep_last: versions kept (when the store is built here); the same rule as

@@ -261,6 +261,30 @@ def test_refused_settings_are_named(setting: str, value: Any, named: str) -> Non
     check_trainer(args())  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("setting", [{"ignore_data_skip": True}, {"auto_find_batch_size": True}, {"fp16": True},
+                                     {"torch_compile": True}])
+def test_refusal_comes_before_anything_is_written(setting: dict[str, Any], tmp_path: Path) -> None:
+    """A real Trainer with a refused setting: typed refusal by resume_from() and by train(), the store left empty."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from asymcheck.hf import AsymCheckCallback
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+    targs = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, per_device_train_batch_size=2,
+                              use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, **setting)
+    data = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 4
+    ck = tmp_path / "ck"
+    callback = AsymCheckCallback(str(ck))
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[callback])
+    named = next(iter(setting))
+    with pytest.raises(UnsupportedTrainerConfigError, match=named):
+        callback.resume_from(trainer)
+    with pytest.raises(UnsupportedTrainerConfigError, match=named):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert not ck.exists() or not any(ck.iterdir())
+
+
 def test_peft_model_refused() -> None:
     model = torch.nn.Linear(2, 2)
     model.peft_config = {}  # type: ignore[assignment]

@@ -1,6 +1,6 @@
 """A training child of the Lightning manual-optimization tests (run as a script; never imported by pytest).
 
-``python -m tests.procs.lightning_manual --out OUT [--dir CKPT] [--kill B] [--optimizers 1|2]``
+``python -m tests.procs.lightning_manual --out OUT [--dir CKPT] [--kill B] [--optimizers 1|2] [--ddp]``
 
 Fits a LightningModule with ``automatic_optimization = False`` on CPU, one process, for 3 epochs of
 7 batches (a plain ``DataLoader`` shuffled by the global RNG, positioned by the callback):
@@ -11,12 +11,15 @@ Fits a LightningModule with ``automatic_optimization = False`` on CPU, one proce
   drawn from the global RNG in ``training_step``, ``opt_d.step()`` every batch and ``opt_g.step()``
   every other batch (``n_critic=2``), so some ``training_step``\\ s step one optimizer, some both.
 
-With ``--dir`` it runs under ``asymcheck.lightning.AsymCheckCallback`` (a version every training
+``--ddp``: ``strategy="ddp"`` (``find_unused_parameters=True`` with two optimizers) on 2 processes that the
+test starts with ``RANK``/``WORLD_SIZE``... in the environment; Lightning puts a shuffling
+``DistributedSampler`` into the loader, each rank trains 4 batches of 4 per epoch and writes its own
+files (``rankR``). With ``--dir`` it runs under ``asymcheck.lightning.AsymCheckCallback`` (a version every training
 step); without it, it is the uninterrupted reference. ``--kill B``: SIGKILL inside the ``B``-th
-``training_step`` (counted over epochs from 0), having written ``OUT/killed-rank0.json`` (``{"step": B,
-"signal": "SIGKILL"}``) just before. Writes ``OUT/losses-rank0.jsonl`` (``{"key": "epoch:batch", "loss":
-hex float}``), when it finishes ``OUT/final-rank0.pt`` (parameters, every optimizer's state, the
-scheduler, torch RNG, global step and epoch, as tensors), and after a resume ``OUT/resumed-rank0.json``.
+``training_step`` (counted over epochs from 0; every rank), having written ``OUT/killed-rankR.json``
+(``{"step": B, "signal": "SIGKILL"}``) just before. Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch",
+"loss": hex float}``), when it finishes ``OUT/final-rankR.pt`` (parameters, every optimizer's state, the
+scheduler, torch RNG, global step and epoch, as tensors), and after a resume ``OUT/resumed-rankR.json``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from asymcheck.lightning import AsymCheckCallback
 from asymcheck.options import PacingOptions
@@ -54,12 +58,14 @@ class Manual(pl.LightningModule):
         self.d = mlp(4, 1)
 
     def _log(self, key: str, loss: torch.Tensor) -> None:
-        with (self.out / "losses-rank0.jsonl").open("a") as f:
+        with (self.out / f"losses-rank{self.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps({"key": key, "loss": float(loss).hex()}) + "\n")
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        if self.kill is not None and self.current_epoch * BATCHES + batch_idx == self.kill:
-            (self.out / "killed-rank0.json").write_text(json.dumps({"step": self.kill, "signal": "SIGKILL"}))
+        batches = self.trainer.num_training_batches
+        if self.kill is not None and self.current_epoch * batches + batch_idx == self.kill:
+            marker = self.out / f"killed-rank{self.global_rank}.json"
+            marker.write_text(json.dumps({"step": self.kill, "signal": "SIGKILL"}))
             os.kill(os.getpid(), signal.SIGKILL)
         real = batch[0]
         key = f"{self.current_epoch}:{batch_idx}"
@@ -122,6 +128,7 @@ def main() -> None:
     parser.add_argument("--dir")
     parser.add_argument("--kill", type=int)
     parser.add_argument("--optimizers", type=int, choices=[1, 2], default=1)
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,12 +140,17 @@ def main() -> None:
     if args.dir:
         ckpt = AsymCheckCallback(args.dir, keep_last=2, pacing=PacingOptions(max_overhead=None))
         callbacks.append(ckpt)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    strategy: Any = "auto"
+    if args.ddp:
+        strategy = DDPStrategy(find_unused_parameters=args.optimizers == 2)
+    trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy=strategy, max_epochs=EPOCHS,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=callbacks)
     trainer.fit(module)
-    torch.save(final_state(trainer, module), out / "final-rank0.pt")
+    rank = trainer.global_rank
+    torch.save(final_state(trainer, module), out / f"final-rank{rank}.pt")
     if ckpt is not None and ckpt.restored is not None:
-        (out / "resumed-rank0.json").write_text(json.dumps({"step": ckpt.restored.step}))
+        (out / f"resumed-rank{rank}.json").write_text(json.dumps({"step": ckpt.restored.step}))
 
 
 if __name__ == "__main__":

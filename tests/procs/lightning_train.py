@@ -136,6 +136,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    if args.gpu:  # deterministic=True: cuBLAS needs a fixed workspace for reproducible results
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     pl.seed_everything(0, verbose=False)
     module = Model(out, args.kill)
     module.ddp = args.ddp

@@ -6,9 +6,12 @@ the callback (``on_fit_start``) and fits to the end. Every loss either child log
 validation) and the final parameters, optimizer state, scheduler, RNG state, global step and epoch
 must equal those of an uninterrupted fit without the callback, byte for byte; one process, and
 DDP on 2 processes (gloo, started here with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the
-environment, ``strategy="ddp"``). The one-process run also keeps the best version by
-``monitor="val_loss"`` beside ``keep_last=2``. Refused settings raise before anything is hooked
-(manual optimization, ``fit(ckpt_path=...)``), and a ``ResumableLoader`` continues a pass in its
+environment, ``strategy="ddp"``). The same under ``bf16-mixed`` and ``16-mixed`` (a GradScaler that skips
+steps; on CPU through the plugin ``precision="16-mixed"`` builds on a GPU, on CUDA as a ``gpu`` test), and
+under manual optimization with one optimizer and a GAN-style module with two (tests/procs/lightning_manual.py),
+in one process and under DDP; each checks that the second child resumed. The one-process run also
+keeps the best version by ``monitor="val_loss"`` beside ``keep_last=2``. Refused settings raise before anything is
+hooked (an untested precision, ``fit(ckpt_path=...)``), and a ``ResumableLoader`` continues a pass in its
 order without reading the batches already trained. Exhaustive: kills at fixed steps (before any
 version, at epoch ends, at the end), under ``accumulate_grad_batches=2``; ``make test`` runs one case of the
 accumulating kill and the SIGTERM path. A killed child must have died by that signal at the drawn step (its
@@ -231,19 +234,24 @@ def _resumed_step(out: Path) -> int:
     return step
 
 
-# 16-mixed: fp16 autocast and a GradScaler (on CPU the plugin precision="16-mixed" builds on a GPU; see the child)
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+# 16-mixed: fp16 autocast and a GradScaler (on CPU the plugin precision="16-mixed" builds on a GPU; see the child);
+# 16-mixed-gpu: precision="16-mixed" on CUDA as users write it (make gpu-test)
+@pytest.mark.parametrize("precision", [
+    "bf16-mixed", "16-mixed",
+    pytest.param("16-mixed-gpu", marks=[pytest.mark.gpu,
+                                        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_mixed_precision_kill_and_resume(tmp_path: Path, precision: str) -> None:
     """Mixed precision: every loss after the resume and the final state (the scaler's too) equal an uninterrupted fit.
 
-    Under 16-mixed the scaler starts high and skips about one step in two at first: a skipped step is
-    no version, the scaler's scale and growth tracker are in each version.
+    Under 16-mixed on CPU the scaler starts high and skips 9 of the 21 steps: a skipped step is no
+    version, the scaler's scale and growth tracker are in each version.
     """
-    ref = _Launch(tmp_path / "ref", "--precision", precision)
+    args = ("--precision", "16-mixed", "--gpu") if precision == "16-mixed-gpu" else ("--precision", precision)
+    ref = _Launch(tmp_path / "ref", *args)
     kill = kill_point(f"mixed_precision_{precision}", STEPS, first=10)
     out, root = tmp_path / "run", tmp_path / "ckpt"
-    _run(out, "--dir", str(root), "--kill", str(kill), "--precision", precision, killed=(kill, signal.SIGKILL))
-    _run(out, "--dir", str(root), "--precision", precision)
+    _run(out, "--dir", str(root), "--kill", str(kill), *args, killed=(kill, signal.SIGKILL))
+    _run(out, "--dir", str(root), *args)
     reference = ref.wait()
     _check_same(reference, out, 1)
     final = torch.load(reference / "final-rank0.pt")
@@ -253,6 +261,8 @@ def test_mixed_precision_kill_and_resume(tmp_path: Path, precision: str) -> None
     if precision == "16-mixed":  # the scaler skipped steps, and only completed steps became versions
         assert "scaler/scale" in final and optimizer_steps < int(final["global_step"]), final["global_step"]
         assert versions[-1] == optimizer_steps
+    elif precision == "16-mixed-gpu":  # the default scaler may skip no step here
+        assert "scaler/scale" in final and versions[-1] == optimizer_steps
     else:
         assert "scaler/scale" not in final and optimizer_steps == STEPS and versions[-1] == STEPS
 
@@ -275,6 +285,21 @@ def test_manual_optimization_kill_and_resume(tmp_path: Path, optimizers: int) ->
     _check_same(ref.wait(), out, 1)
     assert 1 <= _resumed_step(out) < kill
     assert sorted(next(iter(_versions(root).values())))[-1] == STEPS  # a version per training_step
+
+
+@pytest.mark.parametrize("optimizers", [pytest.param(1, marks=pytest.mark.exhaustive), 2])  # make test: the GAN
+def test_manual_optimization_ddp_kill_and_resume(tmp_path: Path, optimizers: int) -> None:
+    """Manual optimization under DDP on 2 processes (every rank killed at the same drawn training_step)."""
+    args = ("--optimizers", str(optimizers))
+    ref = _Launch(tmp_path / "ref", *args, ddp=True, proc="lightning_manual")
+    kill = kill_point(f"manual_ddp_{optimizers}", DDP_STEPS, first=3)
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _Launch(out, "--dir", str(root), "--kill", str(kill), *args, ddp=True, proc="lightning_manual").wait(
+        killed=(kill, signal.SIGKILL))
+    _Launch(out, "--dir", str(root), *args, ddp=True, proc="lightning_manual").wait()
+    _check_same(ref.wait(), out, 2)
+    assert 1 <= _resumed_step(out) < kill
+    assert list_global_steps(str(root / "global"))[-1] == DDP_STEPS
 
 
 def test_untested_precision_refused(tmp_path: Path) -> None:

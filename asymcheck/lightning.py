@@ -97,8 +97,11 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
         One line per refused setting (empty: supported).
     """
     out = support.version_problems("lightning", lightning.__version__)
-    if not trainer.optimizers:
-        out.append(refusal(LIGHTNING, "configure_optimizers").line("configure_optimizers returned no optimizer"))
+    params = {id(p) for p in module.parameters()}
+    if not any(id(p) in params for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]):
+        # configure_optimizers returned None: Lightning steps a stand-in optimizer of none of the module's parameters
+        out.append(refusal(LIGHTNING, "configure_optimizers").line(
+            "configure_optimizers returned no optimizer of the module's parameters"))
     if str(trainer.precision) not in _PRECISIONS:
         out.append(refusal(LIGHTNING, "precision").line(f"precision={trainer.precision}"))
     if trainer.ckpt_path is not None:

@@ -74,7 +74,8 @@ HF_TRAINER: tuple[Refusal, ...] = (
 
 LIGHTNING: tuple[Refusal, ...] = (
     Refusal("version", "only the tested major.minor of lightning is supported"),
-    Refusal("configure_optimizers", "no optimizer: nothing steps, so no version would be taken"),
+    Refusal("configure_optimizers", "no optimizer of the module's parameters (configure_optimizers returned None): "
+            "Lightning steps a stand-in optimizer, and nothing is trained"),
     Refusal("precision", "32-true, 64-true, bf16-mixed and 16-mixed are supported; 16-true, bf16-true and the "
             "other plugins' precisions are untested"),
     Refusal("fit(ckpt_path=...)",

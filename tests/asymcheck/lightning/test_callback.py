@@ -312,6 +312,28 @@ def test_untested_precision_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("v*"))
 
 
+class _NoOptimizer(_Manual):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = True
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:  # type: ignore[override]
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        return None  # Lightning warns and steps a stand-in optimizer
+
+
+def test_no_optimizer_refused(tmp_path: Path) -> None:
+    """``configure_optimizers`` returning None: refused, typed, before anything is written (it used to fail mid-fit)."""
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[AsymCheckCallback(tmp_path / "ckpt")])
+    with pytest.raises(UnsupportedLightningConfigError, match="configure_optimizers returned no optimizer"):
+        trainer.fit(_NoOptimizer())
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("v*"))
+
+
 class _Tiny(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()

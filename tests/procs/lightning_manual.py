@@ -11,10 +11,13 @@ Fits a LightningModule with ``automatic_optimization = False`` on CPU, one proce
   drawn from the global RNG in ``training_step``, ``opt_d.step()`` every batch and ``opt_g.step()``
   every other batch (``n_critic=2``), so some ``training_step``\\ s step one optimizer, some both.
 
-``--ddp``: ``strategy="ddp"`` (``find_unused_parameters=True`` with two optimizers) on 2 processes that the
-test starts with ``RANK``/``WORLD_SIZE``... in the environment; Lightning puts a shuffling
-``DistributedSampler`` into the loader, each rank trains 4 batches of 4 per epoch and writes its own
-files (``rankR``). With ``--dir`` it runs under ``asymcheck.lightning.AsymCheckCallback`` (a version every training
+``--precision 16-mixed``: fp16 autocast with a GradScaler, through the plugin ``precision="16-mixed"``
+builds on a GPU (``MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", ...))``, started
+at 2**24 so that it skips steps). ``--ddp``: ``strategy="ddp"`` (``find_unused_parameters=True`` with two
+optimizers) on 2 processes that the test starts with ``RANK``/``WORLD_SIZE``... in the environment;
+Lightning puts a shuffling ``DistributedSampler`` into the loader, each rank trains 4 batches of 4 per
+epoch and writes its own files (``rankR``). With ``--dir`` it runs under
+``asymcheck.lightning.AsymCheckCallback`` (a version every training
 step); without it, it is the uninterrupted reference. ``--kill B``: SIGKILL inside the ``B``-th
 ``training_step`` (counted over epochs from 0; every rank), having written ``OUT/killed-rankR.json``
 (``{"step": B, "signal": "SIGKILL"}``) just before. Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch",
@@ -33,6 +36,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from asymcheck.lightning import AsymCheckCallback
@@ -119,6 +123,8 @@ def final_state(trainer: pl.Trainer, module: Manual) -> dict[str, torch.Tensor]:
     out["rng"] = torch.get_rng_state()
     out["global_step"] = torch.tensor(trainer.global_step)
     out["epoch"] = torch.tensor(trainer.current_epoch)
+    for k, v in trainer.precision_plugin.state_dict().items():  # the GradScaler's (empty without one)
+        out[f"scaler/{k}"] = torch.tensor(v, dtype=torch.float64)
     return out
 
 
@@ -129,6 +135,7 @@ def main() -> None:
     parser.add_argument("--kill", type=int)
     parser.add_argument("--optimizers", type=int, choices=[1, 2], default=1)
     parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--precision", choices=["32-true", "16-mixed"], default="32-true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,12 +147,16 @@ def main() -> None:
     if args.dir:
         ckpt = AsymCheckCallback(args.dir, keep_last=2, pacing=PacingOptions(max_overhead=None))
         callbacks.append(ckpt)
+    plugins: list[Any] = []
+    if args.precision == "16-mixed":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=4)
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
     strategy: Any = "auto"
     if args.ddp:
         strategy = DDPStrategy(find_unused_parameters=args.optimizers == 2)
     trainer = pl.Trainer(accelerator="cpu", devices=2 if args.ddp else 1, strategy=strategy, max_epochs=EPOCHS,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks)
+                         enable_model_summary=False, callbacks=callbacks, plugins=plugins)
     trainer.fit(module)
     rank = trainer.global_rank
     torch.save(final_state(trainer, module), out / f"final-rank{rank}.pt")

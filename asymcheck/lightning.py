@@ -453,7 +453,7 @@ class _BatchHooks:
     """
 
     def __init__(self, driver: Driver, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self._driver = driver
+        self.driver = driver
         self._inner = HookSet(model, optimizers[0], on_forward=driver.on_forward, on_grad=driver.on_grad,
                               on_step_pre=_noop, on_step_post=_noop)
         self._handles = [h for opt in optimizers for h in (
@@ -465,7 +465,7 @@ class _BatchHooks:
     def _pre(self) -> None:
         if not self._sealed:
             self._sealed = True
-            self._driver.before_step()
+            self.driver.before_step()
 
     def _post(self) -> None:
         self._stepped = True
@@ -473,7 +473,7 @@ class _BatchHooks:
     def batch_end(self) -> None:
         if self._stepped:
             self._stepped = self._sealed = False
-            self._driver.after_step()
+            self.driver.after_step()
 
     def refresh(self) -> int:
         return self._inner.refresh()

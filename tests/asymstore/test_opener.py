@@ -292,10 +292,12 @@ def test_one_loop_thread_class_serves_the_checkpointer_and_the_dcp_storage(tmp_p
     writer = StorageWriter(str(tmp_path / "w"))
     try:
         writer.open()
-        assert isinstance(writer._loop, StoreLoop) and writer._loop.thread.name == "asymstore-dcp-writer"
+        assert writer._session is not None
+        loop = writer._session.loop  # the store the root's writers of this process share, on its loop thread
+        assert isinstance(loop, StoreLoop) and loop.thread.name == "asymstore-dcp-writer"
     finally:
         writer.close()
-    assert writer._loop is None
+    assert writer._session is None
     reader = StorageReader(str(tmp_path / "w"))
     try:
         reader.steps()

@@ -26,7 +26,6 @@ import math
 import os
 import shutil
 import tempfile
-import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any, Unpack
@@ -38,6 +37,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from asymcheck.checkpointer import Checkpointer
 from asymcheck.errors import TrainerResumeError, UnsupportedTrainerConfigError
 from asymcheck.integrations import names, support
+from asymcheck.integrations.attributes import RenamedAttribute, RetentionField
 from asymcheck.integrations.callback import DeferredCheckpointer
 from asymcheck.integrations.forward import TrainerCallbackOptions, forwarded_options, with_retention
 from asymcheck.integrations.settings import HF_TRAINER, refusal
@@ -271,17 +271,11 @@ class AsymCheckCallback(TrainerCallback):
         """The retention rules (``keep_best=k`` by the Trainer's metric is added when training begins)."""
         return self.options["retention"]
 
-    @property
-    def keep_last(self) -> int | None:
-        """Versions kept per tier (``retention.keep_last``)."""
-        return self.retention.keep_last
+    keep_last = RetentionField[int | None]("keep_last")
+    """Versions kept per tier (``retention.keep_last``)."""
 
-    @property
-    def root_or_store(self) -> StoreSpec:
-        """Deprecated: :attr:`location`."""
-        warnings.warn("AsymCheckCallback.root_or_store is now AsymCheckCallback.location", DeprecationWarning,
-                      stacklevel=2)
-        return self.location
+    root_or_store = RenamedAttribute[StoreSpec]("location")
+    """Deprecated: :attr:`location`."""
 
     # -- resume ----------------------------------------------------------
 

@@ -36,6 +36,7 @@ from asymcheck.errors import (
     UnsupportedLightningConfigError,
 )
 from asymcheck.integrations import names, position, settings, support
+from asymcheck.integrations.attributes import RenamedAttribute, RetentionField
 from asymcheck.integrations.callback import DeferredCheckpointer
 from asymcheck.integrations.forward import CallbackOptions, forwarded_options
 from asymcheck.integrations.settings import LIGHTNING, refusal
@@ -626,22 +627,14 @@ class AsymCheckCallback(Callback):
         """The retention rules: ``keep_last``, ``keep_every`` and the best versions by ``monitor``."""
         return self.options["retention"]
 
-    @property
-    def keep_last(self) -> int | None:
-        """Versions kept per tier (``retention.keep_last``)."""
-        return self.retention.keep_last
+    keep_last = RetentionField[int | None]("keep_last")
+    """Versions kept per tier (``retention.keep_last``)."""
 
-    @property
-    def keep_every(self) -> int | None:
-        """Every version whose step is a multiple of it is kept (``retention.keep_every``)."""
-        return self.retention.keep_every
+    keep_every = RetentionField[int | None]("keep_every")
+    """Every version whose step is a multiple of it is kept (``retention.keep_every``)."""
 
-    @property
-    def root_or_store(self) -> StoreSpec:
-        """Deprecated: :attr:`location`."""
-        warnings.warn("AsymCheckCallback.root_or_store is now AsymCheckCallback.location", DeprecationWarning,
-                      stacklevel=2)
-        return self.location
+    root_or_store = RenamedAttribute[StoreSpec]("location")
+    """Deprecated: :attr:`location`."""
 
     @property
     def state_key(self) -> str:

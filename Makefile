@@ -50,6 +50,7 @@ docs: setup
 	$(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) examples/check_snippets.py
 	$(PY) tools/check_refs.py
+	$(PY) tools/support_matrix.py --check
 
 lint: setup
 	$(PY) -m ruff check .

@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from asymcheck.checkpointer import Checkpointer
-from asymcheck.errors import TrainerResumeError, UnsupportedTrainerConfigError
+from asymcheck.errors import StateMismatchError, TrainerResumeError, UnsupportedTrainerConfigError
 from asymcheck.integrations import names, support
 from asymcheck.integrations.attributes import RenamedAttribute, RetentionField
 from asymcheck.integrations.callback import DeferredCheckpointer
@@ -52,13 +53,17 @@ from asymstore.runtime.loop import StoreLoop
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsymCheckCallback", "TrainerResumeError", "TrainerStateful", "UnsupportedTrainerConfigError",
-           "check_trainer"]
+__all__ = ["AsymCheckCallback", "BaseFingerprint", "TrainerResumeError", "TrainerStateful",
+           "UnsupportedTrainerConfigError",
+           "base_fingerprint", "check_trainer"]
 
 STATE_NAME = names.HF_TRAINER_STATE  # the stateful name of the TrainerState in a version
 SCHEDULER_NAME = names.HF_SCHEDULER
+BASE_NAME = names.reserved("hf", "peft_base")  # a PEFT model's frozen-base fingerprint in a version
 _OLD_NAMES = {old: new for old, new in RENAMED.items() if new in (STATE_NAME, SCHEDULER_NAME)}  # earlier releases'
 _EMPTY_SHARD = "asymcheck-no-weights.safetensors"
+_EMPTY_WEIGHTS = "model.safetensors"  # a PEFT model: the Trainer loads this (no tensor) instead of adapters
+_MISSING_KEYS = "There were missing keys in the checkpoint model loaded"  # the Trainer's warning for it
 _SUMMARY_KEY = "train_runtime"  # only the summary that ends train() logs it
 
 
@@ -97,6 +102,87 @@ class TrainerStateful:
         self.loaded = dict(state)
 
 
+def _is_peft(model: object) -> bool:
+    """Whether ``model`` is a PEFT model (``peft.PeftModel`` and the Trainer's own test: a ``peft_config``)."""
+    return model is not None and hasattr(model, "peft_config")
+
+
+def base_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
+    """A fingerprint of the frozen parameters of ``model`` (``requires_grad=False``): the base under the adapters.
+
+    SHA-256 over each frozen parameter's name, dtype, shape and bytes, in ``named_parameters()``
+    order (one pass over the frozen bytes).
+
+    Returns:
+        ``{"algorithm": "sha256", "digest": ..., "tensors": n, "bytes": b}`` (JSON).
+    """
+    digest = hashlib.sha256()
+    count = size = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                continue
+            data = p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            digest.update(f"{name}|{p.dtype}|{tuple(p.shape)}|".encode())
+            digest.update(data.numpy().tobytes() if data.numel() else b"")
+            count += 1
+            size += data.numel()
+    return {"algorithm": "sha256", "digest": digest.hexdigest(), "tensors": count, "bytes": size}
+
+
+class BaseFingerprint:
+    """A PEFT model's frozen-base fingerprint as a stateful object of a version (named ``hf.peft_base``).
+
+    The fingerprint is computed once, when training begins (before a version is loaded into the
+    model); every version carries it, and loading a version whose base differs raises
+    :class:`~asymcheck.errors.StateMismatchError` instead of training adapters on another base.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        """Fingerprint the frozen parameters of ``model`` now."""
+        self.live = base_fingerprint(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fingerprint (JSON)."""
+        return dict(self.live)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Check a version's fingerprint against the live base.
+
+        Raises:
+            StateMismatchError: the base differs (or the version holds no fingerprint).
+        """
+        _check_base(state, self.live, "the version")
+
+
+def _check_base(saved: Any, live: Mapping[str, Any], where: str) -> None:
+    """Refuse a version whose frozen-base fingerprint ``saved`` is not ``live``.
+
+    Raises:
+        StateMismatchError: naming both fingerprints.
+    """
+    if not isinstance(saved, Mapping) or "digest" not in saved:
+        raise StateMismatchError(f"{where} holds no fingerprint of a PEFT model's frozen base (written without "
+                                 "PEFT?): the adapters would be put on a base nothing checked")
+    if saved.get("algorithm") != live["algorithm"] or saved.get("digest") != live["digest"]:
+        raise StateMismatchError(
+            f"{where} was trained on another frozen base: its fingerprint is {saved.get('digest')} over "
+            f"{saved.get('tensors')} tensors ({saved.get('bytes')} bytes), the model's is {live['digest']} over "
+            f"{live['tensors']} tensors ({live['bytes']} bytes); load the base the adapters were trained on, "
+            "or give the callback a fresh directory")
+
+
+class _QuietEmptyLoad(logging.Filter):
+    """Drops the Trainer's missing-keys warning while it loads the resume directory's empty weights (PEFT)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_MISSING_KEYS)
+
+
+_QUIET = _QuietEmptyLoad()
+_TRAINER_LOGGER = "transformers.trainer"
+
+
 def _is_deepspeed(args: TrainingArguments) -> bool:
     return args.deepspeed is not None or getattr(args, "deepspeed_plugin", None) is not None
 
@@ -106,7 +192,7 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
 
     Args:
         args: the Trainer's ``TrainingArguments``.
-        model: the model trained (PEFT models are refused).
+        model: the model trained (a PEFT model: one process without DeepSpeed).
 
     Raises:
         UnsupportedTrainerConfigError: naming every refused setting.
@@ -125,8 +211,8 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
             problems.append(refusal(HF_TRAINER, setting).line())
     if args.n_gpu > 1:
         problems.append(refusal(HF_TRAINER, "n_gpu").line(f"n_gpu={args.n_gpu}"))
-    if model is not None and hasattr(model, "peft_config"):
-        problems.append(refusal(HF_TRAINER, "a PEFT model").line())
+    if _is_peft(model) and (_is_deepspeed(args) or getattr(args, "world_size", 1) > 1):
+        problems.append(refusal(HF_TRAINER, "a PEFT model under DDP or DeepSpeed").line())
     support.require_supported(problems, UnsupportedTrainerConfigError,
                               "asymcheck.hf.AsymCheckCallback does not support")
 
@@ -170,9 +256,16 @@ def _plain(value: Any) -> Any:
 
 
 def _write_no_weights(directory: str, model: torch.nn.Module) -> None:
-    """A sharded-weights index naming every key of ``model`` in one shard that holds no tensor."""
+    """A sharded-weights index naming every key of ``model`` in one shard that holds no tensor.
+
+    For a PEFT model an empty ``model.safetensors`` instead: the Trainer would load adapters from
+    the directory when it finds an index, and loads the (empty) weights file with ``strict=False``.
+    """
     from safetensors.torch import save_file
 
+    if _is_peft(model):
+        save_file({}, os.path.join(directory, _EMPTY_WEIGHTS), metadata={"format": "pt"})
+        return
     save_file({}, os.path.join(directory, _EMPTY_SHARD), metadata={"format": "pt"})
     index = {"metadata": {"asymcheck": "the weights are read from the asymstore version, not from here"},
              "weight_map": dict.fromkeys(model.state_dict(), _EMPTY_SHARD)}
@@ -231,7 +324,7 @@ class AsymCheckCallback(TrainerCallback):
                  **options: Unpack[TrainerCallbackOptions]) -> None:
         """Keep the options; the Checkpointer is made at ``on_train_begin``, when the optimizer exists."""
         where: StoreSpec = renamed_location(location, root_or_store, old="root_or_store", caller="AsymCheckCallback")
-        taken = {STATE_NAME, SCHEDULER_NAME, *_OLD_NAMES} & set(stateful or {})
+        taken = {STATE_NAME, SCHEDULER_NAME, BASE_NAME, *_OLD_NAMES} & set(stateful or {})
         if taken:
             raise ValueError(f"stateful names {sorted(taken)} are the callback's own")
         if every < 1:
@@ -314,6 +407,11 @@ class AsymCheckCallback(TrainerCallback):
         state = _trainer_state_of(manifest.meta, f"version {manifest.step}")
         if not isinstance(trainer.model, torch.nn.Module):
             raise TrainerResumeError("the Trainer has no model")
+        if _is_peft(trainer.model):  # before anything is written: adapters on another base are refused
+            held = manifest.meta.get("stateful")
+            saved = decode(held[BASE_NAME], {}) if isinstance(held, dict) and BASE_NAME in held else None
+            _check_base(saved, base_fingerprint(trainer.model), f"version {manifest.step}")
+            logging.getLogger(_TRAINER_LOGGER).addFilter(_QUIET)  # its warning that the empty file has no keys
         directory = self._new_resume_dir()
         _write_state(directory, state)
         _write_no_weights(directory, trainer.model)
@@ -381,6 +479,7 @@ class AsymCheckCallback(TrainerCallback):
         return directory
 
     def _drop_resume_dir(self) -> None:
+        logging.getLogger(_TRAINER_LOGGER).removeFilter(_QUIET)
         if self._cleanup is not None:
             self._cleanup()
         self._resume_dir = self._cleanup = None
@@ -402,6 +501,9 @@ class AsymCheckCallback(TrainerCallback):
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             stateful[names[SCHEDULER_NAME]] = scheduler
+        if _is_peft(model):
+            assert isinstance(model, torch.nn.Module)
+            stateful[BASE_NAME] = BaseFingerprint(model)  # computed once, before a version is loaded
         options: CheckpointerOptions = {**self.options, "retention": self._retention(args)}
         if _is_deepspeed(args):
             if self._trainer is None:

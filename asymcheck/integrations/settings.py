@@ -68,7 +68,9 @@ HF_TRAINER: tuple[Refusal, ...] = (
             "resumes inside an epoch with other RNG states, so the rest of the epoch would come in a new order"),
     Refusal("torch_compile=True", "untested: the snapshot hooks run inside the compiled modules"),
     Refusal("n_gpu", "torch.nn.DataParallel"),
-    Refusal("a PEFT model", "the Trainer's resume loads adapters from the resume directory"),
+    Refusal("a PEFT model under DDP or DeepSpeed", "untested: a PEFT model is tested in one process (the adapters, "
+            "their optimizer state and the frozen base's fingerprint); under DeepSpeed the Trainer loads the engine's "
+            "module from the resume directory"),
 )
 """What :class:`asymcheck.hf.AsymCheckCallback` refuses (under DeepSpeed also what the DeepSpeed adapter refuses)."""
 

@@ -22,7 +22,9 @@ and how many sequences the dataset was asked for, the Trainer's world size and m
 dtype every training forward ran under and how many training forwards the first attention ran (twice a
 micro-batch under gradient checkpointing). With ``WORLD_SIZE`` > 1 in the environment (what ``torchrun``
 sets) and no ``--deepspeed`` the run is the Trainer's DDP, gloo on CPU (``use_cpu=True``); ``--bf16`` and
-``--grad-ckpt`` pass ``bf16=True`` and ``gradient_checkpointing=True``.
+``--grad-ckpt`` pass ``bf16=True`` and ``gradient_checkpointing=True``. ``--peft`` trains LoRA adapters
+(``peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.1)``) on the frozen GPT-2;
+``--perturb-base`` then adds 1e-3 to one frozen weight (a changed base, which a resume must refuse).
 Lines on stdout are JSON events.
 """
 
@@ -158,14 +160,26 @@ def run(argv: list[str]) -> int:
                          "load_best_model_at_end by eval_loss")
     ap.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): the CPU autocast")
     ap.add_argument("--grad-ckpt", action="store_true", help="TrainingArguments(gradient_checkpointing=True)")
+    ap.add_argument("--peft", action="store_true", help="LoRA adapters on the frozen model (peft)")
+    ap.add_argument("--perturb-base", action="store_true", help="with --peft: change one frozen weight")
     args = ap.parse_args(argv)
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.deepspeed < 0  # torchrun's environment, no DeepSpeed
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
                                        bos_token_id=0, eos_token_id=0))
+    model: torch.nn.Module = gpt2
+    if args.peft:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1, fan_in_fan_out=True,
+                          task_type="CAUSAL_LM")
+        model = get_peft_model(gpt2, lora)
+        if args.perturb_base:
+            with torch.no_grad():
+                gpt2.transformer.h[1].mlp.c_fc.weight[0, 0] += 1e-3
     targs = TrainingArguments(
         output_dir=str(out / "hf"), max_steps=args.steps, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=args.ga, learning_rate=1e-3, warmup_steps=2, logging_steps=1,
@@ -201,7 +215,7 @@ def run(argv: list[str]) -> int:
             on = torch.is_autocast_enabled("cpu")
             autocast_seen.add(str(torch.get_autocast_dtype("cpu")) if on else "off")
 
-    model.transformer.h[0].attn.register_forward_pre_hook(watch)  # inside the checkpointed block: recomputed
+    gpt2.transformer.h[0].attn.register_forward_pre_hook(watch)  # inside the checkpointed block: recomputed
     trainer.train(resume_from_checkpoint=resume)
     recomputed = calls[0]
     if ckpt is not None:
@@ -214,7 +228,8 @@ def run(argv: list[str]) -> int:
                 "global_step": trainer.state.global_step, "epoch": trainer.state.epoch,
                 "resumed": ckpt.resumed_step if ckpt else None, "fetched": data.fetched,
                 "world": trainer.args.world_size, "wrapper": type(trainer.model_wrapped).__name__,
-                "autocast": sorted(autocast_seen), "block_forwards": recomputed},
+                "autocast": sorted(autocast_seen), "block_forwards": recomputed,
+                "trainable": sum(p.requires_grad for p in model.parameters())},
                out / ("result.pt" if rank == "0" else f"result-rank{rank}.pt"))
     return 0
 

@@ -22,7 +22,10 @@ DDP's first bucket and the runs came out bit-exact (seeds 5, 6, 7; if a seed eve
 a run restarted at the same step without a kill, as the multirank guide does); ``bf16`` (``bf16=True``: the
 Trainer's CPU autocast, checked in every training forward); ``grad-ckpt`` (``gradient_checkpointing=True``:
 every attention forward runs again inside backward, counted, and fires the Checkpointer's forward pre-hooks
-there).
+there); ``peft`` (LoRA adapters on the frozen GPT-2 through ``peft.get_peft_model``: the version holds the
+whole model, the adapters' optimizer state and the frozen base's fingerprint; the resume puts the adapters back
+from the store, the Trainer reads none from the resume directory), and after it the same run on a changed base,
+refused with ``StateMismatchError`` before a step, the store untouched.
 All runs of the module share one driver process (torch and transformers imported once; each run a forked child).
 """
 
@@ -67,6 +70,7 @@ CASES: dict[str, tuple[list[str], int, bool]] = {
     "ddp-4ranks": ([], 4, False),
     "bf16": (["--bf16"], 1, True),  # the Trainer's CPU autocast to bfloat16
     "grad-ckpt": (["--grad-ckpt"], 1, True),  # gradient checkpointing: forwards recomputed inside backward
+    "peft": (["--peft"], 1, True),  # LoRA adapters on a frozen GPT-2
 }
 
 
@@ -114,6 +118,9 @@ def plan_for(names: list[str], root: Path) -> dict[str, Any]:
     if "plain" in names:  # train() without resume_from() on a store that holds versions: refused
         batches.append(job("plain-refused", ["--out", str(root / "refused"), "--dir", str(root / "plain-ck"),
                                              "--plain-train"], 1, False))
+    if "peft" in names:  # the adapters' store, resumed on a base with one weight changed: refused
+        batches.append(job("peft-base-changed", ["--out", str(root / "peft-changed"), "--dir", str(root / "peft-ck"),
+                                                 "--peft", "--perturb-base"], 1, False))
     return {"batches": batches, "exits": str(root / "exits.jsonl")}
 
 
@@ -197,6 +204,9 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
     per_step = (2 if "--grad-ckpt" in extra else 1) * ga
     assert ref["block_forwards"] == STEPS * per_step, context
     assert got["block_forwards"] == (STEPS - got["resumed"]) * per_step, context
+    if "--peft" in extra:  # only the 4 LoRA matrices train; the optimizer holds their state alone
+        assert ref["trainable"] == got["trainable"] == 4, context
+        assert len([k for k in got["state"] if k.startswith("optim/param/")]) == 4, context
     every = int(extra[extra.index("--save-steps") + 1]) if "--save-steps" in extra else 0
     if every and result == "result.pt":  # the Trainer's own checkpoints beside the versions
         for n in range(every, STEPS + 1, every):
@@ -285,11 +295,31 @@ def test_refusal_comes_before_anything_is_written(setting: dict[str, Any], tmp_p
     assert not ck.exists() or not any(ck.iterdir())
 
 
-def test_peft_model_refused() -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [pytest.param("peft", marks=marks_of("peft"))])
+def test_peft_on_a_changed_base_is_refused_before_a_step(name: str, runs: dict[str, Any]) -> None:
+    """The adapters' store resumed on a base with one frozen weight changed: StateMismatchError, nothing written."""
+    output = runs["output"]
+    assert runs["codes"].get("peft-resume") == 0, output[-4000:]
+    assert runs["codes"].get("peft-base-changed") == 1, output[-4000:]
+    assert "StateMismatchError: version 12 was trained on another frozen base" in output, output[-4000:]
+    root: Path = runs["root"]
+    assert not (root / "peft-changed" / "result.pt").exists()
+    ck = root / "peft-ck"
+    resumed_at = (root / "peft" / "result.pt").stat().st_mtime
+    held = sorted(p.name for p in ck.iterdir() if not p.name.startswith("."))
+    assert held == ["LATEST", "LAYOUT.json", *(f"v{s:012d}" for s in range(STEPS - 2, STEPS + 1))], held
+    written = [f for f in (*ck.glob("LA*"), *ck.glob("v*/*")) if f.stat().st_mtime > resumed_at]
+    assert not written, written  # no new, partial or moved version, no pointer rewritten
+
+
+def test_peft_model_refused_under_ddp_and_deepspeed() -> None:
     model = torch.nn.Linear(2, 2)
     model.peft_config = {}  # type: ignore[assignment]
-    with pytest.raises(UnsupportedTrainerConfigError, match="PEFT"):
-        check_trainer(args(), model)  # type: ignore[arg-type]
+    for over in ({"world_size": 2}, {"deepspeed": {"zero_optimization": {"stage": 2}}}):
+        with pytest.raises(UnsupportedTrainerConfigError, match="PEFT"):
+            check_trainer(args(**over), model)  # type: ignore[arg-type]
+    check_trainer(args(), model)  # type: ignore[arg-type]  # one process: the peft kill test
 
 
 @pytest.mark.slow

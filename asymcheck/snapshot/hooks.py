@@ -76,6 +76,12 @@ class HookSet:
     Forward pre-hooks go on every submodule, post-accumulate-grad hooks on
     every trainable parameter. ``refresh`` hooks modules and parameters added (or unfrozen) since the last call.
 
+    Under ``torch.compile`` the forward and grad hooks run eagerly, never traced: each is wrapped in
+    ``torch.compiler.disable``, so a compiled graph breaks at a hooked submodule and the hook runs as
+    Python, every call, with the Checkpointer's own state (traced, Dynamo would inline the snapshot
+    protocol into the graph and break at whatever inside it it cannot trace). In eager mode the
+    wrapper costs well under a microsecond per call.
+
     Args:
         model: the module whose submodules get forward pre-hooks.
         optimizer: the optimizer whose step is hooked (its parameters get grad hooks too).
@@ -94,6 +100,8 @@ class HookSet:
         self._on_forward = on_forward
         self._on_grad = on_grad
         self._hooked: dict[int, tuple[weakref.ref[Any], RemovableHandle]] = {}
+        self._forward = torch.compiler.disable(self._forward_hook)
+        self._grad = torch.compiler.disable(self._grad_hook)
         self._handles = [
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: on_step_pre()),
             optimizer.register_step_post_hook(lambda opt, args, kwargs: on_step_post()),
@@ -118,14 +126,14 @@ class HookSet:
         added = 0
         for module in self.model.modules():
             if not self._known(module):
-                handle = module.register_forward_pre_hook(self._forward_hook)
+                handle = module.register_forward_pre_hook(self._forward)
                 self._hooked[id(module)] = (weakref.ref(module), handle)
                 added += 1
         params = list(self.model.parameters())
         params += [p for g in self.optimizer.param_groups for p in g["params"]]
         for p in params:
             if p.requires_grad and not self._known(p):
-                handle = p.register_post_accumulate_grad_hook(self._grad_hook)  # type: ignore[no-untyped-call]
+                handle = p.register_post_accumulate_grad_hook(self._grad)  # type: ignore[no-untyped-call]
                 self._hooked[id(p)] = (weakref.ref(p), handle)
                 added += 1
         if added:  # the model changed: forget entries of objects that are gone
@@ -145,4 +153,38 @@ class HookSet:
         for handle in self._handles:
             handle.remove()
         self._hooked.clear()
+        self._handles.clear()
+
+
+class StepHooks:
+    """Only the optimizer's step pre- and post-hooks: nothing inside the model's forward or backward.
+
+    For models compiled whole (``torch.compile(..., fullgraph=True)``, where a hook that breaks the
+    graph is an error) or where a graph break per submodule costs more than the lazy copy saves: the
+    version's copy is done in the step pre-hook (``PartitionOptions(partitioning="step")``), and its
+    late state (param groups, scheduler, ``stateful``) is taken there too, before the step changes it.
+
+    Args:
+        optimizer: the optimizer whose step is hooked.
+        driver: the Checkpointer's entry points.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, driver: Driver) -> None:
+        """Register the two hooks."""
+        self._handles = [
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: driver.before_step()),
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: driver.after_step()),
+        ]
+
+    def refresh(self) -> int:
+        """Nothing to follow: the optimizer's own hooks see every parameter."""
+        return 0
+
+    def settle(self) -> None:
+        """Nothing is ever pending."""
+
+    def remove(self) -> None:
+        """Remove both hooks."""
+        for handle in self._handles:
+            handle.remove()
         self._handles.clear()

@@ -2,9 +2,22 @@
 
 Run by hand (never a timed test), from the repository root::
 
-    .venv/bin/python benches/integrations.py            # GPT-2 8m, 4 rounds: about 9 minutes on 2 cores
-    .venv/bin/python benches/integrations.py --quick    # tiny GPT-2, 1 round, fewer steps: 1-2 minutes
+    .venv/bin/python benches/integrations.py            # every row, GPT-2 8m, 4 rounds: about 30 minutes on 2 cores
+    .venv/bin/python benches/integrations.py --rows single             # the one-process rows only: about 9 minutes
+    .venv/bin/python benches/integrations.py --rows ddp,fsdp2 --ranks 2  # the multi-process rows only
+    .venv/bin/python benches/integrations.py --quick    # tiny GPT-2, 1 round, fewer steps: about 5 minutes
     .venv/bin/python benches/integrations.py --frameworks hf,lightning --rounds 4 --out bench-out/x.json
+
+Rows (``--rows``, default all): ``single`` (one process, every framework below), ``ddp`` (the
+Trainer, Accelerate and Lightning under DDP on ``--ranks`` processes, default 2), ``fsdp2`` (a plain
+loop under ``fully_shard`` on ``--ranks`` processes). A multi-process run is ``--ranks`` fresh
+processes started together with the environment ``torchrun --nproc_per_node N`` gives each rank
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``..., as the DDP tests launch
+theirs), gloo on the CPU; each child checks that the framework ran on that many processes (a
+Trainer without ``use_cpu`` or a Lightning Trainer without ``strategy="ddp"`` would train alone in
+each). The frameworks' own FSDP2 needs a GPU: the bench says so in its output and JSON (``not_run``).
+
+The one-process rows:
 
 For each framework, three methods, each a fresh process (this script with ``--child``), one process,
 CPU, the same GPT-2 (from ``GPT2Config``: nothing downloaded; ``--config``, ``build_gpt2`` of
@@ -31,6 +44,20 @@ benches/common.py) training on synthetic tokens, a checkpoint after every optimi
   removed once their successor's save is done); ``asymcheck``: one ``asymstore.dcp.StorageWriter(dir)``
   with ``checkpoint_id=str(step)``.
 
+The ``ddp`` rows: the same three methods of the Trainer (``use_cpu=True, ddp_backend="gloo"``),
+Accelerate (``Accelerator(cpu=True)``, ``MULTI_CPU``, gloo) and Lightning (``strategy="ddp"``,
+``devices=--ranks``; every method's loader carries a ``DistributedSampler`` given by hand, as the
+guide asks for a ``ResumableLoader`` under DDP), each rank training ``--batch`` samples a step (the
+data is ``--ranks`` times larger). asymcheck's directory is then a multi-rank root (a shard per
+rank, global versions); the frameworks' own saves write the model and optimizer from rank 0 (and
+RNG states per rank).
+
+The ``fsdp2`` row (framework ``loop``): GPT-2 with every block and the root ``fully_shard``ed, AdamW,
+a plain loop. ``none``; ``own``: ``torch.distributed.checkpoint.save`` of
+``get_state_dict(model, optimizer)`` to ``FileSystemWriter(dir/step-N)`` after every step (the newest
+2 kept); ``asymcheck``: ``asymcheck.Checkpointer(model, optimizer, dir)`` (its FSDP2 path).
+benches/fsdp2_overhead.py compares the same Checkpointer with ``dcp.async_save`` and times resumes.
+
 Every asymcheck method keeps 2 versions and takes one every step, always
 (``pacing=PacingOptions(max_overhead=None)``: no pacing); its commits are durable (fsync) when they
 complete. Of the frameworks' own saves only DCP's ``FileSystemWriter`` fsyncs (``sync_files=True``, its
@@ -52,29 +79,37 @@ thread) and any other process take cores from OpenMP, whose spin-waits then make
 (on the 2-core development VM under load, a tiny GPT-2 step took 35 ms with 1 thread and 1.3-2.0 s
 with 2); one thread leaves a core to them, as a GPU job leaves host cores to the checkpoint.
 
-Rounds: each round runs every framework's methods, each framework's order rotated per round and
-reversed every other round (ABC CBA BCA ACB...), so drifts of the machine fall on every method alike.
-The load average before and after (``os.getloadavg``) and at each run's start are recorded.
+Ranks: in a multi-process run each rank times its own step boundaries; a step's time is the
+slowest rank's (the ranks wait for each other in the collectives anyway), and CPU seconds per step
+and the finish are the largest rank's.
 
-Reported per framework: median step per method (all rounds' measured steps pooled), the ratio to
-``none``, the overhead over ``none``, and the target: asymcheck's overhead / the framework's own
-overhead <= 0.5. Writes JSON (``--out``, default bench-out/integrations.json) and prints a markdown
-table. Checkpoints go to a temporary directory under ``--dir`` (default bench-out/, on the disk to
-test), removed at the end.
+Rounds: each round runs every row's methods, each row's order rotated per round and reversed every
+other round (ABC CBA BCA ACB...), so drifts of the machine fall on every method alike. The cores,
+``uptime``'s line before and after, and the load average at each run's start are recorded.
+
+Reported per row: median and mean step per method (all rounds' measured steps pooled), the ratio
+to ``none``, the overhead over ``none`` (of the medians), and the target: asymcheck's overhead /
+the framework's own overhead <= 0.5 (also given from the means). Writes JSON (``--out``, default
+bench-out/integrations.json) and prints markdown tables. Checkpoints go to a temporary directory
+under ``--dir`` (default bench-out/, on the disk to test), removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import platform
 import shutil
+import socket
 import statistics
+import subprocess
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +124,20 @@ from common import (
     release_free_memory,
     write_json,
 )
-from harness import add_child_flag, add_quick_flag, child_argv, order, run_fresh, settle, take_json
+from harness import Run, add_child_flag, add_quick_flag, child_argv, order, run_fresh, settle, take_json
 
-FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp"]
+FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp", "loop"]
+ROWS: dict[str, list[str]] = {  # row -> its frameworks
+    "single": ["accelerate", "hf", "lightning", "dcp"],  # one process
+    "ddp": ["accelerate", "hf", "lightning"],  # --ranks processes, DDP on gloo
+    "fsdp2": ["loop"],  # --ranks processes, fully_shard on gloo, a plain loop
+}
+NOT_RUN = {  # configurations the bench names instead of omitting them silently
+    "fsdp2": "the frameworks' own FSDP2 (the Trainer's fsdp/fsdp_config, Accelerate's "
+             "FullyShardedDataParallelPlugin(fsdp_version=2), Lightning's ModelParallelStrategy) needs a GPU "
+             "(Accelerate 1.15 on the CPU ignores the FSDP plugin and prepares DDP): not measured here; "
+             "the fsdp2 row is the Checkpointer's FSDP2 path in a plain loop against dcp.save",
+}
 METHODS = ["none", "own", "asymcheck"]
 KEEP = 2  # checkpoints kept by every method that keeps some
 TARGET_OVERHEAD_RATIO = 0.5  # asymcheck's overhead over none / the framework's own overhead over none
@@ -103,7 +149,28 @@ LABELS: dict[str, dict[str, str]] = {
                   "asymcheck": "asymcheck.lightning.AsymCheckCallback"},
     "dcp": {"none": "no checkpoint", "own": "dcp.async_save + FileSystemWriter",
             "asymcheck": "dcp.async_save + asymstore.dcp.StorageWriter"},
+    "loop": {"none": "no checkpoint", "own": "dcp.save + FileSystemWriter",
+             "asymcheck": "asymcheck.Checkpointer (FSDP2)"},
 }
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the tables: a framework in a configuration (``row``) on ``ranks`` processes."""
+
+    row: str
+    framework: str
+    ranks: int
+
+    @property
+    def key(self) -> str:
+        """Its name in the JSON and the work directory: ``hf``, ``hf-ddp-2ranks``, ``loop-fsdp2-2ranks``."""
+        return self.framework if self.row == "single" else f"{self.framework}-{self.row}-{self.ranks}ranks"
+
+    @property
+    def title(self) -> str:
+        """Its name in the tables: ``hf``, ``hf DDP x2``, ``loop FSDP2 x2``."""
+        return self.framework if self.row == "single" else f"{self.framework} {self.row.upper()} x{self.ranks}"
 
 
 # -- the child: one framework, one method, one fresh process ----------------------------------
@@ -132,6 +199,18 @@ def quiet() -> None:
     for name in ("transformers", "accelerate", "lightning", "lightning.pytorch", "lightning.fabric",
                  "torch.distributed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+@functools.cache  # read once, at the child's start: Lightning's teardown rewrites the variables
+def world() -> int:
+    """The ranks of this run (``WORLD_SIZE`` in the environment the parent gives each rank, as ``torchrun`` does)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@functools.cache
+def rank() -> int:
+    """This process's rank (``RANK``; 0 in a one-process run)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def tokens(vocab: int, n: int, seq: int) -> torch.Tensor:
@@ -174,16 +253,18 @@ def asym_stats(stats: Any) -> dict[str, Any]:
 
 def run_accelerate(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> dict[str, Any]:
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
     from transformers import get_scheduler
 
     n = args.warmup + args.steps
     model, optimizer, _ = build_gpt2(args.config, args.seq)
-    loader = torch.utils.data.DataLoader(LMData(tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch,
-                                                       args.seq)), batch_size=args.batch, shuffle=True)
+    loader = torch.utils.data.DataLoader(  # each rank's n batches (accelerator.prepare shards the loader)
+        LMData(tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch * world(), args.seq)),
+        batch_size=args.batch, shuffle=True)
     project = ProjectConfiguration(project_dir=str(root), automatic_checkpoint_naming=True, total_limit=KEEP) \
         if method == "own" else None
-    accelerator = Accelerator(cpu=True, project_config=project)
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if world() > 1 else []  # MULTI_CPU: DDP on gloo
+    accelerator = Accelerator(cpu=True, project_config=project, kwargs_handlers=handlers)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=2, num_training_steps=n)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     extra: dict[str, Any] = {}
@@ -218,6 +299,7 @@ def run_accelerate(method: str, args: argparse.Namespace, root: Path, clock: Clo
     clock.done()
     if method == "own":
         extra["saves"] = saves
+    extra["framework_world"] = accelerator.num_processes
     return extra
 
 
@@ -228,6 +310,10 @@ def run_hf(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> d
         def __init__(self) -> None:
             self.callback: Any = None
             self.checkpointer: Any = None
+            self.saves = 0
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.saves += 1  # the Trainer's own checkpoint-N
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             clock.tick()
@@ -236,12 +322,13 @@ def run_hf(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> d
 
     n = args.warmup + args.steps + 1  # boundaries at step ends: n ends make n - 1 steps
     model, _, _ = build_gpt2(args.config, args.seq)
-    data = LMData(tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch, args.seq))
+    data = LMData(tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch * world(), args.seq))
     own = method == "own"
     targs = TrainingArguments(
         output_dir=str(root / "trainer"), max_steps=n, per_device_train_batch_size=args.batch, learning_rate=1e-4,
         logging_strategy="no", save_strategy="steps" if own else "no", save_steps=1, save_total_limit=KEEP,
-        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
+        ddp_backend="gloo" if world() > 1 else None)  # torchrun's environment: the Trainer's DDP
     ticker = Ticker()
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[ticker])
     extra: dict[str, Any] = {}
@@ -260,6 +347,9 @@ def run_hf(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> d
     if ticker.checkpointer is not None:
         extra |= asym_stats(ticker.checkpointer.stats())
     extra["global_step"] = trainer.state.global_step
+    if own:
+        extra["saves"] = ticker.saves
+    extra["framework_world"] = trainer.args.world_size
     return extra
 
 
@@ -286,27 +376,41 @@ def run_lightning(method: str, args: argparse.Namespace, root: Path, clock: Cloc
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
         def train_dataloader(self) -> Any:
-            loader = torch.utils.data.DataLoader(IdsData(tokens(vocab, n * args.batch, args.seq)),
-                                                 batch_size=args.batch, shuffle=True)
+            data = IdsData(tokens(vocab, n * args.batch * world(), args.seq))
+            if world() > 1:  # the DistributedSampler Lightning would add, given by hand in every method
+                # (as the guide says for a ResumableLoader under DDP), so the three load the same batches
+                sampler: Any = torch.utils.data.DistributedSampler(data, shuffle=True, seed=0)
+                loader = torch.utils.data.DataLoader(data, batch_size=args.batch, sampler=sampler)
+            else:
+                loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=True)
             return ResumableLoader(loader) if method == "asymcheck" else loader
 
     class Ticker(pl.Callback):
+        saves = 0
+
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             clock.tick()
 
-    callbacks: list[pl.Callback] = [Ticker()]
+        def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+            self.saves += 1  # ModelCheckpoint's save
+
+    ticker = Ticker()
+    callbacks: list[pl.Callback] = [ticker]
     asym = None
     if method == "own":
         callbacks.append(ModelCheckpoint(dirpath=str(root), every_n_train_steps=1))
     elif method == "asymcheck":
         asym = AsymCheckCallback(str(root), keep_last=KEEP, pacing=PacingOptions(max_overhead=None))
         callbacks.append(asym)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=n, logger=False, enable_checkpointing=method == "own",
+    ddp: dict[str, Any] = {"devices": world(), "strategy": "ddp"} if world() > 1 else {"devices": 1}
+    trainer = pl.Trainer(accelerator="cpu", max_steps=n, logger=False, enable_checkpointing=method == "own",
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=callbacks)
+                         callbacks=callbacks, **ddp)
     trainer.fit(Module())
     clock.done()
-    extra: dict[str, Any] = {"global_step": trainer.global_step}
+    extra: dict[str, Any] = {"global_step": trainer.global_step, "framework_world": trainer.world_size}
+    if method == "own":
+        extra["saves"] = ticker.saves
     if asym is not None:
         stats = asym.stats()
         if stats is not None:
@@ -363,12 +467,74 @@ def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> 
     return extra
 
 
+def run_fsdp2(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> dict[str, Any]:
+    """A plain loop over a GPT-2 sharded by ``fully_shard`` (every block and the root) on ``WORLD_SIZE`` gloo ranks.
+
+    ``own``: ``torch.distributed.checkpoint.save`` of ``get_state_dict(model, optimizer)`` to
+    ``FileSystemWriter(dir/step-N)`` after every step (the newest KEEP directories kept);
+    ``asymcheck``: ``asymcheck.Checkpointer(model, optimizer, dir)`` (its FSDP2 path: each rank's
+    DTensor shards in a multi-rank root).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    n = args.warmup + args.steps
+    model, _, _ = build_gpt2(args.config, args.seq)
+    for block in model.transformer.h:  # type: ignore[union-attr]
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch * world(), args.seq)
+    ckpt: Any = None
+    if method == "asymcheck":
+        from asymcheck import Checkpointer
+        from asymcheck.options import PacingOptions, RetentionOptions
+
+        ckpt = Checkpointer(model, optimizer, str(root), retention=RetentionOptions(keep_last=KEEP),
+                            pacing=PacingOptions(max_overhead=None))
+    dirs: list[Path] = []
+    saves = 0
+    dist.barrier()
+    model.train()
+    clock.tick()
+    for step in range(n):
+        at = (step * world() + rank()) * args.batch
+        x = ids[at:at + args.batch]
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if method == "own":
+            msd, osd = get_state_dict(model, optimizer)
+            path = root / f"step-{step}"
+            dcp_save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(path)))
+            dirs.append(path)  # complete on every rank: save ends with a collective
+            saves += 1
+            while len(dirs) > KEEP:
+                old = dirs.pop(0)
+                if rank() == 0:
+                    shutil.rmtree(old, ignore_errors=True)
+        clock.tick()
+    extra: dict[str, Any] = {"saves": saves} if method == "own" else {}
+    if ckpt is not None:
+        ckpt.close()
+        extra |= asym_stats(ckpt.stats())
+    dist.barrier()
+    clock.done()
+    dist.destroy_process_group()
+    return extra
+
+
 RUNNERS: dict[str, Callable[[str, argparse.Namespace, Path, Clock], dict[str, Any]]] = {
-    "accelerate": run_accelerate, "hf": run_hf, "lightning": run_lightning, "dcp": run_dcp}
+    "accelerate": run_accelerate, "hf": run_hf, "lightning": run_lightning, "dcp": run_dcp, "loop": run_fsdp2}
 
 
 def child(args: argparse.Namespace) -> None:
     framework, method, root, result = args.child
+    world(), rank()  # before any framework touches the environment
     if args.threads:
         torch.set_num_threads(args.threads)
     quiet()
@@ -379,36 +545,115 @@ def child(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     extra = RUNNERS[framework](method, args, Path(root), clock)
     rss.stop()
+    if extra.get("framework_world", world()) != world():  # e.g. ranks that each trained alone, not distributed
+        raise RuntimeError(f"{framework}/{method}: the framework ran on {extra['framework_world']} process(es), "
+                           f"the launch gave WORLD_SIZE={world()}")
     walls = [w for w, _ in clock.marks]
     steps = [b - a for a, b in itertools.pairwise(walls)]
     if len(steps) < args.warmup + args.steps:
         raise RuntimeError(f"{framework}/{method}: {len(steps)} steps timed, expected {args.warmup + args.steps}")
     measured = steps[args.warmup:args.warmup + args.steps]
     first, last = clock.marks[args.warmup], clock.marks[args.warmup + args.steps]
-    write_json(result, {
+    write_json(rank_result(result, rank()), {
         "framework": framework, "method": method, "step_s": measured, "warmup_step_s": steps[:args.warmup],
         "cpu_s_per_step": (last[1] - first[1]) / args.steps, "finish_s": clock.returned - walls[-1],
-        "setup_s": walls[0] - started, "rss": rss.as_dict(), "threads": torch.get_num_threads(), **extra})
+        "setup_s": walls[0] - started, "rss": rss.as_dict(), "threads": torch.get_num_threads(), "rank": rank(),
+        "world": world(), **extra})
+
+
+def rank_result(result: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` of a run writes its result (rank 0: ``result`` itself)."""
+    return Path(result) if rank == 0 else Path(f"{result}.rank{rank}")
 
 
 # -- the parent: rounds of fresh processes, the summary ----------------------------------------
 
 
-def run_child(framework: str, method: str, args: argparse.Namespace, work: Path, timeout: float) -> dict[str, Any]:
-    root = work / f"{framework}-{method}"
-    result = work / f"{framework}-{method}.json"
-    argv = child_argv(__file__, "--child", framework, method, str(root), str(result),
+def run_ranks_fresh(argv: list[str], ranks: int, env: dict[str, str], timeout: float, logs: Path) -> Run:
+    """Run ``argv`` as ``ranks`` fresh processes of one job, each with the environment ``torchrun`` gives a rank.
+
+    As tests/asymcheck/hf/test_trainer.py launches its DDP runs: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``NODE_RANK`` and a free
+    loopback ``MASTER_ADDR``/``MASTER_PORT`` per job. Each rank's output goes to a file under ``logs``;
+    past ``timeout`` every rank still running is killed (code -1). The code is the first non-zero rank's.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    procs: list[subprocess.Popen[bytes]] = []
+    files = []
+    for r in range(ranks):
+        penv = dict(os.environ, **env, RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_RANK=str(r),
+                    LOCAL_WORLD_SIZE=str(ranks), GROUP_RANK="0", ROLE_RANK=str(r), ROLE_WORLD_SIZE=str(ranks),
+                    NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        log = (logs / f"rank{r}.log").open("wb")
+        files.append(log)
+        procs.append(subprocess.Popen(argv, env=penv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    codes: list[int] = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:  # a hung collective: every rank still running goes
+                if q.poll() is None:
+                    q.kill()
+            proc.wait()
+            codes.append(-1)
+    for log in files:
+        log.close()
+    text = "".join(f"--- rank {r} ---\n" + (logs / f"rank{r}.log").read_text(errors="replace")[-3000:]
+                   for r in range(ranks))
+    return Run(next((c for c in codes if c != 0), 0), text, "", time.perf_counter() - t0, load)
+
+
+def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's result from its ranks': per step the slowest rank's time (the ranks wait for each other anyway).
+
+    CPU seconds per step and the finish are the largest rank's, the RSS growth the largest; the
+    per-rank figures are kept (``per_rank``); the rest is rank 0's.
+    """
+    if len(results) == 1:
+        return results[0]
+    out = dict(results[0])
+    out["step_s"] = [max(ts) for ts in zip(*(r["step_s"] for r in results), strict=True)]
+    out["warmup_step_s"] = [max(ts) for ts in zip(*(r["warmup_step_s"] for r in results), strict=True)]
+    for key in ("cpu_s_per_step", "finish_s", "setup_s"):
+        out[key] = max(r[key] for r in results)
+    out["rss"] = max((r["rss"] for r in results), key=lambda x: int(x["peak_growth_bytes"]))
+    out["per_rank"] = [{k: r.get(k) for k in ("rank", "cpu_s_per_step", "finish_s", "step_s")} for r in results]
+    return out
+
+
+def run_child(case: Case, method: str, args: argparse.Namespace, work: Path, timeout: float) -> dict[str, Any]:
+    name = f"{case.key}-{method}"
+    root = work / name
+    result = work / f"{name}.json"
+    argv = child_argv(__file__, "--child", case.framework, method, str(root), str(result),
                       "--config", args.config, "--steps", str(args.steps), "--warmup", str(args.warmup),
                       "--batch", str(args.batch), "--seq", str(args.seq))
     argv += ["--threads", str(args.threads)]
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     settle()  # the previous run's dirty pages must not be written back during this one
-    run = run_fresh(argv, env=env, timeout=timeout, cwd=REPO)
+    if case.ranks > 1:
+        logs = work / f"{name}-logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        run = run_ranks_fresh(argv, case.ranks, env, timeout, logs)
+        shutil.rmtree(logs, ignore_errors=True)
+    else:
+        run = run_fresh(argv, env=env, timeout=timeout, cwd=REPO)
     shutil.rmtree(root, ignore_errors=True)
-    if run.code != 0 or not result.exists():
-        return {"framework": framework, "method": method, "error": f"exit code {run.code}",
-                "log_tail": run.log[-4000:], "loadavg_1m": run.loadavg_1m, "process_s": run.seconds}
-    return take_json(result) | {"loadavg_1m": run.loadavg_1m, "process_s": run.seconds}
+    paths = [rank_result(result, r) for r in range(case.ranks)]
+    base = {"case": case.key, "row": case.row, "framework": case.framework, "method": method, "ranks": case.ranks}
+    if run.code != 0 or not all(path.exists() for path in paths):
+        for path in paths:
+            path.unlink(missing_ok=True)
+        return base | {"error": f"exit code {run.code}", "log_tail": run.log[-4000:], "loadavg_1m": run.loadavg_1m,
+                       "process_s": run.seconds}
+    return merge_ranks([take_json(path) for path in paths]) | base | {"loadavg_1m": run.loadavg_1m,
+                                                                       "process_s": run.seconds}
 
 
 def _median(values: list[float]) -> float | None:
@@ -427,6 +672,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         growth = [int(r["rss"]["peak_growth_bytes"]) for r in ok]
         entry: dict[str, Any] = {
             "label": "", "runs": len(ok), "failed": len(failed), "median_step_s": _median(steps),
+            "mean_step_s": statistics.fmean(steps) if steps else None,
             "step_s": steps, "median_step_s_per_run": [statistics.median(r["step_s"]) for r in ok],
             "cpu_s_per_step": _median([r["cpu_s_per_step"] for r in ok]),
             "cpu_s_per_step_per_run": [r["cpu_s_per_step"] for r in ok],
@@ -440,19 +686,24 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             entry["asym_median_stall_s"] = statistics.median(stalls)
         methods[method] = entry
     base = methods.get("none", {}).get("median_step_s")
+    base_mean = methods.get("none", {}).get("mean_step_s")
     base_cpu = methods.get("none", {}).get("cpu_s_per_step")
     for entry in methods.values():
-        med = entry["median_step_s"]
+        med, mean = entry["median_step_s"], entry["mean_step_s"]
         entry["ratio_vs_none"] = med / base if med is not None and base else None
         entry["overhead_s"] = med - base if med is not None and base is not None else None
+        entry["mean_overhead_s"] = mean - base_mean if mean is not None and base_mean is not None else None
         cpu = entry["cpu_s_per_step"]
         entry["cpu_s_per_checkpoint"] = cpu - base_cpu if cpu is not None and base_cpu is not None else None
     own = methods.get("own", {}).get("overhead_s")
     asym = methods.get("asymcheck", {}).get("overhead_s")
     ratio = asym / own if asym is not None and own is not None and own > 0 else None
     met = ratio is not None and ratio <= TARGET_OVERHEAD_RATIO
+    own_mean = methods.get("own", {}).get("mean_overhead_s")
+    asym_mean = methods.get("asymcheck", {}).get("mean_overhead_s")
+    mean_ratio = asym_mean / own_mean if asym_mean is not None and own_mean is not None and own_mean > 0 else None
     target = {"value": ratio, "target": TARGET_OVERHEAD_RATIO, "met": met, "asymcheck_overhead_s": asym,
-              "own_overhead_s": own}
+              "own_overhead_s": own, "value_of_means": mean_ratio}
     return {"methods": methods, "overhead_ratio": target}
 
 
@@ -461,10 +712,11 @@ def fmt(value: float | None, spec: str) -> str:
 
 
 def table(results: dict[str, Any]) -> str:
-    """The markdown tables: one row per framework and method, then one per framework with the target."""
-    lines = ["| framework | method | median step | x none | overhead | CPU s / step | peak RSS growth | versions |",
-             "|---|---|---|---|---|---|---|---|"]
-    for framework, fw in results["frameworks"].items():
+    """The markdown tables: a line per row (a framework in a configuration) and method; a line per row: the target."""
+    lines = ["| row | method | median step | mean step | x none | overhead | CPU s / step | peak RSS growth "
+             "| versions |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for fw in results["frameworks"].values():
         for m in fw["methods"].values():
             versions = ""
             if "versions_committed" in m:
@@ -476,24 +728,41 @@ def table(results: dict[str, Any]) -> str:
             if m["failed"]:
                 versions += f" ({m['failed']} run(s) FAILED)"
             growth = m["max_rss_growth_bytes"]
-            lines.append(f"| {framework} | {m['label']} | {fmt(m['median_step_s'], '.3f')} s | "
+            lines.append(f"| {fw['title']} | {m['label']} | {fmt(m['median_step_s'], '.3f')} s | "
+                         f"{fmt(m['mean_step_s'], '.3f')} s | "
                          f"{fmt(m['ratio_vs_none'], '.2f')} | {fmt(m['overhead_s'], '+.3f')} s | "
                          f"{fmt(m['cpu_s_per_step'], '.2f')} | "
                          f"{'-' if growth is None else f'{growth / (1 << 20):.0f} MiB'} | {versions} |")
-    lines += ["", "| framework | asymcheck overhead | own overhead | asymcheck / own (target ≤ 0.5) |",
-              "|---|---|---|---|"]
-    for framework, fw in results["frameworks"].items():
+    lines += ["", "| row | asymcheck overhead | own overhead | asymcheck / own (target ≤ 0.5) | the same of means |",
+              "|---|---|---|---|---|"]
+    for fw in results["frameworks"].values():
         t = fw["overhead_ratio"]
         verdict = "-" if t["value"] is None else f"{t['value']:.2f} ({'met' if t['met'] else 'NOT met'})"
-        lines.append(f"| {framework} | {fmt(t['asymcheck_overhead_s'], '+.3f')} s | "
-                     f"{fmt(t['own_overhead_s'], '+.3f')} s | {verdict} |")
+        lines.append(f"| {fw['title']} | {fmt(t['asymcheck_overhead_s'], '+.3f')} s | "
+                     f"{fmt(t['own_overhead_s'], '+.3f')} s | {verdict} | {fmt(t['value_of_means'], '.2f')} |")
     return "\n".join(lines)
+
+
+def machine_load() -> str:
+    """The cores and ``uptime``'s line (its load averages over 1, 5 and 15 minutes)."""
+    try:
+        up = subprocess.run(["uptime"], capture_output=True, text=True, timeout=5, check=False).stdout.strip()
+    except OSError:
+        up = ""
+    if not up:
+        up = "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"cores: {os.cpu_count()}; uptime: {up}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_quick_flag(ap, "tiny GPT-2, 1 round, fewer steps (1-2 minutes)")
-    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {FRAMEWORKS}")
+    add_quick_flag(ap, "tiny GPT-2, 1 round, fewer steps (about 5 minutes for every row)")
+    ap.add_argument("--rows", default=",".join(ROWS),
+                    help=f"comma-separated configurations, from {list(ROWS)}: single = one process, ddp = --ranks "
+                         "processes under DDP (gloo), fsdp2 = --ranks processes under fully_shard (gloo)")
+    ap.add_argument("--ranks", type=int, default=2, help="processes of the ddp and fsdp2 rows")
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS),
+                    help=f"comma-separated, from {FRAMEWORKS} (each row runs those of its own it is given)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of every method (default 4; --quick 1)")
     ap.add_argument("--config", choices=sorted(GPT2_CONFIGS), default=None,
                     help="GPT-2 size (default 8m; --quick tiny)")
@@ -502,7 +771,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 256; --quick 128)")
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads per run (0: torch's default; see the module docstring)")
+                    help="torch threads per process (0: torch's default; see the module docstring)")
     ap.add_argument("--dir", default=str(REPO / "bench-out"), help="where the temporary checkpoint directory goes")
     ap.add_argument("--out", default=str(REPO / "bench-out" / "integrations.json"), help="JSON output")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run before it is killed")
@@ -519,29 +788,41 @@ def main() -> int:
     unknown = sorted(set(frameworks) - set(FRAMEWORKS))
     if unknown:
         ap.error(f"unknown frameworks {unknown} (from {FRAMEWORKS})")
+    rows = [r for r in args.rows.split(",") if r]
+    if sorted(set(rows) - set(ROWS)):
+        ap.error(f"unknown rows {sorted(set(rows) - set(ROWS))} (from {list(ROWS)})")
+    if args.ranks < 2 and set(rows) - {"single"}:
+        ap.error("--ranks: the ddp and fsdp2 rows need 2 or more")
+    cases = [Case(row, fw, 1 if row == "single" else args.ranks)
+             for row in rows for fw in ROWS[row] if fw in frameworks]
+    if not cases:
+        ap.error(f"no framework of {frameworks} is in the rows {rows}")
     _, _, nparams = build_gpt2(args.config, args.seq)
     state_bytes = 3 * 4 * nparams  # fp32 parameters and AdamW's two moments
     load_before = os.getloadavg()
     print(f"GPT-2 {args.config}: {nparams / 1e6:.1f}M parameters, {state_bytes / (1 << 20):.0f} MiB of state per "
-          f"checkpoint; {args.rounds} round(s) x {len(frameworks)} framework(s) x {len(METHODS)} methods, "
-          f"{args.warmup} + {args.steps} steps each; load average before {load_before[0]:.2f} "
-          f"(cores: {os.cpu_count()})", flush=True)
+          f"checkpoint (all ranks together); {args.rounds} round(s) x {len(cases)} row(s) x {len(METHODS)} methods, "
+          f"{args.warmup} + {args.steps} steps each; {machine_load()}", flush=True)
+    not_run = {row: why for row, why in NOT_RUN.items() if row in rows}
+    for row, why in not_run.items():
+        print(f"  not run ({row}): {why}", flush=True)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="integrations-", dir=args.dir))
-    runs: dict[str, list[dict[str, Any]]] = {f: [] for f in frameworks}
+    runs: dict[str, list[dict[str, Any]]] = {c.key: [] for c in cases}
     started = time.perf_counter()
     try:
         for rnd in range(args.rounds):
-            for framework in frameworks:
+            for case in cases:
                 for method in order(METHODS, rnd):
-                    r = run_child(framework, method, args, work, args.timeout) | {"round": rnd}
-                    runs[framework].append(r)
+                    r = run_child(case, method, args, work, args.timeout) | {"round": rnd}
+                    runs[case.key].append(r)
                     if "error" in r:
-                        print(f"  round {rnd} {framework:>10} {method:>9}: FAILED ({r['error']})\n{r['log_tail']}",
+                        print(f"  round {rnd} {case.title:>18} {method:>9}: FAILED ({r['error']})\n{r['log_tail']}",
                               flush=True)
                         continue
                     extra = (f", {r['versions_committed']} versions committed" if "versions_committed" in r else "")
-                    print(f"  round {rnd} {framework:>10} {method:>9}: "
+                    extra += f", {r['saves']} saves" if "saves" in r else ""
+                    print(f"  round {rnd} {case.title:>18} {method:>9}: "
                           f"median step {statistics.median(r['step_s']):.3f} s, "
                           f"{r['cpu_s_per_step']:.2f} CPU s/step, finish {r['finish_s']:.2f} s, "
                           f"peak RSS +{r['rss']['peak_growth_bytes'] / (1 << 20):.0f} MiB, "
@@ -554,18 +835,22 @@ def main() -> int:
         "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
         "versions": versions(), "git": git_state(), "config": args.config, "gpt2": GPT2_CONFIGS[args.config],
         "params": nparams, "state_bytes": state_bytes, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-        "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads, "keep": KEEP,
-        "loadavg_before": load_before, "loadavg_after": load_after, "wall_s": time.perf_counter() - started,
-        "frameworks": {}}
-    for framework in frameworks:
-        summary = summarize(runs[framework])
+        "warmup": args.warmup, "rounds": args.rounds, "threads": args.threads, "keep": KEEP, "rows": rows,
+        "ranks": args.ranks, "not_run": not_run, "loadavg_before": load_before, "loadavg_after": load_after,
+        "wall_s": time.perf_counter() - started, "frameworks": {}}
+    for case in cases:
+        summary = summarize(runs[case.key])
         for method, entry in summary["methods"].items():
-            entry["label"] = LABELS[framework][method]
-        results["frameworks"][framework] = summary | {"runs": runs[framework]}
+            entry["label"] = LABELS[case.framework][method]
+        results["frameworks"][case.key] = summary | {"title": case.title, "row": case.row,
+                                                     "framework": case.framework, "ranks": case.ranks,
+                                                     "runs": runs[case.key]}
     write_json(args.out, results, indent=1)
     print()
     print(table(results))
-    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f} (cores: {os.cpu_count()}); "
+    for row, why in not_run.items():
+        print(f"\nnot run ({row}): {why}")
+    print(f"\nload average before {load_before[0]:.2f}, after {load_after[0]:.2f}; {machine_load()}; "
           f"{results['wall_s']:.0f} s in all; wrote {args.out}")
     failed = sum(1 for rs in runs.values() for r in rs if "error" in r)
     return 1 if failed else 0

@@ -26,7 +26,13 @@ from typing import Any, Literal, Unpack
 import lightning
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
 from asymcheck.errors import (
@@ -108,7 +114,16 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
     if trainer.ckpt_path is not None:
         out.append(refusal(LIGHTNING, "fit(ckpt_path=...)").line(f"fit(ckpt_path={str(trainer.ckpt_path)!r})"))
     strategy = trainer.strategy
-    if type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
+    if type(strategy) is ModelParallelStrategy:
+        tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
+        if tensor_parallel > 1:
+            out.append(refusal(LIGHTNING, "ModelParallelStrategy(tensor_parallel_size>1)").line(
+                f"ModelParallelStrategy(tensor_parallel_size={tensor_parallel})"))
+    elif isinstance(strategy, FSDPStrategy):
+        out.append(refusal(LIGHTNING, "FSDPStrategy").line(f"strategy={type(strategy).__name__}"))
+    elif isinstance(strategy, DeepSpeedStrategy):
+        out.append(refusal(LIGHTNING, "DeepSpeedStrategy").line(f"strategy={type(strategy).__name__}"))
+    elif type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
         out.append(refusal(LIGHTNING, "strategy").line(f"strategy={type(strategy).__name__}"))
     return out
 

@@ -11,6 +11,10 @@ With ``--dir`` it runs under ``asymcheck.lightning.AsymCheckCallback`` (a versio
 kept by in one process, recorded only under DDP); without it, it is the uninterrupted reference.
 ``--kill S``: SIGKILL inside the ``training_step`` after S optimizer steps, having written
 ``OUT/killed-rankR.json`` (``{"step": S, "signal": "SIGKILL"}``) just before.
+``--fsdp2`` (with ``--ddp``): ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` on the 2
+processes, ``configure_model`` applying ``fully_shard`` over ``device_mesh["data_parallel"]`` to each GPT-2 block and
+the whole model (FSDP2, gloo on the CPU); the final state holds each rank's local shards.
+``--tensor-parallel`` (with ``--fsdp2``): ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)``.
 ``--accum N``: ``accumulate_grad_batches=N``.
 ``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then
 Lightning's handler ends the fit by its ``SIGTERMException``, exit status 0, no final state written).
@@ -39,6 +43,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from asymcheck.lightning import AsymCheckCallback, ResumableLoader
@@ -67,7 +72,18 @@ class Model(pl.LightningModule):
         self.out = out
         self.kill = kill
         self.ddp = False
+        self.fsdp2 = False
         self.signal = signal.SIGKILL
+
+    def configure_model(self) -> None:
+        """``--fsdp2``: FSDP2 over the data-parallel mesh, each GPT-2 block and the whole model (Lightning's recipe)."""
+        if not self.fsdp2:
+            return
+        from torch.distributed.fsdp import fully_shard
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
     def _log_loss(self, key: str, loss: torch.Tensor) -> None:
         with (self.out / f"losses-rank{self.global_rank}.jsonl").open("a") as f:
@@ -106,12 +122,18 @@ class Model(pl.LightningModule):
         return torch.utils.data.DataLoader(Tokens(8, 9), batch_size=BATCH)
 
 
+def _local(v: Any) -> torch.Tensor:
+    """A tensor as this rank holds it (a DTensor's local shard under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+    return (v.to_local() if isinstance(v, DTensor) else torch.as_tensor(v)).detach().clone()
+
+
 def final_state(trainer: pl.Trainer, module: Model) -> dict[str, torch.Tensor]:
-    out = {f"model/{k}": v.detach().clone() for k, v in module.state_dict().items()}
+    out = {f"model/{k}": _local(v) for k, v in module.state_dict().items()}
     opt = trainer.optimizers[0].state_dict()
     for i, st in opt["state"].items():
         for k, v in st.items():
-            out[f"opt/{i}/{k}"] = torch.as_tensor(v).clone()
+            out[f"opt/{i}/{k}"] = _local(v)
     out["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
     out["sched/last_epoch"] = torch.tensor(trainer.lr_scheduler_configs[0].scheduler.last_epoch)
     out["rng"] = torch.get_rng_state()
@@ -128,6 +150,8 @@ def main() -> None:
     parser.add_argument("--dir")
     parser.add_argument("--kill", type=int)
     parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--fsdp2", action="store_true")
+    parser.add_argument("--tensor-parallel", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--sigterm", action="store_true")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
@@ -140,7 +164,8 @@ def main() -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     pl.seed_everything(0, verbose=False)
     module = Model(out, args.kill)
-    module.ddp = args.ddp
+    module.ddp = args.ddp or args.fsdp2
+    module.fsdp2 = args.fsdp2
     if args.sigterm:
         module.signal = signal.SIGTERM
     callbacks: list[pl.Callback] = []
@@ -155,8 +180,13 @@ def main() -> None:
         precision["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     elif args.precision != "32-true":
         precision["precision"] = args.precision
-    trainer = pl.Trainer(accelerator="gpu" if args.gpu else "cpu", devices=2 if args.ddp else 1,
-                         strategy="ddp" if args.ddp else "auto", deterministic=args.gpu,
+    strategy: Any = "ddp" if args.ddp else "auto"
+    if args.fsdp2:  # FSDP2 through configure_model, on 2 processes (gloo on the CPU)
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if args.tensor_parallel:  # the default layout on one node: a data-parallel mesh of 1, tensor-parallel of 2
+            strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    trainer = pl.Trainer(accelerator="gpu" if args.gpu else "cpu", devices=2 if args.ddp or args.fsdp2 else 1,
+                         strategy=strategy, deterministic=args.gpu,
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1,
                          accumulate_grad_batches=args.accum, **precision)

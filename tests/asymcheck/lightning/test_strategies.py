@@ -1,0 +1,106 @@
+"""Lightning strategies beyond one device and DDP: ``ModelParallelStrategy`` (FSDP2), and what stays refused.
+
+``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` with ``fully_shard`` over
+``device_mesh["data_parallel"]`` in ``configure_model`` (tests/procs/lightning_train.py ``--fsdp2``; 2
+processes, gloo on the CPU, no shim: Lightning 2.6 runs this strategy on the CPU as it is): the
+callback's Checkpointer takes each rank's local shards (the FSDP2 path of :class:`asymcheck.Checkpointer`,
+a multi-rank root), every rank is SIGKILLed at a drawn step, the same command resumes, and every loss
+after the resume and each rank's final shards equal an uninterrupted fit's bit for bit (gloo's FSDP2
+reductions are reproducible across restarts here, so the reference is the uninterrupted fit).
+
+Refused, typed, in ``on_fit_start`` before anything is written: ``FSDPStrategy`` (FSDP1),
+``DeepSpeedStrategy``, ``ModelParallelStrategy`` with ``tensor_parallel_size > 1`` (a real fit on 2
+processes). FSDP1 cannot fit on the CPU at all: Lightning 2.6's accelerator connector refuses
+``type(strategy) is FSDPStrategy`` without CUDA, and past that (a subclass with no body,
+``_CPUFSDPStrategy``, a test-only shim) torch 2.13's ``FullyShardedDataParallel`` raises "FSDP needs a
+non-CPU accelerator device" while Lightning wraps the model, before any callback hook; likewise
+``DeepSpeedStrategy.setup_environment`` requires CUDA. So those two are checked on a real ``Trainer`` built
+with the strategy (not fitted): the callback's ``on_fit_start`` raises the typed error naming it and the
+way on, and the directory stays empty.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+from asymcheck.lightning import AsymCheckCallback, UnsupportedLightningConfigError
+from asymstore.multirank.globaldir import list_global_steps
+from tests.asymcheck.lightning.test_callback import DDP_STEPS, _check_same, _Launch, _resumed_step, kill_point
+from tests.support.launch import proc_argv, proc_env
+from tests.support.mr_harness import free_ports
+
+pytestmark = pytest.mark.slow
+
+
+def test_fsdp2_kill_and_resume(tmp_path: Path) -> None:
+    """ModelParallelStrategy (FSDP2) on 2 processes: killed on every rank, resumed bit-exact."""
+    ref = _Launch(tmp_path / "ref", "--fsdp2", ddp=True)
+    kill = kill_point("fsdp2_kill_and_resume", DDP_STEPS, first=3)
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _Launch(out, "--dir", str(root), "--kill", str(kill), "--fsdp2", ddp=True).wait(killed=(kill, signal.SIGKILL))
+    _Launch(out, "--dir", str(root), "--fsdp2", ddp=True).wait()
+    reference = ref.wait()
+    _check_same(reference, out, 2)
+    assert 1 <= _resumed_step(out) < kill
+    for rank in (0, 1):  # FSDP2 really sharded: each rank holds half of the embedding's rows, and of its moments
+        final = torch.load(reference / f"final-rank{rank}.pt")
+        assert final["model/model.transformer.wte.weight"].shape == (128, 64)
+        assert any(k.startswith("opt/") and v.shape == (128, 64) for k, v in final.items())
+    assert list_global_steps(str(root / "global"))[-1] == DDP_STEPS
+
+
+def test_tensor_parallel_refused(tmp_path: Path) -> None:
+    """ModelParallelStrategy(tensor_parallel_size=2) is untested: refused on every rank, before anything is written."""
+    port = free_ports(1)[0]
+    root = tmp_path / "ckpt"
+    procs = []
+    for rank in (0, 1):
+        env = proc_env(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+        argv = proc_argv("lightning_train", "--out", str(tmp_path / "out"), "--dir", str(root), "--ddp", "--fsdp2",
+                         "--tensor-parallel")
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    for p in procs:
+        log = p.communicate(timeout=180)[0]
+        assert p.returncode != 0, log[-3000:]
+        assert "UnsupportedLightningConfigError" in log and "tensor_parallel_size=2" in log, log[-3000:]
+    assert not root.exists() or not any(root.rglob("v*"))
+
+
+class _CPUFSDPStrategy(FSDPStrategy):
+    """FSDPStrategy itself: a test-only shim (no body) past Lightning's CUDA check on ``type(strategy)``."""
+
+
+class _Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("strategy", "found", "way_on"), [
+    (_CPUFSDPStrategy, "strategy=_CPUFSDPStrategy (FSDP1", "strategy=ModelParallelStrategy(data_parallel_size=N"),
+    (lambda: DeepSpeedStrategy(stage=2), "strategy=DeepSpeedStrategy (not yet routed", "asymcheck.deepspeed.attach"),
+], ids=["fsdp1", "deepspeed"])
+def test_strategy_refused(tmp_path: Path, strategy: Any, found: str, way_on: str) -> None:
+    """FSDP1 and DeepSpeed: on_fit_start raises the typed error, naming the strategy and the way on; nothing written."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy(), logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    module = _Module()
+    trainer.strategy.connect(module)
+    callback = AsymCheckCallback(tmp_path / "ckpt")
+    with pytest.raises(UnsupportedLightningConfigError, match="strategy=") as info:
+        callback.on_fit_start(trainer, module)
+    assert found in str(info.value) and way_on in str(info.value), str(info.value)
+    assert callback.checkpointer is None
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())

@@ -385,9 +385,18 @@ class AsymCheckCallback(TrainerCallback):
 
         Raises:
             UnsupportedTrainerConfigError: the Trainer's configuration is refused (see :func:`check_trainer`).
-            TrainerResumeError: the newest version was not written by this callback.
+            TrainerResumeError: the newest version was not written by this callback, or
+                ``TrainingArguments.resume_from_checkpoint`` is set (``--resume_from_checkpoint`` of
+                ``run_clm.py``): it would not be read once this method's directory replaces it.
         """
         check_trainer(trainer.args, trainer.model)
+        flag = getattr(trainer.args, "resume_from_checkpoint", None)
+        if flag:  # the stock scripts' --resume_from_checkpoint: never silently ignored
+            raise TrainerResumeError(
+                f"TrainingArguments.resume_from_checkpoint={flag!r} (--resume_from_checkpoint) names a checkpoint of "
+                "the Trainer's own, which trainer.train(resume_from_checkpoint=callback.resume_from(trainer)) does "
+                "not read: the callback resumes from its own store, the newest version, without the flag. Drop "
+                "--resume_from_checkpoint; nothing was written")
         self._trainer = trainer
         self._drop_resume_dir()
         self._expect = None

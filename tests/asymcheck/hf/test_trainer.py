@@ -295,6 +295,42 @@ def test_refusal_comes_before_anything_is_written(setting: dict[str, Any], tmp_p
     assert not ck.exists() or not any(ck.iterdir())
 
 
+def test_the_scripts_resume_from_checkpoint_flag_is_refused_not_ignored(tmp_path: Path) -> None:
+    """run_clm.py's --resume_from_checkpoint beside the callback's resume: a typed refusal, before anything is written.
+
+    Without a version in the store and with one: the flag would not be read either way once
+    ``resume_from(trainer)`` replaces the script's ``train(resume_from_checkpoint=checkpoint)``.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from asymcheck.hf import AsymCheckCallback
+
+    def trainer(ck: Path, **over: Any) -> tuple[Trainer, AsymCheckCallback]:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+        targs = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=2, per_device_train_batch_size=2,
+                                  use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, **over)
+        data = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 4
+        callback = AsymCheckCallback(str(ck))
+        return Trainer(model=model, args=targs, train_dataset=data, callbacks=[callback]), callback
+
+    flag = str(tmp_path / "hf" / "checkpoint-2")
+    fresh = tmp_path / "fresh"
+    t, callback = trainer(fresh, resume_from_checkpoint=flag)
+    with pytest.raises(TrainerResumeError, match=r"resume_from_checkpoint='.*checkpoint-2'.*Drop --resume_from"):
+        callback.resume_from(t)
+    assert not fresh.exists() or not any(fresh.iterdir())
+    held = tmp_path / "held"
+    t, callback = trainer(held)
+    t.train(resume_from_checkpoint=callback.resume_from(t))  # two versions
+    before = sorted((p.name, p.stat().st_mtime) for p in held.glob("v*/*"))
+    t, callback = trainer(held, resume_from_checkpoint=flag)
+    with pytest.raises(TrainerResumeError, match="the callback resumes from its own store"):
+        callback.resume_from(t)
+    assert sorted((p.name, p.stat().st_mtime) for p in held.glob("v*/*")) == before and before
+    assert t.state.global_step == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [pytest.param("peft", marks=marks_of("peft"))])
 def test_peft_on_a_changed_base_is_refused_before_a_step(name: str, runs: dict[str, Any]) -> None:

@@ -100,8 +100,10 @@ class HookSet:
         self._on_forward = on_forward
         self._on_grad = on_grad
         self._hooked: dict[int, tuple[weakref.ref[Any], RemovableHandle]] = {}
-        self._forward = torch.compiler.disable(self._forward_hook)
-        self._grad = torch.compiler.disable(self._grad_hook)
+        self._forward: Callable[[torch.nn.Module, Any], None] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+            self._forward_hook)
+        self._grad: Callable[[torch.Tensor], None] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+            self._grad_hook)
         self._handles = [
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: on_step_pre()),
             optimizer.register_step_post_hook(lambda opt, args, kwargs: on_step_post()),

@@ -17,6 +17,7 @@ docs/guides/accelerate.md. Importing this module imports Accelerate (the ``accel
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator, Mapping
@@ -34,6 +35,7 @@ from asymcheck.errors import (
     AsymcheckError,
     DataPositionError,
     InexactResumeWarning,
+    InvalidOptionError,
     StateMismatchError,
     UnresumableDataError,
     UnsupportedAccelerateConfigError,
@@ -41,8 +43,9 @@ from asymcheck.errors import (
 from asymcheck.integrations import names, position, settings, support
 from asymcheck.integrations.forward import forwarded_options
 from asymcheck.integrations.settings import ACCELERATE, refusal
-from asymcheck.options import CheckpointerOptions, renamed_location
+from asymcheck.options import CheckpointerOptions, PartitionOptions, renamed_location
 from asymcheck.policy.preempt import PreemptionRecord
+from asymcheck.snapshot.hooks import HooksFactory, StepHooks
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
 from asymcheck.versions.storespec import StoreSpec
@@ -93,9 +96,12 @@ def unsupported_settings(accelerator: Any) -> list[str]:
             out.append(refusal(ACCELERATE, "fsdp_version").line(f"fsdp_version={version}"))
         else:  # GPU-only in Accelerate 1.15, not yet run through attach() on a GPU
             out.append(refusal(ACCELERATE, "fsdp_version=2").line())
-    dynamo = getattr(getattr(state, "dynamo_plugin", None), "backend", None)
-    if dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO":
-        out.append(refusal(ACCELERATE, "dynamo_backend").line(f"dynamo_backend={getattr(dynamo, 'value', dynamo)}"))
+    if _compiled(accelerator):
+        plugin = state.dynamo_plugin
+        if kind == DistributedType.DEEPSPEED:
+            out.append(refusal(ACCELERATE, "dynamo_backend under DeepSpeed").line())
+        if getattr(plugin, "use_regional_compilation", None):
+            out.append(refusal(ACCELERATE, "TorchDynamoPlugin(use_regional_compilation=True)").line())
     if getattr(accelerator, "use_stateful_dataloader", False):
         out.append(refusal(ACCELERATE, "DataLoaderConfiguration(use_stateful_dataloader=True)").line())
     if str(accelerator.mixed_precision) == "fp8":
@@ -107,6 +113,12 @@ def unsupported_settings(accelerator: Any) -> list[str]:
             if int(size) > 1:
                 out.append(refusal(ACCELERATE, "parallelism_config").line(f"parallelism_config.{axis}_size={size}"))
     return out
+
+
+def _compiled(accelerator: Any) -> bool:
+    """``prepare`` compiles the model (``Accelerator(dynamo_backend=...)`` or a ``TorchDynamoPlugin``)."""
+    dynamo = getattr(getattr(getattr(accelerator, "state", None), "dynamo_plugin", None), "backend", None)
+    return dynamo is not None and str(getattr(dynamo, "value", dynamo)).upper() != "NO"
 
 
 def _check(accelerator: Any) -> None:
@@ -491,7 +503,8 @@ def attach(accelerator: Any, model: Any, optimizer: Any, location: StoreSpec | N
         UnresumableDataError: ``data`` holds a torch ``DataLoader`` that ``prepare`` did not return.
         MissingLocationError: ``location`` is None (a ``TypeError``; a script's ``--output_dir`` that
             was not given); nothing was hooked.
-        InvalidOptionError: an option out of its range, or a flat keyword beside its own group.
+        InvalidOptionError: an option out of its range, or a flat keyword beside its own group; under
+            ``TorchDynamoPlugin(fullgraph=True)``, a partitioning other than ``"step"``.
         TypeError: a keyword that is no option.
 
     Warns:
@@ -528,8 +541,34 @@ def attach(accelerator: Any, model: Any, optimizer: Any, location: StoreSpec | N
     if accelerator.scaler is not None:  # fp16 on CUDA: AcceleratedOptimizer steps through it
         _add(states, SCALER_NAME, accelerator.scaler)
     module = accelerator.unwrap_model(model)
-    ckpt = Checkpointer(module, inner, where, stateful=states, data=datas, every=every, **forwarded)
+    hooks = None
+    if _compiled(accelerator):  # the model's own names, not the compiled wrapper's (_orig_mod.)
+        module = accelerator.unwrap_model(model, keep_torch_compile=False)
+        if getattr(accelerator.state.dynamo_plugin, "fullgraph", None):
+            hooks = _step_hooks(inner, options, forwarded)  # a hook that breaks the graph would be an error
+    ckpt = Checkpointer(module, inner, where, stateful=states, data=datas, every=every, hooks=hooks, **forwarded)
     return AccelerateCheckpointer(ckpt, loaders)
+
+
+def _step_hooks(optimizer: torch.optim.Optimizer, given: Mapping[str, Any],
+                options: CheckpointerOptions) -> HooksFactory:
+    """The optimizer-step hooks only (no forward or grad hook inside the compiled graph), copying at the step.
+
+    Sets ``options["partitions"]`` to ``partitioning="step"`` (its other fields kept).
+
+    Raises:
+        InvalidOptionError: the user's options (``given``) ask for a partitioning other than ``"step"``.
+    """
+    part = options["partitions"]
+    asked = given.get("partitions")
+    chosen = asked.partitioning if isinstance(asked, PartitionOptions) else given.get("partitioning")
+    if chosen is not None and chosen != "step":
+        raise InvalidOptionError(
+            f"partitioning={chosen!r} under TorchDynamoPlugin(fullgraph=True): the forward and grad hooks that "
+            "spread the copy over the next iteration would break the graph, which fullgraph forbids; use "
+            "PartitionOptions(partitioning=\"step\") (the copy at the optimizer step) or leave it out")
+    options["partitions"] = dataclasses.replace(part, partitioning="step")
+    return lambda driver: StepHooks(optimizer, driver)
 
 
 def _attach_deepspeed(accelerator: Any, model: Any, location: Any, scheduler: Any, datas: dict[str, Any],

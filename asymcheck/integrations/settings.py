@@ -44,7 +44,11 @@ ACCELERATE: tuple[Refusal, ...] = (
     Refusal("fsdp_version=2", "Accelerate 1.15 runs FSDP on GPUs only (on the CPU it ignores the plugin and prepares "
             "DDP, which is supported) and its FSDP2 route is not yet tested on a GPU; the Checkpointer's FSDP2 path "
             "is, in your own loop with fully_shard"),
-    Refusal("dynamo_backend", "torch.compile: the snapshot hooks are not exercised under compiled graphs"),
+    Refusal("dynamo_backend under DeepSpeed", "torch.compile of the DeepSpeed engine is untested through attach(); "
+            "one process and DDP compile"),
+    Refusal("TorchDynamoPlugin(use_regional_compilation=True)",
+            "untested: it replaces the model's repeated blocks with compiled wrappers, which renames their "
+            "parameters; compile the whole model (the default)"),
     Refusal("DataLoaderConfiguration(use_stateful_dataloader=True)",
             "torchdata's StatefulDataLoader draws from the global RNG when Accelerate first reads its state, so a "
             "resumed process draws differently; the default loaders resume through skip_first_batches"),

@@ -23,6 +23,13 @@ trains fp16 in fp32 without one, so this test-only shim gives the ``Accelerator`
 reference run has it too). Under ``fp16``/``fp16-cpu`` the loss of a few fixed micro-batches is made
 infinite (``OVERFLOW``, in every run) so that the scaler skips their optimizer steps and backs off, and
 the loop counts only the steps that ran (``optimizer.step_was_skipped``).
+``--compile BACKEND``: ``prepare`` compiles the model (``TorchDynamoPlugin(backend=BACKEND)``); the kill
+hook is wrapped in ``torch.compiler.disable`` so that it runs, never traced, and the run records how
+many graphs Dynamo captured (event ``compiled``). ``--loader stateful``:
+``DataLoaderConfiguration(use_stateful_dataloader=True)`` (torchdata's ``StatefulDataLoader``); the
+evaluation loader is then given to ``attach`` too and iterated through its ``ResumableLoader`` (every
+stateful loader draws from the global RNG at each pass but its first: a version must say whether it
+had one).
 
 The tests start it through tests/procs/accel_zygote.py (a fork server), which calls :func:`main`.
 
@@ -80,9 +87,10 @@ def save_final(path: Path, step: int, tensors: dict[str, torch.Tensor], meta: di
 OVERFLOW = {"0:3", "1:2", "1:5", "2:7"}  # epoch:batch whose loss is made inf under fp16 (the scaler skips the step)
 
 
-def make_accelerator(mode: str, accum: int, stage: int, precision: str = "no") -> Any:
+def make_accelerator(mode: str, accum: int, stage: int, precision: str = "no", compile: str = "no",
+                     stateful: bool = False) -> Any:
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    from accelerate.utils import DataLoaderConfiguration, DeepSpeedPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
 
     if mode == "ds":
         plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=accum, gradient_clipping=1.0)
@@ -90,8 +98,10 @@ def make_accelerator(mode: str, accum: int, stage: int, precision: str = "no") -
                            kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     if precision == "fp16":  # CUDA: Accelerate makes the GradScaler itself
         return Accelerator(mixed_precision="fp16", gradient_accumulation_steps=accum)
+    dynamo = TorchDynamoPlugin(backend=compile) if compile != "no" else None
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum,
-                              mixed_precision="bf16" if precision == "bf16" else "no")
+                              mixed_precision="bf16" if precision == "bf16" else "no", dynamo_plugin=dynamo,
+                              dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
     if precision == "fp16-cpu":  # test-only shim: the scaler Accelerate gives fp16 on a GPU, on the CPU
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
     return accelerator
@@ -109,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ckpt", action="store_true")
     ap.add_argument("--raw", action="store_true", help="iterate the loader itself while attached (an error)")
     ap.add_argument("--precision", choices=["no", "bf16", "fp16", "fp16-cpu"], default="no")
+    ap.add_argument("--compile", choices=["no", "aot_eager", "inductor"], default="no",
+                    help="Accelerator(dynamo_plugin=TorchDynamoPlugin(backend=...)): prepare compiles the model")
+    ap.add_argument("--loader", choices=["default", "stateful"], default="default",
+                    help="stateful: DataLoaderConfiguration(use_stateful_dataloader=True), torchdata's loader")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import set_seed
     from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
 
-    accelerator = make_accelerator(args.mode, args.accum, args.stage, args.precision)
+    accelerator = make_accelerator(args.mode, args.accum, args.stage, args.precision, args.compile,
+                                   args.loader == "stateful")
     overflow = OVERFLOW if args.precision.startswith("fp16") else set()
     rank = accelerator.process_index
     losses = open(out / f"losses-rank{rank}.jsonl", "a")
@@ -145,25 +160,32 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = None
     batches: Any = loader
+    eval_batches: Any = eval_loader
     completed = 0
     start_epoch = 0
     if not args.no_ckpt:
         import asymcheck.accelerate
         from asymcheck.options import PartitionOptions, RetentionOptions
 
+        # a StatefulDataLoader draws from the global RNG at the start of every pass but the first after prepare:
+        # the eval loader's position (has it had a pass?) must be in the versions too (docs/guides/accelerate.md)
+        data: Any = {"loader": loader, "eval": eval_loader} if args.loader == "stateful" else loader
         ckpt = asymcheck.accelerate.attach(accelerator, model, optimizer, args.dir, scheduler=scheduler,
-                                           data=loader, retention=RetentionOptions(keep_last=3),
+                                           data=data, retention=RetentionOptions(keep_last=3),
                                            partitions=PartitionOptions(warmup=1, min_partition_bytes=4096))
         completed = ckpt.resume() or 0
-        batches = loader if args.raw else ckpt.loader
-        start_epoch = ckpt.loader.epoch
-        event(event="resumed", step=completed, epoch=start_epoch, batches=ckpt.loader.batches)
+        batches = loader if args.raw else ckpt.loaders["loader"]
+        if args.loader == "stateful":
+            eval_batches = ckpt.loaders["eval"]
+        start_epoch = ckpt.loaders["loader"].epoch
+        event(event="resumed", step=completed, epoch=start_epoch, batches=ckpt.loaders["loader"].batches,
+              loader=type(loader.base_dataloader).__name__)
 
     module = accelerator.unwrap_model(model) if args.mode != "ds" else model.module
     if args.kill >= 0:
         state = {"completed": completed}
-        module.transformer.h[1].register_forward_pre_hook(
-            lambda m, a: die() if state["completed"] == args.kill and m.training else None)
+        module.transformer.h[1].register_forward_pre_hook(torch.compiler.disable(  # run, never traced (compile)
+            lambda m, a: die() if state["completed"] == args.kill and m.training else None))
 
     if args.raw:  # the position of a loader iterated around ckpt.loader is unknown: the first version refuses
         from asymcheck.errors import DataPositionError
@@ -179,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     for epoch in range(start_epoch, EPOCHS):
         model.train()
         for i, batch in enumerate(batches):
-            number = ckpt.loader.batches if ckpt is not None else i + 1
+            number = ckpt.loaders["loader"].batches if ckpt is not None else i + 1
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 if f"{epoch}:{number}" in overflow:
@@ -197,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         model.eval()
         total = 0.0
         with torch.no_grad():
-            for batch in eval_loader:
+            for batch in eval_batches:
                 total += model(**batch).loss.item()
         losses.write(json.dumps({"key": f"val:{epoch}", "loss": total.hex()}) + "\n")
         losses.flush()
@@ -206,7 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.close()
         stats = ckpt.stats()
         event(event="stats", committed=stats.versions_committed, dropped=stats.versions_dropped,
-              versions=ckpt.final_versions)
+              versions=ckpt.final_versions, partitioning=ckpt.checkpointer.partitioning,
+              forward_bytes=sum(r.forward_bytes for r in stats.steps),
+              backward_bytes=sum(r.backward_bytes for r in stats.steps))
+    if args.compile != "no":  # the model ran compiled: Dynamo captured graphs of it
+        from torch._dynamo.utils import counters
+
+        event(event="compiled", graphs=int(counters["stats"]["unique_graphs"]),
+              breaks=sum(counters["graph_break"].values()), wrapper=type(model).__name__)
     write_final(args.mode, accelerator, model, optimizer, scheduler, loader, out / f"final-rank{rank}", completed)
     event(event="done", completed=completed)
     if torch.distributed.is_initialized():

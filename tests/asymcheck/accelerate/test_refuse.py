@@ -8,6 +8,7 @@ refusals of a real Accelerate job, and everything that trains, are in test_accel
 from __future__ import annotations
 
 import itertools
+import re
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,7 +46,8 @@ def test_supported_settings_pass() -> None:
 @pytest.mark.parametrize(("acc", "setting"), [
     (accelerator(distributed_type=DistributedType.XLA), "distributed_type=DistributedType.XLA"),
     (accelerator(distributed_type=DistributedType.MEGATRON_LM), "distributed_type=DistributedType.MEGATRON_LM"),
-    (with_state(dynamo_plugin=SimpleNamespace(backend=DynamoBackend.INDUCTOR)), "dynamo_backend=INDUCTOR"),
+    (with_state(dynamo_plugin=SimpleNamespace(backend=DynamoBackend.INDUCTOR, use_regional_compilation=True)),
+     "TorchDynamoPlugin(use_regional_compilation=True)"),
     (accelerator(mixed_precision="fp8"), "mixed_precision=fp8"),
     (accelerator(parallelism_config=SimpleNamespace(tp_size=2, cp_size=1, sp_size=1)), "tp_size=2"),
     (accelerator(parallelism_config=SimpleNamespace(tp_size=1, cp_size=2, sp_size=None)), "cp_size=2"),
@@ -54,9 +56,28 @@ def test_supported_settings_pass() -> None:
 def test_refused_settings_are_named(acc: Any, setting: str) -> None:
     problems = unsupported_settings(acc)
     assert len(problems) == 1 and setting in problems[0], problems
-    with pytest.raises(UnsupportedAccelerateConfigError, match=setting.replace(".", r"\.")) as info:
+    with pytest.raises(UnsupportedAccelerateConfigError, match=re.escape(setting)) as info:
         attach(acc, None, None, "unused")  # refused before the model or optimizer is looked at
     assert isinstance(info.value, UnsupportedConfigError)
+
+
+def test_compile_is_supported() -> None:
+    """Whole-model torch.compile, one process and DDP (test_compile.py)."""
+    for kind in (DistributedType.NO, DistributedType.MULTI_CPU):
+        for backend in (DynamoBackend.AOT_EAGER, DynamoBackend.INDUCTOR):
+            acc = with_state(dynamo_plugin=SimpleNamespace(backend=backend, use_regional_compilation=None))
+            acc.distributed_type = kind
+            assert unsupported_settings(acc) == []
+
+
+def test_compile_under_deepspeed_is_refused(tmp_path: Path) -> None:
+    acc = with_state(dynamo_plugin=SimpleNamespace(backend=DynamoBackend.INDUCTOR, use_regional_compilation=None))
+    acc.distributed_type = DistributedType.DEEPSPEED
+    problems = unsupported_settings(acc)
+    assert len(problems) == 1 and problems[0].startswith("dynamo_backend under DeepSpeed ("), problems
+    with pytest.raises(UnsupportedAccelerateConfigError, match="dynamo_backend under DeepSpeed"):
+        attach(acc, torch.nn.Linear(2, 2), None, str(tmp_path / "ckpt"), data={})
+    assert not any(tmp_path.iterdir())  # refused before the store was opened
 
 
 def test_fsdp1_is_refused_naming_the_switch_to_fsdp2() -> None:
@@ -203,3 +224,36 @@ def test_no_location_is_a_typed_error_naming_the_fix(tmp_path: Path) -> None:
         assert isinstance(info.value, AsymcheckError) and isinstance(info.value, TypeError)
         assert 'os.path.join(args.output_dir or ".", "asymcheck")' in str(info.value)
     assert not any(tmp_path.iterdir())
+
+
+def test_fullgraph_compile_copies_at_the_step(tmp_path: Path) -> None:
+    """TorchDynamoPlugin(fullgraph=True): no hook in the graph, the copy at the step; other partitionings refused."""
+    from asymcheck.errors import InvalidOptionError
+    from asymcheck.options import PartitionOptions
+
+    acc, model, opt = plain_job()
+    acc.unwrap_model = lambda m, keep_torch_compile=True: m
+    acc.step = 0
+    acc.state = SimpleNamespace(fsdp_plugin=None, dynamo_plugin=SimpleNamespace(
+        backend=DynamoBackend.AOT_EAGER, fullgraph=True, use_regional_compilation=None))
+    with pytest.raises(InvalidOptionError, match="fullgraph"):
+        attach(acc, model, opt, str(tmp_path / "a"), data={}, partitions=PartitionOptions(partitioning="asymmetric"))
+    assert not (tmp_path / "a").exists()  # refused before the store was opened
+    with attach(acc, model, opt, str(tmp_path / "b"), data={}, partitions=PartitionOptions(partitioning="step")):
+        pass
+    with attach(acc, model, opt, str(tmp_path / "c"), data={}) as ckpt:  # no partitions=: "step"
+        assert ckpt.checkpointer.partitioning == "step"
+        for _ in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        steps = ckpt.stats().steps
+        assert len(steps) >= 3 and all(r.hook_s == 0 and r.forward_bytes == r.backward_bytes == 0 for r in steps)
+    acc.state.dynamo_plugin.fullgraph = None  # graph breaks allowed: the hooks run eagerly at them
+    with attach(acc, model, opt, str(tmp_path / "d"), data={}) as ckpt:
+        assert ckpt.checkpointer.partitioning == "asymmetric"
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert any(r.hook_s > 0 for r in ckpt.stats().steps)  # the forward and grad hooks ran

@@ -17,6 +17,7 @@ docs/guides/accelerate.md. Importing this module imports Accelerate (the ``accel
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import warnings
@@ -102,8 +103,6 @@ def unsupported_settings(accelerator: Any) -> list[str]:
             out.append(refusal(ACCELERATE, "dynamo_backend under DeepSpeed").line())
         if getattr(plugin, "use_regional_compilation", None):
             out.append(refusal(ACCELERATE, "TorchDynamoPlugin(use_regional_compilation=True)").line())
-    if getattr(accelerator, "use_stateful_dataloader", False):
-        out.append(refusal(ACCELERATE, "DataLoaderConfiguration(use_stateful_dataloader=True)").line())
     if str(accelerator.mixed_precision) == "fp8":
         out.append(refusal(ACCELERATE, "mixed_precision=fp8").line())
     config = accelerator.parallelism_config
@@ -173,6 +172,10 @@ class ResumableLoader(position.ResumableLoader):
         self._accelerator = accelerator
         self._active = False
         self._resume_epoch = 0
+        self._stateful = bool(getattr(loader, "use_stateful_dataloader", False))  # torchdata's StatefulDataLoader
+        self._fresh = True  # no pass of this loader yet in this process (a StatefulDataLoader's is special)
+        self._first = False  # the current pass is (the continuation of) the loader's first after prepare
+        self._loader_state: dict[str, Any] | None = None  # a StatefulDataLoader's, for the pass to continue
 
     @property
     def epoch(self) -> int:
@@ -189,10 +192,49 @@ class ResumableLoader(position.ResumableLoader):
         pending = self.position.pending
         if pending is not None:
             self.position.resumed()  # the pass after this one is the loader's own
-            return self._continue(*pending)
+            return self._continue_stateful(*pending) if self._stateful else self._continue(*pending)
         return self._pass()
 
+    def _continue_stateful(self, trained: int, start: dict[str, torch.Tensor]) -> Iterator[Any]:
+        """The interrupted pass of a StatefulDataLoader: its iterator rebuilt from the version's loader state.
+
+        torchdata draws a seed from the global torch generator (or the loader's) each time it builds an
+        iterator: when a pass starts, or when the loader's state is read with no iterator (Accelerate
+        reads it in ``prepare``, and the first pass after that reuses the iterator so built). Accelerate's
+        sampler keeps no state, so torchdata's fast-forward over the trained batches draws the pass's
+        order again. Both happen here under the RNG states the pass began with: the build's draw where the
+        uninterrupted pass made it (at its start; before it, undone, for the first pass after prepare),
+        then the order, then the fast-forward; after the first batch the version's RNG states are back.
+        """
+        self._fresh = False
+        loader_state = self._loader_state or {}
+        self._loader_state = None
+        if loader_state.get("_iterator_finished"):  # the version came after the pass's last batch: nothing left
+            self.loader.load_state_dict({})  # the next pass builds its iterator, as the uninterrupted run's did
+            self.loader.set_epoch(self._resume_epoch + 1)
+            return
+
+        def rest() -> Iterator[Any]:
+            self.loader.load_state_dict(loader_state)  # the next iterator fast-forwards the trained batches
+            if self._first:  # its build drew before the pass began: build it now, the draw undone
+                own = self.generators().get("loader")
+                generators = [torch.default_generator, *([own] if own is not None else [])]
+                saved = [g.get_state() for g in generators]
+                self.loader.base_dataloader.state_dict()
+                for g, st in zip(generators, saved, strict=True):
+                    g.set_state(st)
+            return iter(self.loader)
+
+        self._active = True
+        try:
+            for batch in self.position.continued(self.generators(), rest, (trained, start)):
+                self.position.batches += 1
+                yield batch
+        finally:
+            self._active = False
+
     def _pass(self) -> Iterator[Any]:
+        self._first, self._fresh = self._fresh, False
         self.position.begin(self.generators())
         self._active = True
         try:
@@ -251,6 +293,10 @@ class ResumableLoader(position.ResumableLoader):
                 f"(ckpt.loader, or ckpt.loaders[{self.name!r}]) so that versions hold its position")
         state: dict[str, Any] = {"epoch": self.epoch, "batches": self.batches, "active": self._active,
                                  "start": dict(self.position.start) if self._active else {}}
+        if self._stateful:  # Accelerate's copy of the loader's state after the batches yielded so far
+            state["loader"] = copy.deepcopy(self.loader.state_dict())
+            state["first"] = self._first
+            state["fresh"] = self._fresh
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -266,10 +312,21 @@ class ResumableLoader(position.ResumableLoader):
             raise StateMismatchError(f"data[{self.name!r}]: not a loader position: {exc!r}") from exc
         if epoch < 0 or batches < 0:
             raise StateMismatchError(f"data[{self.name!r}]: epoch {epoch}, batches {batches}")
+        inner = state.get("loader")
+        if self._stateful != isinstance(inner, Mapping):
+            raise StateMismatchError(
+                f"data[{self.name!r}]: the version was taken with use_stateful_dataloader="
+                f"{not self._stateful}, this loader has {self._stateful}")
         length = _length(self.loader)
         if active and length is not None and batches > length:
             raise StateMismatchError(f"data[{self.name!r}]: the version had trained {batches} batches of a pass, "
                                      f"this loader has {length} per pass")
+        if isinstance(inner, Mapping):
+            self._loader_state = dict(inner) if active else None
+            self._first = bool(state.get("first", False))
+            self._fresh = bool(state.get("fresh", False)) and not active
+            if not active and not self._fresh:  # the next pass builds its iterator (and draws), as it did
+                self.loader.load_state_dict({})  # uninterrupted (a fresh loader's reuses the one prepare built)
         self.loader.set_epoch(epoch)
         self.batches = batches if active else 0
         self._active = False

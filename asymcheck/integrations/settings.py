@@ -49,9 +49,6 @@ ACCELERATE: tuple[Refusal, ...] = (
     Refusal("TorchDynamoPlugin(use_regional_compilation=True)",
             "untested: it replaces the model's repeated blocks with compiled wrappers, which renames their "
             "parameters; compile the whole model (the default)"),
-    Refusal("DataLoaderConfiguration(use_stateful_dataloader=True)",
-            "torchdata's StatefulDataLoader draws from the global RNG when Accelerate first reads its state, so a "
-            "resumed process draws differently; the default loaders resume through skip_first_batches"),
     Refusal("mixed_precision=fp8", "TransformerEngine / MS-AMP state is not captured"),
     Refusal("parallelism_config", "only data parallelism is supported"),
 )

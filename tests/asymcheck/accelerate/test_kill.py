@@ -61,6 +61,7 @@ class Config:
     stage: int = 2
     precision: str = "no"  # no | bf16 | fp16 (CUDA) | fp16-cpu (Accelerate's scaler path with GradScaler("cpu"))
     compile: str = "no"  # no | aot_eager | inductor: Accelerator(dynamo_plugin=TorchDynamoPlugin(backend=...))
+    loader: str = "default"  # default | stateful: DataLoaderConfiguration(use_stateful_dataloader=True)
 
     @property
     def batches(self) -> int:
@@ -81,11 +82,13 @@ class Config:
     def name(self) -> str:
         precision = "" if self.precision == "no" else f"-{self.precision}"
         compiled = "" if self.compile == "no" else f"-{self.compile}"
-        return f"{self.mode}{self.stage if self.mode == 'ds' else ''}-w{self.world}-a{self.accum}{precision}{compiled}"
+        loader = "" if self.loader == "default" else f"-{self.loader}"
+        return (f"{self.mode}{self.stage if self.mode == 'ds' else ''}-w{self.world}-a{self.accum}{precision}{compiled}"
+                f"{loader}")
 
     def args(self) -> list[str]:
         return ["--mode", self.mode, "--accum", str(self.accum), "--stage", str(self.stage),
-                "--precision", self.precision, "--compile", self.compile]
+                "--precision", self.precision, "--compile", self.compile, "--loader", self.loader]
 
 
 CONFIGS = [

@@ -51,7 +51,6 @@ def test_supported_settings_pass() -> None:
     (accelerator(mixed_precision="fp8"), "mixed_precision=fp8"),
     (accelerator(parallelism_config=SimpleNamespace(tp_size=2, cp_size=1, sp_size=1)), "tp_size=2"),
     (accelerator(parallelism_config=SimpleNamespace(tp_size=1, cp_size=2, sp_size=None)), "cp_size=2"),
-    (accelerator(use_stateful_dataloader=True), "use_stateful_dataloader=True"),
 ])
 def test_refused_settings_are_named(acc: Any, setting: str) -> None:
     problems = unsupported_settings(acc)
@@ -61,13 +60,14 @@ def test_refused_settings_are_named(acc: Any, setting: str) -> None:
     assert isinstance(info.value, UnsupportedConfigError)
 
 
-def test_compile_is_supported() -> None:
-    """Whole-model torch.compile, one process and DDP (test_compile.py)."""
+def test_compile_and_stateful_loader_are_supported() -> None:
+    """Whole-model torch.compile (one process, DDP), the StatefulDataLoader: test_compile.py, test_stateful_loader.py"""
     for kind in (DistributedType.NO, DistributedType.MULTI_CPU):
         for backend in (DynamoBackend.AOT_EAGER, DynamoBackend.INDUCTOR):
             acc = with_state(dynamo_plugin=SimpleNamespace(backend=backend, use_regional_compilation=None))
             acc.distributed_type = kind
             assert unsupported_settings(acc) == []
+    assert unsupported_settings(accelerator(use_stateful_dataloader=True)) == []
 
 
 def test_compile_under_deepspeed_is_refused(tmp_path: Path) -> None:

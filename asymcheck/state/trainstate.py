@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
-from asymcheck.state import dtensors, rng
+from asymcheck.state import dtensors, loaders, rng
 from asymcheck.state.capture import Capture, Moment
 from asymcheck.state.encode import decode, encode
 from asymstore.format.pieces import LAYOUT_KEY
@@ -107,7 +107,8 @@ class TrainingState:
         """Take the RNG states and the ``data`` objects' states now."""
         tensors: dict[str, torch.Tensor] = {}
         rng_meta = rng.capture(tensors)
-        data = {name: encode(obj.state_dict(), f"data/{_safe(name)}", tensors) for name, obj in self.data.items()}
+        data = {name: encode(loaders.state_dict(obj), f"data/{_safe(name)}", tensors)
+                for name, obj in self.data.items()}
         for name, t in list(tensors.items()):
             if name.startswith("data/"):
                 tensors[name] = host_copy(t)
@@ -193,7 +194,7 @@ class TrainingState:
         eager: dict[str, torch.Tensor] = {}
         groups = encode(self.optimizer.state_dict()["param_groups"], "optim/param_groups", eager)
         cap.meta["optimizer"]["param_groups"] = groups
-        cap.meta["stateful"] = {name: encode(obj.state_dict(), f"stateful/{_safe(name)}", eager)
+        cap.meta["stateful"] = {name: encode(loaders.state_dict(obj), f"stateful/{_safe(name)}", eager)
                                 for name, obj in self.stateful.items()}
         _copy_all(eager, cap.eager)
 
@@ -266,6 +267,9 @@ class TrainingState:
             states = self._check_stateful(tensors, meta.get("stateful", {}))
             datas = _check_named("data", self.data, tensors, meta.get("data", {}))
             rng_meta = meta["rng"]
+            for kind, live, saved in (("stateful", self.stateful, states), ("data", self.data, datas)):
+                for name, state in saved.items():
+                    loaders.check(f"{kind}[{name!r}]", live[name], state)
         except (KeyError, TypeError, UnsupportedStateError) as exc:
             if isinstance(exc, StateMismatchError):
                 raise
@@ -278,9 +282,9 @@ class TrainingState:
                     p.copy_(value)
             self.optimizer.load_state_dict(opt_sd)
             for name, state in states.items():
-                self.stateful[name].load_state_dict(state)
+                loaders.load_state_dict(self.stateful[name], state)
             for name, state in datas.items():
-                self.data[name].load_state_dict(state)
+                loaders.load_state_dict(self.data[name], state)
             rng.restore(rng_meta, tensors)
 
         return apply

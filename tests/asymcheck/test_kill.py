@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 
 KILLED = -signal.SIGKILL
 ITERATIONS = {"plain": 16, "accum": 10, "scaler": 14, "val": 12, "rngbatch": 12, "loader": 12, "ema": 12,
-              "emaraw": 12, "edits": 12}
+              "emaraw": 12, "edits": 12, "bf16": 12, "lora": 12, "compiled": 12, "sloader": 26}
 EDITED = {"emaraw", "edits"}  # loops that edit captured tensors outside editing(): versions dropped and reported
 
 # (config, kill point): see the child's docstring; one case per loop shape of issue 9 at least
@@ -60,6 +60,10 @@ CASES = [
     ("ema", "forward:6"),  # EMA swap evaluation inside editing()
     ("emaraw", "backward:7"),  # the same swap without editing(): dropped versions, never a wrong one
     ("edits", "forward:6"),  # Embedding(max_norm), load_state_dict surgery, p.data.mul_
+    ("bf16", "backward:6"),  # bf16 autocast
+    ("lora", "forward:5"),  # a PEFT LoRA model: frozen base, adapters with dropout
+    ("compiled", "backward:7"),  # torch.compile: the hooks inside the compiled graph
+    ("sloader", "forward:13"),  # torchdata's StatefulDataLoader in data=: the epochs after the resume too
 ]
 
 

@@ -16,7 +16,11 @@ validation forward under no_grad and eval() between the step and the scheduler),
 advances when a batch is fetched, passed as ``data=``), ``ema`` (an EMA of the weights, swapped
 into the model for an evaluation inside ``ckpt.editing()``), ``emaraw`` (the same swap without
 ``editing()``: versions are dropped and reported) and ``edits`` (an ``nn.Embedding(max_norm=...)``
-front, ``load_state_dict`` weight surgery and ``p.data.mul_`` at the head of the iteration).
+front, ``load_state_dict`` weight surgery and ``p.data.mul_`` at the head of the iteration); the
+configurations users train in (issue 31): ``bf16`` (bf16 autocast), ``lora`` (a PEFT LoRA model on the MLP:
+the base frozen, adapters with dropout), ``compiled`` (``torch.compile(backend="aot_eager")``, the
+Checkpointer's hooks inside the compiled graph) and ``sloader`` (torchdata's ``StatefulDataLoader``,
+shuffled by its own generator, in ``data=``: its ``state_dict`` and its generator go into each version).
 
 Each finished iteration appends ``{"it", "loss"}`` (loss as a hex float) to
 ``OUT/losses.jsonl``; a run that ends writes its final state through
@@ -139,7 +143,12 @@ def build(config: str) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
     )
     if config == "edits":
         model = Embedded(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    if config == "lora":
+        import peft
+
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["0", "3", "7"])
+        model = peft.get_peft_model(model, lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18, growth_interval=2) if config == "scaler" else None
     return model, opt, sched, scaler
@@ -170,7 +179,26 @@ def save_final(out: Path, state: TrainingState, step: int) -> None:
     asyncio.run(write())
 
 
-CONFIGS = ["plain", "accum", "scaler", "val", "rngbatch", "loader", "ema", "emaraw", "edits"]
+CONFIGS = ["plain", "accum", "scaler", "val", "rngbatch", "loader", "ema", "emaraw", "edits",
+           "bf16", "lora", "compiled", "sloader"]
+
+
+def stateful_loader() -> Any:
+    """torchdata's StatefulDataLoader over 192 samples, shuffled by its own generator, 16 a batch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(192, 32, generator=g)
+    dataset = torch.utils.data.TensorDataset(x, x.flip(1) * 0.5)
+    return StatefulDataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+
+def middle_of(model: nn.Module) -> nn.Module:
+    """The MLP's second Linear, where the kill hooks go, whatever wraps the MLP."""
+    body = model.body if isinstance(model, Embedded) else model
+    if not isinstance(body, nn.Sequential):  # a PEFT model: the Sequential under its LoRA wrappers
+        body = next(m for m in body.modules() if isinstance(m, nn.Sequential))
+    return body[3]
 
 
 def head_edits(model: nn.Module, it: int) -> None:
@@ -217,10 +245,18 @@ def main() -> int:
     loader = Loader()
     if args.config == "loader":
         data["loader"] = loader
+    sloader = stateful_loader() if args.config == "sloader" else None
+    batches: Any = None
+    if sloader is not None:  # it advances when a batch is drawn: data=, taken when the step returns
+        data["sloader"] = sloader
     ema = EMA(model) if args.config in ("ema", "emaraw") else None
     if ema is not None:
         stateful["ema"] = ema
     micro_now = [0]
+
+    trained: nn.Module = model
+    if args.config == "compiled":
+        trained = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
 
     if args.no_ckpt:
         ckpt = None
@@ -229,14 +265,14 @@ def main() -> int:
     else:
         tier = (CrashingLocalTier(args.dir, crash_at="manifest_half", after=kill_at) if kind == "commit"
                 else LocalTier(args.dir))
-        ckpt = Checkpointer(model, opt, [tier], stateful=stateful, data=data,
+        ckpt = Checkpointer(trained, opt, [tier], stateful=stateful, data=data,
                             retention=RetentionOptions(keep_last=3),
                             partitions=PartitionOptions(warmup=2, min_partition_bytes=16 << 10))
 
     def steps_done() -> int:
         return ckpt.step if ckpt is not None else step_of[0]
 
-    middle = model.body[3] if isinstance(model, Embedded) else model[3]
+    middle = middle_of(model)
     if kind == "forward":
         middle.register_forward_pre_hook(
             lambda m, a: die() if steps_done() == kill_at and micro_now[0] == accum - 1 else None)
@@ -271,14 +307,26 @@ def main() -> int:
                     y = x.flip(1) * 0.5
                 elif args.config == "loader":
                     x, y = loader.next()
+                elif sloader is not None:
+                    if batches is None:
+                        batches = iter(sloader)
+                    fetched = next(batches, None)
+                    if fetched is None:  # an epoch ended: the next one, shuffled anew by the loader's generator
+                        batches = iter(sloader)
+                        fetched = next(batches)
+                    x, y = fetched
                 else:
                     x, y = batch(it, micro)
                 if scaler is not None:
                     with torch.autocast("cpu", dtype=torch.float16):
                         loss = nn.functional.mse_loss(model(x).float(), y) / accum
                     scaler.scale(loss).backward()
+                elif args.config == "bf16":
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = nn.functional.mse_loss(model(x).float(), y) / accum
+                    loss.backward()
                 else:
-                    loss = nn.functional.mse_loss(model(x), y) / accum
+                    loss = nn.functional.mse_loss(trained(x), y) / accum
                     loss.backward()
                 total += loss.item()
             if scaler is not None:

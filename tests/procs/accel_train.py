@@ -25,7 +25,9 @@ infinite (``OVERFLOW``, in every run) so that the scaler skips their optimizer s
 the loop counts only the steps that ran (``optimizer.step_was_skipped``).
 ``--compile BACKEND``: ``prepare`` compiles the model (``TorchDynamoPlugin(backend=BACKEND)``); the kill
 hook is wrapped in ``torch.compiler.disable`` so that it runs, never traced, and the run records how
-many graphs Dynamo captured (event ``compiled``). ``--loader stateful``:
+many graphs Dynamo captured (event ``compiled``). ``--peft``: LoRA adapters (``peft``, ``r=4`` on
+``c_attn``, dropout on) around the model, its base frozen; the optimizer holds only the adapters.
+``--loader stateful``:
 ``DataLoaderConfiguration(use_stateful_dataloader=True)`` (torchdata's ``StatefulDataLoader``); the
 evaluation loader is then given to ``attach`` too and iterated through its ``ResumableLoader`` (every
 stateful loader draws from the global RNG at each pass but its first: a version must say whether it
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", choices=["no", "bf16", "fp16", "fp16-cpu"], default="no")
     ap.add_argument("--compile", choices=["no", "aot_eager", "inductor"], default="no",
                     help="Accelerator(dynamo_plugin=TorchDynamoPlugin(backend=...)): prepare compiles the model")
+    ap.add_argument("--peft", action="store_true", help="LoRA adapters (peft) on the attention, the base frozen")
     ap.add_argument("--loader", choices=["default", "stateful"], default="default",
                     help="stateful: DataLoaderConfiguration(use_stateful_dataloader=True), torchdata's loader")
     args = ap.parse_args(argv)
@@ -146,7 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     set_seed(1234)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
                                        bos_token_id=0, eos_token_id=0))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    if args.peft:  # the optimizer then steps only the adapters
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["c_attn"],
+                                                 fan_in_fan_out=True))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH, shuffle=True)
     eval_loader = torch.utils.data.DataLoader(Tokens(), batch_size=BATCH)
     per_process = -(-len(loader) // accelerator.num_processes)  # batches per epoch and process
@@ -179,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             eval_batches = ckpt.loaders["eval"]
         start_epoch = ckpt.loaders["loader"].epoch
         event(event="resumed", step=completed, epoch=start_epoch, batches=ckpt.loaders["loader"].batches,
-              loader=type(loader.base_dataloader).__name__)
+              loader=type(loader.base_dataloader).__name__, model=type(accelerator.unwrap_model(model)).__name__,
+              trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
+              parameters=sum(p.numel() for p in model.parameters()))
 
     module = accelerator.unwrap_model(model) if args.mode != "ds" else model.module
     if args.kill >= 0:

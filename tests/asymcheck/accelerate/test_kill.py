@@ -62,6 +62,7 @@ class Config:
     precision: str = "no"  # no | bf16 | fp16 (CUDA) | fp16-cpu (Accelerate's scaler path with GradScaler("cpu"))
     compile: str = "no"  # no | aot_eager | inductor: Accelerator(dynamo_plugin=TorchDynamoPlugin(backend=...))
     loader: str = "default"  # default | stateful: DataLoaderConfiguration(use_stateful_dataloader=True)
+    peft: bool = False  # LoRA adapters (peft) around the model, the base frozen
 
     @property
     def batches(self) -> int:
@@ -84,11 +85,12 @@ class Config:
         compiled = "" if self.compile == "no" else f"-{self.compile}"
         loader = "" if self.loader == "default" else f"-{self.loader}"
         return (f"{self.mode}{self.stage if self.mode == 'ds' else ''}-w{self.world}-a{self.accum}{precision}{compiled}"
-                f"{loader}")
+                f"{loader}{'-peft' if self.peft else ''}")
 
     def args(self) -> list[str]:
         return ["--mode", self.mode, "--accum", str(self.accum), "--stage", str(self.stage),
-                "--precision", self.precision, "--compile", self.compile, "--loader", self.loader]
+                "--precision", self.precision, "--compile", self.compile, "--loader", self.loader,
+                *(["--peft"] if self.peft else [])]
 
 
 CONFIGS = [

@@ -15,6 +15,8 @@ kept by in one process, recorded only under DDP); without it, it is the uninterr
 processes, ``configure_model`` applying ``fully_shard`` over ``device_mesh["data_parallel"]`` to each GPT-2 block and
 the whole model (FSDP2, gloo on the CPU); the final state holds each rank's local shards.
 ``--tensor-parallel`` (with ``--fsdp2``): ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)``.
+``--deepspeed``: ``DeepSpeedStrategy(stage=2)`` (ZeRO-2) on DeepSpeed's CPU accelerator through a test-only subclass
+that steps around Lightning's two CUDA checks (see ``_CPUDeepSpeedStrategy``); one process, or 2 with ``--ddp``.
 ``--accum N``: ``accumulate_grad_batches=N``.
 ``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then
 Lightning's handler ends the fit by its ``SIGTERMException``, exit status 0, no final state written).
@@ -28,7 +30,8 @@ so that the fit has steps the scaler skips (about one in five). ``--gpu``: on CU
 Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch, validation
 losses under ``"val:epoch"``) and, when it finishes, ``OUT/final-rankR.pt`` (parameters, optimizer and
 scheduler state, torch RNG, global step and epoch, the GradScaler's state, as tensors), and after a
-resume ``OUT/resumed-rankR.json`` (``{"step": S}``, the version the callback loaded).
+resume ``OUT/resumed-rankR.json`` (``{"step": S}``, the version the callback loaded); ``OUT/config-rankR.json`` (the
+strategy's class, the world size, the precision and the CPU autocast dtype in the first ``training_step``).
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ import argparse
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from asymcheck.lightning import AsymCheckCallback, ResumableLoader
@@ -94,6 +98,11 @@ class Model(pl.LightningModule):
             marker = {"step": self.global_step, "signal": signal.Signals(self.signal).name}
             (self.out / f"killed-rank{self.global_rank}.json").write_text(json.dumps(marker))  # the kill came here
             os.kill(os.getpid(), self.signal)
+        if batch_idx == 0 and self.current_epoch == 0:  # what really runs: the strategy, world size and autocast
+            autocast = str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else None
+            ran = {"strategy": type(self.trainer.strategy).__name__, "world_size": self.trainer.world_size,
+                   "precision": str(self.trainer.precision), "autocast": autocast}
+            (self.out / f"config-rank{self.global_rank}.json").write_text(json.dumps(ran))
         loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
         self._log_loss(f"{self.current_epoch}:{batch_idx}", loss)
         self.log("train_loss", loss)
@@ -122,6 +131,19 @@ class Model(pl.LightningModule):
         return torch.utils.data.DataLoader(Tokens(8, 9), batch_size=BATCH)
 
 
+class _CPUDeepSpeedStrategy(DeepSpeedStrategy):
+    """``--deepspeed``: ``DeepSpeedStrategy`` on DeepSpeed's CPU accelerator, through a test-only shim.
+
+    Lightning 2.6 refuses DeepSpeed without CUDA twice: ``setup_environment`` checks for a
+    ``CUDAAccelerator`` (skipped here: the parent's parent sets up the environment, as the strategy
+    does after its check) and its device-index check wants ``parallel_devices`` indexed by local rank
+    (given as ``cpu:0``, ``cpu:1``). Nothing else differs; the reference run uses the same class.
+    """
+
+    def setup_environment(self) -> None:
+        DDPStrategy.setup_environment(self)
+
+
 def _local(v: Any) -> torch.Tensor:
     """A tensor as this rank holds it (a DTensor's local shard under FSDP2)."""
     from torch.distributed.tensor import DTensor
@@ -130,7 +152,10 @@ def _local(v: Any) -> torch.Tensor:
 
 def final_state(trainer: pl.Trainer, module: Model) -> dict[str, torch.Tensor]:
     out = {f"model/{k}": _local(v) for k, v in module.state_dict().items()}
-    opt = trainer.optimizers[0].state_dict()
+    optimizer = trainer.optimizers[0]
+    if isinstance(trainer.strategy, DeepSpeedStrategy):  # ZeRO's torch optimizer over this rank's flat partitions
+        optimizer = optimizer.optimizer
+    opt = optimizer.state_dict()
     for i, st in opt["state"].items():
         for k, v in st.items():
             out[f"opt/{i}/{k}"] = _local(v)
@@ -152,6 +177,7 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--fsdp2", action="store_true")
     parser.add_argument("--tensor-parallel", action="store_true")
+    parser.add_argument("--deepspeed", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--sigterm", action="store_true")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
@@ -185,6 +211,14 @@ def main() -> None:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         if args.tensor_parallel:  # the default layout on one node: a data-parallel mesh of 1, tensor-parallel of 2
             strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+    if args.deepspeed:  # ZeRO stage 2 on DeepSpeed's CPU accelerator (the shim above)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "MASTER_PORT" not in os.environ:  # one process: DeepSpeed still starts a process group
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+        devices = [torch.device("cpu", i) for i in range(2 if args.ddp else 1)]
+        strategy = _CPUDeepSpeedStrategy(stage=2, parallel_devices=devices)
     trainer = pl.Trainer(accelerator="gpu" if args.gpu else "cpu", devices=2 if args.ddp or args.fsdp2 else 1,
                          strategy=strategy, deterministic=args.gpu,
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -19,6 +19,7 @@ import copy
 import itertools
 import logging
 import math
+import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Unpack
@@ -52,6 +53,7 @@ from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats
 from asymcheck.versions.storespec import StoreSpec
 from asymstore import KeepBest
+from asymstore.protocols import CollectiveStore
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +106,11 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
         One line per refused setting (empty: supported).
     """
     out = support.version_problems("lightning", lightning.__version__)
+    strategy = trainer.strategy
+    deepspeed = isinstance(strategy, DeepSpeedStrategy)
     params = {id(p) for p in module.parameters()}
-    if not any(id(p) in params for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]):
+    if not deepspeed and not any(id(p) in params for opt in trainer.optimizers for group in opt.param_groups
+                                 for p in group["params"]):
         # configure_optimizers returned None: Lightning steps a stand-in optimizer of none of the module's parameters
         out.append(refusal(LIGHTNING, "configure_optimizers").line(
             "configure_optimizers returned no optimizer of the module's parameters"))
@@ -113,7 +118,6 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
         out.append(refusal(LIGHTNING, "precision").line(f"precision={trainer.precision}"))
     if trainer.ckpt_path is not None:
         out.append(refusal(LIGHTNING, "fit(ckpt_path=...)").line(f"fit(ckpt_path={str(trainer.ckpt_path)!r})"))
-    strategy = trainer.strategy
     if type(strategy) is ModelParallelStrategy:
         tensor_parallel = strategy.device_mesh["tensor_parallel"].size()
         if tensor_parallel > 1:
@@ -122,9 +126,23 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
     elif isinstance(strategy, FSDPStrategy):
         out.append(refusal(LIGHTNING, "FSDPStrategy").line(f"strategy={type(strategy).__name__}"))
     elif isinstance(strategy, DeepSpeedStrategy):
-        out.append(refusal(LIGHTNING, "DeepSpeedStrategy").line(f"strategy={type(strategy).__name__}"))
+        out.extend(_deepspeed_problems(strategy, trainer, module))
     elif type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
         out.append(refusal(LIGHTNING, "strategy").line(f"strategy={type(strategy).__name__}"))
+    return out
+
+
+def _deepspeed_problems(strategy: DeepSpeedStrategy, trainer: Trainer, module: LightningModule) -> list[str]:
+    """What is refused under ``DeepSpeedStrategy`` beyond what :func:`asymcheck.deepspeed.attach` refuses itself."""
+    out: list[str] = []
+    stage = strategy.config.get("zero_optimization", {}).get("stage", 0) if strategy.config else 0
+    if stage == 3:
+        out.append(refusal(LIGHTNING, "DeepSpeedStrategy(stage=3)").line())
+    if str(trainer.precision) != "32-true":
+        out.append(refusal(LIGHTNING, "DeepSpeedStrategy with precision").line(
+            f"DeepSpeedStrategy with precision={trainer.precision}"))
+    if not module.automatic_optimization:
+        out.append(refusal(LIGHTNING, "DeepSpeedStrategy with manual optimization").line())
     return out
 
 
@@ -555,6 +573,25 @@ class LightningCheckpointer(Checkpointer):
             self._batch_hooks.batch_end()
 
 
+def _deepspeed_checkpointer(engine: Any, location: StoreSpec, stateful: Mapping[str, Stateful], every: int,
+                            options: CheckpointerOptions) -> Checkpointer:
+    """The DeepSpeed adapter over the engine of Lightning's ``DeepSpeedStrategy`` (imports DeepSpeed).
+
+    It seals a version at the inner optimizer's first step pre-hook of ``engine.step()`` (Lightning
+    runs the closure, then ``on_before_optimizer_step``, then ``engine.step()``), takes the engine's
+    files as DeepSpeed's ``save_checkpoint`` writes them, and opens the next version at the first
+    forward after the step or at :meth:`asymcheck.Checkpointer.mark` (``on_train_batch_start``),
+    whichever comes first; ``stateful`` (the loop state, schedulers) is taken at the mark.
+    """
+    import asymcheck.deepspeed
+
+    if not isinstance(location, str | os.PathLike | CollectiveStore):
+        raise UnsupportedLightningConfigError(
+            f"DeepSpeedStrategy: AsymCheckCallback takes a directory (the multi-rank root) or a multi-rank store, "
+            f"not a {type(location).__name__}")
+    return asymcheck.deepspeed.attach(engine, location, every=every, stateful=stateful, **options)
+
+
 # -- the callback ----------------------------------------------------------------
 
 
@@ -563,7 +600,7 @@ class AsymCheckCallback(Callback):
 
     Args:
         location: where the checkpoint lives: a directory (a ``LocalTier``; under DDP a multi-rank
-            store there), a list of tiers (fastest first), or an unopened store; as
+            store there, also under FSDP2 and DeepSpeed), a list of tiers (fastest first), or an unopened store; as
             :class:`asymcheck.Checkpointer` takes it. One ``fit`` opens it and closes it.
         every: a version every ``every`` optimizer steps.
         keep_last: versions kept per tier (the same rule as ``retention=RetentionOptions(keep_last=...)``:
@@ -621,7 +658,7 @@ class AsymCheckCallback(Callback):
         self.save_top_k = save_top_k
         self.resume = resume
         self.inexact_data: InexactData = inexact_data
-        self._run: DeferredCheckpointer[LightningCheckpointer] = DeferredCheckpointer()
+        self._run: DeferredCheckpointer[Checkpointer] = DeferredCheckpointer()
         self.restored: RestoreInfo | None = None
         self._loops = _LoopState()
         self._validated = False  # the monitored metric comes from validation
@@ -633,8 +670,8 @@ class AsymCheckCallback(Callback):
         self._data_told: set[str] = set()  # the problems already warned about in this fit
 
     @property
-    def checkpointer(self) -> LightningCheckpointer | None:
-        """The Checkpointer of the running (or last) ``fit``."""
+    def checkpointer(self) -> Checkpointer | None:
+        """The Checkpointer of the running (or last) ``fit`` (a ``DeepSpeedCheckpointer`` under DeepSpeed)."""
         return self._run.checkpointer
 
     @property
@@ -682,9 +719,13 @@ class AsymCheckCallback(Callback):
                             "step" if scaler is not None else "closure")
         self.restored = None
         self._positioned, self._data_loaded, self._data_told, self._data_unrecorded = [], None, set(), False
-        ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.location, stateful=stateful,
-                                     every=self.every, sealing=sealing, optimizers=trainer.optimizers,
-                                     **self.options)
+        ckpt: Checkpointer
+        if isinstance(trainer.strategy, DeepSpeedStrategy):  # the DeepSpeed adapter hooks the engine Lightning made
+            ckpt = _deepspeed_checkpointer(trainer.strategy.model, self.location, stateful, self.every, self.options)
+        else:
+            ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.location, stateful=stateful,
+                                         every=self.every, sealing=sealing, optimizers=trainer.optimizers,
+                                         **self.options)
         self._run.start(ckpt, marked=0)
         self._recorded = 0
         self._validated = self._resuming = False
@@ -808,8 +849,9 @@ class AsymCheckCallback(Callback):
         Only under automatic optimization without a GradScaler (``sealing="closure"``); otherwise the
         optimizers' own step pre-hooks seal (see :data:`Sealing`).
         """
-        if self.checkpointer is not None and self.checkpointer.sealing == "closure":
-            self.checkpointer.before_step()
+        ckpt = self.checkpointer
+        if isinstance(ckpt, LightningCheckpointer) and ckpt.sealing == "closure":
+            ckpt.before_step()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -817,7 +859,8 @@ class AsymCheckCallback(Callback):
         ckpt = self.checkpointer
         if ckpt is None:
             return
-        ckpt.batch_end()  # manual optimization: the training_step's steps are done, its version opens
+        if isinstance(ckpt, LightningCheckpointer):
+            ckpt.batch_end()  # manual optimization: the training_step's steps are done, its version opens
         if ckpt.step != self._recorded:  # an optimizer step ran in this batch
             self._recorded = ckpt.step
             for loader in _loaders(trainer):

@@ -84,13 +84,17 @@ LIGHTNING: tuple[Refusal, ...] = (
     Refusal("fit(ckpt_path=...)",
             "Lightning's restore would replace the version's state after the callback loaded it: resume from the "
             "store, or AsymCheckCallback(resume=False) on a fresh directory"),
-    Refusal("strategy", "one device, DDP and ModelParallelStrategy (FSDP2) are supported"),
+    Refusal("strategy", "one device, DDP, ModelParallelStrategy (FSDP2) and DeepSpeedStrategy are supported"),
     Refusal("FSDPStrategy", "FSDP1: its FlatParameters are not the module's tensors the Checkpointer copies, and "
             "torch's sharded get_state_dict/set_state_dict path for FSDP1 runs collectives and copies the whole "
             "state at every version (not wired); FSDP2 is captured: strategy=ModelParallelStrategy("
             "data_parallel_size=N, tensor_parallel_size=1) with fully_shard in configure_model"),
-    Refusal("DeepSpeedStrategy", "not yet routed to asymcheck.deepspeed (Lightning's loop state and data position "
-            "in a DeepSpeed engine's version are untested); in your own loop: asymcheck.deepspeed.attach(engine, ...)"),
+    Refusal("DeepSpeedStrategy(stage=3)", "untested through Lightning (it builds the module under ZeRO-3's "
+            "partitioned init); stages 0-2 go to asymcheck.deepspeed"),
+    Refusal("DeepSpeedStrategy with precision", "32-true is tested; DeepSpeed's own fp16 loss scaler and bf16 "
+            "through Lightning are not"),
+    Refusal("DeepSpeedStrategy with manual optimization", "untested: Lightning steps the DeepSpeed engine itself "
+            "under automatic optimization, the case tested"),
     Refusal("ModelParallelStrategy(tensor_parallel_size>1)",
             "tensor parallelism is untested: for FSDP2 use ModelParallelStrategy(data_parallel_size=N, "
             "tensor_parallel_size=1) and fully_shard over device_mesh['data_parallel'] in configure_model"),

@@ -21,6 +21,7 @@ way on, and the directory stays empty.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from pathlib import Path
@@ -33,7 +34,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
 from asymcheck.lightning import AsymCheckCallback, UnsupportedLightningConfigError
 from asymstore.multirank.globaldir import list_global_steps
-from tests.asymcheck.lightning.test_callback import DDP_STEPS, _check_same, _Launch, _resumed_step, kill_point
+from tests.asymcheck.lightning.test_callback import DDP_STEPS, STEPS, _check_same, _Launch, _resumed_step, kill_point
 from tests.support.launch import proc_argv, proc_env
 from tests.support.mr_harness import free_ports
 
@@ -51,10 +52,35 @@ def test_fsdp2_kill_and_resume(tmp_path: Path) -> None:
     _check_same(reference, out, 2)
     assert 1 <= _resumed_step(out) < kill
     for rank in (0, 1):  # FSDP2 really sharded: each rank holds half of the embedding's rows, and of its moments
+        ran = json.loads((reference / f"config-rank{rank}.json").read_text())
+        assert ran["strategy"] == "ModelParallelStrategy" and ran["world_size"] == 2, ran
         final = torch.load(reference / f"final-rank{rank}.pt")
         assert final["model/model.transformer.wte.weight"].shape == (128, 64)
         assert any(k.startswith("opt/") and v.shape == (128, 64) for k, v in final.items())
     assert list_global_steps(str(root / "global"))[-1] == DDP_STEPS
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.exhaustive)])
+def test_deepspeed_kill_and_resume(tmp_path: Path, ranks: int) -> None:
+    """DeepSpeedStrategy(stage=2) on DeepSpeed's CPU accelerator, routed to asymcheck.deepspeed: resumed bit-exact.
+
+    The child's ``_CPUDeepSpeedStrategy`` is a test-only shim past Lightning's two CUDA checks, the same class in
+    the reference run. One process in make test; 2 processes (every rank killed) exhaustive.
+    """
+    ddp = ranks == 2
+    steps = DDP_STEPS if ddp else STEPS
+    ref = _Launch(tmp_path / "ref", "--deepspeed", ddp=ddp)
+    kill = kill_point(f"deepspeed_{ranks}_kill_and_resume", steps, first=3)
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _Launch(out, "--dir", str(root), "--kill", str(kill), "--deepspeed", ddp=ddp).wait(killed=(kill, signal.SIGKILL))
+    _Launch(out, "--dir", str(root), "--deepspeed", ddp=ddp).wait()
+    reference = ref.wait()
+    _check_same(reference, out, ranks)
+    assert 1 <= _resumed_step(out) < kill
+    for rank in range(ranks):  # the configuration really ran: Lightning's DeepSpeed strategy on `ranks` processes
+        ran = json.loads((reference / f"config-rank{rank}.json").read_text())
+        assert ran["strategy"] == "_CPUDeepSpeedStrategy" and ran["world_size"] == ranks, ran
+    assert list_global_steps(str(root / "global"))[-1] == steps  # the DeepSpeed adapter's multi-rank root
 
 
 def test_tensor_parallel_refused(tmp_path: Path) -> None:
@@ -88,19 +114,34 @@ class _Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.mark.parametrize(("strategy", "found", "way_on"), [
-    (_CPUFSDPStrategy, "strategy=_CPUFSDPStrategy (FSDP1", "strategy=ModelParallelStrategy(data_parallel_size=N"),
-    (lambda: DeepSpeedStrategy(stage=2), "strategy=DeepSpeedStrategy (not yet routed", "asymcheck.deepspeed.attach"),
-], ids=["fsdp1", "deepspeed"])
-def test_strategy_refused(tmp_path: Path, strategy: Any, found: str, way_on: str) -> None:
-    """FSDP1 and DeepSpeed: on_fit_start raises the typed error, naming the strategy and the way on; nothing written."""
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy(), logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+def test_fsdp1_refused(tmp_path: Path) -> None:
+    """FSDPStrategy (FSDP1): on_fit_start raises the typed error, naming it and the switch to FSDP2; nothing written."""
+    found, way_on = "strategy=_CPUFSDPStrategy (FSDP1", "strategy=ModelParallelStrategy(data_parallel_size=N"
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=_CPUFSDPStrategy(), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     module = _Module()
     trainer.strategy.connect(module)
     callback = AsymCheckCallback(tmp_path / "ckpt")
     with pytest.raises(UnsupportedLightningConfigError, match="strategy=") as info:
         callback.on_fit_start(trainer, module)
     assert found in str(info.value) and way_on in str(info.value), str(info.value)
+    assert callback.checkpointer is None
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_deepspeed_untested_refused(tmp_path: Path) -> None:
+    """DeepSpeed with ZeRO-3, mixed precision or manual optimization: refused, typed, each named; nothing written."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=3), precision="bf16-mixed",
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    module = _Module()
+    module.automatic_optimization = False
+    trainer.strategy.connect(module)
+    callback = AsymCheckCallback(tmp_path / "ckpt")
+    with pytest.raises(UnsupportedLightningConfigError) as info:
+        callback.on_fit_start(trainer, module)
+    for found in ("DeepSpeedStrategy(stage=3) (untested", "DeepSpeedStrategy with precision=bf16-mixed (",
+                  "DeepSpeedStrategy with manual optimization (untested"):
+        assert found in str(info.value), str(info.value)
     assert callback.checkpointer is None
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())

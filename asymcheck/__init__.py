@@ -27,6 +27,7 @@ from asymcheck.errors import (
     UnsupportedModelError,
     UnsupportedStateError,
 )
+from asymcheck.integrations.sampler import ResumableDistributedSampler
 from asymcheck.options import (
     CheckpointerOptions,
     CommitOptions,
@@ -62,6 +63,7 @@ __all__ = [
     "PreemptionOptions",
     "PreemptionRecord",
     "RestoreInfo",
+    "ResumableDistributedSampler",
     "RetentionOptions",
     "StateMismatchError",
     "Stateful",

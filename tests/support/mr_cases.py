@@ -20,6 +20,10 @@ Case fields:
   (``CrashingLocalTier`` dies with half a manifest written).
 - ``step_s`` (DDP, DeepSpeed): sleep this long at the start of every iteration.
 - ``ordered`` (DDP): average gradients with :func:`ordered_mean` (bit-identical restarts beyond 2 ranks).
+- ``sampler`` (DDP): the batches come from a DataLoader over 40 samples through
+  ``asymcheck.ResumableDistributedSampler`` (shuffled, 2 samples a batch per rank, a ``data=`` object),
+  epochs one after another (``set_epoch``); each rank logs the sample ids of each iteration
+  (``{"event": "batch", "it", "epoch", "ids"}``).
 - ``peer`` (DDP, DeepSpeed): ``{"shm": dir, "per_node": n, "crash": {"rank": r, "step": s} | absent}``: ranks in
   simulated nodes of ``n``, each rank's tiers [host_tier in ``shm/node-K/own``, PeerTier holding its
   source's replicas in ``shm/node-K/replicas``, LocalTier ``dir/rank-NNNNN``], the memory tier durable;
@@ -401,6 +405,8 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     pos = DataPosition()
     stateful: dict[str, Any] = {"sched": sched, "pos": pos}
+    data: dict[str, Any] = {}
+    draw = sampled(case, data)
     ckpt = None
     if case["mode"] == "attach":
         tiers = rank_tiers(case, rank)
@@ -408,7 +414,7 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         where: Any = case["dir"] if tiers is None and "timeout_s" not in case else RankStore(
             case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0),
             **({"durable": tiers[0].name} if case.get("peer") and tiers else {}))
-        ckpt = Checkpointer(model, opt, where, stateful=stateful,
+        ckpt = Checkpointer(model, opt, where, stateful=stateful, data=data,
                             partitions=PartitionOptions(warmup=1, min_partition_bytes=512))
         assert isinstance(ckpt.store, RankStore) or dist.get_world_size() == 1  # one rank: an ordinary store
         resumed = ckpt.resume()
@@ -423,7 +429,11 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
             model.module[4].register_forward_pre_hook(lambda m, a: die() if pos.iteration == at else None)
     for it in range(pos.iteration, n):
         time.sleep(case.get("step_s", 0.0))  # a slower step (loading data), as a real one is
-        x, y = batch(it, rank)
+        if draw is not None:
+            x, y, ids, epoch = draw()
+            log.event(event="batch", it=it, epoch=epoch, ids=ids)
+        else:
+            x, y = batch(it, rank)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -435,6 +445,36 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         ckpt.close()
         stats = ckpt.stats()
         log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed)
-    tensors, meta = TrainingState(model, opt, stateful).capture_all()
+    tensors, meta = TrainingState(model, opt, stateful, data).capture_all()
     save_final(log.cdir / f"final-rank{rank}", pos.iteration, tensors, meta)
     dist.destroy_process_group()
+
+
+def sampled(case: dict[str, Any], data: dict[str, Any]) -> Any:
+    """With ``sampler``: a function drawing the next batch (x, y, ids, epoch), the sampler put in ``data``."""
+    if not case.get("sampler"):
+        return None
+    from asymcheck import ResumableDistributedSampler
+
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(40, 16, generator=g)
+    dataset = torch.utils.data.TensorDataset(x, x.flip(1) * 0.5, torch.arange(40))
+    sampler = ResumableDistributedSampler(dataset, shuffle=True, seed=3)
+    # the loader's own generator: its base-seed draw at each iter() leaves the global RNG (dropout's) alone
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, generator=torch.Generator())
+    data["sampler"] = sampler
+    state: dict[str, Any] = {"it": None}
+
+    def draw() -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+        if state["it"] is None:  # the first draw of this process: the epoch the sampler is in (resumed or 0)
+            sampler.set_epoch(sampler.epoch)
+            state["it"] = iter(loader)
+        got = next(state["it"], None)
+        if got is None:  # the epoch is over: the next one
+            sampler.set_epoch(sampler.epoch + 1)
+            state["it"] = iter(loader)
+            got = next(state["it"])
+        bx, by, ids = got
+        return bx, by, [int(i) for i in ids], sampler.epoch
+
+    return draw

@@ -36,13 +36,19 @@ import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from asymcheck.checkpointer import Checkpointer
-from asymcheck.errors import StateMismatchError, TrainerResumeError, UnsupportedTrainerConfigError
+from asymcheck.errors import (
+    InvalidOptionError,
+    StateMismatchError,
+    TrainerResumeError,
+    UnsupportedTrainerConfigError,
+)
 from asymcheck.integrations import names, support
 from asymcheck.integrations.attributes import RenamedAttribute, RetentionField
 from asymcheck.integrations.callback import DeferredCheckpointer
 from asymcheck.integrations.forward import TrainerCallbackOptions, forwarded_options, with_retention
 from asymcheck.integrations.settings import HF_TRAINER, refusal
-from asymcheck.options import CheckpointerOptions, RetentionOptions, renamed_location
+from asymcheck.options import CheckpointerOptions, PartitionOptions, RetentionOptions, renamed_location
+from asymcheck.snapshot.hooks import HooksFactory, StepHooks
 from asymcheck.state.encode import decode
 from asymcheck.state.trainstate import RENAMED, Stateful
 from asymcheck.versions.storespec import StoreSpec
@@ -187,6 +193,18 @@ def _is_deepspeed(args: TrainingArguments) -> bool:
     return args.deepspeed is not None or getattr(args, "deepspeed_plugin", None) is not None
 
 
+def _fullgraph() -> bool:
+    """Whether the Trainer compiles with ``fullgraph``.
+
+    Its ``TorchDynamoPlugin`` reads ``ACCELERATE_DYNAMO_USE_FULLGRAPH``; the accelerator's shared
+    state holds the plugin ``prepare`` compiles with.
+    """
+    from accelerate.state import AcceleratorState
+
+    plugin = getattr(AcceleratorState(), "dynamo_plugin", None)
+    return bool(getattr(plugin, "fullgraph", False))
+
+
 def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None) -> None:
     """Refuse a Trainer configuration whose state the callback would not capture, or not resume, exactly.
 
@@ -206,7 +224,7 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
                          getattr(getattr(args, "accelerator_config", None), "use_seedable_sampler", True) is False),
                         ("train_sampling_strategy='group_by_length'",
                          getattr(args, "train_sampling_strategy", None) == "group_by_length"),
-                        ("torch_compile=True", args.torch_compile)):
+                        ("torch_compile=True under DeepSpeed", args.torch_compile and _is_deepspeed(args))):
         if on:
             problems.append(refusal(HF_TRAINER, setting).line())
     if args.n_gpu > 1:
@@ -332,6 +350,8 @@ class AsymCheckCallback(TrainerCallback):
         if isinstance(keep_best, bool) or not (keep_best is None or isinstance(keep_best, KeepBest)
                                                or (isinstance(keep_best, int) and keep_best >= 1)):
             raise ValueError(f"keep_best must be a KeepBest or an int >= 1, got {keep_best!r}")
+        asked = options.get("partitions")
+        self._partitioning = asked.partitioning if isinstance(asked, PartitionOptions) else options.get("partitioning")
         self.options = forwarded_options("AsymCheckCallback", options, keep_last=keep_last)
         """The Checkpointer's option groups (``keep_best`` is added when training begins)."""
         self.keep_best = keep_best
@@ -526,7 +546,11 @@ class AsymCheckCallback(TrainerCallback):
             optimizer = _torch_optimizer(kwargs.get("optimizer"))
             if not isinstance(model, torch.nn.Module):
                 raise TrainerResumeError("the Trainer passed no model to on_train_begin")
-            ckpt = Checkpointer(model, optimizer, self.location, stateful=stateful, every=self.every, **options)
+            hooks = None
+            if args.torch_compile and _fullgraph():  # a hook that breaks the graph would be an error
+                hooks = self._step_hooks(optimizer, options)
+            ckpt = Checkpointer(model, optimizer, self.location, stateful=stateful, every=self.every, hooks=hooks,
+                                **options)
         self._run.start(ckpt)
         try:
             self._begin(state, expect, kwargs.get("train_dataloader"), args)
@@ -601,6 +625,23 @@ class AsymCheckCallback(TrainerCallback):
         self._finish(state, control)
 
     # -- internals -------------------------------------------------------
+
+    def _step_hooks(self, optimizer: torch.optim.Optimizer, options: CheckpointerOptions) -> HooksFactory:
+        """The optimizer-step hooks only (``fullgraph=True``: no hook inside the compiled graph), copying at the step.
+
+        Sets ``options["partitions"]`` to ``partitioning="step"`` (its other fields kept).
+
+        Raises:
+            InvalidOptionError: the callback was given a partitioning other than ``"step"``.
+        """
+        if self._partitioning is not None and self._partitioning != "step":
+            raise InvalidOptionError(
+                f"partitioning={self._partitioning!r} under torch_compile=True with fullgraph "
+                "(ACCELERATE_DYNAMO_USE_FULLGRAPH): the forward and grad hooks that spread the copy over the next "
+                "step would break the graph, which fullgraph forbids; use PartitionOptions(partitioning=\"step\") "
+                "(the copy at the optimizer step) or leave it out")
+        options["partitions"] = dataclasses.replace(options["partitions"], partitioning="step")
+        return lambda driver: StepHooks(optimizer, driver)
 
     def _mark(self, state: TrainerState, control: TrainerControl) -> None:
         """The loop body of the newest step is over: the open version takes RNG, scheduler and TrainerState now."""

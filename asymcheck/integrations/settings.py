@@ -67,7 +67,8 @@ HF_TRAINER: tuple[Refusal, ...] = (
     Refusal("train_sampling_strategy='group_by_length'",
             "LengthGroupedSampler draws an epoch's order from the global RNG when the epoch starts; the Trainer "
             "resumes inside an epoch with other RNG states, so the rest of the epoch would come in a new order"),
-    Refusal("torch_compile=True", "untested: the snapshot hooks run inside the compiled modules"),
+    Refusal("torch_compile=True under DeepSpeed", "torch.compile of the DeepSpeed engine is untested through the "
+            "callback; one process compiles (the hooks run eagerly at graph breaks)"),
     Refusal("n_gpu", "torch.nn.DataParallel"),
     Refusal("a PEFT model under DDP or DeepSpeed", "untested: a PEFT model is tested in one process (the adapters, "
             "their optimizer state and the frozen base's fingerprint); under DeepSpeed the Trainer loads the engine's "

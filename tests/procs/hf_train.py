@@ -25,12 +25,17 @@ sets) and no ``--deepspeed`` the run is the Trainer's DDP, gloo on CPU (``use_cp
 ``--grad-ckpt`` pass ``bf16=True`` and ``gradient_checkpointing=True``. ``--peft`` trains LoRA adapters
 (``peft.LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.1)``) on the frozen GPT-2;
 ``--perturb-base`` then adds 1e-3 to one frozen weight (a changed base, which a resume must refuse).
+``--compile BACKEND`` passes ``torch_compile=True, torch_compile_backend=BACKEND`` (the kill and watch
+hooks are wrapped in ``torch.compiler.disable``: run, never traced) and the result records the graphs
+Dynamo captured and the wrapper; ``--partitioning`` is the callback's ``PartitionOptions(partitioning=...)``.
+Every run prints the median step time (event ``timing``) and which hooks copied the versions' bytes.
 Lines on stdout are JSON events.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -44,7 +49,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from asymcheck.hf import AsymCheckCallback
-from asymcheck.options import PacingOptions, RetentionOptions
+from asymcheck.options import PacingOptions, PartitionOptions, RetentionOptions
 
 SEQUENCES = 24
 LENGTH = 16
@@ -86,8 +91,8 @@ class Killer(TrainerCallback):
     def __init__(self, at: int, where: str, model: torch.nn.Module, ckpt: AsymCheckCallback | None) -> None:
         self.at, self.where, self.ckpt = at, where, ckpt
         self.step = -1
-        if where == "forward":
-            model.register_forward_pre_hook(self._forward)
+        if where == "forward":  # run, never traced (--compile)
+            model.register_forward_pre_hook(torch.compiler.disable(self._forward))
 
     def _committed(self) -> bool:
         checkpointer = self.ckpt.checkpointer if self.ckpt is not None else None
@@ -119,6 +124,28 @@ class Killer(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self.where == "log" and state.global_step == self.at and logs and "loss" in logs:
             self.kill("log", state.global_step)
+
+
+class Seen(TrainerCallback):
+    """Keeps the callback's Checkpointer of the run (its stats are read after train() closed it)."""
+
+    last: Any = None
+
+    def __init__(self, ckpt: AsymCheckCallback) -> None:
+        self.ckpt = ckpt
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        Seen.last = self.ckpt.checkpointer
+
+
+class Ticks(TrainerCallback):
+    """Appends the time at the end of every step."""
+
+    def __init__(self, ticks: list[float]) -> None:
+        self.ticks = ticks
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.ticks.append(time.perf_counter())
 
 
 def deepspeed_config(stage: int) -> dict[str, Any]:
@@ -162,6 +189,8 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--grad-ckpt", action="store_true", help="TrainingArguments(gradient_checkpointing=True)")
     ap.add_argument("--peft", action="store_true", help="LoRA adapters on the frozen model (peft)")
     ap.add_argument("--perturb-base", action="store_true", help="with --peft: change one frozen weight")
+    ap.add_argument("--compile", default="", help="TrainingArguments(torch_compile=True, torch_compile_backend=...)")
+    ap.add_argument("--partitioning", default="", help="the callback's PartitionOptions(partitioning=...)")
     args = ap.parse_args(argv)
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.deepspeed < 0  # torchrun's environment, no DeepSpeed
     torch.set_num_threads(1)
@@ -188,6 +217,7 @@ def run(argv: list[str]) -> int:
         load_best_model_at_end=bool(args.eval), metric_for_best_model="eval_loss" if args.eval else None,
         report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16,
         ddp_backend="gloo" if ddp else None,
+        **({"torch_compile": True, "torch_compile_backend": args.compile} if args.compile else {}),
         **({"gradient_checkpointing": True} if args.grad_ckpt else {}),  # as users write it (5.24: a FutureWarning)
         deepspeed=deepspeed_config(args.deepspeed) if args.deepspeed >= 0 else None)
     data = Tokens()
@@ -199,7 +229,9 @@ def run(argv: list[str]) -> int:
         # a version every step, always; with --eval also the best by the Trainer's metric_for_best_model
         ckpt = AsymCheckCallback(args.dir, keep_best=1 if args.eval else None,
                                  retention=RetentionOptions(keep_every=args.keep_every or None),
-                                 pacing=PacingOptions(max_overhead=None))
+                                 pacing=PacingOptions(max_overhead=None),
+                                 **({"partitions": PartitionOptions(partitioning=args.partitioning)}
+                                    if args.partitioning else {}))
         trainer.add_callback(ckpt)
         if not args.plain_train:
             resume = ckpt.resume_from(trainer)
@@ -215,8 +247,27 @@ def run(argv: list[str]) -> int:
             on = torch.is_autocast_enabled("cpu")
             autocast_seen.add(str(torch.get_autocast_dtype("cpu")) if on else "off")
 
-    gpt2.transformer.h[0].attn.register_forward_pre_hook(watch)  # inside the checkpointed block: recomputed
+    gpt2.transformer.h[0].attn.register_forward_pre_hook(torch.compiler.disable(watch))  # recomputed; never traced
+    if ckpt is not None:
+        trainer.add_callback(Seen(ckpt))
+    ticks: list[float] = []  # the end of every step: the step time once compiled
+    trainer.add_callback(Ticks(ticks))
     trainer.train(resume_from_checkpoint=resume)
+    gaps = sorted(b - a for a, b in itertools.pairwise(ticks))
+    compiled: dict[str, Any] = {}
+    if args.compile:  # the model ran compiled: Dynamo captured graphs of it
+        from torch._dynamo.utils import counters
+
+        compiled = {"graphs": int(counters["stats"]["unique_graphs"]), "wrapper": type(trainer.model_wrapped).__name__,
+                    "breaks": sum(counters["graph_break"].values())}
+    copied: dict[str, Any] = {}
+    if ckpt is not None and Seen.last is not None:  # which hooks copied the versions' bytes
+        stats = Seen.last.stats()
+        copied = {"forward": sum(r.forward_bytes for r in stats.steps),
+                  "backward": sum(r.backward_bytes for r in stats.steps),
+                  "partitioning": Seen.last.partitioning}
+    emit(event="timing", median_step_s=gaps[len(gaps) // 2] if gaps else None, steps=len(ticks), compiled=compiled,
+         copied=copied)
     recomputed = calls[0]
     if ckpt is not None:
         emit(event="done", resumed=ckpt.resumed_step, versions=ckpt.final_versions)
@@ -229,7 +280,8 @@ def run(argv: list[str]) -> int:
                 "resumed": ckpt.resumed_step if ckpt else None, "fetched": data.fetched,
                 "world": trainer.args.world_size, "wrapper": type(trainer.model_wrapped).__name__,
                 "autocast": sorted(autocast_seen), "block_forwards": recomputed,
-                "trainable": sum(p.requires_grad for p in model.parameters())},
+                "trainable": sum(p.requires_grad for p in model.parameters()), "compiled": compiled,
+                "copied": copied},
                out / ("result.pt" if rank == "0" else f"result-rank{rank}.pt"))
     return 0
 

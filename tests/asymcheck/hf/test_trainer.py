@@ -25,7 +25,9 @@ every attention forward runs again inside backward, counted, and fires the Check
 there); ``peft`` (LoRA adapters on the frozen GPT-2 through ``peft.get_peft_model``: the version holds the
 whole model, the adapters' optimizer state and the frozen base's fingerprint; the resume puts the adapters back
 from the store, the Trainer reads none from the resume directory), and after it the same run on a changed base,
-refused with ``StateMismatchError`` before a step, the store untouched.
+refused with ``StateMismatchError`` before a step, the store untouched; ``compile``
+(``torch_compile=True, torch_compile_backend="aot_eager"``: the model runs as an ``OptimizedModule``,
+the snapshot hooks run eagerly at its graph breaks and copy the versions' bytes there).
 All runs of the module share one driver process (torch and transformers imported once; each run a forked child).
 """
 
@@ -71,6 +73,7 @@ CASES: dict[str, tuple[list[str], int, bool]] = {
     "bf16": (["--bf16"], 1, True),  # the Trainer's CPU autocast to bfloat16
     "grad-ckpt": (["--grad-ckpt"], 1, True),  # gradient checkpointing: forwards recomputed inside backward
     "peft": (["--peft"], 1, True),  # LoRA adapters on a frozen GPT-2
+    "compile": (["--compile", "aot_eager"], 1, True),  # torch_compile=True: the hooks run at graph breaks
 }
 
 
@@ -207,6 +210,11 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
     if "--peft" in extra:  # only the 4 LoRA matrices train; the optimizer holds their state alone
         assert ref["trainable"] == got["trainable"] == 4, context
         assert len([k for k in got["state"] if k.startswith("optim/param/")]) == 4, context
+    if "--compile" in extra:  # the model ran compiled, and the hooks inside it copied the versions' bytes
+        for run in (ref, got):
+            assert run["compiled"]["wrapper"] == "OptimizedModule" and run["compiled"]["graphs"] > 0, context
+        assert got["copied"]["partitioning"] == "asymmetric", context
+        assert got["copied"]["forward"] + got["copied"]["backward"] > 0, context
     every = int(extra[extra.index("--save-steps") + 1]) if "--save-steps" in extra else 0
     if every and result == "result.pt":  # the Trainer's own checkpoints beside the versions
         for n in range(every, STEPS + 1, every):
@@ -258,7 +266,7 @@ def args(**over: Any) -> SimpleNamespace:
 
 @pytest.mark.parametrize(("setting", "value", "named"), [
     ("fsdp", ["full_shard"], "fsdp="), ("fp16", True, "fp16="), ("auto_find_batch_size", True, "auto_find_batch_size"),
-    ("ignore_data_skip", True, "ignore_data_skip"), ("torch_compile", True, "torch_compile"), ("n_gpu", 2, "n_gpu=2"),
+    ("ignore_data_skip", True, "ignore_data_skip"), ("n_gpu", 2, "n_gpu=2"),
     ("accelerator_config", SimpleNamespace(use_seedable_sampler=False), "use_seedable_sampler=False"),
     ("train_sampling_strategy", "group_by_length", "group_by_length"),
 ])
@@ -268,11 +276,16 @@ def test_refused_settings_are_named(setting: str, value: Any, named: str) -> Non
     assert isinstance(info.value, UnsupportedConfigError)
     check_trainer(args(world_size=2, deepspeed={"zero_optimization": {"stage": 2}}))  # type: ignore[arg-type]
     check_trainer(args(world_size=2))  # type: ignore[arg-type]  # DDP: the ddp-2ranks kill test
+    check_trainer(args(torch_compile=True))  # type: ignore[arg-type]  # the compile kill test
     check_trainer(args())  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("setting", [{"ignore_data_skip": True}, {"auto_find_batch_size": True}, {"fp16": True},
-                                     {"torch_compile": True}])
+def test_compile_under_deepspeed_is_refused() -> None:
+    with pytest.raises(UnsupportedTrainerConfigError, match="torch_compile=True under DeepSpeed"):
+        check_trainer(args(torch_compile=True, deepspeed={"zero_optimization": {"stage": 2}}))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("setting", [{"ignore_data_skip": True}, {"auto_find_batch_size": True}, {"fp16": True}])
 def test_refusal_comes_before_anything_is_written(setting: dict[str, Any], tmp_path: Path) -> None:
     """A real Trainer with a refused setting: typed refusal by resume_from() and by train(), the store left empty."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -377,6 +390,77 @@ def test_deepspeed_takes_the_retention_rules_to_its_multirank_store(name: str, r
     assert list_global_steps(str(ck / "global")) == kept, context
     assert sorted(int(p.name[1:]) for p in (ck / "rank-00000").glob("v*")) == kept, context
     assert load(runs["root"] / name, "result.pt")["versions"] == kept, context
+
+
+class _Tiny(torch.nn.Module):
+    """A model the Trainer takes that Dynamo compiles whole (fullgraph): a linear layer and its loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": ((self.lin(x) - labels) ** 2).mean()}
+
+
+def test_compile_fullgraph_copies_at_the_step_and_resumes_exactly(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_compile=True with fullgraph (ACCELERATE_DYNAMO_USE_FULLGRAPH): only the optimizer's step hooks.
+
+    No hook is registered inside the compiled model (fullgraph would raise at its graph break), the copy is
+    at the step (partitioning "step"), a version every step; resumed from the store, the weights equal an
+    uninterrupted compiled run's; another partitioning asked for is refused (InvalidOptionError) before a step.
+    """
+    from torch._dynamo.utils import counters
+    from transformers import Trainer, TrainingArguments
+
+    from asymcheck.errors import InvalidOptionError
+    from asymcheck.hf import AsymCheckCallback
+    from asymcheck.options import PartitionOptions
+    from asymcheck.snapshot.hooks import StepHooks
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_FULLGRAPH", "1")
+    g = torch.Generator().manual_seed(3)
+    data = [{"x": torch.randn(8, generator=g), "labels": torch.randn(8, generator=g)} for _ in range(8)]
+
+    def train(stop: int, ck: Path | None, **options: Any) -> tuple[Trainer, AsymCheckCallback | None]:
+        torch.manual_seed(0)
+        targs = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=6, per_device_train_batch_size=2,
+                                  use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                                  learning_rate=1e-2, torch_compile=True, torch_compile_backend="aot_eager")
+        callback = AsymCheckCallback(str(ck), **options) if ck is not None else None
+        trainer = Trainer(model=_Tiny(), args=targs, train_dataset=data,
+                          callbacks=[callback] if callback is not None else None)
+        seen: list[Any] = []
+
+        class Look(TrainerCallback):  # type: ignore[misc]
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                seen.append(callback.checkpointer if callback is not None else None)
+                control.should_training_stop = state.global_step >= stop  # an interrupted run
+
+        trainer.add_callback(Look())
+        trainer.train(resume_from_checkpoint=callback.resume_from(trainer) if callback is not None else None)
+        if callback is not None:
+            ckpt = seen[-1]
+            assert ckpt.partitioning == "step" and isinstance(ckpt._hooks, StepHooks)
+        assert type(trainer.model_wrapped).__name__ == "OptimizedModule"
+        return trainer, callback
+
+    from transformers import TrainerCallback
+
+    counters.clear()
+    ref, _ = train(6, None)
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]  # compiled whole
+    ck = tmp_path / "ck"
+    train(3, ck)  # stopped after step 3 (the same schedule as the whole run's)
+    got, callback = train(6, ck)
+    assert callback is not None and callback.resumed_step == 3
+    for name, value in ref.model.state_dict().items():
+        assert torch.equal(value, got.model.state_dict()[name]), name
+    asked = tmp_path / "asked"
+    with pytest.raises(InvalidOptionError, match="partitioning='asymmetric' under torch_compile=True with fullgraph"):
+        train(2, asked, partitions=PartitionOptions(partitioning="asymmetric"))
+    assert not asked.exists() or not any(asked.glob("v*"))
 
 
 def test_keep_best_follows_metric_for_best_model(tmp_path: Path) -> None:

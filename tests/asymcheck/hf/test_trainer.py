@@ -33,6 +33,7 @@ All runs of the module share one driver process (torch and transformers imported
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -461,6 +462,24 @@ def test_compile_fullgraph_copies_at_the_step_and_resumes_exactly(tmp_path: Path
     with pytest.raises(InvalidOptionError, match="partitioning='asymmetric' under torch_compile=True with fullgraph"):
         train(2, asked, partitions=PartitionOptions(partitioning="asymmetric"))
     assert not asked.exists() or not any(asked.glob("v*"))
+
+
+def test_the_trainer_has_no_stateful_dataloader_setting() -> None:
+    """transformers 5.24's Trainer offers no torchdata StatefulDataLoader: its AcceleratorConfig has no such field.
+
+    ``accelerator_config={"use_stateful_dataloader": True}`` is a TypeError of TrainingArguments itself, and the
+    Trainer builds Accelerate's DataLoaderConfiguration from four fields only. The support matrix's cell is "does
+    not apply"; a transformers that adds the field fails here (and is refused as untested by the version check).
+    """
+    import transformers
+    from transformers import TrainingArguments
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    assert transformers.__version__.startswith("5.24.")
+    assert "use_stateful_dataloader" not in {f.name for f in dataclasses.fields(AcceleratorConfig)}
+    with pytest.raises(TypeError, match="use_stateful_dataloader"):
+        TrainingArguments(output_dir="unused", use_cpu=True, report_to=[],
+                          accelerator_config={"use_stateful_dataloader": True})
 
 
 def test_keep_best_follows_metric_for_best_model(tmp_path: Path) -> None:

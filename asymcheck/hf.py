@@ -408,6 +408,9 @@ class AsymCheckCallback(TrainerCallback):
             TrainerResumeError: the newest version was not written by this callback, or
                 ``TrainingArguments.resume_from_checkpoint`` is set (``--resume_from_checkpoint`` of
                 ``run_clm.py``): it would not be read once this method's directory replaces it.
+            TrainerResumeError: the train dataset has no length (an ``IterableDataset``) and the
+                newest version was taken after its first pass ended (the Trainer would skip batches of
+                a fresh pass).
         """
         check_trainer(trainer.args, trainer.model)
         flag = getattr(trainer.args, "resume_from_checkpoint", None)
@@ -434,6 +437,7 @@ class AsymCheckCallback(TrainerCallback):
         if manifest is None:
             return None
         state = _trainer_state_of(manifest.meta, f"version {manifest.step}")
+        _check_iterable_position(trainer.train_dataset, state, manifest.step)
         if not isinstance(trainer.model, torch.nn.Module):
             raise TrainerResumeError("the Trainer has no model")
         if _is_peft(trainer.model):  # before anything is written: adapters on another base are refused
@@ -664,6 +668,28 @@ class AsymCheckCallback(TrainerCallback):
             self.final_versions = ckpt.final_versions
             self._holder.state = self._holder.control = None
             self._drop_resume_dir()
+
+
+def _check_iterable_position(dataset: Any, state: Mapping[str, Any], step: int) -> None:
+    """Refuse to resume an iterable train dataset (no length) from a version taken after its first pass ended.
+
+    Without a length the Trainer counts its whole ``max_steps`` as one epoch: resuming, it reads
+    ``global_step`` batches from the start of a fresh pass and skips them, which is the trained
+    position only while the first pass runs; a version taken after a pass ended (its TrainerState's
+    ``epoch`` >= 1) would resume at the wrong sample.
+
+    Raises:
+        TrainerResumeError: naming the dataset, the version and the epoch.
+    """
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset) or (
+        dataset is not None and not hasattr(dataset, "__len__"))
+    epoch = state.get("epoch")
+    if iterable and isinstance(epoch, (int, float)) and epoch >= 1:
+        raise TrainerResumeError(
+            f"version {step} of an iterable train dataset ({type(dataset).__name__}, no length) was taken after its "
+            f"first pass ended (epoch {epoch:.4g}): the Trainer resumes such a dataset by reading global_step batches "
+            "from the start of a fresh pass, which is not where the run was once a pass ended; nothing was written. "
+            "Give the Trainer a map-style dataset (datasets.Dataset), or start again in a fresh directory")
 
 
 def _newest(ckpt: Checkpointer) -> int | None:

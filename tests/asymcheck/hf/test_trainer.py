@@ -482,6 +482,59 @@ def test_the_trainer_has_no_stateful_dataloader_setting() -> None:
                           accelerator_config={"use_stateful_dataloader": True})
 
 
+def test_iterable_dataset_resumes_in_its_first_pass_and_is_refused_after(tmp_path: Path) -> None:
+    """A datasets.IterableDataset (4 shards, shuffled with a seed): the Trainer reads the trained batches through.
+
+    Stopped at step 2 (inside the first pass of 4 batches) and resumed: every loss and the final weights
+    equal the uninterrupted run's. Stopped at step 5 (the second pass began): resume_from() refuses with
+    TrainerResumeError before anything is written (the Trainer would skip 5 batches of a fresh pass).
+    """
+    datasets = pytest.importorskip("datasets")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from asymcheck.hf import AsymCheckCallback
+
+    ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(5)).tolist()
+    rows = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+    def train(stop: int, ck: Path | None) -> tuple[Trainer, AsymCheckCallback | None]:
+        torch.manual_seed(0)
+        data = rows.to_iterable_dataset(num_shards=4).shuffle(seed=3, buffer_size=4).with_format("torch")
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+        targs = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=6, per_device_train_batch_size=2,
+                                  use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+                                  logging_steps=1, learning_rate=1e-2)
+        callback = AsymCheckCallback(str(ck)) if ck is not None else None
+
+        class Stop(TrainerCallback):  # type: ignore[misc]
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                control.should_training_stop = state.global_step >= stop  # an interrupted run
+
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Stop()])
+        if callback is not None:
+            trainer.add_callback(callback)
+        trainer.train(resume_from_checkpoint=callback.resume_from(trainer) if callback is not None else None)
+        return trainer, callback
+
+    def losses(t: Trainer) -> list[tuple[int, float]]:
+        return [(h["step"], h["loss"]) for h in t.state.log_history if "loss" in h]
+
+    ref, _ = train(6, None)
+    assert ref.state.epoch is not None and ref.state.epoch >= 1  # the run crossed a pass
+    ck = tmp_path / "ck"
+    train(2, ck)
+    got, callback = train(6, ck)
+    assert callback is not None and callback.resumed_step == 2
+    assert losses(got) == losses(ref)
+    assert all(torch.equal(v, got.model.state_dict()[k]) for k, v in ref.model.state_dict().items())
+    late = tmp_path / "late"
+    train(5, late)
+    before = sorted((p.name, p.stat().st_mtime) for p in late.glob("v*/*"))
+    with pytest.raises(TrainerResumeError, match="after its first pass ended"):
+        train(6, late)
+    assert sorted((p.name, p.stat().st_mtime) for p in late.glob("v*/*")) == before and before
+
+
 def test_keep_best_follows_metric_for_best_model(tmp_path: Path) -> None:
     from asymcheck.hf import AsymCheckCallback
     from asymstore import KeepBest

@@ -26,23 +26,49 @@ draws it at the resume instead of at the interrupted epoch's start, so every ran
 (dropout) differs from the uninterrupted run.
 
 It counts the indices the loader took from it. A loader with ``num_workers > 0`` takes indices ahead of
-the batches trained (its prefetch), so the count would run ahead of training: the ``state_dict`` is
-then wrong by the prefetched batches. Use it with ``num_workers=0``, or wrap the loader in the
-framework's ``ResumableLoader`` (``asymcheck.lightning``, ``asymcheck.accelerate``), which counts batches.
+the batches trained (its prefetch), so the count would run ahead of training: such a loader is refused
+with :class:`asymcheck.errors.UnsupportedConfigError` at its first batch. Use it with ``num_workers=0``.
+``len()`` is a whole epoch's count per rank, as ``DistributedSampler``'s (so ``step // len(loader)``
+still names the epoch after a resume); :attr:`ResumableDistributedSampler.left` is what a resumed
+pass hands out.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping, Sized
+from types import FrameType
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
-from asymcheck.errors import StateMismatchError
+from asymcheck.errors import StateMismatchError, UnsupportedConfigError
 
 __all__ = ["ResumableDistributedSampler"]
+
+
+def _refuse_worker_loader(frame: FrameType | None) -> None:
+    """Refuse a loader iterator with worker processes among the callers: it takes indices ahead of training.
+
+    The count of indices handed out is the position only when the loader takes a batch's indices as the
+    loop asks for that batch; a worker loader takes ``prefetch_factor * num_workers`` batches ahead, and a
+    position counted so would skip them after a resume. Torch's loader iterators keep their worker
+    count as ``_num_workers``; the test of this refusal (tests/asymcheck/integrations/test_sampler.py)
+    fails if a torch release renames it.
+    """
+    for _ in range(12):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        workers = getattr(owner, "_num_workers", 0) if hasattr(owner, "_sampler_iter") else 0
+        if isinstance(workers, int) and workers > 0:
+            raise UnsupportedConfigError(
+                f"ResumableDistributedSampler under a DataLoader with num_workers={workers}: the loader takes "
+                "indices ahead of the batches trained (its prefetch), so the position in a version would skip "
+                "them after a resume; use num_workers=0, or the framework's ResumableLoader, which counts batches")
+        frame = frame.f_back
 
 
 class ResumableDistributedSampler(DistributedSampler[int]):
@@ -91,17 +117,27 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         return rest
 
     def __iter__(self) -> Iterator[int]:
-        """This rank's indices of the rest of the epoch (the whole epoch unless resumed inside it)."""
+        """This rank's indices of the rest of the epoch (the whole epoch unless resumed inside it).
+
+        Raises:
+            UnsupportedConfigError: (at the first index) a loader with worker processes draws from it.
+        """
         mine = self._rest()[self.rank::self.num_replicas]
         self._taken = 0
+        _refuse_worker_loader(sys._getframe(1))
         for index in mine:
             self._taken += 1
             yield index
         self._start, self._taken, self._restored_epoch = 0, 0, None  # the pass is over: the next is whole
 
     def __len__(self) -> int:
-        """This rank's indices in a pass (the rest of the epoch after a resume inside it)."""
-        return len(self._rest()) // self.num_replicas
+        """This rank's indices in a whole epoch, as ``DistributedSampler`` (a resumed pass hands out :attr:`left`)."""
+        return self.num_samples
+
+    @property
+    def left(self) -> int:
+        """This rank's indices still to come in the current pass (fewer than ``len`` after a resume inside it)."""
+        return len(self._rest()) // self.num_replicas - self._taken
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (from its beginning, unless it is the epoch a resume put the sampler inside)."""
@@ -119,14 +155,15 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         return {"epoch": self.epoch, "consumed": self.consumed, "size": self._size, "seed": self.seed,
                 "shuffle": self.shuffle}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the epoch ``state`` describes at its first unconsumed position, on this sampler's ranks.
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse ``state`` unless it is a position of this sampler's epochs (a resume asks before loading).
 
         Raises:
             StateMismatchError: the state is of another dataset size, seed or shuffle setting, or malformed.
         """
         try:
-            epoch, consumed = int(state["epoch"]), int(state["consumed"])
+            consumed = int(state["consumed"])
+            int(state["epoch"])
             same = (int(state["size"]), int(state["seed"]), bool(state["shuffle"])) == (
                 self._size, self.seed, self.shuffle)
         except (KeyError, TypeError, ValueError) as exc:
@@ -137,6 +174,14 @@ class ResumableDistributedSampler(DistributedSampler[int]):
                 f"{state['shuffle']}; this sampler has {self._size}, {self.seed}, {self.shuffle}")
         if not 0 <= consumed <= self._size:
             raise StateMismatchError(f"consumed {consumed} is outside the epoch of {self._size} samples")
-        self.epoch = epoch
-        self._start, self._taken = consumed, 0
-        self._restored_epoch = epoch
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the epoch ``state`` describes at its first unconsumed position, on this sampler's ranks.
+
+        Raises:
+            StateMismatchError: see :meth:`check_state_dict` (a Checkpointer asks that before loading anything).
+        """
+        self.check_state_dict(state)
+        self.epoch = int(state["epoch"])
+        self._start, self._taken = int(state["consumed"]), 0
+        self._restored_epoch = self.epoch

@@ -25,7 +25,7 @@ from asymstore.format.tensors import host_copy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "Capture", "Moment", "Stateful", "TrainingState"]
+__all__ = ["FORMAT", "Capture", "CheckedStateful", "Moment", "Stateful", "TrainingState"]
 
 FORMAT = 1
 
@@ -40,6 +40,20 @@ class Stateful(Protocol):
 
     def load_state_dict(self, state: Any) -> Any:
         """Restore the object's state."""
+        ...
+
+
+@runtime_checkable
+class CheckedStateful(Stateful, Protocol):
+    """A :class:`Stateful` that can tell whether a state fits it before anything is loaded.
+
+    A resume calls ``check_state_dict`` of every such ``stateful``/``data`` object before it loads the
+    model, the optimizer or any object, so a state that does not fit (another dataset, another seed)
+    is refused while the live objects are untouched.
+    """
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise :class:`asymcheck.errors.StateMismatchError` when ``state`` does not fit this object."""
         ...
 
 
@@ -222,7 +236,7 @@ class TrainingState:
         Raises:
             StateMismatchError: it does not fit.
         """
-        self._prepare(tensors, meta)
+        self.prepare(tensors, meta)
 
     def model_tensors(self) -> dict[str, torch.Tensor]:
         """The model's stored tensors as the checkpoint names them (``model/<key>``, aliases left out), detached."""
@@ -253,10 +267,19 @@ class TrainingState:
             StateMismatchError: names, shapes, dtypes, param groups or stateful
                 names differ; nothing was loaded.
         """
-        apply = self._prepare(tensors, meta)
+        apply = self.prepare(tensors, meta)
         apply()
 
-    def _prepare(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Callable[[], None]:
+    def prepare(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Callable[[], None]:
+        """Check that the checkpoint fits, every part of it, and return what loads it into the live objects.
+
+        Nothing is loaded until the returned function runs: a mismatch found here (names, shapes,
+        dtypes, param groups, a :class:`CheckedStateful` refusing its state) leaves every live
+        object as it was.
+
+        Raises:
+            StateMismatchError: the checkpoint does not fit.
+        """
         info = meta.get("asymcheck")
         if not isinstance(info, dict) or info.get("format") != FORMAT:
             raise StateMismatchError(f"not an asymcheck checkpoint of format {FORMAT}: {info!r}")
@@ -270,6 +293,9 @@ class TrainingState:
             for kind, live, saved in (("stateful", self.stateful, states), ("data", self.data, datas)):
                 for name, state in saved.items():
                     loaders.check(f"{kind}[{name!r}]", live[name], state)
+                    obj = live[name]
+                    if isinstance(obj, CheckedStateful):
+                        obj.check_state_dict(state)
         except (KeyError, TypeError, UnsupportedStateError) as exc:
             if isinstance(exc, StateMismatchError):
                 raise

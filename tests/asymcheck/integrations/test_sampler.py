@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import islice
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -106,3 +107,53 @@ def test_a_new_epoch_starts_whole_after_a_resume() -> None:
     t.load_state_dict(state)
     t.set_epoch(3)  # another epoch than the one resumed: from its start
     assert len(list(t)) == 6
+
+
+def test_len_is_a_whole_epoch_and_left_is_what_a_resumed_pass_hands_out() -> None:
+    s = samplers(20, 2, seed=1)[0]
+    list(islice(iter(s), 4))
+    t = samplers(20, 2, seed=1)[1]
+    t.load_state_dict(s.state_dict())
+    assert len(t) == 10 and t.left == 6  # step // len(loader) still names the epoch after a resume
+    assert len(list(t)) == 6
+
+
+def test_a_loader_with_workers_is_refused_at_its_first_batch() -> None:
+    """Workers prefetch indices ahead of training: a position counted from them would skip batches."""
+    import torch
+
+    from asymcheck import UnsupportedConfigError
+
+    dataset = torch.utils.data.TensorDataset(torch.arange(16))
+    sampler = ResumableDistributedSampler(dataset, num_replicas=1, rank=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=1)
+    with pytest.raises(UnsupportedConfigError, match="num_workers=1"):
+        next(iter(loader))
+    plain = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler, num_workers=0)
+    assert sum(len(b[0]) for b in plain) == 16
+
+
+def test_a_resume_with_another_seed_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    import torch
+
+    from asymcheck import Checkpointer
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, ResumableDistributedSampler]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 4)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), samplers(8, 1, seed=seed)[0]
+
+    model, opt, sampler = build(0)
+    with Checkpointer(model, opt, tmp_path, data={"sampler": sampler}) as ckpt:
+        ckpt.resume()
+        for index in islice(iter(sampler), 3):
+            model(torch.full((1, 4), float(index))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    model, opt, sampler = build(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with Checkpointer(model, opt, tmp_path, data={"sampler": sampler}) as ckpt:
+        with pytest.raises(StateMismatchError, match="seed 0"):
+            ckpt.resume()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        ckpt.save_on_close = False

@@ -341,3 +341,68 @@ def test_store_argument_forms(tmp_path: Path) -> None:
         assert ckpt.resume() is None
     with pytest.raises(ValueError):
         Checkpointer(model, opt, str(tmp_path / "c"), every=0)
+
+
+class Refusing:
+    """A stateful object that refuses any state it is given: at check time (``checks=True``) or while loading."""
+
+    def __init__(self, checks: bool) -> None:
+        self.checks = checks
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        raise StateMismatchError("this state belongs to another run")
+
+    def check_state_dict(self, state: dict[str, int]) -> None:
+        if self.checks:
+            raise StateMismatchError("this state belongs to another run")
+
+
+class RefusingLate:
+    """The same refusal, only inside ``load_state_dict`` (no check capability)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        raise StateMismatchError("this state belongs to another run")
+
+
+def test_a_state_refused_by_its_check_leaves_every_live_object_untouched(tmp_path: Path) -> None:
+    """A CheckedStateful is asked before anything loads: the refusal leaves model and optimizer as they were."""
+    model = make_model()
+    opt, sched = make_opt(model)
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched, "other": Refusing(checks=False)}):
+        for it in range(3):
+            step_once(model, opt, it, sched)
+    fresh = make_model(seed=7)
+    fresh_opt, fresh_sched = make_opt(fresh)
+    before = snapshot(fresh, fresh_opt)
+    with open_ckpt(fresh, fresh_opt, tmp_path, stateful={"sched": fresh_sched, "other": Refusing(checks=True)}) as ck:
+        with pytest.raises(StateMismatchError, match="another run"):
+            ck.resume()
+        equal_state(before, snapshot(fresh, fresh_opt))  # refused before the model or optimizer were loaded
+        ck.save_on_close = False
+
+
+def test_a_state_refused_while_loading_stops_training(tmp_path: Path) -> None:
+    """Refused inside load_state_dict, after the model was loaded: the next step is a typed error, never training.
+
+    (Whether the store read into the live model in place or not: training on a partly loaded version is refused.)
+    """
+    model = make_model()
+    opt, sched = make_opt(model)
+    with open_ckpt(model, opt, tmp_path, stateful={"sched": sched, "other": RefusingLate()}):
+        for it in range(3):
+            step_once(model, opt, it, sched)
+    fresh = make_model(seed=7)
+    fresh_opt, fresh_sched = make_opt(fresh)
+    with open_ckpt(fresh, fresh_opt, tmp_path, stateful={"sched": fresh_sched, "other": RefusingLate()}) as ck:
+        with pytest.raises(StateMismatchError, match="another run"):
+            ck.resume()
+        with pytest.raises(CheckpointerStateError, match="failed while loading the version"):
+            step_once(fresh, fresh_opt, 3, fresh_sched)
+        ck.save_on_close = False

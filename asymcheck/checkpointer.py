@@ -401,15 +401,12 @@ class Checkpointer:
             self._unusable = f"resume() found no version that verifies and the live model may hold parts of one: {exc}"
             raise
         try:
-            apply = self.state.prepare(ckpt.tensors, ckpt.meta)  # every check; nothing loaded yet
+            self.state.load(ckpt.tensors, ckpt.meta)
         except BaseException as exc:
             if in_place:
                 self._unusable = f"resume() failed after reading into the live model: {exc!r}"
-            raise
-        try:
-            apply()
-        except BaseException as exc:  # the model or optimizer may already hold the version: never train on
-            self._unusable = f"resume() failed while loading the version into the live objects: {exc!r}"
+            elif self.state.touched:  # past its checks: the live objects may hold parts of the version
+                self._unusable = f"resume() failed while loading the version into the live objects: {exc!r}"
             raise
         self._progress.step = self._progress.saved_step = ckpt.step
         self._budget.restart(ckpt.step)

@@ -35,9 +35,9 @@ from asymcheck.deepspeed.files import (
 from asymcheck.deepspeed.hooks import inner_optimizer
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import StateMismatchError, UnsupportedStateError
-from asymcheck.state import rng
+from asymcheck.state import loaders, rng
 from asymcheck.state.encode import decode, encode
-from asymcheck.state.trainstate import Capture, Moment, Stateful, TrainingState
+from asymcheck.state.trainstate import Capture, Moment, Stateful, TrainingState, check_states
 from asymstore.errors import AsymstoreError
 from asymstore.format.tensors import host_copy
 from asymstore.protocols import CollectiveStore
@@ -169,7 +169,7 @@ class DeepSpeedState(TrainingState):
     def capture_next(self, cap: Capture) -> None:
         """Capture the ``stateful`` objects (after the loop's own bookkeeping of the step)."""
         eager: dict[str, torch.Tensor] = {}
-        cap.meta["stateful"] = {name: encode(obj.state_dict(), f"stateful/{name}", eager)
+        cap.meta["stateful"] = {name: encode(loaders.state_dict(obj), f"stateful/{name}", eager)
                                 for name, obj in self.stateful.items()}
         for name, t in eager.items():
             cap.eager[name] = host_copy(t)
@@ -193,6 +193,7 @@ class DeepSpeedState(TrainingState):
         Raises:
             StateMismatchError: not a version of ``attach()``, or the stateful objects differ.
         """
+        self.touched = False
         info = meta.get("asymcheck")
         if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("kind") != KIND:
             raise StateMismatchError(f"not a DeepSpeed attach() version: {info!r}")
@@ -203,7 +204,12 @@ class DeepSpeedState(TrainingState):
         data = meta.get("data", {})
         if set(data) != set(self.data):
             raise StateMismatchError(f"data objects differ: checkpoint has {sorted(data)}, live {sorted(self.data)}")
+        states = {name: decode(tree, tensors) for name, tree in stateful.items()}
+        datas = {name: decode(tree, tensors) for name, tree in data.items()}
+        check_states("stateful", self.stateful, states)
+        check_states("data", self.data, datas)
         fetch = self._fetcher(tensors, meta)
+        self.touched = True
         base = tempfile.mkdtemp(prefix="asymcheck-ds-load-")
         engine = self.engine
         saved_engine = engine.checkpoint_engine
@@ -223,10 +229,10 @@ class DeepSpeedState(TrainingState):
                 own = tensors.get(f"{BUFFERS}{name}")
                 if own is not None:
                     b.copy_(own)
-        for name, tree in stateful.items():
-            self.stateful[name].load_state_dict(decode(tree, tensors))
-        for name, tree in data.items():
-            self.data[name].load_state_dict(decode(tree, tensors))
+        for name, state in states.items():
+            loaders.load_state_dict(self.stateful[name], state)
+        for name, state in datas.items():
+            loaders.load_state_dict(self.data[name], state)
         rng.restore(meta["rng"], tensors)
 
     def _fetcher(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> _Fetcher:

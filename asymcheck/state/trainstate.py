@@ -25,7 +25,7 @@ from asymstore.format.tensors import host_copy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FORMAT", "Capture", "CheckedStateful", "Moment", "Stateful", "TrainingState"]
+__all__ = ["FORMAT", "Capture", "CheckedStateful", "Moment", "Stateful", "TrainingState", "check_states"]
 
 FORMAT = 1
 
@@ -55,6 +55,19 @@ class CheckedStateful(Stateful, Protocol):
     def check_state_dict(self, state: Any) -> None:
         """Raise :class:`asymcheck.errors.StateMismatchError` when ``state`` does not fit this object."""
         ...
+
+
+def check_states(kind: str, live: Mapping[str, Stateful], states: Mapping[str, Any]) -> None:
+    """Ask each object of ``live`` whether its decoded state in ``states`` fits it, before anything is loaded.
+
+    Raises:
+        StateMismatchError: a StatefulDataLoader's generators do not match, or a :class:`CheckedStateful` refuses.
+    """
+    for name, state in states.items():
+        obj = live[name]
+        loaders.check(f"{kind}[{name!r}]", obj, state)
+        if isinstance(obj, CheckedStateful):
+            obj.check_state_dict(state)
 
 
 def _copy_all(tensors: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
@@ -98,6 +111,8 @@ class TrainingState:
             raise ValueError(f"names in both stateful= and data=: {sorted(both)}")
         self._fsdp2 = dtensors.is_fsdp2(model)
         self._layouts = dtensors.LayoutRecorder()
+        self.touched = False
+        """Whether the last :meth:`load` got past its checks and began to load into the live objects."""
 
     # -- capture ---------------------------------------------------------
 
@@ -267,7 +282,9 @@ class TrainingState:
             StateMismatchError: names, shapes, dtypes, param groups or stateful
                 names differ; nothing was loaded.
         """
+        self.touched = False
         apply = self.prepare(tensors, meta)
+        self.touched = True
         apply()
 
     def prepare(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> Callable[[], None]:
@@ -290,12 +307,8 @@ class TrainingState:
             states = self._check_stateful(tensors, meta.get("stateful", {}))
             datas = _check_named("data", self.data, tensors, meta.get("data", {}))
             rng_meta = meta["rng"]
-            for kind, live, saved in (("stateful", self.stateful, states), ("data", self.data, datas)):
-                for name, state in saved.items():
-                    loaders.check(f"{kind}[{name!r}]", live[name], state)
-                    obj = live[name]
-                    if isinstance(obj, CheckedStateful):
-                        obj.check_state_dict(state)
+            check_states("stateful", self.stateful, states)
+            check_states("data", self.data, datas)
         except (KeyError, TypeError, UnsupportedStateError) as exc:
             if isinstance(exc, StateMismatchError):
                 raise

@@ -19,7 +19,7 @@ The data lives in ``docs/support-matrix.toml``: one table per framework (``[hf]`
 ``<!-- SUPPORT -->`` and ``<!-- /SUPPORT -->``; ``--check`` (run by ``make docs``) fails when the README
 block is stale, a cited test does not exist, a ``gpu`` cell cites no ``gpu`` test or a cited refusal is
 no longer in its table. The docs page ``docs/guides/support.md`` is rendered by the mkdocs hook
-``docs/hooks/support.py`` from the same data, with every cell's tests and reasons.
+``docs/hooks/refusals.py`` from the same data, with every cell's tests and reasons.
 """
 
 from __future__ import annotations

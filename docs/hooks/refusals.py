@@ -1,8 +1,10 @@
-"""mkdocs hook: each framework guide's refused settings, rendered from ``asymcheck.integrations.settings``.
+"""mkdocs hook: each framework guide's refused settings and the support matrix, rendered from their data.
 
 A guide says ``<!-- refusals: NAME -->`` where its table goes (``NAME`` a key of :data:`TABLES`); the
 hook replaces the marker with a Markdown table of that framework's :class:`Refusal` entries and the
-version its tests exercise, so the lists are kept once, in the tested constants. Registered in
+version its tests exercise, so the lists are kept once, in the tested constants. A page saying
+``<!-- support-matrix -->`` gets the support matrix of ``docs/support-matrix.toml`` (rendered by
+``tools/support_matrix.py``, which checks it). Registered in
 mkdocs.yml (``hooks:``). ``settings.py`` is loaded from its file: it imports nothing of the package,
 so the docs build does not import torch for it.
 """
@@ -18,6 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"<!--\s*refusals:\s*([\w-]+)\s*-->")
+MATRIX = "<!-- support-matrix -->"
 
 TABLES = {"accelerate": ("ACCELERATE", "accelerate"), "hf": ("HF_TRAINER", "transformers"),
           "lightning": ("LIGHTNING", "lightning")}
@@ -27,16 +30,31 @@ GUIDES = {"accelerate": "guides/accelerate.md", "hf": "guides/hf-trainer.md", "l
 """Marker name -> the guide (under docs/) that must hold it."""
 
 
-def settings() -> ModuleType:
-    """``asymcheck/integrations/settings.py``, loaded from its file."""
-    name = "asymcheck_docs_refusal_settings"
+def tool() -> ModuleType:
+    """``tools/support_matrix.py``, loaded from its file (it loads ``settings.py`` from its file in turn)."""
+    name = "asymcheck_docs_support_matrix"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "asymcheck" / "integrations" / "settings.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "support_matrix.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def settings() -> ModuleType:
+    """``asymcheck/integrations/settings.py``, loaded from its file (no torch imported for it)."""
+    loaded: ModuleType = tool().settings()
+    return loaded
+
+
+def support_matrix() -> str:
+    """The support matrix, then per framework each cell's tests or reason (``docs/support-matrix.toml``)."""
+    support = tool()
+    matrix = support.load()
+    table: str = support.render_table(matrix, link="below, per framework")
+    details: str = support.render_details(matrix)
+    return f"{table}\n## Per framework\n\n{details}"
 
 
 def _cell(text: str) -> str:
@@ -76,5 +94,6 @@ def replace_markers(markdown: str, where: str = "a page") -> str:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:
-    """The mkdocs event: replace the refusal markers of a page."""
-    return replace_markers(markdown, getattr(getattr(page, "file", None), "src_uri", "a page"))
+    """The mkdocs event: replace the refusal markers and the support-matrix marker of a page."""
+    markdown = replace_markers(markdown, getattr(getattr(page, "file", None), "src_uri", "a page"))
+    return markdown.replace(MATRIX, support_matrix()) if MATRIX in markdown else markdown

@@ -8,29 +8,21 @@ inherited members, attributes of ``self``).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.support.tools import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "check_refs.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("check_refs", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["check_refs"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
-
-check_refs = _load()
+check_refs = load_tool("check_refs")
 
 GOOD = {
     "pkg/__init__.py": '''

@@ -8,27 +8,17 @@ what README.md shows.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.support.tools import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
-TOOL = REPO / "tools" / "support_matrix.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("support_matrix", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["support_matrix"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
-
-sm = _load()
+sm = load_tool("support_matrix")
 T = "tests/x/test_a.py::test_kill"
 
 

@@ -16,6 +16,7 @@ docs/guides/lightning.md. Importing this module imports Lightning (the ``lightni
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import math
@@ -38,6 +39,7 @@ from lightning.pytorch.strategies import (
 from asymcheck.checkpointer import Checkpointer, RestoreInfo
 from asymcheck.errors import (
     InexactResumeWarning,
+    InvalidOptionError,
     StateMismatchError,
     UnresumableDataError,
     UnsupportedLightningConfigError,
@@ -47,8 +49,9 @@ from asymcheck.integrations.attributes import RenamedAttribute, RetentionField
 from asymcheck.integrations.callback import DeferredCheckpointer
 from asymcheck.integrations.forward import CallbackOptions, forwarded_options
 from asymcheck.integrations.settings import LIGHTNING, refusal
-from asymcheck.options import CheckpointerOptions, RetentionOptions, renamed_location
-from asymcheck.snapshot.hooks import Driver, Hooks, HookSet
+from asymcheck.options import CheckpointerOptions, PartitionOptions, RetentionOptions, renamed_location
+from asymcheck.snapshot.hooks import Driver, Hooks, HookSet, StepHooks
+from asymcheck.state.loaders import is_stateful_loader
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats
 from asymcheck.versions.storespec import StoreSpec
@@ -114,6 +117,8 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
         # configure_optimizers returned None: Lightning steps a stand-in optimizer of none of the module's parameters
         out.append(refusal(LIGHTNING, "configure_optimizers").line(
             "configure_optimizers returned no optimizer of the module's parameters"))
+    if compiled_fullgraph(module) and not module.automatic_optimization:
+        out.append(refusal(LIGHTNING, "torch.compile(fullgraph=True) with manual optimization").line())
     if str(trainer.precision) not in _PRECISIONS:
         out.append(refusal(LIGHTNING, "precision").line(f"precision={trainer.precision}"))
     if trainer.ckpt_path is not None:
@@ -127,9 +132,25 @@ def unsupported_settings(trainer: Trainer, module: LightningModule) -> list[str]
         out.append(refusal(LIGHTNING, "FSDPStrategy").line(f"strategy={type(strategy).__name__}"))
     elif isinstance(strategy, DeepSpeedStrategy):
         out.extend(_deepspeed_problems(strategy, trainer, module))
+    elif type(strategy) is DDPStrategy and getattr(strategy, "_start_method", "popen") != "popen":
+        # ddp_spawn, ddp_fork, ddp_notebook: the fit runs in processes the strategy starts (Lightning's private name)
+        start = getattr(strategy, "_start_method", None)
+        out.append(refusal(LIGHTNING, "ddp_spawn").line(f"DDPStrategy(start_method={start!r})"))
     elif type(strategy) not in (DDPStrategy, SingleDeviceStrategy):
         out.append(refusal(LIGHTNING, "strategy").line(f"strategy={type(strategy).__name__}"))
     return out
+
+
+def compiled_fullgraph(module: LightningModule) -> bool:
+    """Whether ``module`` was passed to ``fit`` as ``torch.compile(module, fullgraph=True)``.
+
+    Lightning unwraps the compiled wrapper (``_orig_mod``) and compiles the module's step methods
+    with the wrapper's Dynamo context, which it keeps in the module's ``_compiler_ctx`` (a private
+    Lightning name; the context's ``fullgraph`` is torch's): under ``fullgraph=True`` a hook that breaks
+    the graph is an error, so the callback hooks only the optimizer's step (see :class:`LightningCheckpointer`).
+    """
+    ctx = getattr(module, "_compiler_ctx", None)
+    return isinstance(ctx, dict) and bool(getattr(ctx.get("dynamo_ctx"), "fullgraph", False))
 
 
 def _deepspeed_problems(strategy: DeepSpeedStrategy, trainer: Trainer, module: LightningModule) -> list[str]:
@@ -542,18 +563,25 @@ class LightningCheckpointer(Checkpointer):
         every: a version every ``every`` steps (``"batch"``: training steps that stepped).
         sealing: where versions are sealed and opened.
         optimizers: under ``"batch"``, every optimizer whose steps are hooked (default: ``optimizer``).
+        step_hooks_only: only the optimizer's step hooks (:class:`asymcheck.snapshot.hooks.StepHooks`,
+            ``sealing="step"``; give ``PartitionOptions(partitioning="step")``): for a module compiled with
+            ``fullgraph=True``, where a forward or grad hook would break the graph.
         **options: the Checkpointer's typed option groups.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, location: StoreSpec, *,
                  stateful: Mapping[str, Stateful] | None = None, every: int = 1, sealing: Sealing = "closure",
-                 optimizers: Sequence[torch.optim.Optimizer] = (),
+                 optimizers: Sequence[torch.optim.Optimizer] = (), step_hooks_only: bool = False,
                  **options: Unpack[CheckpointerOptions]) -> None:
         """Build the Checkpointer with the model's hooks and the step hooks ``sealing`` needs."""
+        if step_hooks_only and sealing != "step":
+            raise ValueError("step_hooks_only needs sealing='step' (the optimizer's step pre-hook seals)")
         self.sealing: Sealing = sealing
         self._batch_hooks: _BatchHooks | None = None
 
         def hooks(driver: Driver) -> Hooks:
+            if step_hooks_only:  # fullgraph: nothing inside the compiled graph; the copy at the step pre-hook
+                return StepHooks(optimizer, driver)
             if sealing == "batch":
                 self._batch_hooks = _BatchHooks(driver, model, list(optimizers) or [optimizer])
                 return self._batch_hooks
@@ -571,6 +599,20 @@ class LightningCheckpointer(Checkpointer):
         """A ``training_step`` ended: open the next version if an optimizer step completed in it (``"batch"``)."""
         if self._batch_hooks is not None:
             self._batch_hooks.batch_end()
+
+
+def _step_partitions(partitions: PartitionOptions, chosen: str | None) -> PartitionOptions:
+    """``partitions`` with ``partitioning="step"``, for a module compiled with ``fullgraph=True``.
+
+    Raises:
+        InvalidOptionError: the user chose another partitioning (``chosen``).
+    """
+    if chosen is not None and chosen != "step":
+        raise InvalidOptionError(
+            f"partitioning={chosen!r} under torch.compile(module, fullgraph=True): the forward and grad hooks that "
+            "spread the copy over the next iteration would break the graph, which fullgraph forbids; use "
+            "PartitionOptions(partitioning=\"step\") (the copy at the optimizer step) or leave it out")
+    return dataclasses.replace(partitions, partitioning="step")
 
 
 def _deepspeed_checkpointer(engine: Any, location: StoreSpec, stateful: Mapping[str, Stateful], every: int,
@@ -648,6 +690,10 @@ class AsymCheckCallback(Callback):
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         keep_best = KeepBest(monitor, mode, save_top_k) if monitor is not None and save_top_k > 0 else None
+        given = options.get("partitions")
+        # the partitioning the user chose, if any (a module compiled with fullgraph=True needs "step")
+        self._partitioning: str | None = (given.partitioning if isinstance(given, PartitionOptions) else
+                                          options.get("partitioning"))
         self.options = forwarded_options("AsymCheckCallback", options, keep_last=keep_last, keep_every=keep_every,
                                          keep_best=keep_best)
         """The Checkpointer's option groups (``retention`` holds keep_last, keep_every and monitor's rule)."""
@@ -715,17 +761,21 @@ class AsymCheckCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:  # the GradScaler's scale and growth tracker (MixedPrecision's state_dict)
             stateful[PRECISION_NAME] = trainer.precision_plugin
+        fullgraph = compiled_fullgraph(pl_module)
         sealing: Sealing = ("batch" if not pl_module.automatic_optimization else
-                            "step" if scaler is not None else "closure")
+                            "step" if scaler is not None or fullgraph else "closure")
+        options = self.options
+        if fullgraph:  # the copy at the step: no hook inside the compiled graph
+            options = {**options, "partitions": _step_partitions(options["partitions"], self._partitioning)}
         self.restored = None
         self._positioned, self._data_loaded, self._data_told, self._data_unrecorded = [], None, set(), False
         ckpt: Checkpointer
         if isinstance(trainer.strategy, DeepSpeedStrategy):  # the DeepSpeed adapter hooks the engine Lightning made
-            ckpt = _deepspeed_checkpointer(trainer.strategy.model, self.location, stateful, self.every, self.options)
+            ckpt = _deepspeed_checkpointer(trainer.strategy.model, self.location, stateful, self.every, options)
         else:
             ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.location, stateful=stateful,
                                          every=self.every, sealing=sealing, optimizers=trainer.optimizers,
-                                         **self.options)
+                                         step_hooks_only=fullgraph, **options)
         self._run.start(ckpt, marked=0)
         self._recorded = 0
         self._validated = self._resuming = False
@@ -759,6 +809,8 @@ class AsymCheckCallback(Callback):
         of the sampler here, and after a resume gives it the interrupted pass's position.
 
         Raises:
+            UnsupportedLightningConfigError: a train loader is torchdata's ``StatefulDataLoader`` (see
+                :data:`asymcheck.integrations.settings.LIGHTNING`), before the first training step.
             UnresumableDataError: a train loader could not be resumed exactly (``inexact_data="raise"``).
             StateMismatchError: the version holds positions for other train loaders than these.
         """
@@ -792,6 +844,11 @@ class AsymCheckCallback(Callback):
         self._position(trainer)
 
     def _position(self, trainer: Trainer) -> None:
+        for i, loader in enumerate(_flatten(trainer.train_dataloader)):
+            if is_stateful_loader(loader):  # Lightning restores it before any hook, one generator draw short
+                support.require_supported([refusal(LIGHTNING, "StatefulDataLoader").line(
+                    f"{_describe(i, loader)} is torchdata's StatefulDataLoader")], UnsupportedLightningConfigError,
+                    "asymcheck.lightning.AsymCheckCallback does not capture this fit correctly")
         problems, plain = data_problems(trainer)
         new = [p for p in problems if p not in self._data_told]
         if new:

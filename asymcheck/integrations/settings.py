@@ -96,6 +96,20 @@ LIGHTNING: tuple[Refusal, ...] = (
             "through Lightning are not"),
     Refusal("DeepSpeedStrategy with manual optimization", "untested: Lightning steps the DeepSpeed engine itself "
             "under automatic optimization, the case tested"),
+    Refusal("ddp_spawn", "strategy='ddp_spawn', 'ddp_fork', 'ddp_notebook' (a DDPStrategy whose start_method is not "
+            "'popen'): untested; the fit runs in processes the strategy starts and ends itself, and the callback's "
+            "errors reach the launching process only as the launcher re-raises them; use strategy='ddp' "
+            "(the launching script runs once per process; tested)"),
+    Refusal("StatefulDataLoader",
+            "torchdata's StatefulDataLoader as a train loader: Lightning loads its state and makes its iterator "
+            "inside fit, before any callback hook, and torchdata's restore leaves the loader's generator one draw "
+            "short (or, resumed at an epoch's end, draws the next epoch before the version's RNG states are back): "
+            "every epoch after a resume would be shuffled differently from the uninterrupted fit. Return a plain "
+            "DataLoader (positioned by the callback) or asymcheck.lightning.ResumableLoader(loader); raised in "
+            "on_train_start, before the first training step"),
+    Refusal("torch.compile(fullgraph=True) with manual optimization",
+            "under fullgraph=True only the optimizer's step hooks can run, and manual optimization's versions are "
+            "sealed per training_step across optimizers by hooks inside the model; compile without fullgraph"),
     Refusal("ModelParallelStrategy(tensor_parallel_size>1)",
             "tensor parallelism is untested: for FSDP2 use ModelParallelStrategy(data_parallel_size=N, "
             "tensor_parallel_size=1) and fully_shard over device_mesh['data_parallel'] in configure_model"),

@@ -26,6 +26,12 @@ the child passes the same plugin that flag builds on a GPU, ``MixedPrecision("16
 scaler=torch.amp.GradScaler("cpu", ...))``, its scaler starting at 2**24 and growing every 4 finite steps,
 so that the fit has steps the scaler skips (about one in five). ``--gpu``: on CUDA (``deterministic=True``),
 ``precision="16-mixed"`` as a user writes it.
+``--compile BACKEND``: ``trainer.fit(torch.compile(module, backend=BACKEND))`` (Lightning unwraps ``_orig_mod`` and
+compiles ``training_step`` and ``validation_step``); the kill and the loss records are ``torch.compiler.disable``d
+helpers (run, never traced), and the child writes ``OUT/compiled-rankR.json`` (the graphs Dynamo captured, whether
+the module Lightning fitted was compiled) and ``OUT/stats-rankR.json`` (the bytes the callback's hooks copied in
+forward and backward, summed over the steps). ``--peft``: the GPT-2 wrapped by ``peft.get_peft_model`` (LoRA ``r=4``
+on ``c_attn``, LoRA dropout), the base frozen, AdamW over the adapters only.
 
 Writes ``OUT/losses-rankR.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch, validation
 losses under ``"val:epoch"``) and, when it finishes, ``OUT/final-rankR.pt`` (parameters, optimizer and
@@ -93,7 +99,8 @@ class Model(pl.LightningModule):
         with (self.out / f"losses-rank{self.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps({"key": key, "loss": float(loss).hex()}) + "\n")
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    @torch.compiler.disable  # type: ignore[misc]  # run, never traced, under --compile
+    def _before(self, batch_idx: int) -> None:
         if self.kill is not None and self.global_step == self.kill:
             marker = {"step": self.global_step, "signal": signal.Signals(self.signal).name}
             (self.out / f"killed-rank{self.global_rank}.json").write_text(json.dumps(marker))  # the kill came here
@@ -103,19 +110,26 @@ class Model(pl.LightningModule):
             ran = {"strategy": type(self.trainer.strategy).__name__, "world_size": self.trainer.world_size,
                    "precision": str(self.trainer.precision), "autocast": autocast}
             (self.out / f"config-rank{self.global_rank}.json").write_text(json.dumps(ran))
+
+    @torch.compiler.disable  # type: ignore[misc]
+    def _after(self, key: str, batch: torch.Tensor, loss: torch.Tensor, name: str) -> None:
+        if name == "val_loss" and self.trainer.sanity_checking:
+            return
+        self._log_loss(key, loss)
+        self.log(name, loss.detach(), sync_dist=self.ddp and name == "val_loss")
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self._before(batch_idx)
         loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
-        self._log_loss(f"{self.current_epoch}:{batch_idx}", loss)
-        self.log("train_loss", loss)
+        self._after(f"{self.current_epoch}:{batch_idx}", batch, loss, "train_loss")
         return loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self.model(input_ids=batch, labels=batch).loss
-        if not self.trainer.sanity_checking:
-            self._log_loss(f"val:{self.current_epoch}:{batch_idx}", loss)
-        self.log("val_loss", loss, sync_dist=self.ddp)
+        self._after(f"val:{self.current_epoch}:{batch_idx}", batch, loss, "val_loss")
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        opt = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -182,6 +196,8 @@ def main() -> None:
     parser.add_argument("--sigterm", action="store_true")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
     parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--compile", choices=["aot_eager", "inductor"])
+    parser.add_argument("--peft", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,6 +210,10 @@ def main() -> None:
     module.fsdp2 = args.fsdp2
     if args.sigterm:
         module.signal = signal.SIGTERM
+    if args.peft:  # LoRA adapters on the attention, the base frozen (the optimizer steps the adapters only)
+        from peft import LoraConfig, get_peft_model
+        module.model = get_peft_model(module.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1,
+                                                               target_modules=["c_attn"], fan_in_fan_out=True))
     callbacks: list[pl.Callback] = []
     ckpt = None
     if args.dir:
@@ -224,7 +244,21 @@ def main() -> None:
                          max_epochs=EPOCHS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1,
                          accumulate_grad_batches=args.accum, **precision)
-    trainer.fit(module)
+    fitted: Any = module
+    if args.compile:  # Lightning unwraps _orig_mod and compiles the module's steps
+        fitted = torch.compile(module, backend=args.compile)
+    trainer.fit(fitted)
+    if args.compile:
+        from torch._dynamo.utils import counters
+        compiled = {"graphs": int(counters["stats"]["unique_graphs"]), "wrapper": type(fitted).__name__,
+                    "unwrapped": type(trainer.lightning_module).__name__}
+        (out / f"compiled-rank{trainer.global_rank}.json").write_text(json.dumps(compiled))
+    if ckpt is not None:
+        stats = ckpt.stats()
+        if stats is not None:
+            copied = {"forward_bytes": sum(r.forward_bytes for r in stats.steps),
+                      "backward_bytes": sum(r.backward_bytes for r in stats.steps)}
+            (out / f"stats-rank{trainer.global_rank}.json").write_text(json.dumps(copied))
     if ckpt is not None and ckpt.restored is not None:
         (out / f"resumed-rank{trainer.global_rank}.json").write_text(json.dumps({"step": ckpt.restored.step}))
     torch.save(final_state(trainer, module), out / f"final-rank{trainer.global_rank}.pt")

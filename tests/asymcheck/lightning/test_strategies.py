@@ -129,6 +129,21 @@ def test_fsdp1_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_ddp_spawn_refused(tmp_path: Path, strategy: str) -> None:
+    """``ddp_spawn``/``ddp_fork`` (a DDPStrategy that starts its own processes): on_fit_start refuses it, typed."""
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    module = _Module()
+    trainer.strategy.connect(module)
+    callback = AsymCheckCallback(tmp_path / "ckpt")
+    with pytest.raises(UnsupportedLightningConfigError, match=r"DDPStrategy\(start_method='(spawn|fork)'\)") as info:
+        callback.on_fit_start(trainer, module)
+    assert "strategy='ddp'" in str(info.value), str(info.value)
+    assert callback.checkpointer is None
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
 def test_deepspeed_untested_refused(tmp_path: Path) -> None:
     """DeepSpeed with ZeRO-3, mixed precision or manual optimization: refused, typed, each named; nothing written."""
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(stage=3), precision="bf16-mixed",

@@ -66,6 +66,7 @@ __all__ = ["AsymCheckCallback", "BaseFingerprint", "TrainerResumeError", "Traine
 STATE_NAME = names.HF_TRAINER_STATE  # the stateful name of the TrainerState in a version
 SCHEDULER_NAME = names.HF_SCHEDULER
 BASE_NAME = names.reserved("hf", "peft_base")  # a PEFT model's frozen-base fingerprint in a version
+SCALER_NAME = names.reserved("hf", "scaler")  # fp16: the GradScaler Accelerate steps the optimizer through
 _OLD_NAMES = {old: new for old, new in RENAMED.items() if new in (STATE_NAME, SCHEDULER_NAME)}  # earlier releases'
 _EMPTY_SHARD = "asymcheck-no-weights.safetensors"
 _EMPTY_WEIGHTS = "model.safetensors"  # a PEFT model: the Trainer loads this (no tensor) instead of adapters
@@ -144,9 +145,9 @@ class BaseFingerprint:
     :class:`~asymcheck.errors.StateMismatchError` instead of training adapters on another base.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        """Fingerprint the frozen parameters of ``model`` now."""
-        self.live = base_fingerprint(model)
+    def __init__(self, model: torch.nn.Module, live: Mapping[str, Any] | None = None) -> None:
+        """Fingerprint the frozen parameters of ``model`` now (``live``: its fingerprint, computed already)."""
+        self.live = dict(live) if live is not None else base_fingerprint(model)
 
     def state_dict(self) -> dict[str, Any]:
         """The fingerprint (JSON)."""
@@ -185,8 +186,14 @@ class _QuietEmptyLoad(logging.Filter):
         return not str(record.msg).startswith(_MISSING_KEYS)
 
 
-_QUIET = _QuietEmptyLoad()
 _TRAINER_LOGGER = "transformers.trainer"
+
+
+def _drop_quiet(quiet: logging.Filter, directory: str | None) -> None:
+    """Remove ``quiet`` from the Trainer's logger and the resume ``directory`` (every path, garbage collection too)."""
+    logging.getLogger(_TRAINER_LOGGER).removeFilter(quiet)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _is_deepspeed(args: TrainingArguments) -> bool:
@@ -218,7 +225,9 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
     problems = support.version_problems("transformers", transformers.__version__)
     if args.fsdp:
         problems.append(refusal(HF_TRAINER, "fsdp").line(f"fsdp={args.fsdp!r}"))
-    for setting, on in (("fp16=True", args.fp16), ("auto_find_batch_size=True", args.auto_find_batch_size),
+    fp16_apart = args.fp16 and (_is_deepspeed(args) or getattr(args, "world_size", 1) > 1)
+    for setting, on in (("fp16=True under DDP or DeepSpeed", fp16_apart),
+                        ("auto_find_batch_size=True", args.auto_find_batch_size),
                         ("ignore_data_skip=True", args.ignore_data_skip),
                         ("accelerator_config.use_seedable_sampler=False",
                          getattr(getattr(args, "accelerator_config", None), "use_seedable_sampler", True) is False),
@@ -342,7 +351,7 @@ class AsymCheckCallback(TrainerCallback):
                  **options: Unpack[TrainerCallbackOptions]) -> None:
         """Keep the options; the Checkpointer is made at ``on_train_begin``, when the optimizer exists."""
         where: StoreSpec = renamed_location(location, root_or_store, old="root_or_store", caller="AsymCheckCallback")
-        taken = {STATE_NAME, SCHEDULER_NAME, BASE_NAME, *_OLD_NAMES} & set(stateful or {})
+        taken = {STATE_NAME, SCHEDULER_NAME, BASE_NAME, SCALER_NAME, *_OLD_NAMES} & set(stateful or {})
         if taken:
             raise ValueError(f"stateful names {sorted(taken)} are the callback's own")
         if every < 1:
@@ -370,6 +379,8 @@ class AsymCheckCallback(TrainerCallback):
         self._expect: int | None = None  # the step resume_from() positioned the Trainer at
         self._resume_dir: str | None = None
         self._cleanup: weakref.finalize[Any, Any] | None = None
+        self._quiet = _QuietEmptyLoad()  # this callback's own: removed when its resume directory goes
+        self._fingerprint: tuple[weakref.ref[torch.nn.Module], dict[str, Any]] | None = None  # resume_from()'s
         self._holder = TrainerStateful()
         self._rng_at_epoch = False  # the held RNG states (self._run.rng) go back at the epoch's start
         self._names = {STATE_NAME: STATE_NAME, SCHEDULER_NAME: SCHEDULER_NAME}  # as the version to resume has them
@@ -423,6 +434,7 @@ class AsymCheckCallback(TrainerCallback):
         self._trainer = trainer
         self._drop_resume_dir()
         self._expect = None
+        self._fingerprint = None
         self._names = {STATE_NAME: STATE_NAME, SCHEDULER_NAME: SCHEDULER_NAME}
         if _is_deepspeed(trainer.args):
             return self._resume_dir_deepspeed(trainer)
@@ -443,9 +455,12 @@ class AsymCheckCallback(TrainerCallback):
         if _is_peft(trainer.model):  # before anything is written: adapters on another base are refused
             held = manifest.meta.get("stateful")
             saved = decode(held[BASE_NAME], {}) if isinstance(held, dict) and BASE_NAME in held else None
-            _check_base(saved, base_fingerprint(trainer.model), f"version {manifest.step}")
-            logging.getLogger(_TRAINER_LOGGER).addFilter(_QUIET)  # its warning that the empty file has no keys
+            live = base_fingerprint(trainer.model)  # once per train(): on_train_begin reuses it
+            _check_base(saved, live, f"version {manifest.step}")
+            self._fingerprint = (weakref.ref(trainer.model), live)
         directory = self._new_resume_dir()
+        if _is_peft(trainer.model):  # the Trainer's warning that the empty weights file has no keys
+            logging.getLogger(_TRAINER_LOGGER).addFilter(self._quiet)
         _write_state(directory, state)
         _write_no_weights(directory, trainer.model)
         self._expect = manifest.step
@@ -508,11 +523,12 @@ class AsymCheckCallback(TrainerCallback):
     def _new_resume_dir(self) -> str:
         directory = tempfile.mkdtemp(prefix="asymcheck-hf-resume-")
         self._resume_dir = directory
-        self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)  # also if train() never runs
+        # also if train() never runs (the callback collected): the directory and the log filter go
+        self._cleanup = weakref.finalize(self, _drop_quiet, self._quiet, directory)
         return directory
 
     def _drop_resume_dir(self) -> None:
-        logging.getLogger(_TRAINER_LOGGER).removeFilter(_QUIET)
+        _drop_quiet(self._quiet, None)
         if self._cleanup is not None:
             self._cleanup()
         self._resume_dir = self._cleanup = None
@@ -534,9 +550,14 @@ class AsymCheckCallback(TrainerCallback):
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             stateful[names[SCHEDULER_NAME]] = scheduler
+        scaler = getattr(kwargs.get("optimizer"), "scaler", None)  # AcceleratedOptimizer's: fp16 on a GPU
+        if scaler is not None:  # its scale and growth tracker, as the step that the version is left them
+            stateful[SCALER_NAME] = scaler
+        held, self._fingerprint = self._fingerprint, None
         if _is_peft(model):
             assert isinstance(model, torch.nn.Module)
-            stateful[BASE_NAME] = BaseFingerprint(model)  # computed once, before a version is loaded
+            live = held[1] if held is not None and held[0]() is model else None  # resume_from() computed it
+            stateful[BASE_NAME] = BaseFingerprint(model, live)  # once per train(), before a version is loaded
         options: CheckpointerOptions = {**self.options, "retention": self._retention(args)}
         if _is_deepspeed(args):
             if self._trainer is None:

@@ -57,8 +57,9 @@ ACCELERATE: tuple[Refusal, ...] = (
 HF_TRAINER: tuple[Refusal, ...] = (
     Refusal("version", "only the tested major.minor of transformers is supported"),
     Refusal("fsdp", "use the FSDP2 path of asymcheck.Checkpointer in your own loop"),
-    Refusal("fp16=True", "on a GPU the GradScaler's skipped steps and its state are not captured by the callback; "
-            "the Trainer also accepts it on CPU (Accelerate's fp16 there, without a scaler), untested: use bf16=True"),
+    Refusal("fp16=True under DDP or DeepSpeed", "untested: fp16 is tested in one process (Accelerate's GradScaler "
+            "and its state in every version, skipped steps included); under DeepSpeed its own loss scaler is not "
+            "captured by the callback"),
     Refusal("auto_find_batch_size=True", "the Trainer restarts its loop with another batch size"),
     Refusal("ignore_data_skip=True", "the data position would not be restored"),
     Refusal("accelerator_config.use_seedable_sampler=False",

@@ -28,6 +28,16 @@ sets) and no ``--deepspeed`` the run is the Trainer's DDP, gloo on CPU (``use_cp
 ``--compile BACKEND`` passes ``torch_compile=True, torch_compile_backend=BACKEND`` (the kill and watch
 hooks are wrapped in ``torch.compiler.disable``: run, never traced) and the result records the graphs
 Dynamo captured and the wrapper; ``--partitioning`` is the callback's ``PartitionOptions(partitioning=...)``.
+``--fp16 cpu-scaler`` passes ``fp16=True`` on the CPU, where Accelerate makes no GradScaler (it trains in fp32
+without one): a test-only shim gives the Trainer's ``Accelerator`` a ``torch.amp.GradScaler("cpu")`` before
+``train()`` (the object Accelerate itself puts there on a GPU; the reference run has it too), so its
+``backward`` scales the loss and its ``AcceleratedOptimizer`` steps through the scaler; ``--fp16 cuda`` is the
+real thing on a GPU (``use_cpu=False``). ``--optim`` is ``TrainingArguments(optim=...)``: the default, fused
+AdamW, takes the scaler into its step (``_step_supports_amp_scaling``: the scaler calls its ``step`` always, the
+update skipped inside it), ``adamw_torch`` is stepped by the scaler only when no inf was found. Under either,
+the loss of the training forwards of the global steps in
+``OVERFLOW`` is made infinite (in every run) so that the scaler skips those optimizer steps and backs off; the
+result records the scaler's state and which steps were skipped.
 Every run prints the median step time (event ``timing``) and which hooks copied the versions' bytes.
 Lines on stdout are JSON events.
 """
@@ -51,6 +61,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from asymcheck.hf import AsymCheckCallback
 from asymcheck.options import PacingOptions, PartitionOptions, RetentionOptions
 
+OVERFLOW = {1, 4, 5, 8}  # under --fp16: the global steps (0-based: done before) whose forward's loss is made inf
 SEQUENCES = 24
 LENGTH = 16
 BATCH = 4
@@ -88,8 +99,11 @@ class Killer(TrainerCallback):
     version is committed (globally, under DeepSpeed).
     """
 
-    def __init__(self, at: int, where: str, model: torch.nn.Module, ckpt: AsymCheckCallback | None) -> None:
+    def __init__(self, at: int, where: str, model: torch.nn.Module, ckpt: AsymCheckCallback | None,
+                 skipped: set[int]) -> None:
         self.at, self.where, self.ckpt = at, where, ckpt
+        # a version is a completed optimizer step: the newest sealed once step `at` ran is the one before it
+        self.wanted = max(sum(1 for s in range(at) if s not in skipped) - 1, 1)
         self.step = -1
         if where == "forward":  # run, never traced (--compile)
             model.register_forward_pre_hook(torch.compiler.disable(self._forward))
@@ -101,7 +115,7 @@ class Killer(TrainerCallback):
         store: Any = checkpointer.store
         steps = store.global_steps() if hasattr(store, "global_steps") else \
             [v for vs in checkpointer.versions().values() for v in vs]
-        return max(steps, default=0) >= max(self.at - 1, 1)
+        return max(steps, default=0) >= self.wanted
 
     def kill(self, where: str, step: int) -> None:
         deadline = time.monotonic() + 60
@@ -124,6 +138,44 @@ class Killer(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if self.where == "log" and state.global_step == self.at and logs and "loss" in logs:
             self.kill("log", state.global_step)
+
+
+class Overflow(TrainerCallback):
+    """Makes the training loss of the global steps in ``steps`` infinite (the GradScaler then skips their step)."""
+
+    def __init__(self, steps: set[int], model: torch.nn.Module, trainer: Trainer) -> None:
+        self.steps, self.trainer = steps, trainer
+        self.step = -1
+        self.scale: float | None = None
+        self.skipped: list[int] = []  # 1-based global steps whose update the scaler skipped (it backed off)
+        model.register_forward_hook(torch.compiler.disable(self._forward))
+
+    def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if self.step in self.steps and module.training and torch.is_grad_enabled():
+            output["loss"] = output["loss"] * float("inf")
+        return output
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.step = state.global_step
+        scaler = self.trainer.accelerator.scaler
+        self.scale = scaler.get_scale() if scaler is not None else None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        scaler = self.trainer.accelerator.scaler
+        scale = scaler.get_scale() if scaler is not None else None
+        if self.scale is not None and scale is not None and scale < self.scale:  # it backed off: inf found
+            self.skipped.append(state.global_step)
+        self.scale = scale
+
+
+class Began(TrainerCallback):
+    """The global step training began at (after a resume: the version's)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.step = state.global_step
 
 
 class Seen(TrainerCallback):
@@ -190,6 +242,9 @@ def run(argv: list[str]) -> int:
     ap.add_argument("--peft", action="store_true", help="LoRA adapters on the frozen model (peft)")
     ap.add_argument("--perturb-base", action="store_true", help="with --peft: change one frozen weight")
     ap.add_argument("--compile", default="", help="TrainingArguments(torch_compile=True, torch_compile_backend=...)")
+    ap.add_argument("--fp16", choices=["cpu-scaler", "cuda"], default="",
+                    help="fp16=True: on the CPU with a GradScaler('cpu') shim, or on CUDA")
+    ap.add_argument("--optim", default="", help="TrainingArguments(optim=...) (default: the Trainer's, fused AdamW)")
     ap.add_argument("--partitioning", default="", help="the callback's PartitionOptions(partitioning=...)")
     args = ap.parse_args(argv)
     ddp = int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.deepspeed < 0  # torchrun's environment, no DeepSpeed
@@ -215,7 +270,8 @@ def run(argv: list[str]) -> int:
         save_strategy="steps" if args.save_steps or args.eval else "no", save_steps=args.eval or args.save_steps or 500,
         eval_strategy="steps" if args.eval else "no", eval_steps=args.eval or None, per_device_eval_batch_size=BATCH,
         load_best_model_at_end=bool(args.eval), metric_for_best_model="eval_loss" if args.eval else None,
-        report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16,
+        report_to=[], use_cpu=args.fp16 != "cuda", **({"optim": args.optim} if args.optim else {}), seed=0,
+        fp16=bool(args.fp16), disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16,
         ddp_backend="gloo" if ddp else None,
         **({"torch_compile": True, "torch_compile_backend": args.compile} if args.compile else {}),
         **({"gradient_checkpointing": True} if args.grad_ckpt else {}),  # as users write it (5.24: a FutureWarning)
@@ -223,6 +279,13 @@ def run(argv: list[str]) -> int:
     data = Tokens()
     held_out = Tokens(seed=8, n=8) if args.eval else None
     trainer = Trainer(model=model, args=targs, train_dataset=data, eval_dataset=held_out)
+    if args.fp16 == "cpu-scaler":  # test-only shim: the scaler Accelerate gives fp16 on a GPU, on the CPU
+        assert trainer.accelerator.scaler is None
+        trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    overflow = Overflow(OVERFLOW if args.fp16 else set(), gpt2, trainer)
+    trainer.add_callback(overflow)
+    began = Began()
+    trainer.add_callback(began)
     resume = None
     ckpt = None
     if args.dir:
@@ -237,15 +300,18 @@ def run(argv: list[str]) -> int:
             resume = ckpt.resume_from(trainer)
         emit(event="resume", dir=resume is not None)
     if args.kill_at >= 0:
-        trainer.add_callback(Killer(args.kill_at, args.kill_where, model, ckpt))
+        # the scaler calls a fused optimizer's step every time (it skips the update itself): no step is missed
+        missed = overflow.steps if args.fp16 and args.optim == "adamw_torch" else set()
+        trainer.add_callback(Killer(args.kill_at, args.kill_where, model, ckpt, missed))
     autocast_seen: set[str] = set()  # the autocast the training forwards ran under
     calls = [0]  # training forwards of the first attention (gradient checkpointing recomputes each in backward)
 
     def watch(module: torch.nn.Module, inputs: Any) -> None:
         if module.training:
             calls[0] += 1
-            on = torch.is_autocast_enabled("cpu")
-            autocast_seen.add(str(torch.get_autocast_dtype("cpu")) if on else "off")
+            device = "cuda" if args.fp16 == "cuda" else "cpu"
+            on = torch.is_autocast_enabled(device)
+            autocast_seen.add(str(torch.get_autocast_dtype(device)) if on else "off")
 
     gpt2.transformer.h[0].attn.register_forward_pre_hook(torch.compiler.disable(watch))  # recomputed; never traced
     if ckpt is not None:
@@ -281,7 +347,9 @@ def run(argv: list[str]) -> int:
                 "world": trainer.args.world_size, "wrapper": type(trainer.model_wrapped).__name__,
                 "autocast": sorted(autocast_seen), "block_forwards": recomputed,
                 "trainable": sum(p.requires_grad for p in model.parameters()), "compiled": compiled,
-                "copied": copied},
+                "copied": copied, "began": began.step, "skipped": overflow.skipped,
+                "scaler": {k: float(v) for k, v in (trainer.accelerator.scaler.state_dict().items()
+                                                    if trainer.accelerator.scaler is not None else ())}},
                out / ("result.pt" if rank == "0" else f"result-rank{rank}.pt"))
     return 0
 

@@ -27,7 +27,16 @@ whole model, the adapters' optimizer state and the frozen base's fingerprint; th
 from the store, the Trainer reads none from the resume directory), and after it the same run on a changed base,
 refused with ``StateMismatchError`` before a step, the store untouched; ``compile``
 (``torch_compile=True, torch_compile_backend="aot_eager"``: the model runs as an ``OptimizedModule``,
-the snapshot hooks run eagerly at its graph breaks and copy the versions' bytes there).
+the snapshot hooks run eagerly at its graph breaks and copy the versions' bytes there); ``fp16-cpu-scaler``
+(``fp16=True`` through Accelerate's own GradScaler path on the CPU: Accelerate makes its fp16 scaler only on GPUs,
+so a test-only shim hands the Trainer's ``Accelerator`` a ``torch.amp.GradScaler("cpu")``, in the reference run
+too; the losses of four fixed steps are made infinite in every run, so the scaler backs off and skips their
+updates; the scaler's state must come back equal. With the Trainer's default fused AdamW the scaler calls the
+optimizer's ``step`` every time (the update is skipped inside it), so every global step is a version; with
+``fp16-cpu-scaler-unfused`` (``optim="adamw_torch"``) the scaler does not call ``step`` on an inf: a skipped step
+makes no version, and a version holds the TrainerState's ``global_step`` as the Trainer counts it, the skipped
+steps after it included) and ``fp16-cuda`` (the real fp16 on a
+GPU, ``gpu``-marked, skipped without CUDA).
 All runs of the module share one driver process (torch and transformers imported once; each run a forked child).
 """
 
@@ -48,6 +57,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.procs.hf_train import OVERFLOW
 from tests.support.launch import proc_argv, proc_env
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
@@ -75,12 +85,17 @@ CASES: dict[str, tuple[list[str], int, bool]] = {
     "grad-ckpt": (["--grad-ckpt"], 1, True),  # gradient checkpointing: forwards recomputed inside backward
     "peft": (["--peft"], 1, True),  # LoRA adapters on a frozen GPT-2
     "compile": (["--compile", "aot_eager"], 1, True),  # torch_compile=True: the hooks run at graph breaks
+    # fp16's GradScaler path on the CPU (a GradScaler("cpu") shim, in the reference run too), skipped steps
+    "fp16-cpu-scaler": (["--fp16", "cpu-scaler"], 1, True),  # fused AdamW: the scaler calls its step every time
+    "fp16-cpu-scaler-unfused": (["--fp16", "cpu-scaler", "--optim", "adamw_torch"], 1, True),  # skipped: no step
+    "fp16-cuda": (["--fp16", "cuda"], 1, True),  # the real fp16 on a GPU (gpu-marked; skipped without CUDA)
 }
 
 
 def kill_point(name: str) -> tuple[int, str]:
     rnd = random.Random(f"{SEED}-{name}")
-    return rnd.randrange(2, STEPS - 1), rnd.choice(WHERE)
+    first = 3 if "adamw_torch" in CASES[name][0] else 2  # fp16: step 2 is skipped, version 1 is sealed at step 3
+    return rnd.randrange(first, STEPS - 1), rnd.choice(WHERE)
 
 
 def free_port() -> int:
@@ -131,6 +146,10 @@ def plan_for(names: list[str], root: Path) -> dict[str, Any]:
 def marks_of(name: str) -> list[pytest.MarkDecorator]:
     extra, _, default = CASES[name]
     marks = [] if default else [pytest.mark.exhaustive]
+    if "cuda" in extra:
+        marks.append(pytest.mark.gpu)
+        if not torch.cuda.is_available():
+            marks.append(pytest.mark.skip(reason="needs CUDA (the Trainer's fp16 GradScaler)"))
     if "--deepspeed" in extra and importlib.util.find_spec("deepspeed") is None:
         marks.append(pytest.mark.skip(reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')"))
     return marks
@@ -179,11 +198,23 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
     at, _ = kill_point(name)
     extra = CASES[name][0]
     ref, got = load(root / f"{name}-ref", result), load(root / name, result)
-    assert got["resumed"] is not None and at - 1 <= got["resumed"] <= at, context  # the kill waited for at - 1
+    # a version is a completed optimizer step; the Trainer's global_step counts a skipped one too (fp16)
+    skipped = {s + 1 for s in OVERFLOW} if "--fp16" in extra else set()
+    assert sorted(skipped) == ref["skipped"], context  # the scaler really skipped those steps
+    missed = skipped if "adamw_torch" in extra else set()  # a fused optimizer's step runs (its update skipped)
+    real = [s for s in range(1, STEPS + 1) if s not in missed]  # the global steps whose optimizer.step() ran
+    done = sum(1 for s in real if s <= at)  # versions the kill may follow: the one before the newest (or it)
+    assert got["resumed"] is not None and done - 1 <= got["resumed"] <= done, context
+    # version v holds the TrainerState after the global steps before the next completed step (skipped ones too)
+    began = got["began"]
+    assert began == (real[got["resumed"]] - 1 if got["resumed"] < len(real) else STEPS), context
+    assert not skipped or sorted(s for s in skipped if s > began) == got["skipped"], context
     assert [s for s, _ in ref["losses"]] == list(range(1, STEPS + 1))
     assert got["losses"] == ref["losses"], context  # restored log history + the resumed steps, bit for bit
     assert got["evals"] == ref["evals"], context
-    assert got["versions"][-1] == STEPS, context  # the last step committed (before a best model is loaded)
+    assert got["scaler"] == ref["scaler"], context  # fp16: the scale and growth tracker came back
+    assert bool(ref["scaler"]) == ("--fp16" in extra), context
+    assert got["versions"][-1] == len(real), context  # the last step committed (before a best model is loaded)
     if "--eval" in extra:  # keep_best=1 by metric_for_best_model (eval_loss, lower is better) beside keep_last=3
         best = min(ref["evals"], key=lambda e: e[1])[0]
         assert got["versions"] == sorted({best, *range(STEPS - 2, STEPS + 1)}), context
@@ -191,23 +222,25 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
     ga = int(extra[extra.index("--ga") + 1]) if "--ga" in extra else 1
     # the data position: the skipped batches were not read again (12 steps end on an epoch boundary)
     assert ref["fetched"] == STEPS * ga * BATCH
-    assert got["fetched"] == (STEPS - got["resumed"]) * ga * BATCH, context
+    assert got["fetched"] == (STEPS - began) * ga * BATCH, context
     assert sorted(got["state"]) == sorted(ref["state"])
     differ = [k for k in ref["state"] if not torch.equal(ref["state"][k], got["state"][k])]
     assert not differ, f"{differ[:5]}: {context}"
     ranks = CASES[name][1]
     assert ref["world"] == got["world"] == ranks, context  # the Trainer itself ran distributed
-    if name.startswith("ddp"):  # DDP: the wrapped model, one shard per rank and global versions, ranks in sync
-        assert ref["wrapper"] == got["wrapper"] == "DistributedDataParallel", context
+    if ranks > 1 and "--deepspeed" not in extra:  # DDP: the wrapped model, a shard per rank, global versions, in sync
+        wrapper = "OptimizedModule" if "--compile" in extra else "DistributedDataParallel"
+        assert ref["wrapper"] == got["wrapper"] == wrapper, context
         assert sorted(p.name for p in (root / f"{name}-ck").glob("rank-*")) == [f"rank-{r:05d}" for r in range(ranks)]
         assert (root / f"{name}-ck" / "global" / f"v{STEPS:012d}.json").exists(), context
         rank0 = load(root / name, "result.pt")["state"]
         assert all(torch.equal(rank0[k], v) for k, v in got["state"].items() if k.startswith("model/")), context
     # the configuration really ran: bf16 autocast in every training forward, every block forward recomputed
-    assert got["autocast"] == ref["autocast"] == (["torch.bfloat16"] if "--bf16" in extra else ["off"]), context
+    autocast = ["torch.bfloat16"] if "--bf16" in extra else ["torch.float16"] if "cuda" in extra else ["off"]
+    assert got["autocast"] == ref["autocast"] == autocast, context
     per_step = (2 if "--grad-ckpt" in extra else 1) * ga
     assert ref["block_forwards"] == STEPS * per_step, context
-    assert got["block_forwards"] == (STEPS - got["resumed"]) * per_step, context
+    assert got["block_forwards"] == (STEPS - began) * per_step, context
     if "--peft" in extra:  # only the 4 LoRA matrices train; the optimizer holds their state alone
         assert ref["trainable"] == got["trainable"] == 4, context
         assert len([k for k in got["state"] if k.startswith("optim/param/")]) == 4, context
@@ -266,7 +299,7 @@ def args(**over: Any) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize(("setting", "value", "named"), [
-    ("fsdp", ["full_shard"], "fsdp="), ("fp16", True, "fp16="), ("auto_find_batch_size", True, "auto_find_batch_size"),
+    ("fsdp", ["full_shard"], "fsdp="), ("auto_find_batch_size", True, "auto_find_batch_size"),
     ("ignore_data_skip", True, "ignore_data_skip"), ("n_gpu", 2, "n_gpu=2"),
     ("accelerator_config", SimpleNamespace(use_seedable_sampler=False), "use_seedable_sampler=False"),
     ("train_sampling_strategy", "group_by_length", "group_by_length"),
@@ -281,12 +314,19 @@ def test_refused_settings_are_named(setting: str, value: Any, named: str) -> Non
     check_trainer(args())  # type: ignore[arg-type]
 
 
+def test_fp16_is_refused_only_under_ddp_or_deepspeed() -> None:
+    for over in ({"world_size": 2}, {"deepspeed": {"zero_optimization": {"stage": 2}}}):
+        with pytest.raises(UnsupportedTrainerConfigError, match="fp16=True under DDP or DeepSpeed"):
+            check_trainer(args(fp16=True, **over))  # type: ignore[arg-type]
+    check_trainer(args(fp16=True))  # type: ignore[arg-type]  # one process: the fp16 kill tests
+
+
 def test_compile_under_deepspeed_is_refused() -> None:
     with pytest.raises(UnsupportedTrainerConfigError, match="torch_compile=True under DeepSpeed"):
         check_trainer(args(torch_compile=True, deepspeed={"zero_optimization": {"stage": 2}}))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("setting", [{"ignore_data_skip": True}, {"auto_find_batch_size": True}, {"fp16": True}])
+@pytest.mark.parametrize("setting", [{"ignore_data_skip": True}, {"auto_find_batch_size": True}])
 def test_refusal_comes_before_anything_is_written(setting: dict[str, Any], tmp_path: Path) -> None:
     """A real Trainer with a refused setting: typed refusal by resume_from() and by train(), the store left empty."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -370,6 +410,65 @@ def test_peft_model_refused_under_ddp_and_deepspeed() -> None:
         with pytest.raises(UnsupportedTrainerConfigError, match="PEFT"):
             check_trainer(args(**over), model)  # type: ignore[arg-type]
     check_trainer(args(), model)  # type: ignore[arg-type]  # one process: the peft kill test
+
+
+def test_peft_base_fingerprinted_once_per_train_and_the_log_filter_never_left(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frozen base is hashed once per train(), fresh or resumed; the missing-keys filter goes on every path.
+
+    resume_from() fingerprints the base to refuse another one; on_train_begin reuses that fingerprint instead of
+    hashing the base again. The filter resume_from() puts on the Trainer's logger (its warning about the resume
+    directory's empty weights) is removed when training begins, at the next resume_from(), and when a callback
+    whose train() never ran is collected: a later real missing-keys warning is never hidden.
+    """
+    import gc
+    import logging
+
+    peft = pytest.importorskip("peft")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import asymcheck.hf
+    from asymcheck.hf import AsymCheckCallback
+
+    hashed: list[int] = []
+    real = asymcheck.hf.base_fingerprint
+
+    def counted(model: torch.nn.Module) -> dict[str, Any]:
+        hashed.append(1)
+        return real(model)
+
+    monkeypatch.setattr(asymcheck.hf, "base_fingerprint", counted)  # counts; the real hash runs
+    ck = tmp_path / "ck"
+
+    def trainer(steps: int) -> tuple[Trainer, AsymCheckCallback]:
+        torch.manual_seed(0)
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8))
+        model = peft.get_peft_model(gpt2, peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True,
+                                                          task_type="CAUSAL_LM"))
+        targs = TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=steps, per_device_train_batch_size=2,
+                                  use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+        data = [{"input_ids": torch.arange(8) % 32, "labels": torch.arange(8) % 32}] * 4
+        callback = AsymCheckCallback(str(ck))
+        return Trainer(model=model, args=targs, train_dataset=data, callbacks=[callback]), callback
+
+    def quiet() -> list[logging.Filter]:
+        return [f for f in logging.getLogger("transformers.trainer").filters
+                if type(f).__name__ == "_QuietEmptyLoad"]
+
+    t, callback = trainer(2)
+    t.train(resume_from_checkpoint=callback.resume_from(t))  # fresh: hashed once, at on_train_begin
+    assert len(hashed) == 1 and callback.resumed_step is None
+    hashed.clear()
+    t, callback = trainer(4)
+    t.train(resume_from_checkpoint=callback.resume_from(t))  # resumed: resume_from()'s hash is reused
+    assert callback.resumed_step == 2 and len(hashed) == 1
+    assert not quiet()
+    t, callback = trainer(6)
+    assert callback.resume_from(t) is not None and len(quiet()) == 1  # while the Trainer loads the empty weights
+    assert callback.resume_from(t) is not None and len(quiet()) == 1  # the next resume_from() dropped the first
+    del t, callback  # train() never ran
+    gc.collect()
+    assert not quiet()
 
 
 @pytest.mark.slow

@@ -217,7 +217,7 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
 
     Args:
         args: the Trainer's ``TrainingArguments``.
-        model: the model trained (a PEFT model: one process without DeepSpeed).
+        model: the model trained (a PEFT model: not under DeepSpeed).
 
     Raises:
         UnsupportedTrainerConfigError: naming every refused setting.
@@ -238,8 +238,8 @@ def check_trainer(args: TrainingArguments, model: torch.nn.Module | None = None)
             problems.append(refusal(HF_TRAINER, setting).line())
     if args.n_gpu > 1:
         problems.append(refusal(HF_TRAINER, "n_gpu").line(f"n_gpu={args.n_gpu}"))
-    if _is_peft(model) and (_is_deepspeed(args) or getattr(args, "world_size", 1) > 1):
-        problems.append(refusal(HF_TRAINER, "a PEFT model under DDP or DeepSpeed").line())
+    if _is_peft(model) and _is_deepspeed(args):
+        problems.append(refusal(HF_TRAINER, "a PEFT model under DeepSpeed").line())
     support.require_supported(problems, UnsupportedTrainerConfigError,
                               "asymcheck.hf.AsymCheckCallback does not support")
 

@@ -71,9 +71,9 @@ HF_TRAINER: tuple[Refusal, ...] = (
     Refusal("torch_compile=True under DeepSpeed", "torch.compile of the DeepSpeed engine is untested through the "
             "callback; one process compiles (the hooks run eagerly at graph breaks)"),
     Refusal("n_gpu", "torch.nn.DataParallel"),
-    Refusal("a PEFT model under DDP or DeepSpeed", "untested: a PEFT model is tested in one process (the adapters, "
-            "their optimizer state and the frozen base's fingerprint); under DeepSpeed the Trainer loads the engine's "
-            "module from the resume directory"),
+    Refusal("a PEFT model under DeepSpeed", "untested: a PEFT model is tested in one process and under DDP (the "
+            "adapters, their optimizer state and the frozen base's fingerprint); under DeepSpeed the Trainer loads the "
+            "engine's module from the resume directory"),
 )
 """What :class:`asymcheck.hf.AsymCheckCallback` refuses (under DeepSpeed also what the DeepSpeed adapter refuses)."""
 

@@ -36,7 +36,8 @@ optimizer's ``step`` every time (the update is skipped inside it), so every glob
 ``fp16-cpu-scaler-unfused`` (``optim="adamw_torch"``) the scaler does not call ``step`` on an inf: a skipped step
 makes no version, and a version holds the TrainerState's ``global_step`` as the Trainer counts it, the skipped
 steps after it included) and ``fp16-cuda`` (the real fp16 on a
-GPU, ``gpu``-marked, skipped without CUDA).
+GPU, ``gpu``-marked, skipped without CUDA); ``peft-ddp-2ranks`` (LoRA under DDP on 2 ranks) and
+``compile-ddp-2ranks`` (``torch_compile=True`` under DDP on 2 ranks).
 All runs of the module share one driver process (torch and transformers imported once; each run a forked child).
 """
 
@@ -89,6 +90,8 @@ CASES: dict[str, tuple[list[str], int, bool]] = {
     "fp16-cpu-scaler": (["--fp16", "cpu-scaler"], 1, True),  # fused AdamW: the scaler calls its step every time
     "fp16-cpu-scaler-unfused": (["--fp16", "cpu-scaler", "--optim", "adamw_torch"], 1, True),  # skipped: no step
     "fp16-cuda": (["--fp16", "cuda"], 1, True),  # the real fp16 on a GPU (gpu-marked; skipped without CUDA)
+    "peft-ddp-2ranks": (["--peft"], 2, True),  # LoRA adapters under DDP
+    "compile-ddp-2ranks": (["--compile", "aot_eager"], 2, True),  # torch_compile=True under DDP
 }
 
 
@@ -403,13 +406,15 @@ def test_peft_on_a_changed_base_is_refused_before_a_step(name: str, runs: dict[s
     assert not written, written  # no new, partial or moved version, no pointer rewritten
 
 
-def test_peft_model_refused_under_ddp_and_deepspeed() -> None:
+def test_peft_model_refused_under_deepspeed_only() -> None:
     model = torch.nn.Linear(2, 2)
     model.peft_config = {}  # type: ignore[assignment]
-    for over in ({"world_size": 2}, {"deepspeed": {"zero_optimization": {"stage": 2}}}):
-        with pytest.raises(UnsupportedTrainerConfigError, match="PEFT"):
+    for over in ({"deepspeed": {"zero_optimization": {"stage": 2}}},
+                 {"world_size": 2, "deepspeed": {"zero_optimization": {"stage": 2}}}):
+        with pytest.raises(UnsupportedTrainerConfigError, match="a PEFT model under DeepSpeed"):
             check_trainer(args(**over), model)  # type: ignore[arg-type]
     check_trainer(args(), model)  # type: ignore[arg-type]  # one process: the peft kill test
+    check_trainer(args(world_size=2), model)  # type: ignore[arg-type]  # DDP: the peft-ddp-2ranks kill test
 
 
 def test_peft_base_fingerprinted_once_per_train_and_the_log_filter_never_left(tmp_path: Path,

@@ -164,6 +164,9 @@ def _deepspeed_problems(strategy: DeepSpeedStrategy, trainer: Trainer, module: L
             f"DeepSpeedStrategy with precision={trainer.precision}"))
     if not module.automatic_optimization:
         out.append(refusal(LIGHTNING, "DeepSpeedStrategy with manual optimization").line())
+    if trainer.accumulate_grad_batches > 1:  # DeepSpeed's own micro-step count decides its boundaries
+        out.append(refusal(LIGHTNING, "DeepSpeedStrategy with accumulate_grad_batches>1").line(
+            f"DeepSpeedStrategy with accumulate_grad_batches={trainer.accumulate_grad_batches}"))
     return out
 
 

@@ -97,6 +97,12 @@ LIGHTNING: tuple[Refusal, ...] = (
             "through Lightning are not"),
     Refusal("DeepSpeedStrategy with manual optimization", "untested: Lightning steps the DeepSpeed engine itself "
             "under automatic optimization, the case tested"),
+    Refusal("DeepSpeedStrategy with accumulate_grad_batches>1",
+            "DeepSpeed counts the micro-batches itself, across the ends of epochs, while Lightning's global_step "
+            "counts whole accumulations within each epoch: the engine's optimizer steps (the versions) and "
+            "Lightning's loop state disagree (3 epochs of 7 batches with 2: 10 engine steps, global_step 9), and a "
+            "fit killed after 5 steps and resumed from version 4 diverged from the uninterrupted fit in the next "
+            "epoch; accumulate with accumulate_grad_batches=1 and a larger batch, or under DDP (tested)"),
     Refusal("ddp_spawn", "strategy='ddp_spawn', 'ddp_fork', 'ddp_notebook' (a DDPStrategy whose start_method is not "
             "'popen'): untested; the fit runs in processes the strategy starts and ends itself, and the callback's "
             "errors reach the launching process only as the launcher re-raises them; use strategy='ddp' "

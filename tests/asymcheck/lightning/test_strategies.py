@@ -83,6 +83,26 @@ def test_deepspeed_kill_and_resume(tmp_path: Path, ranks: int) -> None:
     assert list_global_steps(str(root / "global"))[-1] == steps  # the DeepSpeed adapter's multi-rank root
 
 
+def test_deepspeed_accumulating_refused(tmp_path: Path) -> None:
+    """DeepSpeedStrategy with ``accumulate_grad_batches=2``: a real fit refused, typed, before anything is written.
+
+    Under DeepSpeed Lightning calls ``engine.step()`` on every micro-batch and DeepSpeed decides the boundaries
+    from its own micro-step count, across epoch ends; Lightning's ``global_step`` counts accumulations within each
+    epoch (3 epochs of 7 batches: 10 engine steps, ``global_step`` 9). Killed after 5 steps and resumed (version 4),
+    the fit diverged from the uninterrupted one in its second epoch, so the callback refuses it when ``fit`` starts.
+    """
+    root = tmp_path / "ckpt"
+    p = subprocess.run(proc_argv("lightning_train", "--out", str(tmp_path / "out"), "--dir", str(root), "--deepspeed",
+                                 "--accum", "2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=proc_env(OMP_NUM_THREADS="1"), timeout=180)
+    assert p.returncode != 0, p.stdout[-3000:]
+    assert "UnsupportedLightningConfigError" in p.stdout, p.stdout[-3000:]
+    assert "DeepSpeedStrategy with accumulate_grad_batches=2 (DeepSpeed counts the micro-batches" in p.stdout, \
+        p.stdout[-3000:]
+    assert not (tmp_path / "out" / "losses-rank0.jsonl").exists()  # no training step ran
+    assert not root.exists() or not any(root.rglob("v*"))
+
+
 def test_tensor_parallel_refused(tmp_path: Path) -> None:
     """ModelParallelStrategy(tensor_parallel_size=2) is untested: refused on every rank, before anything is written."""
     port = free_ports(1)[0]

@@ -225,6 +225,34 @@ def test_ddp_bf16_kill_and_resume(tmp_path: Path) -> None:
                        "autocast": "torch.bfloat16"}, ran
 
 
+def test_ddp_fp16_kill_and_resume(tmp_path: Path) -> None:
+    """``16-mixed`` under DDP on 2 processes, with skipped steps: every rank killed at a drawn step, resumed bit-exact.
+
+    On CPU the child passes the plugin ``precision="16-mixed"`` builds on a GPU with a CPU GradScaler
+    (``MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2**24, growth_interval=4))``,
+    a test-only stand-in for the CUDA scaler, the same in the reference run): it skips 7 of the 12 steps, the
+    first ones, so a version exists from step 8 on and the kill is drawn from 10. Each rank's version holds the
+    scaler's scale and growth tracker; a skipped step is no version.
+    """
+    args = ("--precision", "16-mixed")
+    ref = _Launch(tmp_path / "ref", *args, ddp=True)
+    kill = kill_point("ddp_fp16_kill_and_resume", DDP_STEPS, first=10)
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _Launch(out, "--dir", str(root), "--kill", str(kill), *args, ddp=True).wait(killed=(kill, signal.SIGKILL))
+    _Launch(out, "--dir", str(root), *args, ddp=True).wait()
+    reference = ref.wait()
+    _check_same(reference, out, 2)
+    assert 1 <= _resumed_step(out) < kill
+    for rank in (0, 1):  # the configuration really ran: DDP on 2 processes, fp16 autocast, a scaler that skipped
+        ran = json.loads((reference / f"config-rank{rank}.json").read_text())
+        assert ran == {"strategy": "DDPStrategy", "world_size": 2, "precision": "16-mixed",
+                       "autocast": "torch.float16"}, ran
+        final = torch.load(reference / f"final-rank{rank}.pt")
+        optimizer_steps = int(final["opt/0/step"].flatten()[0])  # AdamW's own count: the steps not skipped
+        assert "scaler/scale" in final and 1 <= optimizer_steps < int(final["global_step"]) == DDP_STEPS, final
+    assert list_global_steps(str(root / "global"))[-1] == optimizer_steps  # only completed steps are versions
+
+
 class _Manual(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()

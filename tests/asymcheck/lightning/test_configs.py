@@ -1,6 +1,7 @@
 """Lightning in the configurations users train in: a compiled module, a PEFT model, torchdata's StatefulDataLoader.
 
-Each is the small GPT-2 child of test_callback.py (tests/procs/lightning_train.py) in one process, killed by
+Each is the small GPT-2 child of test_callback.py (tests/procs/lightning_train.py) in one process (``[1]``) and
+under ``strategy="ddp"`` on 2 processes (``[2]``, every rank; the compiled one exhaustive), killed by
 SIGKILL inside ``training_step`` at a drawn step (``LIGHTNING_KILL_SEED`` replays it), fitted again with the
 same command, and compared with an uninterrupted fit without the callback: every loss either child logged
 (training and validation) and the final parameters, optimizer state, scheduler, RNG, global step and epoch,
@@ -34,44 +35,73 @@ import torch
 from asymcheck.errors import InvalidOptionError
 from asymcheck.lightning import AsymCheckCallback, UnsupportedLightningConfigError
 from asymcheck.options import PacingOptions, PartitionOptions
-from tests.asymcheck.lightning.test_callback import STEPS, _check_same, _Launch, _resumed_step, kill_point
+from asymstore.multirank.globaldir import list_global_steps
+from tests.asymcheck.lightning.test_callback import (
+    DDP_STEPS,
+    STEPS,
+    _check_same,
+    _Launch,
+    _resumed_step,
+    kill_point,
+)
 
 pytestmark = pytest.mark.slow
 
 
-def _kill_and_resume(tmp_path: Path, name: str, *args: str, kill: int | None = None) -> tuple[Path, Path]:
-    """Reference, killed child and resumed child of one configuration; returns (reference out, resumed out)."""
-    ref = _Launch(tmp_path / "ref", *args)
-    kill = kill_point(name, STEPS) if kill is None else kill
+def _kill_and_resume(tmp_path: Path, name: str, *args: str, kill: int | None = None,
+                     ddp: bool = False) -> tuple[Path, Path]:
+    """Reference, killed child and resumed child of one configuration; returns (reference out, resumed out).
+
+    ``ddp``: ``strategy="ddp"`` on 2 processes, every rank killed at the same drawn step; the final states of both.
+    """
+    ref = _Launch(tmp_path / "ref", *args, ddp=ddp)
+    kill = kill_point(name, DDP_STEPS if ddp else STEPS, first=3 if ddp else 2) if kill is None else kill
     out, root = tmp_path / "run", tmp_path / "ckpt"
-    _Launch(out, "--dir", str(root), "--kill", str(kill), *args).wait(killed=(kill, signal.SIGKILL))
-    _Launch(out, "--dir", str(root), *args).wait()
+    _Launch(out, "--dir", str(root), "--kill", str(kill), *args, ddp=ddp).wait(killed=(kill, signal.SIGKILL))
+    _Launch(out, "--dir", str(root), *args, ddp=ddp).wait()
     reference = ref.wait()
-    _check_same(reference, out, 1)
+    _check_same(reference, out, 2 if ddp else 1)
     assert 1 <= _resumed_step(out) < kill
+    if ddp:  # the fit really ran under DDP on 2 processes, over a multi-rank root
+        for rank in (0, 1):
+            ran = json.loads((reference / f"config-rank{rank}.json").read_text())
+            assert ran["strategy"] == "DDPStrategy" and ran["world_size"] == 2, ran
+        assert list_global_steps(str(root / "global"))[-1] == DDP_STEPS
     return reference, out
 
 
-def test_compiled_kill_and_resume(tmp_path: Path) -> None:
-    """A LightningModule compiled with ``torch.compile(module, backend="aot_eager")`` passed to ``trainer.fit``."""
-    reference, out = _kill_and_resume(tmp_path, "compiled", "--compile", "aot_eager")
-    plain = json.loads((reference / "compiled-rank0.json").read_text())
-    hooked = json.loads((out / "compiled-rank0.json").read_text())
-    for ran in (plain, hooked):  # the compiled wrapper was fitted, Lightning unwrapped it, Dynamo captured graphs
-        assert ran["wrapper"] == "OptimizedModule" and ran["unwrapped"] == "Model" and ran["graphs"] >= 1, ran
-    assert hooked["graphs"] > plain["graphs"], (plain, hooked)  # the callback's hooks break the compiled graphs
-    copied = json.loads((out / "stats-rank0.json").read_text())
-    assert copied["forward_bytes"] > 0, copied  # the hooks inside the compiled forwards copied the versions
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.exhaustive)])  # [2]: ~2 min
+def test_compiled_kill_and_resume(tmp_path: Path, ranks: int) -> None:
+    """A LightningModule compiled with ``torch.compile(module, backend="aot_eager")`` passed to ``trainer.fit``.
+
+    ``[2]``: under DDP on 2 processes (Lightning compiles the module's steps, DDP wraps the module), every rank.
+    """
+    name = "compiled" if ranks == 1 else "compiled_ddp"
+    reference, out = _kill_and_resume(tmp_path, name, "--compile", "aot_eager", ddp=ranks == 2)
+    for rank in range(ranks):
+        plain = json.loads((reference / f"compiled-rank{rank}.json").read_text())
+        hooked = json.loads((out / f"compiled-rank{rank}.json").read_text())
+        for ran in (plain, hooked):  # the compiled wrapper was fitted, Lightning unwrapped it, Dynamo captured graphs
+            assert ran["wrapper"] == "OptimizedModule" and ran["unwrapped"] == "Model" and ran["graphs"] >= 1, ran
+        assert hooked["graphs"] > plain["graphs"], (plain, hooked)  # the callback's hooks break the compiled graphs
+        copied = json.loads((out / f"stats-rank{rank}.json").read_text())
+        assert copied["forward_bytes"] > 0, copied  # the hooks inside the compiled forwards copied the versions
 
 
-def test_peft_kill_and_resume(tmp_path: Path) -> None:
-    """A LoRA model (peft) inside the LightningModule: the whole PeftModel and the adapters' optimizer state."""
-    reference, _ = _kill_and_resume(tmp_path, "peft", "--peft")
-    final = torch.load(reference / "final-rank0.pt")
-    lora = [k for k in final if k.startswith("model/") and "lora_A" in k]
-    assert lora, "no LoRA adapter in the model"
-    # AdamW steps the adapters only: 2 layers x (lora_A, lora_B) in c_attn
-    assert len({k.split("/")[1] for k in final if k.startswith("opt/")}) == 4
+@pytest.mark.parametrize("ranks", [1, 2])  # [2]: ~30 s on the shared machine
+def test_peft_kill_and_resume(tmp_path: Path, ranks: int) -> None:
+    """A LoRA model (peft) inside the LightningModule: the whole PeftModel and the adapters' optimizer state.
+
+    ``[2]``: under DDP on 2 processes (DDP wraps the PeftModel; only the adapters have gradients to reduce).
+    """
+    name = "peft" if ranks == 1 else "peft_ddp"
+    reference, _ = _kill_and_resume(tmp_path, name, "--peft", ddp=ranks == 2)
+    for rank in range(ranks):
+        final = torch.load(reference / f"final-rank{rank}.pt")
+        lora = [k for k in final if k.startswith("model/") and "lora_A" in k]
+        assert lora, "no LoRA adapter in the model"
+        # AdamW steps the adapters only: 2 layers x (lora_A, lora_B) in c_attn
+        assert len({k.split("/")[1] for k in final if k.startswith("opt/")}) == 4
 
 
 class _Tiny(pl.LightningModule):

@@ -252,7 +252,8 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
         for run in (ref, got):
             assert run["compiled"]["wrapper"] == "OptimizedModule" and run["compiled"]["graphs"] > 0, context
         assert got["copied"]["partitioning"] == "asymmetric", context
-        assert got["copied"]["forward"] + got["copied"]["backward"] > 0, context
+        if STEPS - began > 4:  # past the planner's warm-up (3 steps) the hooks inside the compiled model copied bytes
+            assert got["copied"]["forward"] + got["copied"]["backward"] > 0, context  # (a late kill copies at steps)
     every = int(extra[extra.index("--save-steps") + 1]) if "--save-steps" in extra else 0
     if every and result == "result.pt":  # the Trainer's own checkpoints beside the versions
         for n in range(every, STEPS + 1, every):

@@ -64,17 +64,22 @@ def train(root: str, out: Path, steps: int, reference: bool, idiom: bool = False
                                                                              "optim": opt.state_dict()})})
 
 
+def resume(reader: StorageReader, out: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load the newest version ``reader`` finds into the model and optimizer; the step to train next (0: none)."""
+    if not reader.steps():
+        return 0
+    state = t.app_state(model, opt, -1)
+    dcp.load(state, storage_reader=reader)
+    t.apply_state(model, opt, state)
+    assert reader.step == state["step"], (reader.step, state["step"])
+    append(out / "progress.jsonl", {"resumed": state["step"], "fallbacks": reader.fallbacks})
+    return int(state["step"]) + 1
+
+
 def train_idiom(root: str, out: Path, steps: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     """DCP's recipe: a new writer per save, never closed (the store they share closes at exit)."""
     reader = StorageReader(root)
-    start = 0
-    if reader.steps():
-        state = t.app_state(model, opt, -1)
-        dcp.load(state, storage_reader=reader)
-        t.apply_state(model, opt, state)
-        assert reader.step == state["step"], (reader.step, state["step"])
-        start = state["step"] + 1
-        append(out / "progress.jsonl", {"resumed": state["step"], "fallbacks": reader.fallbacks})
+    start = resume(reader, out, model, opt)
     reader.close()
     future = None
     for step in range(start, steps):
@@ -93,15 +98,7 @@ def train_idiom(root: str, out: Path, steps: int, model: torch.nn.Module, opt: t
 
 def train_one_writer(root: str, out: Path, steps: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     with StorageWriter(root, keep_last=2) as writer:
-        reader = StorageReader(writer)
-        start = 0
-        if reader.steps():
-            state = t.app_state(model, opt, -1)
-            dcp.load(state, storage_reader=reader)
-            t.apply_state(model, opt, state)
-            assert reader.step == state["step"], (reader.step, state["step"])
-            start = state["step"] + 1
-            append(out / "progress.jsonl", {"resumed": state["step"], "fallbacks": reader.fallbacks})
+        start = resume(StorageReader(writer), out, model, opt)
         future = None
         for step in range(start, steps):
             loss = t.train_step(model, opt, step)

@@ -41,6 +41,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from asymcheck.lightning import AsymCheckCallback
 from asymcheck.options import PacingOptions
+from tests.procs.lightning_train import loop_state
 
 EPOCHS = 3
 BATCHES = 7
@@ -120,12 +121,7 @@ def final_state(trainer: pl.Trainer, module: Manual) -> dict[str, torch.Tensor]:
         out[f"opt{j}/lr"] = torch.tensor([g["lr"] for g in sd["param_groups"]], dtype=torch.float64)
     for j, config in enumerate(trainer.lr_scheduler_configs):
         out[f"sched{j}/last_epoch"] = torch.tensor(config.scheduler.last_epoch)
-    out["rng"] = torch.get_rng_state()
-    out["global_step"] = torch.tensor(trainer.global_step)
-    out["epoch"] = torch.tensor(trainer.current_epoch)
-    for k, v in trainer.precision_plugin.state_dict().items():  # the GradScaler's (empty without one)
-        out[f"scaler/{k}"] = torch.tensor(v, dtype=torch.float64)
-    return out
+    return loop_state(trainer, out)
 
 
 def main() -> None:

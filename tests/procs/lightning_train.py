@@ -175,10 +175,15 @@ def final_state(trainer: pl.Trainer, module: Model) -> dict[str, torch.Tensor]:
             out[f"opt/{i}/{k}"] = _local(v)
     out["lr"] = torch.tensor([g["lr"] for g in opt["param_groups"]], dtype=torch.float64)
     out["sched/last_epoch"] = torch.tensor(trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+    return loop_state(trainer, out)
+
+
+def loop_state(trainer: pl.Trainer, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``out`` with the RNG, the loop's position and the GradScaler's state (empty without one) added."""
     out["rng"] = torch.get_rng_state()
     out["global_step"] = torch.tensor(trainer.global_step)
     out["epoch"] = torch.tensor(trainer.current_epoch)
-    for k, v in trainer.precision_plugin.state_dict().items():  # the GradScaler's (empty without one)
+    for k, v in trainer.precision_plugin.state_dict().items():
         out[f"scaler/{k}"] = torch.tensor(v, dtype=torch.float64)
     return out
 

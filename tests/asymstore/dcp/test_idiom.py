@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,17 +24,7 @@ from asymstore.errors import DCPStorageError
 from tests.support import dcp_train as t
 from tests.support.launch import proc_argv, proc_env
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 
 
 def lock_is_free(root: Path) -> bool:

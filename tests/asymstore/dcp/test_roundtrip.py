@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +21,7 @@ from asymstore.dcp import StorageReader, StorageWriter, parse_step
 from asymstore.errors import DCPStorageError, StepCommittedError
 from tests.support import dcp_train as t
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models train fastest (and the same in every process) on one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 
 
 def trained(steps: int = 2, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -172,7 +172,8 @@ class _ChunkReader:
                 continue
             if chunk.segment != self._name:
                 self._data = None
-                raw = await self.tier.read_segment(self.manifest.step, chunk.segment, self.sizes[chunk.segment])
+                raw = await self.tier.read_segment(*self.manifest.locate(chunk.segment),
+                                                   self.sizes[chunk.segment])
                 verify_segment(self.manifest, chunk.segment, raw, deep=False)
                 self._name, self._data = chunk.segment, memoryview(raw).cast("B")
             assert self._data is not None

@@ -35,6 +35,7 @@ from asymstore.values import Checkpoint, CommitResult, FlushStats, TierCalibrati
 from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
 from asymstore.write.puts import Release, Stager, check_step
+from asymstore.write.references import REFERENCE_MODES, ReferenceMode
 from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
 from asymstore.write.tierwrite import TierState, sweep, write_version
@@ -61,6 +62,7 @@ class StoreOptions(TypedDict, total=False):
     segment_bytes: int | None
     chunk_bytes: int | None
     compression: Compression
+    references: ReferenceMode
     codec: PlaneCodec | None
     calibrations: Mapping[str, TierCalibration] | None
     calibration_cache: str | os.PathLike[str] | bool
@@ -96,6 +98,12 @@ class AsymStore:
             decision each); default ``min(segment_bytes, 16 MiB)``.
         compression: ``"auto"`` (byte-plane zstd per chunk where the cost
             model says it pays for the tier), ``"never"`` or ``"always"``.
+        references: ``"unchanged"`` (default): on tiers that can
+            (:class:`~asymstore.tiers.protocol.ReferencingTier`: local disk, NVMe),
+            a chunk equal to the one at the same place of the same tensor in the
+            tier's previous version is referenced from the version that wrote it,
+            not written again (manifest format 4); ``"off"``: every version writes
+            all its bytes. See docs/concepts/format.md.
         codec: zstd level and threads of the byte-plane codec.
         calibrations: tier name -> calibration to use instead of measuring.
         calibration_cache: True: the default cache file
@@ -122,7 +130,8 @@ class AsymStore:
                  keep_best: KeepBest | None = None,
                  durable: Tier | str | None = None, segment_bytes: int | None = None,
                  chunk_bytes: int | None = None, compression: Compression = "auto",
-                 codec: PlaneCodec | None = None, calibrations: Mapping[str, TierCalibration] | None = None,
+                 references: ReferenceMode = "unchanged", codec: PlaneCodec | None = None,
+                 calibrations: Mapping[str, TierCalibration] | None = None,
                  calibration_cache: str | os.PathLike[str] | bool = True,
                  flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES, backlog: int = 1,
                  close_timeout_s: float | None = 60.0, read_only: bool = False,
@@ -143,6 +152,8 @@ class AsymStore:
             raise ValueError("chunk_bytes must be positive")
         if compression not in COMPRESSION_POLICIES:
             raise ValueError(f"compression must be one of {COMPRESSION_POLICIES}, got {compression!r}")
+        if references not in REFERENCE_MODES:
+            raise ValueError(f"references must be one of {REFERENCE_MODES}, got {references!r}")
         if flush_memory_bytes < 1:
             raise ValueError("flush_memory_bytes must be positive")
         unknown = set(calibrations or {}) - set(names)
@@ -154,6 +165,7 @@ class AsymStore:
         self._stager = Stager(chunk, self._admit)
         """What is staged per uncommitted step (``put``, ``adopt``; :mod:`asymstore.write.puts`)."""
         self.compression: Compression = compression
+        self.references: ReferenceMode = references
         self.codec = codec or PlaneCodec()
         self.flush_memory_bytes = flush_memory_bytes
         self._given = dict(calibrations or {})
@@ -570,7 +582,8 @@ class AsymStore:
 
     async def _write_tier_locked(self, state: TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
         return await write_version(state, plan, compression=self.compression, segment_bytes=self.segment_bytes,
-                                   memory_bytes=self.flush_memory_bytes, retention=self.retention)
+                                   memory_bytes=self.flush_memory_bytes, retention=self.retention,
+                                   references=self.references)
 
     async def flushed(self, step: int | None = None, *, tier: Tier | str | None = None,
                       timeout: float | None = None) -> None:

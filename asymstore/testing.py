@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Set
 from typing import Any, Literal, NoReturn, get_args
 
 from asymstore.errors import TierError
@@ -71,14 +72,14 @@ class _FaultyLocalTier(LocalTier):
             self._fault("published")
         await super().write_latest(step)
 
-    def _delete_sync(self, vdir: str) -> None:
+    def _delete_sync(self, vdir: str, keep: Set[str] = frozenset()) -> None:
         manifest = os.path.join(vdir, MANIFEST_NAME)
         if os.path.exists(manifest) and self._due("retention"):
             os.unlink(manifest)
             if self.fsync:
                 fsync_dir(vdir)
             self._fault("retention")
-        super()._delete_sync(vdir)
+        super()._delete_sync(vdir, keep)
 
 
 class _FaultyWriter(_DirWriter):

@@ -182,7 +182,7 @@ class Version:
         for segment, chunks in by_segment.items():
             if isinstance(tier, ReadIntoTier):
                 stored = [dest if c.codec == RAW else memoryview(bytearray(c.length)) for c, dest in chunks]
-                await tier.read_segment_into(copies.step, segment, sizes[segment],
+                await tier.read_segment_into(*manifest.locate(segment), sizes[segment],
                                              [(c.offset, buf) for (c, _), buf in zip(chunks, stored, strict=True)])
                 pairs = [(c, buf, None if c.codec == RAW else dest)
                          for (c, dest), buf in zip(chunks, stored, strict=True)]
@@ -203,7 +203,7 @@ class Version:
         size = next(s.size for s in manifest.segments if s.name == pack.segment)
         if isinstance(tier, ReadIntoTier):
             stored = memoryview(bytearray(pack.length))
-            await tier.read_segment_into(copies.step, pack.segment, size, [(pack.offset, stored)])
+            await tier.read_segment_into(*manifest.locate(pack.segment), size, [(pack.offset, stored)])
         else:
             stored = (await self._segment_bytes(copies, i, manifest, pack.segment, size))[
                 pack.offset:pack.offset + pack.length]
@@ -218,7 +218,7 @@ class Version:
         if cached is not None and cached[:3] == (copies.rank, i, segment):
             return cached[3]
         self._segment = None
-        raw = await copies.tiers[i].read_segment(copies.step, segment, size)
+        raw = await copies.tiers[i].read_segment(*manifest.locate(segment), size)
         verify_segment(manifest, segment, raw, deep=False)
         data = memoryview(raw).cast("B") if len(raw) else memoryview(bytearray())
         self._segment = (copies.rank, i, segment, data)

@@ -32,7 +32,9 @@ FORMAT_VERSION = 2
 """Written for versions without packed tensors (readable by every asymstore since 0.2)."""
 PACKED_FORMAT_VERSION = 3
 """Written for versions that hold packed tensors (``packs`` and ``packed``)."""
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+REFERENCE_FORMAT_VERSION = 4
+"""Written for versions with chunks referenced from an earlier version's segments (packs may be there too)."""
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 MANIFEST_NAME = "MANIFEST.json"
 MAX_MANIFEST_BYTES = 64 << 20
 """Largest manifest read (about 200,000 single-chunk tensors); a larger file is refused unread."""
@@ -56,6 +58,27 @@ _SEPARATORS = re.compile(r"[\\/]")
 CHECKSUM_SUFFIX = re.compile(rb',"manifest_checksum":"([0-9a-f]{16})"\}\s*$')
 _jstr = encode_basestring_ascii  # a str as a JSON string literal, as json.dumps writes it
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+_REF_SEP = "@"  # never in a segment file name: a referenced segment's key cannot be taken for a file of the version
+
+
+def reference_key(step: int, name: str) -> str:
+    """The in-memory key of segment ``name`` of an earlier version ``step`` (format 4 references).
+
+    A :class:`Chunk` and a :class:`SegmentEntry` name a referenced segment by
+    this key (``seg-000000.bin@12``), so every table keyed by segment stays
+    unique; the JSON keeps the file name and the step apart. A key is no valid
+    segment file name, so a reader that passed it to a tier unresolved would
+    get an error, never another file: resolve it with :meth:`Manifest.locate`.
+    """
+    return f"{name}{_REF_SEP}{step}"
+
+
+def split_key(key: str) -> tuple[int | None, str]:
+    """``(step, file name)`` of a segment key: step None for the version's own segment."""
+    name, sep, step = key.rpartition(_REF_SEP)
+    if not sep:
+        return None, key
+    return int(step), name
 
 
 def seal(body: bytes) -> bytes:
@@ -162,19 +185,28 @@ class Chunk:
     raw_checksum: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Return the JSON object for this chunk."""
-        return {
-            "segment": self.segment,
+        """Return the JSON object for this chunk (a referenced one names its segment's version as ``step``)."""
+        origin, name = split_key(self.segment)
+        out: dict[str, Any] = {"segment": name}
+        if origin is not None:
+            out["step"] = origin
+        out.update({
             "offset": self.offset,
             "length": self.length,
             "raw_length": self.raw_length,
             "codec": self.codec,
             "checksum": self.checksum,
             "raw_checksum": self.raw_checksum or self.checksum,
-        }
+        })
+        return out
 
     def json_text(self) -> str:
         """Return :meth:`to_json` serialized (compact), without building the dict."""
+        if _REF_SEP in self.segment:
+            origin, name = split_key(self.segment)
+            return (f'{{"segment":{_jstr(name)},"step":{int(origin or 0)},"offset":{int(self.offset)},'
+                    f'"length":{int(self.length)},"raw_length":{int(self.raw_length)},"codec":{_jstr(self.codec)},'
+                    f'"checksum":{_jstr(self.checksum)},"raw_checksum":{_jstr(self.raw_checksum or self.checksum)}}}')
         return (f'{{"segment":{_jstr(self.segment)},"offset":{int(self.offset)},"length":{int(self.length)},'
                 f'"raw_length":{int(self.raw_length)},"codec":{_jstr(self.codec)},'
                 f'"checksum":{_jstr(self.checksum)},"raw_checksum":{_jstr(self.raw_checksum or self.checksum)}}}')
@@ -229,10 +261,19 @@ class SegmentEntry:
     name: str
     size: int
     checksum: str
+    origin: int | None = None
+    """The earlier version whose segment this is (format 4; ``name`` is then its :func:`reference_key`), or None."""
+
+    @property
+    def file(self) -> str:
+        """The segment's file name in its version (``origin``'s, or this one's)."""
+        return split_key(self.name)[1]
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object for this segment."""
-        return {"name": self.name, "size": self.size, "checksum": self.checksum}
+        if self.origin is None:
+            return {"name": self.name, "size": self.size, "checksum": self.checksum}
+        return {"name": self.file, "step": self.origin, "size": self.size, "checksum": self.checksum}
 
 
 @dataclass(frozen=True)
@@ -253,8 +294,27 @@ class Manifest:
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of all segment files."""
+        """Bytes of all segment files (referenced ones of earlier versions included)."""
         return sum(s.size for s in self.segments)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes of this version's own segment files (those it wrote; references left out)."""
+        return sum(s.size for s in self.segments if s.origin is None)
+
+    def locate(self, segment: str) -> tuple[int, str]:
+        """``(step, file name)`` where segment ``segment`` (a key of :attr:`segments`) is read from a tier."""
+        origin, name = split_key(segment)
+        return (self.step if origin is None else origin), name
+
+    @functools.cached_property
+    def references(self) -> dict[int, frozenset[str]]:
+        """Earlier version -> its segment files this version's chunks reference (empty below format 4)."""
+        out: dict[int, set[str]] = {}
+        for s in self.segments:
+            if s.origin is not None:
+                out.setdefault(s.origin, set()).add(s.file)
+        return {step: frozenset(names) for step, names in sorted(out.items())}
 
     @functools.cached_property
     def packs(self) -> tuple[Chunk, ...]:
@@ -274,7 +334,8 @@ class Manifest:
         packed = self._packed_columns()
         doc = {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION if packed is None else PACKED_FORMAT_VERSION,
+            "format_version": (REFERENCE_FORMAT_VERSION if self.references else
+                               FORMAT_VERSION if packed is None else PACKED_FORMAT_VERSION),
             "step": self.step,
             "created": self.created,
             "checksum_algorithm": ALGORITHM,

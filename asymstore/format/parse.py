@@ -26,10 +26,12 @@ from asymstore.format.manifest import (
     MAX_JSON_DEPTH,
     MAX_MANIFEST_BYTES,
     READABLE_FORMAT_VERSIONS,
+    REFERENCE_FORMAT_VERSION,
     Chunk,
     Manifest,
     SegmentEntry,
     TensorEntry,
+    reference_key,
     validate_name,
     validate_names,
     validate_segment_name,
@@ -100,8 +102,14 @@ def _str(value: object, what: str) -> str:
 
 def _parse_chunk(c: Any, owner: str, segments: dict[str, SegmentEntry],
                  spans: dict[str, list[tuple[int, int, str]]]) -> Chunk:
-    """Check one chunk (of a tensor, or a pack) and record the stored bytes it claims."""
+    """Check one chunk (of a tensor, or a pack) and record the stored bytes it claims.
+
+    A chunk with ``step`` (format 4) references that earlier version's segment, which the
+    manifest's ``segments`` must list with the same ``step``.
+    """
     seg_name = _str(c["segment"], "chunk segment")
+    if "step" in c:
+        seg_name = reference_key(_int(c["step"], "chunk step"), validate_segment_name(seg_name))
     if seg_name not in segments:
         raise ManifestError(f"chunk of {owner} names unknown segment {seg_name[:140]!r}")
     chunk = Chunk(
@@ -246,12 +254,23 @@ def _parse(doc: Any, *, checksummed: bool) -> Manifest:
         raise ManifestError(f"format_version {version} manifest without its self-checksum: the manifest is damaged")
     if doc.get("checksum_algorithm") != ALGORITHM:
         raise ManifestError(f"unsupported checksum algorithm {doc.get('checksum_algorithm')!r}")
+    step = _int(doc["step"], "step")
     segments: dict[str, SegmentEntry] = {}
     for seg in doc["segments"]:
         name = validate_segment_name(seg["name"])
+        origin: int | None = None
+        if "step" in seg:  # format 4: a segment of an earlier version that holds chunks of this one
+            if version < REFERENCE_FORMAT_VERSION:
+                raise ManifestError(f"format_version {version} manifest references another version's segment")
+            origin = _int(seg["step"], "segment step")
+            if origin >= step:
+                raise ManifestError(f"segment {name} of step {origin} referenced by step {step}: "
+                                    "a version references only earlier ones")
+            name = reference_key(origin, name)
         if name in segments:
             raise ManifestError(f"segment {name} listed twice")
-        segments[name] = SegmentEntry(name, _int(seg["size"], "segment size"), _hex(seg["checksum"], "checksum"))
+        segments[name] = SegmentEntry(name, _int(seg["size"], "segment size"), _hex(seg["checksum"], "checksum"),
+                                      origin)
     tensors: dict[str, TensorEntry] = {}
     spans: dict[str, list[tuple[int, int, str]]] = {name: [] for name in segments}
     for name, entry in doc["tensors"].items():
@@ -279,7 +298,7 @@ def _parse(doc: Any, *, checksummed: bool) -> Manifest:
     if not isinstance(created, (int, float)) or not math.isfinite(created):
         raise ManifestError("created must be a number")
     return Manifest(
-        step=_int(doc["step"], "step"),
+        step=step,
         tensors=tensors,
         segments=tuple(segments.values()),
         meta=meta,

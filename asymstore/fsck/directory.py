@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from asymstore.errors import AsymstoreError
 from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.format.names import (
     LATEST,
@@ -17,6 +18,7 @@ from asymstore.format.names import (
     retention_leftover,
     version_dirname,
 )
+from asymstore.format.parse import parse_manifest
 from asymstore.fsck.report import FsckReport, Progress, VersionReport
 from asymstore.io.files import atomic_write, fsync_dir, quarantine_entry, read_whole
 from asymstore.io.rootlock import DirLock, is_leftover_name
@@ -56,10 +58,26 @@ def repair_directory(report: FsckReport) -> list[str]:
 
 
 async def check_version_dir(tier: Tier, path: str, name: str, step: int, deep: bool, progress: Progress | None,
-                            committed: list[int], metas: dict[int, dict[str, Any]]) -> VersionReport:
-    """One version directory, through the verification path restore uses (:mod:`asymstore.read.verify`)."""
+                            committed: list[int], metas: dict[int, dict[str, Any]],
+                            referenced: Mapping[int, Mapping[str, list[int]]] | None = None) -> VersionReport:
+    """One version directory, through the verification path restore uses (:mod:`asymstore.read.verify`).
+
+    ``referenced``: step -> its segment files -> the committed versions that reference them (format 4):
+    a directory without a manifest that committed versions reference is ``retained`` (its segments are
+    verified through those versions); the segments of a committed one they reference are not unreferenced.
+    """
     report = VersionReport(name, "committed", step)
+    users = (referenced or {}).get(step, {})
     if os.path.isdir(path) and not os.path.islink(path) and not os.path.lexists(os.path.join(path, MANIFEST_NAME)):
+        if users:
+            report.status = "retained"
+            versions = sorted({v for vs in users.values() for v in vs})
+            report.referenced_by = versions
+            missing = sorted(set(users) - set(os.listdir(path)))
+            report.unreferenced = sorted(set(os.listdir(path)) - set(users))
+            report.problems += [f"segment {f} missing, referenced by step(s) {users[f]}" for f in missing]
+            report.problems += [f"unreferenced file {f}" for f in report.unreferenced]
+            return report
         if retention_leftover(step, committed):
             report.status = "orphaned"
             report.problems.append("no manifest: a retention delete that was interrupted")
@@ -76,8 +94,10 @@ async def check_version_dir(tier: Tier, path: str, name: str, step: int, deep: b
         return report
     report.nbytes = manifest.stored_bytes
     metas[step] = manifest.meta
+    if users:
+        report.referenced_by = sorted({v for vs in users.values() for v in vs})
     if os.path.isdir(path) and not os.path.islink(path):
-        listed = {s.name for s in manifest.segments}
+        listed = {s.name for s in manifest.segments if s.origin is None} | set(users)
         report.unreferenced = sorted(set(os.listdir(path)) - listed - {MANIFEST_NAME})
         for f in report.unreferenced:
             report.problems.append(f"unreferenced file {f}")
@@ -106,11 +126,13 @@ async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] 
                            if s is not None and os.path.lexists(os.path.join(root, version_dirname(s), MANIFEST_NAME)))
     entries: list[VersionReport] = []
     metas: dict[int, dict[str, Any]] = {}  # each committed version's meta: its retention record
+    referenced = await references_of(tier, with_manifest)
     for name in names:
         path = os.path.join(root, name)
         step = parse_version_dirname(name)
         if name in versions and step is not None:
-            entries.append(await check_version_dir(tier, path, name, step, deep, tick, with_manifest, metas))
+            entries.append(await check_version_dir(tier, path, name, step, deep, tick, with_manifest, metas,
+                                                   referenced))
         elif is_leftover_name(name) and holder is not None:
             entries.append(VersionReport(name, "in_progress", None, problems=[]))
         elif name.startswith(TMP_PREFIX):
@@ -127,6 +149,20 @@ async def _check_dir(root: str, deep: bool, progress: Callable[[int], Progress] 
     latest, latest_problem = check_latest(root, newest, {e.step for e in entries if e.status == "committed"})
     mark_retention(entries, metas)
     return FsckReport(root, deep, entries, latest, latest_problem, newest, writer=holder)
+
+
+async def references_of(tier: Tier, committed: list[int]) -> dict[int, dict[str, list[int]]]:
+    """Step -> its segment files -> the committed versions that reference them (format 4; unreadable ones: none)."""
+    out: dict[int, dict[str, list[int]]] = {}
+    for step in committed:
+        try:
+            manifest = parse_manifest(await tier.read_manifest(step))
+        except (AsymstoreError, OSError):
+            continue  # check_version_dir reports it
+        for origin, files in manifest.references.items():
+            for f in files:
+                out.setdefault(origin, {}).setdefault(f, []).append(step)
+    return out
 
 
 def check_latest(root: str, newest: int | None, committed: set[int | None]) -> tuple[int | None, str | None]:
@@ -150,6 +186,23 @@ def quarantine(root: str, path: str, label: str) -> str:
     return quarantine_entry(root, path, label, fsync=False)
 
 
+def quarantine_linked(root: str, path: str, label: str) -> str:
+    """Put a hard-linked copy of version directory ``path`` aside, then remove its manifest; return where it went."""
+    qdir = os.path.join(root, QUARANTINE)
+    os.makedirs(qdir, exist_ok=True)
+    dest = os.path.join(qdir, f"{label}-linked-{os.getpid()}-{len(os.listdir(qdir))}")
+    os.makedirs(dest)
+    for entry in os.scandir(path):
+        if entry.is_file(follow_symlinks=False):
+            os.link(entry.path, os.path.join(dest, entry.name))
+    fsync_dir(dest)
+    manifest = os.path.join(path, MANIFEST_NAME)
+    if os.path.lexists(manifest):
+        os.unlink(manifest)
+    fsync_dir(path)
+    return dest
+
+
 def _repair_dir(report: FsckReport) -> list[str]:
     root = report.root
     actions: list[str] = []
@@ -161,9 +214,14 @@ def _repair_dir(report: FsckReport) -> list[str]:
             elif os.path.exists(path):
                 os.unlink(path)
             actions.append(f"removed {e.status} {e.name}")
+        elif e.status == "corrupt" and e.referenced_by and os.path.isdir(path):
+            # other versions read segments of it (format 4): a copy by hard links goes aside, the manifest goes
+            dest = quarantine_linked(root, path, e.name)
+            actions.append(f"moved corrupt {e.name} to {dest} (its segments that steps {e.referenced_by} "
+                           "reference stay)")
         elif e.status == "corrupt":
             actions.append(f"moved corrupt {e.name} to {quarantine(root, path, e.name)}")
-        elif e.status == "committed" and e.unreferenced:
+        elif e.status in ("committed", "retained") and e.unreferenced:
             for f in e.unreferenced:
                 dest = quarantine(root, os.path.join(path, f), f"{e.name}-{f}")
                 actions.append(f"moved unreferenced {e.name}/{f} to {dest}")

@@ -31,11 +31,15 @@ class VersionReport:
     kept_by: list[str] = field(default_factory=list)
     """The retention rules that keep this version (``keep_last``, ``keep_every``, ``keep_best``), as its
     manifests record them; empty when no rule beyond the default was recorded."""
+    referenced_by: list[int] = field(default_factory=list)
+    """The committed versions that read segments of this one (format 4 references); a ``retained`` entry
+    is a deleted version's directory kept for them."""
 
     @property
     def ok(self) -> bool:
-        """True for a committed or superseded version without problems, a quarantined entry, a live writer's work."""
-        return self.status in ("committed", "superseded", "quarantined", "in_progress") and not self.problems
+        """True for a sound version (committed, superseded, kept for references), quarantined entry, work going on."""
+        return (self.status in ("committed", "superseded", "quarantined", "in_progress", "retained")
+                and not self.problems)
 
 
 @dataclass

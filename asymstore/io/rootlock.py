@@ -186,7 +186,7 @@ def is_leftover_name(name: str) -> bool:
 
 
 def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int | None = None,
-                    fsync: bool = True) -> list[Swept]:
+                    fsync: bool = True, keep: Collection[str] = ()) -> list[Swept]:
     """Remove what dead writers left in ``root``, moving aside what may be data; return what was swept.
 
     Call it only while holding the root's :class:`DirLock`: then every
@@ -197,7 +197,8 @@ def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int
     ``oldest_kept`` (the oldest version retention keeps; pass it only while a
     retention rule is in force), else moved to ``.quarantine/`` with a WARNING
     naming it and why. Symlinks are unlinked, never followed. Committed
-    versions are never touched.
+    versions are never touched, nor the version directories named in ``keep``
+    (deleted versions whose segments committed versions reference, format 4).
     """
     swept: list[Swept] = []
     try:
@@ -206,7 +207,7 @@ def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int
         return swept
     for entry in entries:
         name = entry.name
-        if name in active or in_flight(entry.path):  # this writer's own (another thread's small-file write)
+        if name in active or name in keep or in_flight(entry.path):  # this writer's own, or kept for references
             continue
         is_dir = entry.is_dir(follow_symlinks=False)
         step = parse_version_dirname(name)
@@ -215,7 +216,7 @@ def sweep_directory(root: str, active: Collection[str] = (), *, oldest_kept: int
             continue
         action, reason = orphan_verdict(step, oldest_kept) if orphan and step is not None else (
             "removed", "a temporary entry of a writer that is gone")
-        if name in active:  # this writer began deleting it since the check above (its manifest went first)
+        if name in active or name in keep:  # this writer began deleting it since the check above (manifest first)
             continue
         if action == "quarantined":
             try:

@@ -163,10 +163,10 @@ async def read_range(tier: Tier, manifest: Manifest, name: str, start: int, stop
     for segment, chunks in touched.items():
         if isinstance(tier, ReadIntoTier):
             stored = [memoryview(bytearray(c.length)) for c, *_ in chunks]
-            await tier.read_segment_into(manifest.step, segment, sizes[segment],
+            await tier.read_segment_into(*manifest.locate(segment), sizes[segment],
                                          [(c.offset, buf) for (c, *_), buf in zip(chunks, stored, strict=True)])
         else:
-            data = await tier.read_segment(manifest.step, segment, sizes[segment])
+            data = await tier.read_segment(*manifest.locate(segment), sizes[segment])
             verify_segment(manifest, segment, data, deep=False)
             view = memoryview(data).cast("B")
             stored = [view[c.offset:c.offset + c.length] for c, *_ in chunks]
@@ -353,7 +353,7 @@ class ShardSet:
                             at += n.chunk.length
                         bufs.append(d)
                     async with sem:
-                        digests = await tier.read_segment_into(manifest.step, segment, sizes[segment],
+                        digests = await tier.read_segment_into(*manifest.locate(segment), sizes[segment],
                                                                [(n.chunk.offset, b) for n, b in zip(batch, bufs,
                                                                                                     strict=True)])
                     if landing is not None:
@@ -362,7 +362,7 @@ class ShardSet:
                     landing = asyncio.ensure_future(asyncio.to_thread(_verify_and_land, batch, bufs, digests, landed))
             else:
                 async with sem:
-                    data = await tier.read_segment(manifest.step, segment, sizes[segment])
+                    data = await tier.read_segment(*manifest.locate(segment), sizes[segment])
                 verify_segment(manifest, segment, data, deep=False)
                 view = memoryview(data).cast("B")
                 if landing is not None:

@@ -268,7 +268,7 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
             plan = direct.get(name)
             if plan is not None:
                 assert isinstance(tier, ReadIntoTier)
-                digests = await tier.read_segment_into(step, name, size, [
+                digests = await tier.read_segment_into(*manifest.locate(name), size, [
                     (c.offset, view) for _, c, view in (*plan.direct, *plan.staged)])
                 if digests is not None:  # hashed by the tier as the bytes landed (staged ones: checked on decode)
                     _check_digests(plan.direct, digests[:len(plan.direct)])
@@ -280,7 +280,7 @@ async def load_version(tier: Tier, step: int, into: Into | None = None) -> tuple
                     if dest is None:
                         staged[c] = view
                 return name, None
-            data = await tier.read_segment(step, name, size)
+            data = await tier.read_segment(*manifest.locate(name), size)
             verify_segment(manifest, name, data, deep=False)
             return name, memoryview(data).cast("B") if len(data) else memoryview(bytearray())
 

@@ -133,9 +133,9 @@ async def check_version(tier: Tier, step: int, *, deep: bool,
     for seg in manifest.segments:
         try:
             if not deep and isinstance(tier, StatTier):
-                await tier.stat_segment(step, seg.name, seg.size)
+                await tier.stat_segment(*manifest.locate(seg.name), seg.size)
                 continue
-            data = memoryview(await tier.read_segment(step, seg.name, seg.size)).cast("B")
+            data = memoryview(await tier.read_segment(*manifest.locate(seg.name), seg.size)).cast("B")
             verify_segment(manifest, seg.name, data, deep=False)
         except (AsymstoreError, OSError) as exc:
             problems.append(f"segment {seg.name}: {exc}")

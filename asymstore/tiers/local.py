@@ -6,18 +6,20 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import TypeVar
 
 import aiofiles.os
 
-from asymstore.errors import CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
+from asymstore.errors import AsymstoreError, CorruptVersionError, StepCommittedError, TierError, VersionNotFoundError
 from asymstore.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, validate_segment_name
 from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, parse_version_dirname, version_dirname
+from asymstore.format.parse import parse_manifest
 from asymstore.io.files import (
     atomic_write,
     check_directory,
@@ -37,6 +39,10 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 _LATEST_MAX_BYTES = 64  # a step number and a newline; anything longer is not a LATEST this tier wrote
+_NO_REFERENCES = re.compile(rb'^\{"format":"asymstore\.manifest","format_version":[123],')
+"""The head of a manifest written before format 4 (it references nothing: not parsed to find out)."""
+Ref = tuple[int, str]
+"""A referenced segment: (the step whose directory holds it, its file name)."""
 
 
 class LocalTier:
@@ -68,6 +74,11 @@ class LocalTier:
         self.direct_reads = direct_reads
         self._lock = DirLock(self.root)
         self._active: set[str] = set()  # this writer's temporary names in flight
+        # references (format 4): what each committed version references (read once per version), what the
+        # versions being written will, and the directories of deleted versions kept for them (the sweep's to spare)
+        self._refs: dict[int, frozenset[Ref]] = {}
+        self._pins: dict[int, frozenset[Ref]] = {}
+        self._retained: set[str] = set()
 
     def __repr__(self) -> str:
         """Return a short description."""
@@ -103,8 +114,9 @@ class LocalTier:
             return []
         # the live set, not a copy: a delete this writer starts meanwhile marks its directory before the
         # manifest goes, and the sweep looks again right before it acts on a directory without one
+        self._retained.update(version_dirname(o) for o in await self._needed())
         return await asyncio.to_thread(sweep_directory, self.root, self._active, oldest_kept=oldest_kept,
-                                       fsync=self.fsync)
+                                       fsync=self.fsync, keep=self._retained)
 
     async def list_versions(self) -> list[int]:
         """Return the steps whose directory holds a manifest, ascending."""
@@ -204,10 +216,24 @@ class LocalTier:
         return read_large(path)
 
     async def delete_version(self, step: int) -> None:
-        """Delete a version: manifest (fsynced away) first, then segments, then the directory."""
-        await asyncio.to_thread(self._delete_sync, self._vdir(step))
+        """Delete a version: manifest (fsynced away) first, then segments, then the directory.
 
-    def _delete_sync(self, vdir: str) -> None:
+        Segments that other versions reference (format 4) stay, in the directory,
+        until the last of those versions is deleted; the segments this version
+        referenced are then removed where no version needs them any more.
+        """
+        refs = await self._references()
+        mine = refs.get(step, frozenset())
+        needed = await self._needed(exclude=step)
+        keep = needed.get(step, set())
+        if keep:
+            self._retained.add(version_dirname(step))
+        await asyncio.to_thread(self._delete_sync, self._vdir(step), keep)
+        self._refs.pop(step, None)
+        for origin in sorted({o for o, _ in mine}):
+            await asyncio.to_thread(self._collect_sync, origin, needed.get(origin, set()))
+
+    def _delete_sync(self, vdir: str, keep: Set[str] = frozenset()) -> None:
         # Idempotent: another deleter may race this one (a retention of the multi-rank layer beside the
         # sweep after a publish, which removes a version directory once its manifest is gone); a version
         # that is gone is deleted, never an error.
@@ -223,20 +249,127 @@ class LocalTier:
                 if self.fsync:
                     with contextlib.suppress(FileNotFoundError):  # the sweep took the directory meanwhile
                         fsync_dir(vdir)
-            shutil.rmtree(vdir, ignore_errors=True)
+            if keep:
+                self._remove_unneeded(vdir, keep)
+            else:
+                shutil.rmtree(vdir, ignore_errors=True)
         finally:
             self._active.discard(name)
         if self.fsync:
             fsync_dir(self.root)
 
-    async def quarantine(self, step: int) -> None:
-        """Move a corrupt version into ``.quarantine/`` under the root."""
-        await asyncio.to_thread(self._quarantine_sync, step)
+    def _remove_unneeded(self, vdir: str, keep: Set[str]) -> None:
+        """Remove every entry of the manifest-less ``vdir`` but the segments ``keep`` (referenced elsewhere)."""
+        try:
+            entries = list(os.scandir(vdir))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.name in keep and entry.is_file(follow_symlinks=False):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+        if self.fsync:
+            fsync_dir(vdir)
 
-    def _quarantine_sync(self, step: int) -> None:
+    def _collect_sync(self, origin: int, keep: Set[str]) -> None:
+        """Remove what is left of deleted version ``origin`` that no version references any more."""
+        vdir = self._vdir(origin)
+        if os.path.lexists(os.path.join(vdir, MANIFEST_NAME)) or not os.path.isdir(vdir):
+            return  # still a version (or gone)
+        name = os.path.basename(vdir)
+        if keep:
+            self._remove_unneeded(vdir, keep)
+            return
+        self._active.add(name)
+        try:
+            shutil.rmtree(vdir, ignore_errors=True)
+        finally:
+            self._active.discard(name)
+            self._retained.discard(name)
+        if self.fsync:
+            fsync_dir(self.root)
+
+    async def _references(self) -> dict[int, frozenset[Ref]]:
+        """What each committed version references (its manifest read once; one that is unreadable: nothing)."""
+        steps = set(await self.list_versions())
+        for gone in set(self._refs) - steps:
+            del self._refs[gone]
+        for step in sorted(steps - set(self._refs)):
+            try:
+                data = await self.read_manifest(step)
+                if _NO_REFERENCES.match(data):
+                    self._refs[step] = frozenset()
+                    continue
+                manifest = await asyncio.to_thread(parse_manifest, data)
+            except (AsymstoreError, OSError) as exc:  # a version that cannot be read is lost whatever it referenced
+                logger.warning("%s: cannot read step %d's manifest for its references: %s", self.name, step, exc)
+                continue
+            self._refs[step] = frozenset((o, f) for o, names in manifest.references.items() for f in names)
+        return self._refs
+
+    async def _needed(self, exclude: int | None = None) -> dict[int, set[str]]:
+        """Step -> its segments that a committed version (but ``exclude``) or one being written references."""
+        out: dict[int, set[str]] = {}
+        for step, refs in [*(await self._references()).items(), *self._pins.items()]:
+            if step == exclude:
+                continue
+            for origin, name in refs:
+                out.setdefault(origin, set()).add(name)
+        return out
+
+    async def hold_references(self, step: int, refs: Mapping[int, Set[str]]) -> bool:
+        """Keep the segments ``refs`` for version ``step`` if every one is here, committed (see ReferencingTier)."""
+        wanted = frozenset((o, n) for o, names in refs.items() for n in names)
+        committed = set(await self.list_versions())
+        needed = await self._needed()
+
+        def held() -> bool:
+            for origin, name in wanted:
+                if origin >= step or not _is_regular(os.path.join(self._vdir(origin), validate_segment_name(name))):
+                    return False
+                if origin not in committed and name not in needed.get(origin, set()):
+                    return False  # a leftover of a deleted version that nothing keeps: about to go
+            return True
+        if not await asyncio.to_thread(held):
+            return False
+        self._pins[step] = wanted
+        return True
+
+    async def release_references(self, step: int) -> None:
+        """Forget what was held for ``step`` (its write failed)."""
+        self._pins.pop(step, None)
+
+    async def quarantine(self, step: int) -> None:
+        """Move a corrupt version into ``.quarantine/`` under the root.
+
+        Segments other versions reference stay where they are (hard-linked into
+        ``.quarantine/`` beside the manifest): those versions are judged on their own.
+        """
+        keep = (await self._needed(exclude=step)).get(step, set())
+        if keep:
+            self._retained.add(version_dirname(step))
+        await asyncio.to_thread(self._quarantine_sync, step, keep)
+        self._refs.pop(step, None)
+
+    def _quarantine_sync(self, step: int, keep: Set[str] = frozenset()) -> None:
         qdir = os.path.join(self.root, QUARANTINE)
         os.makedirs(qdir, exist_ok=True)
         dest = os.path.join(qdir, f"{version_dirname(step)}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}")
+        if keep:  # a copy by hard links, then the version goes as a delete would (manifest first)
+            os.makedirs(dest)
+            for entry in os.scandir(self._vdir(step)):
+                if entry.is_file(follow_symlinks=False):
+                    os.link(entry.path, os.path.join(dest, entry.name))
+            if self.fsync:
+                fsync_dir(dest)
+            self._delete_sync(self._vdir(step), keep)
+            logger.warning("moved corrupt step %d on %s to %s (segments other versions reference kept)", step,
+                           self.name, dest)
+            return
         os.rename(self._vdir(step), dest)
         if self.fsync:
             fsync_dir(qdir)
@@ -292,6 +425,7 @@ class _DirWriter:
         try:
             await asyncio.to_thread(self._publish_sync, manifest)
             self.tier._active.discard(os.path.basename(self.tmp))
+            self.tier._refs[self.step] = self.tier._pins.pop(self.step, frozenset())
         except FileExistsError as exc:
             raise StepCommittedError(f"step {self.step} is already committed on {self.tier.name}") from exc
         except OSError as exc:
@@ -315,6 +449,7 @@ class _DirWriter:
             fsync_dir(self.tier.root)
 
     async def abort(self) -> None:
+        self.tier._pins.pop(self.step, None)
         await asyncio.to_thread(shutil.rmtree, self.tmp, True)
         if not os.path.lexists(self.tmp):
             self.tier._active.discard(os.path.basename(self.tmp))  # else the next sweep retries it

@@ -7,14 +7,15 @@ time after ``open``; ``quarantine`` for a version that failed verification; ``cl
 Buffers given to ``write_segment`` stay valid only until the call returns; buffers returned by
 ``read_segment`` belong to the caller. Optional capabilities are protocols checked with
 ``isinstance``, never ``getattr``: :class:`ExclusiveTier`, :class:`StatTier`,
-:class:`ProbeableTier`, :class:`HoldingTier`, :class:`ReadIntoTier`, :class:`ViewTier`.
+:class:`ProbeableTier`, :class:`HoldingTier`, :class:`ReadIntoTier`, :class:`ViewTier`,
+:class:`ReferencingTier`.
 
 The call order step by step, and how to write a tier: docs/extending/tiers.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -213,4 +214,36 @@ class ViewTier(Protocol):
         a true ``lends_copies`` attribute: the store then never borrows its
         segments for background tiers (:mod:`asymstore.write.lending`).
         """
+        ...
+
+
+@runtime_checkable
+class ReferencingTier(Protocol):
+    """A tier whose versions may reference segments of its earlier versions instead of rewriting them (optional).
+
+    Format 4 (docs/concepts/format.md): a chunk of version ``step`` may be
+    stored in a segment of an earlier version on the same tier, always the one
+    that wrote the bytes. Readers find it with ``read_segment(origin, name)``
+    (:meth:`~asymstore.format.manifest.Manifest.locate`). The tier keeps such a
+    segment while any version it holds, or one being written, references it:
+    :meth:`Tier.delete_version` then removes the manifest first (the step is no
+    longer a version) and only the segments nobody references; the others stay
+    in the version's directory until the last version that references them is
+    deleted, and the sweep leaves that directory alone. A tier without this
+    capability is always written full bytes.
+    """
+
+    async def hold_references(self, step: int, refs: Mapping[int, Set[str]]) -> bool:
+        """Keep the segments ``refs`` (earlier step -> segment names) for version ``step``, about to be written.
+
+        Returns:
+            True when every one is held here, committed (a version's, or one kept
+            for versions that reference it): they then stay until ``step`` is
+            deleted, or :meth:`release_references` (the write failed). False:
+            nothing is held, and the version must be written full.
+        """
+        ...
+
+    async def release_references(self, step: int) -> None:
+        """Forget what :meth:`hold_references` held for ``step`` when it was not published (idempotent)."""
         ...

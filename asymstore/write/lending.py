@@ -59,7 +59,7 @@ def lend_from(tier: object, manifest: Manifest, plan: VersionPlan,
             seg = segments.get(c.segment)
             if seg is None:
                 seg = segments[c.segment] = stack.enter_context(
-                    tier.view_segment(manifest.step, c.segment, sizes[c.segment]))
+                    tier.view_segment(*manifest.locate(c.segment), sizes[c.segment]))
             out.append(seg[c.offset:c.offset + c.length])
         return out
 

@@ -21,7 +21,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,7 +287,8 @@ class VersionPlan:
         return result, spent
 
     def plan_tier(self, tier: str, cal: TierCalibration, *, policy: Compression = "auto",
-                  segment_bytes: int | None = None, memory_bytes: int = 256 << 20) -> TierPlan:
+                  segment_bytes: int | None = None, memory_bytes: int = 256 << 20,
+                  skip: Container[int] = ()) -> TierPlan:
         """Decide every chunk's codec and the segment size for one tier (runs in a worker thread).
 
         Args:
@@ -296,6 +297,7 @@ class VersionPlan:
             policy: ``"auto"`` (the cost model), ``"never"`` or ``"always"``.
             segment_bytes: a fixed ``B`` (the user's override), or None for ``B*``.
             memory_bytes: the flush memory budget; ``B`` is at most half of it.
+            skip: chunks not written to this tier (referenced from an earlier version): neither sampled nor counted.
         """
         max_b = max(memory_bytes // 2, 4096)
         per_byte = cal.seconds_per_byte  # t_write(s) - t_write(s/r) = b·(s - s/r): the per-write ``a`` cancels
@@ -307,6 +309,9 @@ class VersionPlan:
         for index, view in enumerate(self.views):
             n = len(view)
             mask: tuple[bool, ...] | None = None
+            if index in skip:
+                masks.append(None)
+                continue
             if n == 0 or policy == "never":
                 pass
             elif policy == "always":
@@ -391,10 +396,19 @@ class SegmentBuilder:
     worker thread, one at a time), then :meth:`manifest`.
     """
 
-    def __init__(self, plan: VersionPlan, tier_plan: TierPlan) -> None:
-        """Start before the first chunk."""
+    def __init__(self, plan: VersionPlan, tier_plan: TierPlan, *, references: Mapping[int, Chunk] | None = None,
+                 referenced: Mapping[str, SegmentEntry] | None = None) -> None:
+        """Start before the first chunk.
+
+        ``references``: plan chunk index -> the chunk of an earlier version's
+        segment that holds its bytes (not written; recorded as is), and
+        ``referenced`` those segments, listed in the manifest
+        (:mod:`asymstore.write.references`).
+        """
         self.plan = plan
         self.tier_plan = tier_plan
+        self._refs = references or {}
+        self._referenced = referenced or {}
         self._pos = 0
         self._carry: _Stored | None = None  # a chunk that did not fit in the previous segment
         self._segments: list[SegmentEntry] = []
@@ -446,6 +460,10 @@ class SegmentBuilder:
         out = self._chunks
         while self._carry is not None or self._pos < total:
             st = self._carry
+            if st is None and self._pos in self._refs:  # the bytes are in an earlier version's segment
+                out.append(self._refs[self._pos])
+                self._pos += 1
+                continue
             if st is None:
                 index = self._pos
                 view = views[index]
@@ -523,7 +541,8 @@ class SegmentBuilder:
                 dtype, shape, nbytes, count = tensors[item]
                 entries[item] = TensorEntry(dtype, shape, nbytes, tuple(chunks[pos:pos + count]))
                 pos += count
-        return Manifest(step=self.plan.step, tensors=entries, segments=tuple(self._segments),
+        referenced = tuple(self._referenced[k] for k in sorted(self._referenced))
+        return Manifest(step=self.plan.step, tensors=entries, segments=tuple(self._segments) + referenced,
                         meta=dict(self.plan.meta), created=self.plan.created)
 
 

@@ -14,8 +14,9 @@ from asymstore.io.rootlock import Swept
 from asymstore.policy.compression import Compression
 from asymstore.policy.costmodel import assumed_calibration
 from asymstore.policy.retention import Note, Retention, beyond_keep_last, keep_last_of
-from asymstore.tiers.protocol import ExclusiveTier, Tier, VersionWriter
+from asymstore.tiers.protocol import ExclusiveTier, ReferencingTier, Tier, VersionWriter
 from asymstore.values import FlushStats, TierCalibration
+from asymstore.write.references import ReferenceMode, References, find_references
 from asymstore.write.segments import SegmentBuilder, VersionPlan
 
 logger = logging.getLogger(__name__)
@@ -36,12 +37,17 @@ class TierState:
         self.last_flush: FlushStats | None = None
         self.notes: dict[int, Note] = {}  # retention notes of the versions here, read once (see _retain)
         self.quarantined: list[str] = []  # where this store's sweeps moved versions without a manifest
+        self.prev: Manifest | None = None  # the manifest of the newest version written here (references)
 
 
 async def write_version(state: TierState, plan: VersionPlan, *, compression: Compression,
                         segment_bytes: int | None, memory_bytes: int,
-                        retention: Retention) -> tuple[Manifest, FlushStats]:
+                        retention: Retention, references: ReferenceMode = "off") -> tuple[Manifest, FlushStats]:
     """Write ``plan``'s version to ``state.tier`` (the caller holds ``state.lock``) and publish it.
+
+    With ``references="unchanged"`` on a :class:`~asymstore.tiers.protocol.ReferencingTier`, the chunks
+    equal to those of the newest version the tier holds (not marked bad) are referenced, not written
+    (:mod:`asymstore.write.references`).
 
     After the publish: ``LATEST``, retention (``retention``, with the tier's own
     ``keep_last`` first; :mod:`asymstore.policy.retention`) and the sweep of dead writers' leftovers; their failures
@@ -56,11 +62,17 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
         await tier.quarantine(step)
         state.bad.discard(step)
         state.versions.discard(step)
+    refs = await _references(state, plan) if references == "unchanged" else References()
     tier_plan = await asyncio.to_thread(
         plan.plan_tier, tier.name, state.calibration or assumed_calibration(), policy=compression,
-        segment_bytes=segment_bytes, memory_bytes=memory_bytes)
-    builder = SegmentBuilder(plan, tier_plan)
-    writer = await tier.begin(step, tier_plan.reserve_bytes)
+        segment_bytes=segment_bytes, memory_bytes=memory_bytes, skip=refs.chunks)
+    builder = SegmentBuilder(plan, tier_plan, references=refs.chunks, referenced=refs.segments)
+    try:
+        writer = await tier.begin(step, tier_plan.reserve_bytes)
+    except BaseException:
+        if refs.chunks and isinstance(tier, ReferencingTier):
+            await asyncio.shield(tier.release_references(step))
+        raise
     try:
         await _stream_segments(builder, writer)
         manifest = builder.manifest()
@@ -72,6 +84,7 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
             raise
         raise TierError(f"{tier.name}: {exc}") from exc
     state.versions.add(step)
+    state.prev = manifest
     state.notes[step] = retention.note_of(manifest.meta)
     try:
         await tier.write_latest(max(state.versions))
@@ -84,6 +97,39 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
         logger.error("after committing step %d on %s: %s", step, tier.name, exc)
     state.last_flush = builder.stats
     return manifest, builder.stats
+
+
+async def _references(state: TierState, plan: VersionPlan) -> References:
+    """The chunks of ``plan`` this tier can reference from the newest version it holds (held there), or none.
+
+    None when the tier cannot reference, holds no older version, that version or
+    one whose segments it references failed verification here (``state.bad``),
+    or the tier no longer holds every segment they would name.
+    """
+    tier, none = state.tier, References()
+    if not isinstance(tier, ReferencingTier):
+        return none
+    prev_step = max((v for v in state.versions if v < plan.step and v not in state.bad), default=None)
+    if prev_step is None:
+        return none
+    prev = state.prev
+    if prev is None or prev.step != prev_step:
+        try:
+            prev = parse_manifest(await tier.read_manifest(prev_step))
+        except (AsymstoreError, OSError) as exc:
+            logger.warning("%s: step %d's manifest is unreadable; step %d written full: %s", tier.name, prev_step,
+                           plan.step, exc)
+            return none
+        if prev.step != prev_step:
+            return none
+        state.prev = prev
+    if not state.bad.isdisjoint(prev.references):
+        return none
+    refs = await asyncio.to_thread(find_references, plan, prev)
+    if refs.chunks and not await tier.hold_references(plan.step, refs.by_origin):
+        logger.info("%s: the segments step %d would reference are not all held; written full", tier.name, plan.step)
+        return none
+    return refs
 
 
 async def _stream_segments(builder: SegmentBuilder, writer: VersionWriter) -> None:

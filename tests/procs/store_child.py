@@ -4,6 +4,8 @@ Run as ``python -m tests.procs.store_child MODE ...``:
 
 - ``crash ROOT PHASE AFTER NSTEPS COMPRESSION``: commit steps ``step_of(0..NSTEPS-1)``
   to a ``CrashingLocalTier`` (keep_last=2) that SIGKILLs the process at PHASE.
+- ``frozen ROOT PHASE AFTER NSTEPS``: as ``crash``, with the frozen-base state of
+  ``make_frozen_state`` (its base referenced from the first version, format 4).
 - ``loop ROOT``: commit steps to a ``LocalTier`` (keep_last=2) until killed.
 - ``shm PATH NSTEPS CAPACITY``: commit NSTEPS steps to ``host_tier(path=PATH)``,
   then SIGKILL itself.
@@ -19,16 +21,20 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Callable
+
+import torch
 
 from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.testing import CrashingLocalTier
-from tests.support.store import make_state, step_of, store_kw
+from tests.support.store import make_frozen_state, make_state, step_of, store_kw
 
 
-async def _commit_all(store: AsymStore, nsteps: int) -> None:
+async def _commit_all(store: AsymStore, nsteps: int,
+                      make: Callable[[int], dict[str, torch.Tensor]] = make_state) -> None:
     for i in range(nsteps):
         step = step_of(i)
-        await store.put_many(step, make_state(step))
+        await store.put_many(step, make(step))
         await store.commit(step, meta={"step": step})
         print(f"committed {step}", flush=True)
 
@@ -40,6 +46,11 @@ async def _main(argv: list[str]) -> None:
         tier = CrashingLocalTier(root, crash_at=phase, after=after)  # type: ignore[arg-type]
         async with AsymStore([tier], keep_last=2, **store_kw(compression)) as store:
             await _commit_all(store, nsteps)
+    elif mode == "frozen":
+        phase, after, nsteps = argv[2], int(argv[3]), int(argv[4])
+        tier = CrashingLocalTier(root, crash_at=phase, after=after)  # type: ignore[arg-type]
+        async with AsymStore([tier], keep_last=2, **store_kw()) as store:
+            await _commit_all(store, nsteps, make_frozen_state)
     elif mode == "loop":
         async with AsymStore([LocalTier(root)], keep_last=2, **store_kw()) as store:
             print("ready", flush=True)

@@ -43,6 +43,18 @@ def make_state(step: int, salt: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
+def make_frozen_state(step: int) -> dict[str, torch.Tensor]:
+    """A LoRA-style state: a frozen base (the same bytes at every step) and a small adapter of ``step``."""
+    base = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(step)
+    return {
+        "base.w": torch.randn(64, 48, generator=base),
+        "base.emb": torch.randn(40, 32, generator=base).to(torch.bfloat16),
+        "adapter.a": torch.randn(48, 4, generator=g),
+        "step": torch.tensor(step),
+    }
+
+
 def same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     """True when both hold the same names with bit-identical dtype, shape and bytes."""
     if got.keys() != want.keys():

@@ -20,7 +20,7 @@ from tests.support.store import fsck, fsck_json, make_state, same_state, store_k
 
 TOP_KEYS = {"schema", "root", "deep", "ok", "latest", "latest_problem", "newest_restorable", "versions",
             "problems", "repaired", "writer", "layout", "layout_record", "layout_problems"}
-VERSION_KEYS = {"name", "status", "step", "nbytes", "problems", "unreferenced", "kept_by", "ok"}
+VERSION_KEYS = {"name", "status", "step", "nbytes", "problems", "unreferenced", "kept_by", "referenced_by", "ok"}
 
 
 async def make_root(root: Path, steps: tuple[int, ...] = (10, 20)) -> Path:

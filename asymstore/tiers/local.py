@@ -114,7 +114,12 @@ class LocalTier:
             return []
         # the live set, not a copy: a delete this writer starts meanwhile marks its directory before the
         # manifest goes, and the sweep looks again right before it acts on a directory without one
-        self._retained.update(version_dirname(o) for o in await self._needed())
+        try:
+            needed = await self._needed()
+        except (AsymstoreError, OSError) as exc:  # what committed versions reference is unknown: sweep nothing now
+            logger.warning("%s: not sweeping: the references of its versions cannot be read: %s", self.name, exc)
+            return []
+        self._retained.update(version_dirname(o) for o in needed)
         return await asyncio.to_thread(sweep_directory, self.root, self._active, oldest_kept=oldest_kept,
                                        fsync=self.fsync, keep=self._retained)
 
@@ -295,7 +300,7 @@ class LocalTier:
 
     async def _references(self) -> dict[int, frozenset[Ref]]:
         """What each committed version references (its manifest read once; one that is unreadable: nothing)."""
-        steps = set(await self.list_versions())
+        steps = set(await asyncio.to_thread(self._list_sync))
         for gone in set(self._refs) - steps:
             del self._refs[gone]
         for step in sorted(steps - set(self._refs)):
@@ -324,7 +329,7 @@ class LocalTier:
     async def hold_references(self, step: int, refs: Mapping[int, Set[str]]) -> bool:
         """Keep the segments ``refs`` for version ``step`` if every one is here, committed (see ReferencingTier)."""
         wanted = frozenset((o, n) for o, names in refs.items() for n in names)
-        committed = set(await self.list_versions())
+        committed = set(await asyncio.to_thread(self._list_sync))
         needed = await self._needed()
 
         def held() -> bool:

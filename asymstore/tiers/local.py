@@ -79,6 +79,7 @@ class LocalTier:
         self._refs: dict[int, frozenset[Ref]] = {}
         self._pins: dict[int, frozenset[Ref]] = {}
         self._retained: set[str] = set()
+        self._refs_lock = asyncio.Lock()  # a delete decides what to keep, and a hold checks and pins, one at a time
 
     def __repr__(self) -> str:
         """Return a short description."""
@@ -227,16 +228,17 @@ class LocalTier:
         until the last of those versions is deleted; the segments this version
         referenced are then removed where no version needs them any more.
         """
-        refs = await self._references()
-        mine = refs.get(step, frozenset())
-        needed = await self._needed(exclude=step)
-        keep = needed.get(step, set())
-        if keep:
-            self._retained.add(version_dirname(step))
-        await asyncio.to_thread(self._delete_sync, self._vdir(step), keep)
-        self._refs.pop(step, None)
-        for origin in sorted({o for o, _ in mine}):
-            await asyncio.to_thread(self._collect_sync, origin, needed.get(origin, set()))
+        async with self._refs_lock:
+            refs = await self._references()
+            mine = refs.get(step, frozenset())
+            needed = await self._needed(exclude=step)
+            keep = needed.get(step, set())
+            if keep:
+                self._retained.add(version_dirname(step))
+            await asyncio.to_thread(self._delete_sync, self._vdir(step), keep)
+            self._refs.pop(step, None)
+            for origin in sorted({o for o, _ in mine}):
+                await asyncio.to_thread(self._collect_sync, origin, needed.get(origin, set()))
 
     def _delete_sync(self, vdir: str, keep: Set[str] = frozenset()) -> None:
         # Idempotent: another deleter may race this one (a retention of the multi-rank layer beside the
@@ -328,7 +330,10 @@ class LocalTier:
 
     async def hold_references(self, step: int, refs: Mapping[int, Set[str]]) -> bool:
         """Keep the segments ``refs`` for version ``step`` if every one is here, committed (see ReferencingTier)."""
-        wanted = frozenset((o, n) for o, names in refs.items() for n in names)
+        async with self._refs_lock:
+            return await self._hold(step, frozenset((o, n) for o, names in refs.items() for n in names))
+
+    async def _hold(self, step: int, wanted: frozenset[Ref]) -> bool:
         committed = set(await asyncio.to_thread(self._list_sync))
         needed = await self._needed()
 
@@ -354,11 +359,12 @@ class LocalTier:
         Segments other versions reference stay where they are (hard-linked into
         ``.quarantine/`` beside the manifest): those versions are judged on their own.
         """
-        keep = (await self._needed(exclude=step)).get(step, set())
-        if keep:
-            self._retained.add(version_dirname(step))
-        await asyncio.to_thread(self._quarantine_sync, step, keep)
-        self._refs.pop(step, None)
+        async with self._refs_lock:
+            keep = (await self._needed(exclude=step)).get(step, set())
+            if keep:
+                self._retained.add(version_dirname(step))
+            await asyncio.to_thread(self._quarantine_sync, step, keep)
+            self._refs.pop(step, None)
 
     def _quarantine_sync(self, step: int, keep: Set[str] = frozenset()) -> None:
         qdir = os.path.join(self.root, QUARANTINE)

@@ -186,8 +186,16 @@ def quarantine(root: str, path: str, label: str) -> str:
     return quarantine_entry(root, path, label, fsync=False)
 
 
-def quarantine_linked(root: str, path: str, label: str) -> str:
-    """Put a hard-linked copy of version directory ``path`` aside, then remove its manifest; return where it went."""
+def quarantine_linked(root: str, path: str, label: str, step: int, users: list[int]) -> str:
+    """Put a hard-linked copy of version ``step``'s directory aside; keep only the segments ``users`` reference.
+
+    Its manifest goes first (it is no version any more), then every file no
+    version of ``users`` references. Returns where the copy went.
+    """
+    needed: set[str] = set()
+    for user in users:
+        data = read_whole(os.path.join(root, version_dirname(user), MANIFEST_NAME))
+        needed |= parse_manifest(data).references.get(step, frozenset())
     qdir = os.path.join(root, QUARANTINE)
     os.makedirs(qdir, exist_ok=True)
     dest = os.path.join(qdir, f"{label}-linked-{os.getpid()}-{len(os.listdir(qdir))}")
@@ -200,27 +208,35 @@ def quarantine_linked(root: str, path: str, label: str) -> str:
     if os.path.lexists(manifest):
         os.unlink(manifest)
     fsync_dir(path)
+    for entry in os.scandir(path):
+        if entry.name not in needed and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+    fsync_dir(path)
     return dest
 
 
 def _repair_dir(report: FsckReport) -> list[str]:
     root = report.root
     actions: list[str] = []
+    sound = {e.step for e in report.entries if e.status in ("committed", "superseded") and not e.problems}
     for e in report.entries:
         path = os.path.join(root, e.name)
+        users = [s for s in e.referenced_by if s in sound]  # versions that stay and read segments of this one
         if e.status in ("partial", "orphaned"):
             if os.path.isdir(path):
                 shutil.rmtree(path)
             elif os.path.exists(path):
                 os.unlink(path)
             actions.append(f"removed {e.status} {e.name}")
-        elif e.status == "corrupt" and e.referenced_by and os.path.isdir(path):
-            # other versions read segments of it (format 4): a copy by hard links goes aside, the manifest goes
-            dest = quarantine_linked(root, path, e.name)
-            actions.append(f"moved corrupt {e.name} to {dest} (its segments that steps {e.referenced_by} "
-                           "reference stay)")
+        elif e.status == "corrupt" and users and os.path.isdir(path):
+            # versions that verify read segments of it (format 4): a copy by hard links goes aside, the manifest goes
+            assert e.step is not None
+            dest = quarantine_linked(root, path, e.name, e.step, users)
+            actions.append(f"moved corrupt {e.name} to {dest} (its segments that steps {users} reference stay)")
         elif e.status == "corrupt":
             actions.append(f"moved corrupt {e.name} to {quarantine(root, path, e.name)}")
+        elif e.status == "retained" and not users and os.path.isdir(path):  # its users are all being moved aside
+            actions.append(f"moved {e.name}, kept for corrupt versions only, to {quarantine(root, path, e.name)}")
         elif e.status in ("committed", "retained") and e.unreferenced:
             for f in e.unreferenced:
                 dest = quarantine(root, os.path.join(path, f), f"{e.name}-{f}")

@@ -22,7 +22,7 @@ from asymstore.export import export
 from asymstore.format.manifest import MANIFEST_NAME, Manifest
 from asymstore.format.names import version_dirname
 from asymstore.format.parse import parse_manifest
-from asymstore.fsck import check
+from asymstore.fsck import check, repair
 from asymstore.tiers.protocol import ReferencingTier
 from tests.support.store import committed_steps, make_frozen_state, same_state, spawn, step_of, store_kw
 
@@ -231,7 +231,16 @@ def test_any_edit_sequence_restores_every_kept_version_bit_exact(
                     current = {k: e for (k, t), h in zip(current.items(), how, strict=False)
                                if (e := edit(t, h)) is not None} or {"a": state["a"]}
                 await store.put_many(step, current)
-                await store.commit(step)
+                manifest = (await store.commit(step)).manifest
+                before = written.get(step - 1, {})
+                for name, t in current.items():  # an unchanged tensor is referenced, a changed one written
+                    was = before.get(name)
+                    unchanged = was is not None and same_state({name: was}, {name: t}) and t.numel() > 0
+                    referenced = ["@" in c.segment for c in manifest.tensors[name].chunks]  # reference keys
+                    if unchanged:
+                        assert all(referenced), (step, name)
+                    if was is None:
+                        assert not any(referenced), (step, name)
                 written[step] = current
                 assert same_state((await store.restore()).tensors, current)
         async with AsymStore([LocalTier(root)], read_only=True, **store_kw()) as store:
@@ -240,3 +249,30 @@ def test_any_edit_sequence_restores_every_kept_version_bit_exact(
     asyncio.run(run())
     report = check(str(root), deep=True)
     assert report.ok, report.problems
+
+
+async def test_repair_moves_the_damaged_versions_aside_and_keeps_what_the_sound_ones_reference(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    changed = {k: v * 2 if v.is_floating_point() else v for k, v in make_frozen_state(0).items()}
+    async with AsymStore([LocalTier(root)], keep_last=None, **store_kw()) as store:
+        for step in range(1, 5):  # 4 changes base.emb only: its base.w chunks still come from 1
+            edit = {"base.emb": changed["base.emb"]} if step == 4 else {}
+            await store.put_many(step, make_frozen_state(step) | edit)
+            await store.commit(step)
+    m2 = manifest_of(root, 2)
+    chunk = m2.tensors["adapter.a"].chunks[0]  # written by 2, referenced by none: 3 has its own adapter
+    assert "@" not in chunk.segment and set(manifest_of(root, 4).references) == {1}
+    emb = manifest_of(root, 1).tensors["base.emb"].chunks[0]  # written by 1, used by 1, 2, 3; not by 4
+    seg = root / version_dirname(1) / emb.segment
+    data = bytearray(seg.read_bytes())
+    data[emb.offset] ^= 1
+    seg.write_bytes(bytes(data))
+    report = check(str(root), deep=True)
+    assert {e.step: e.status for e in report.entries} == {1: "corrupt", 2: "corrupt", 3: "corrupt", 4: "committed"}
+    repair(report)
+    after = check(str(root), deep=True)
+    assert after.ok, after.problems
+    assert {e.step: e.status for e in after.entries if e.status != "quarantined"} == {1: "retained", 4: "committed"}
+    async with AsymStore([LocalTier(root)], read_only=True, **store_kw()) as store:
+        assert same_state((await store.restore()).tensors,
+                          make_frozen_state(4) | {"base.emb": changed["base.emb"]})

@@ -27,7 +27,15 @@ from asymstore.errors import AsymstoreError, GlobalManifestError, ManifestError
 from asymstore.format import placement
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import MANIFEST_NAME, Manifest
-from asymstore.format.names import LATEST, QUARANTINE, TMP_PREFIX, is_uri, rank_dirname, version_dirname
+from asymstore.format.names import (
+    LATEST,
+    QUARANTINE,
+    TMP_PREFIX,
+    is_uri,
+    parse_version_dirname,
+    rank_dirname,
+    version_dirname,
+)
 from asymstore.format.parse import parse_manifest
 from asymstore.format.placement import Placement
 from asymstore.fsck.directory import check_latest, quarantine
@@ -37,6 +45,7 @@ from asymstore.io.files import atomic_write, fsync_dir, read_whole
 from asymstore.io.rootlock import DirLock
 from asymstore.multirank import globaldir
 from asymstore.runtime.sync import run_sync
+from asymstore.tiers.local import LocalTier
 
 logger = logging.getLogger(__name__)
 
@@ -428,11 +437,12 @@ def _latest_problems(global_problem: str | None, ranks: dict[int, FsckReport]) -
 
 
 def _delete_shard(vdir: str) -> None:
-    manifest = os.path.join(vdir, MANIFEST_NAME)
-    if os.path.exists(manifest):
-        os.unlink(manifest)
-        fsync_dir(vdir)
-    shutil.rmtree(vdir, ignore_errors=True)
+    """Delete a shard as its tier's retention would: manifest first, then what no other shard there references."""
+    step = parse_version_dirname(os.path.basename(vdir))
+    if step is None:
+        shutil.rmtree(vdir, ignore_errors=True)
+        return
+    run_sync(LocalTier(os.path.dirname(vdir)).delete_version(step))  # keeps segments later shards reference
 
 
 def repair_multirank(report: MultiRankFsckReport) -> list[str]:

@@ -63,13 +63,13 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
         state.bad.discard(step)
         state.versions.discard(step)
     refs = await _references(state, plan) if references == "unchanged" else References()
-    tier_plan = await asyncio.to_thread(
-        plan.plan_tier, tier.name, state.calibration or assumed_calibration(), policy=compression,
-        segment_bytes=segment_bytes, memory_bytes=memory_bytes, skip=refs.chunks)
-    builder = SegmentBuilder(plan, tier_plan, references=refs.chunks, referenced=refs.segments)
     try:
+        tier_plan = await asyncio.to_thread(
+            plan.plan_tier, tier.name, state.calibration or assumed_calibration(), policy=compression,
+            segment_bytes=segment_bytes, memory_bytes=memory_bytes, skip=refs.chunks)
+        builder = SegmentBuilder(plan, tier_plan, references=refs.chunks, referenced=refs.segments)
         writer = await tier.begin(step, tier_plan.reserve_bytes)
-    except BaseException:
+    except BaseException:  # nothing begun: what was held for the references is let go
         if refs.chunks and isinstance(tier, ReferencingTier):
             await asyncio.shield(tier.release_references(step))
         raise

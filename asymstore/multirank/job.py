@@ -64,6 +64,8 @@ class Job:
     """The single-process version ``restore`` resumed (the coordinator records it with the layout)."""
     layout_recorded: bool = False
     """The coordinator recorded the root's layout as this job's (see :mod:`.rootlayout`)."""
+    replicas_whole: bool = False
+    """The replicas of a sliced version differed: from then on this job writes (and publishes) whole copies only."""
     root_lock: DirLock | None = None
     """The root's writer lock, held by the coordinator while it takes a single-process root over (:mod:`.takeover`)."""
 

@@ -21,10 +21,12 @@ from asymstore.errors import (
     GlobalCommitError,
     GlobalCommitTimeoutError,
     GlobalVersionDroppedError,
+    ReplicasDifferError,
     RootLayoutError,
 )
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.format.placement import Placement
+from asymstore.format.replicas import refusal
 from asymstore.multirank import globaldir, rootlayout, takeover
 from asymstore.multirank.job import Job
 from asymstore.multirank.protocol import CommitRound, GlobalAnswer, ShardReport
@@ -48,6 +50,8 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
     Raises:
         GlobalCommitTimeoutError: not every rank reported within ``job.timeout_s``.
         GlobalCommitError: a rank reported that its shard failed.
+        ReplicasDifferError: ranks wrote slices of a replicated state that differs across them, or slices
+            beside whole copies (see :mod:`asymstore.format.replicas`); ``job.replicas_whole`` is set.
         CoordinationProtocolError: a rank's report is malformed (every rank waiting hears the failure).
     """
     try:
@@ -75,6 +79,14 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
         commit.answer(GlobalAnswer(failed=msg))
         raise GlobalCommitError(msg)
     shards = tuple(rep.info for rep in reports if rep.info is not None)
+    why = refusal([s.summary for s in shards], job.world_size, whole_only=job.replicas_whole)
+    if why is not None:  # never a version whose restore would mix ranks' states (asymstore.format.replicas)
+        job.replicas_whole = True
+        msg = f"step {step}: {why}; the global version is not published and the job falls back to whole " \
+              "copies of the replicated state on every rank"
+        logger.warning(msg)
+        commit.answer(GlobalAnswer(failed=msg, dropped=True))
+        raise ReplicasDifferError(msg)
     manifest = GlobalManifest(step, job.world_size, shards, meta, time.time(), record_placement(job, reports))
     for stale in [s for s in job.global_steps() if s >= step]:  # a history abandoned by an older restore
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)

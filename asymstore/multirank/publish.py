@@ -81,10 +81,10 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
     shards = tuple(rep.info for rep in reports if rep.info is not None)
     why = refusal([s.summary for s in shards], job.world_size, whole_only=job.replicas_whole)
     if why is not None:  # never a version whose restore would mix ranks' states (asymstore.format.replicas)
-        job.replicas_whole = True
         msg = f"step {step}: {why}; the global version is not published and the job falls back to whole " \
               "copies of the replicated state on every rank"
-        logger.warning(msg)
+        logger.log(logging.INFO if job.replicas_whole else logging.WARNING, msg)  # versions in flight: once
+        job.replicas_whole = True
         commit.answer(GlobalAnswer(failed=msg, dropped=True))
         raise ReplicasDifferError(msg)
     manifest = GlobalManifest(step, job.world_size, shards, meta, time.time(), record_placement(job, reports))

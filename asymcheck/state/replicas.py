@@ -98,17 +98,21 @@ def replica_digest(names: Sequence[str], sources: Sequence[torch.Tensor], step: 
             if t.numel():
                 h.update(_host_bytes(t.detach().reshape(-1)))
         return h.hexdigest()
-    picks: dict[torch.device, list[torch.Tensor]] = {}
+    picks: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}  # views only: one gather per device and dtype
     for i, t in enumerate(sources):
         n = t.numel()
         if not n:
             continue
         stride = max(1, n // SAMPLES)
         start = (step * 40503 + i) % stride
-        flat = t.detach().reshape(-1)
-        picks.setdefault(t.device, []).append(flat[start::stride][:SAMPLES].contiguous().view(torch.uint8))
-    for device in sorted(picks, key=str):
-        h.update(_host_bytes(torch.cat(picks[device])))
+        k = min(SAMPLES, (n - start + stride - 1) // stride)
+        if t.is_contiguous():  # one view op per tensor
+            pick = t.detach().as_strided((k,), (stride,), t.storage_offset() + start)
+        else:
+            pick = t.detach().reshape(-1)[start:start + stride * k:stride]
+        picks.setdefault((str(t.device), t.dtype), []).append(pick)
+    for key in sorted(picks, key=str):
+        h.update(_host_bytes(torch.cat(picks[key]).view(torch.uint8)))
     return h.hexdigest()
 
 

@@ -196,3 +196,8 @@ class ReplicaSlicingStore(Protocol):
     def replicas_whole(self) -> bool:
         """Whether the job fell back to whole copies of its replicated state."""
         ...
+
+    @property
+    def slices_readable(self) -> bool:
+        """Whether every rank can read the other ranks' shards where they are written (slices may be cut)."""
+        ...

@@ -18,7 +18,8 @@ of the job, and a WARNING says so.
 
 What is sliced: the lazily copied tensors (parameters, optimizer state) of a model wrapped in
 ``DistributedDataParallel`` trained by an optimizer that is not ``ZeroRedundancyOptimizer``, on a
-store of several ranks (:class:`asymstore.protocols.ReplicaSlicingStore`). DTensors (FSDP2) keep their
+store of several ranks whose shards every rank can read (:class:`asymstore.protocols.ReplicaSlicingStore`:
+a directory's default tiers under a shared root; node-local tiers write whole copies). DTensors (FSDP2) keep their
 own layouts and nothing is sliced beside them; buffers, RNG states and 0-d tensors stay whole.
 A restore reads the slices every rank needs where they live (:mod:`asymstore.multirank.reshard`).
 Guide: docs/guides/multirank.md ("Replicated state").
@@ -148,7 +149,7 @@ class ReplicaSlicer:
         """Decide whether this job slices at all."""
         self._store = store if isinstance(store, ReplicaSlicingStore) else None
         self.enabled = (dedup == "replicas" and self._store is not None and self._store.world_size > 1
-                        and _replicated(model, optimizer))
+                        and self._store.slices_readable and _replicated(model, optimizer))
         """Whether versions are sliced (until the job falls back to whole copies)."""
         self.rank = self._store.rank if self._store is not None else 0
         self.world = self._store.world_size if self._store is not None else 1

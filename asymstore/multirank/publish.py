@@ -12,6 +12,7 @@ a rank that waits for the global version (:func:`await_global`) reads that answe
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -24,9 +25,10 @@ from asymstore.errors import (
     ReplicasDifferError,
     RootLayoutError,
 )
-from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.format.names import rank_dirname, version_dirname
 from asymstore.format.placement import Placement
-from asymstore.format.replicas import refusal
+from asymstore.format.replicas import is_sliced, refusal
 from asymstore.multirank import globaldir, rootlayout, takeover
 from asymstore.multirank.job import Job
 from asymstore.multirank.protocol import CommitRound, GlobalAnswer, ShardReport
@@ -80,6 +82,8 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
         raise GlobalCommitError(msg)
     shards = tuple(rep.info for rep in reports if rep.info is not None)
     why = refusal([s.summary for s in shards], job.world_size, whole_only=job.replicas_whole)
+    if why is None and not job.shards_seen and is_sliced([s.summary for s in shards]):
+        why = _unseen(job, shards)
     if why is not None:  # never a version whose restore would mix ranks' states (asymstore.format.replicas)
         msg = f"step {step}: {why}; the global version is not published and the job falls back to whole " \
               "copies of the replicated state on every rank"
@@ -110,6 +114,18 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
     commit.answer(GlobalAnswer(step=step))
     logger.debug("published global version %d (%d ranks, %d bytes)", step, job.world_size, manifest.nbytes)
     return manifest
+
+
+def _unseen(job: Job, shards: tuple[ShardInfo, ...]) -> str | None:
+    """Why the ranks could not read each other's slices: a shard the coordinator does not see under the root."""
+    if not job.shards_under_root:
+        return "slices were cut with tiers outside the root, where the other ranks cannot read them"
+    missing = [s.rank for s in shards
+               if not os.path.isdir(os.path.join(job.root, rank_dirname(s.rank), version_dirname(s.step)))]
+    if missing:
+        return f"rank 0 does not see the shards of rank(s) {missing[:8]} under {job.root} (not a shared filesystem?)"
+    job.shards_seen = True
+    return None
 
 
 def record_placement(job: Job, reports: list[ShardReport]) -> str | None:

@@ -132,6 +132,7 @@ class RankStore:
             peer_tiers=peer_tiers or (lambda r: [rank_tier(abs_root, r, read_only=False, fsync=fsync)]),
             rules=rules if rules.reads_notes else None, across_layouts=check_across(across_layouts))
         """What the multi-rank helpers use of this store (rank, world, global directory, coordination, timeouts)."""
+        self.job.shards_under_root = tiers is None and peer_tiers is None
         self._global_lock = DirLock(self.job.global_dir)
         if tiers is None:
             tiers = self.job.peer_tiers(rank)
@@ -510,6 +511,15 @@ class RankStore:
         slicing replicated state must write whole copies once it is set.
         """
         return self.job.replicas_whole
+
+    @property
+    def slices_readable(self) -> bool:
+        """Whether every rank can read the other ranks' shards where they are written (default tiers under the root).
+
+        A writer cuts slices of a replicated state only then; the coordinator also checks that it sees
+        each rank's shard of the first sliced version under the root, else the job falls back.
+        """
+        return self.job.shards_under_root
 
     def _heard_replicas_whole(self) -> None:
         """Follow the coordinator's fallback to whole copies (a key of this session in the coordination store)."""

@@ -12,11 +12,15 @@ still exact.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from asymstore.export import export
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.format.replicas import REPLICAS_KEY
 from tests.support.mr_harness import Case, assert_same_state, run_cases
@@ -88,7 +92,7 @@ def test_ddp_slices_halve_bytes_per_rank_and_kill_resume_is_bit_identical(
         assert [it for it, _ in resume.losses(r)] == list(range(resumed["step"], ITERATIONS))
 
 
-def test_ddp_slices_resume_on_one_rank(sliced: tuple[Path, Path, str, str]) -> None:
+def test_ddp_slices_resume_on_one_rank_and_export(sliced: tuple[Path, Path, str, str]) -> None:
     out, out1, ck, _ = sliced
     g = globals_of(ck)[ITERATIONS]
     assert g.world_size == 2 and all(REPLICAS_KEY in s.summary for s in g.shards)  # the root holds slices
@@ -96,7 +100,14 @@ def test_ddp_slices_resume_on_one_rank(sliced: tuple[Path, Path, str, str]) -> N
     assert one.rc(0) == 0, one.log(0)
     [resumed] = one.events(0, "resumed")
     assert resumed["step"] == ITERATIONS and resumed["tier"] == "resharded from 2 rank(s)"
-    assert_same_state(Case(out, "resume", 2).final(0), one.final(0, "resumed"))
+    final = Case(out, "resume", 2).final(0)
+    assert_same_state(final, one.final(0, "resumed"))
+    exported = out1.parent / "export.safetensors"  # export assembles the slices as well
+    asyncio.run(export(ck, "safetensors", str(exported)))
+    weights = load_file(exported)
+    assert sorted(f"model/{k}" for k in weights) == sorted(n for n in final.tensors if n.startswith("model/"))
+    for key, value in weights.items():
+        assert torch.equal(value, final.tensors[f"model/{key}"]), key
 
 
 @pytest.fixture(scope="module")

@@ -142,3 +142,33 @@ def test_ddp_replicas_that_differ_fall_back_to_whole_copies_with_a_warning(diver
         same_losses(ref, resume, r)
     finals = [json.dumps(ref.final(r).tensors["model/module.0.bias"].tolist()) for r in range(2)]
     assert finals[0] != finals[1]  # the replicas really differed
+
+
+@pytest.mark.exhaustive
+def test_ddp_slices_on_4_ranks_kill_resume_and_resume_on_2(tmp_path: Path) -> None:
+    """4 ranks (gradients averaged in rank order: bit-identical restarts), each writing about a quarter."""
+    ck, off = str(tmp_path / "ck"), str(tmp_path / "off")
+    out = tmp_path / "out"
+    run_cases([
+        {"name": "ref", "kind": "ddp", "mode": "ref", "iterations": ITERATIONS, "ordered": True},
+        {"name": "off", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": off, "dedup": "off",
+         "ordered": True},
+        {"name": "kill", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck, "ordered": True,
+         "kill": {"rank": None, "at": f"forward:{KILL_AT}"}},
+        {"name": "resume", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck, "ordered": True},
+    ], 4, out)
+    run_cases([{"name": "two", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck,
+                "dump_resumed": True}], 2, tmp_path / "out2")
+    ref, resume = Case(out, "ref", 4), Case(out, "resume", 4)
+    sliced_g, whole_g = globals_of(ck)[ITERATIONS], globals_of(off)[ITERATIONS]
+    for r in range(4):
+        assert REPLICAS_KEY in sliced_g.shard(r).summary
+        assert sliced_g.shard(r).nbytes / whole_g.shard(r).nbytes <= 0.4  # ~1/4 of the replicated part
+        assert resume.rc(r) == 0, resume.log(r)
+        [resumed] = resume.events(r, "resumed")
+        assert 1 <= resumed["step"] < KILL_AT
+        assert_same_state(ref.final(r), resume.final(r))
+    two = Case(tmp_path / "out2", "two", 2)
+    for r in range(2):
+        assert two.rc(r) == 0, two.log(r)
+        assert_same_state(resume.final(r), two.final(r, "resumed"))  # ranks 0, 1 take their own whole state

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -43,7 +43,8 @@ from asymstore.protocols import ReplicaSlicingStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEDUPS", "FULL_VERSIONS", "SAMPLES", "Dedup", "ReplicaSlicer", "replica_digest", "slice_plan"]
+__all__ = ["DEDUPS", "FULL_VERSIONS", "SAMPLES", "Dedup", "Digest", "ReplicaSlicer", "gather_digest", "replica_digest",
+           "slice_plan"]
 
 Dedup = Literal["replicas", "off"]
 """``"replicas"``: each rank writes its slice of the replicated state; ``"off"``: every rank writes all of it."""
@@ -86,20 +87,45 @@ def slice_plan(sources: Sequence[torch.Tensor], rank: int, world: int) -> list[S
     return out
 
 
-def replica_digest(names: Sequence[str], sources: Sequence[torch.Tensor], step: int, *, full: bool) -> str:
-    """The digest of a replicated state: names, shapes, dtypes, and every byte (``full``) or a sample.
+class Digest:
+    """A digest of a replicated state taken at one moment, hashed later (:meth:`hexdigest`).
 
-    The sample takes :data:`SAMPLES` evenly spaced elements of each tensor, starting at an offset
-    that moves with ``step`` (over the versions every element is looked at); one host copy per device.
+    The bytes are gathered when the step returns: on the host at once, or on a CUDA device into
+    pinned memory behind an event (no synchronisation on the training thread); they are hashed when
+    the version is sealed, once its copies are waited for anyway.
     """
-    h = StreamingChecksum()
-    h.update(repr([(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in zip(names, sources, strict=True)]).encode())
-    if full:
-        for t in sources:
-            if t.numel():
-                h.update(_host_bytes(t.detach().reshape(-1)))
+
+    def __init__(self, header: bytes, parts: list[torch.Tensor], event: object = None) -> None:
+        """Keep the gathered bytes (host tensors, or pinned ones the ``event`` completes)."""
+        self._header = header
+        self._parts = parts
+        self._event = event
+
+    def hexdigest(self) -> str:
+        """Wait for the gathered bytes if needed, then hash the header and every part."""
+        if self._event is not None:
+            self._event.synchronize()  # type: ignore[attr-defined]
+            self._event = None
+        h = StreamingChecksum()
+        h.update(self._header)
+        for part in self._parts:
+            if part.numel():
+                h.update(memoryview(part.view(torch.uint8).numpy()).cast("B"))  # type: ignore[arg-type]
         return h.hexdigest()
-    picks: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}  # views only: one gather per device and dtype
+
+
+def gather_digest(names: Sequence[str], sources: Sequence[torch.Tensor], step: int, *, full: bool) -> Digest:
+    """Take the bytes the digest of a replicated state covers: every byte (``full``) or a sample.
+
+    The header covers names, shapes and dtypes. The sample takes :data:`SAMPLES` evenly spaced
+    elements of each tensor, starting at an offset that moves with ``step`` (over the versions
+    every element is looked at): views, then one gather per device and dtype. ``full`` copies every
+    tensor to the host now (synchronously: the first versions only).
+    """
+    header = repr([(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in zip(names, sources, strict=True)]).encode()
+    if full:
+        return Digest(header, [t.detach().reshape(-1).contiguous().cpu() for t in sources if t.numel()])
+    picks: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
     for i, t in enumerate(sources):
         n = t.numel()
         if not n:
@@ -112,15 +138,25 @@ def replica_digest(names: Sequence[str], sources: Sequence[torch.Tensor], step: 
         else:
             pick = t.detach().reshape(-1)[start:start + stride * k:stride]
         picks.setdefault((str(t.device), t.dtype), []).append(pick)
+    parts: list[torch.Tensor] = []
+    event = None
     for key in sorted(picks, key=str):
-        h.update(_host_bytes(torch.cat(picks[key]).view(torch.uint8)))
-    return h.hexdigest()
+        sample = torch.cat(picks[key])
+        if sample.device.type == "cuda":  # queued after the step on the current stream; no wait here
+            host = torch.empty(sample.shape, dtype=sample.dtype, pin_memory=True)
+            host.copy_(sample, non_blocking=True)
+            sample = host
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        elif sample.device.type != "cpu":
+            sample = sample.cpu()
+        parts.append(sample)
+    return Digest(header, parts, event)
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of flat tensor ``t`` on the host (a view of a contiguous CPU tensor, else a copy)."""
-    host = t.contiguous().cpu().view(torch.uint8)
-    return memoryview(host.numpy()).cast("B")  # type: ignore[arg-type]
+def replica_digest(names: Sequence[str], sources: Sequence[torch.Tensor], step: int, *, full: bool) -> str:
+    """The digest of a replicated state now (see :func:`gather_digest`)."""
+    return gather_digest(names, sources, step, full=full).hexdigest()
 
 
 def _replicated(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
@@ -161,6 +197,7 @@ class ReplicaSlicer:
         """The job fell back to whole copies (the replicas of a version differed)."""
         self._key: tuple[object, ...] | None = None
         self._plan: list[Slice] = []
+        self._pending: dict[int, tuple[Digest, bool]] = {}  # step -> its digest gathered at the step, full
 
     @property
     def active(self) -> bool:
@@ -177,7 +214,12 @@ class ReplicaSlicer:
         return True
 
     def apply(self, cap: Capture, step: int) -> None:
-        """Replace the replicated sources of ``cap`` by this rank's slices, with their layouts and the claim."""
+        """Replace the replicated sources of ``cap`` (the version of ``step``) by this rank's slices and layouts.
+
+        The digest of the whole replicated state is gathered now; :meth:`finish` puts the claim
+        into the version's meta when it is sealed.
+        """
+        self._pending.pop(step, None)
         if not self.active or cap.layouts:  # DTensors (FSDP2, HSDP) keep their own layouts
             return
         key = tuple((tuple(t.shape), t.dtype, t.is_contiguous()) for t in cap.sources)
@@ -187,10 +229,23 @@ class ReplicaSlicer:
             return
         started = time.perf_counter()
         full = self.digested < FULL_VERSIONS
-        digest = replica_digest(cap.names, cap.sources, step, full=full)
+        digest = gather_digest(cap.names, cap.sources, step, full=full)
         self.digested += 1
         self.digest_s += time.perf_counter() - started
+        for old in [s for s in self._pending if s < step]:  # versions dropped or skipped before their seal
+            del self._pending[old]
+        self._pending[step] = (digest, full)
         for i, layout in self._plan:
             cap.sources[i] = cap.sources[i].narrow(0, layout.offsets[0], layout.shape[0])
             cap.layouts[cap.names[i]] = layout
-        cap.meta[REPLICAS_KEY] = ReplicaClaim(self.world, digest, full).to_json()
+
+    def finish(self, step: int, meta: dict[str, Any]) -> None:
+        """Put the claim of the sliced version of ``step`` into its ``meta`` (nothing for a version not sliced)."""
+        pending = self._pending.pop(step, None)
+        if pending is None:
+            meta.pop(REPLICAS_KEY, None)
+            return
+        started = time.perf_counter()
+        digest, full = pending
+        meta[REPLICAS_KEY] = ReplicaClaim(self.world, digest.hexdigest(), full).to_json()
+        self.digest_s += time.perf_counter() - started

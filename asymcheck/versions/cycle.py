@@ -188,6 +188,8 @@ class VersionCycle:
             del self.metrics[old]
         if metrics:
             meta["metrics"] = metrics
+        if self.replicas is not None:  # the claim of a version of slices (asymstore.format.replicas)
+            self.replicas.finish(snap.step, meta)
         meta["asymcheck"]["step"] = snap.step
         meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
                                      "partitions": len(snap.plan.partitions),

@@ -22,6 +22,7 @@ Case fields:
 - ``dedup`` (DDP): the Checkpointer's ``CommitOptions(dedup=...)`` (default: the option's default).
 - ``diverge`` (DDP): rank 1 adds 0.5 to the first layer's bias right after DDP's broadcast, so its replica
   differs from rank 0's for the whole run (DDP averages the gradients, so the offset stays).
+- ``mark`` (DDP): call ``ckpt.mark()`` as the last statement of every iteration.
 - ``ordered`` (DDP): average gradients with :func:`ordered_mean` (bit-identical restarts beyond 2 ranks).
 - ``sampler`` (DDP): the batches come from a DataLoader over 40 samples through
   ``asymcheck.ResumableDistributedSampler`` (shuffled, 2 samples a batch per rank, a ``data=`` object),
@@ -448,6 +449,8 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         opt.zero_grad(set_to_none=True)
         log.loss(it, loss.item())
         pos.iteration += 1
+        if ckpt is not None and case.get("mark"):
+            ckpt.mark()
     if ckpt is not None:
         ckpt.close()
         stats = ckpt.stats()

@@ -2,7 +2,8 @@
 
 Cases (tests/support/mr_cases.py): ``ref`` trains 7 iterations without checkpoints; ``off`` checkpoints
 every iteration with ``dedup="off"`` (every rank writes all of the state); ``kill`` checkpoints with
-slices and every rank SIGKILLs itself in the forward pass of iteration 4; ``resume`` restores the
+slices (``ckpt.mark()`` ending every iteration: the claim survives its re-capture of the meta) and
+every rank SIGKILLs itself in the forward pass of iteration 4; ``resume`` restores the
 newest global version (each rank reads every slice from the shared root) and trains to the end, bit
 for bit as ``ref``. ``one`` then resumes that root on a single rank (2 -> 1): its state is rank 0's
 state at step 7. In a second job, rank 1's replica differs from rank 0's (``diverge``): no sliced
@@ -55,9 +56,10 @@ def sliced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str, s
     run_cases([
         {"name": "ref", "kind": "ddp", "mode": "ref", "iterations": ITERATIONS},
         {"name": "off", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": off, "dedup": "off"},
-        {"name": "kill", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck,
+        {"name": "kill", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck, "mark": True,
          "kill": {"rank": None, "at": f"forward:{KILL_AT}"}, "fsck": True},
-        {"name": "resume", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck, "fsck": True},
+        {"name": "resume", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck, "mark": True,
+         "fsck": True},
     ], 2, root / "out")
     run_cases([{"name": "one", "kind": "ddp", "mode": "attach", "iterations": ITERATIONS, "dir": ck,
                 "dump_resumed": True}], 1, root / "out1")

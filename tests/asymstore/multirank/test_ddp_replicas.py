@@ -87,7 +87,7 @@ def test_ddp_slices_halve_bytes_per_rank_and_kill_resume_is_bit_identical(
         assert resume.rc(r) == 0 and ref.rc(r) == 0, resume.log(r)
         [resumed] = resume.events(r, "resumed")
         assert resumed["step"] == report["newest_restorable"] == resumed["iteration"]
-        assert 1 <= resumed["step"] < KILL_AT
+        assert 1 <= resumed["step"] < KILL_AT and resumed["tier"] == "slices of 2 rank(s)"
         assert_same_state(ref.final(r), resume.final(r))
         same_losses(ref, kill, r)
         same_losses(ref, resume, r)

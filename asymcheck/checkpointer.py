@@ -53,6 +53,7 @@ from asymcheck.snapshot.partition import (
     WindowRecorder,
 )
 from asymcheck.state.dtensors import check_tensors
+from asymcheck.state.replicas import ReplicaSlicer
 from asymcheck.state.trainstate import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.versions.commits import CommitQueue
@@ -252,7 +253,9 @@ class Checkpointer:
         self._cycle = VersionCycle(built, self._progress, edits=self._edits, planner=self._planner,
                                    pool=self._pool, engine=self._engine, commits=self._commits, stats=self._stats,
                                    loop=self._loop, on_recapture=self._refresh_hooks,
-                                   save_on_close=options.pacing.save_on_close)
+                                   save_on_close=options.pacing.save_on_close,
+                                   replicas=None if state is not None else ReplicaSlicer(
+                                       self._loop.store, model, optimizer, commit.dedup))
         self._hook_s = 0.0
         self._open_s = 0.0
         self._last_pre: float | None = None

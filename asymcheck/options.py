@@ -21,6 +21,7 @@ from asymcheck.errors import InvalidOptionError
 from asymcheck.policy.failures import ON_ERROR, OnError
 from asymcheck.policy.preempt import DEFAULT_DEADLINE_S, PREEMPT_ON, PreemptOn
 from asymcheck.snapshot.partition import PARTITIONINGS, Clock, Partitioning
+from asymcheck.state.replicas import DEDUPS, Dedup
 from asymstore import KeepBest
 from asymstore.multirank.rootlayout import AcrossLayouts
 
@@ -29,6 +30,7 @@ __all__ = [
     "CheckpointerOptions",
     "CommitOptions",
     "CopyMode",
+    "Dedup",
     "FailureOptions",
     "FlatOptions",
     "Options",
@@ -226,6 +228,12 @@ class CommitOptions:
             is copied during the next step even while the last one commits; with 1 (half the
             memory) a version opened meanwhile is copied once that commit gives the slot back.
         copy: ``"thread"`` (a copy thread) or ``"inline"`` (copies inside the hooks).
+        dedup: state that is the same on every rank of a multi-rank store (a ``DistributedDataParallel``
+            model's parameters and optimizer state): ``"replicas"`` (default) cuts it into balanced
+            slices and each rank copies, hashes and writes only its own (bytes per rank about
+            ``1 / world``; the replicas are compared across ranks, in full in the first versions, and a
+            job whose replicas differ falls back to whole copies with a WARNING); ``"off"``: every
+            rank writes all of it (docs/guides/multirank.md, "Replicated state").
 
     Raises:
         InvalidOptionError: a value out of its range.
@@ -235,6 +243,7 @@ class CommitOptions:
     when_busy: WhenBusy = "wait"
     host_slots: int = 2
     copy: CopyMode = "thread"
+    dedup: Dedup = "replicas"
 
     def __post_init__(self) -> None:
         """Check every value."""
@@ -242,6 +251,7 @@ class CommitOptions:
         _one_of("CommitOptions", "when_busy", self.when_busy, get_args(WhenBusy))
         _int("CommitOptions", "host_slots", self.host_slots, least=1)
         _one_of("CommitOptions", "copy", self.copy, get_args(CopyMode))
+        _one_of("CommitOptions", "dedup", self.dedup, DEDUPS)
 
 
 GROUPS: dict[str, type[Any]] = {
@@ -253,8 +263,12 @@ GROUPS: dict[str, type[Any]] = {
     "commits": CommitOptions,
 }
 
+GROUP_ONLY = frozenset({"dedup"})
+"""Fields added after the flat keywords were deprecated: given inside their group only, never flat."""
+
 FLAT_OPTIONS: dict[str, str] = {
     field.name: group for group, cls in GROUPS.items() for field in dataclasses.fields(cls)
+    if field.name not in GROUP_ONLY
 }
 """Each deprecated flat keyword -> the group parameter whose field of the same name replaces it."""
 

@@ -144,6 +144,14 @@ class GlobalVersionDroppedError(GlobalCommitError):
     """
 
 
+class ReplicasDifferError(GlobalVersionDroppedError):
+    """Ranks wrote slices of a replicated state that is not the same on every rank: no global version.
+
+    The job falls back to whole copies of the replicated state on every rank (a WARNING says so); a
+    version whose replicas differ is never published (see :mod:`asymstore.format.replicas`).
+    """
+
+
 class GlobalCommitTimeoutError(GlobalCommitError, TimeoutError):
     """Not every rank reported its shard committed before the timeout."""
 

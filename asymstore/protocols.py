@@ -5,7 +5,7 @@
 ``isinstance(x, CheckpointStore)`` tells a store from the other things an adapter accepts (tiers,
 a directory). **Capabilities** are optional ``runtime_checkable`` protocols an adapter checks with
 ``isinstance``: :class:`DropReportingStore`, :class:`CollectiveStore` (one rank's part of a
-multi-rank checkpoint) and :class:`ReshardingStore`. The values they pass are in
+multi-rank checkpoint), :class:`ReshardingStore` and :class:`ReplicaSlicingStore`. The values they pass are in
 :mod:`asymstore.values`.
 
 Guide: ``docs/guides/store.md``.
@@ -171,3 +171,33 @@ class ReshardingStore(Protocol):
     """
 
     reshard: Targets | None
+
+
+@runtime_checkable
+class ReplicaSlicingStore(Protocol):
+    """A multi-rank store whose ranks may each write only a slice of a replicated state.
+
+    A writer puts a claim (:mod:`asymstore.format.replicas`) into each shard's meta; the store's
+    coordinator refuses a version whose replicas differ across ranks and the job falls back to whole
+    copies: ``replicas_whole`` turns True, and the writer writes whole copies from then on.
+    """
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """The job's number of ranks."""
+        ...
+
+    @property
+    def replicas_whole(self) -> bool:
+        """Whether the job fell back to whole copies of its replicated state."""
+        ...
+
+    @property
+    def slices_readable(self) -> bool:
+        """Whether every rank can read the other ranks' shards where they are written (slices may be cut)."""
+        ...

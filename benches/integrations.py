@@ -5,6 +5,7 @@ Run by hand (never a timed test), from the repository root::
     .venv/bin/python benches/integrations.py            # every row, GPT-2 8m, 4 rounds: about 30 minutes on 2 cores
     .venv/bin/python benches/integrations.py --rows single             # the one-process rows only: about 9 minutes
     .venv/bin/python benches/integrations.py --rows ddp,fsdp2 --ranks 2  # the multi-process rows only
+    .venv/bin/python benches/integrations.py --rows ddp --frameworks ddploop --config 30m  # dedup off vs replicas
     .venv/bin/python benches/integrations.py --quick    # tiny GPT-2, 1 round, fewer steps: about 5 minutes
     .venv/bin/python benches/integrations.py --frameworks hf,lightning --rounds 4 --out bench-out/x.json
 
@@ -51,6 +52,13 @@ guide asks for a ``ResumableLoader`` under DDP), each rank training ``--batch`` 
 data is ``--ranks`` times larger). asymcheck's directory is then a multi-rank root (a shard per
 rank, global versions); the frameworks' own saves write the model and optimizer from rank 0 (and
 RNG states per rank).
+
+The ``ddp`` row of framework ``ddploop``: GPT-2 under ``DistributedDataParallel`` in a plain loop with
+the own ``asymcheck.Checkpointer``; its ``own`` method is the Checkpointer with ``dedup="off"`` (every
+rank writes the whole replicated state, as before slices) and ``asymcheck`` the default
+``dedup="replicas"`` (each rank its slice; docs/guides/multirank.md): a table gives the bytes each rank
+wrote per version, the step against no checkpoint, and the CPU cost of the identity check (one sampled
+digest per version, one full digest in the first versions), measured on the trained state.
 
 The ``fsdp2`` row (framework ``loop``): GPT-2 with every block and the root ``fully_shard``ed, AdamW,
 a plain loop. ``none``; ``own``: ``torch.distributed.checkpoint.save`` of
@@ -126,10 +134,10 @@ from common import (
 )
 from harness import Run, add_child_flag, add_quick_flag, child_argv, order, run_fresh, settle, take_json
 
-FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp", "loop"]
+FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp", "loop", "ddploop"]
 ROWS: dict[str, list[str]] = {  # row -> its frameworks
     "single": ["accelerate", "hf", "lightning", "dcp"],  # one process
-    "ddp": ["accelerate", "hf", "lightning"],  # --ranks processes, DDP on gloo
+    "ddp": ["accelerate", "hf", "lightning", "ddploop"],  # --ranks processes, DDP on gloo
     "fsdp2": ["loop"],  # --ranks processes, fully_shard on gloo, a plain loop
 }
 NOT_RUN = {  # configurations the bench names instead of omitting them silently
@@ -151,6 +159,8 @@ LABELS: dict[str, dict[str, str]] = {
             "asymcheck": "dcp.async_save + asymstore.dcp.StorageWriter"},
     "loop": {"none": "no checkpoint", "own": "dcp.save + FileSystemWriter",
              "asymcheck": "asymcheck.Checkpointer (FSDP2)"},
+    "ddploop": {"none": "no checkpoint", "own": "Checkpointer dedup='off' (every rank writes all)",
+                "asymcheck": "Checkpointer dedup='replicas' (a slice per rank)"},
 }
 
 
@@ -528,8 +538,71 @@ def run_fsdp2(method: str, args: argparse.Namespace, root: Path, clock: Clock) -
     return extra
 
 
+def run_ddp_loop(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> dict[str, Any]:
+    """A plain loop over GPT-2 under ``DistributedDataParallel`` on ``WORLD_SIZE`` gloo ranks, the own Checkpointer.
+
+    ``own`` here is the Checkpointer with ``CommitOptions(dedup="off")`` (every rank copies, hashes and
+    writes the whole replicated state: the code before slices), ``asymcheck`` the default
+    ``dedup="replicas"`` (each rank its slice). Each reports the bytes it wrote per version
+    (``bytes_per_version``, per rank in ``per_rank``) and, measured in the same process on the trained
+    state after the loop, the CPU cost of the identity check: one sampled digest of the replicated state
+    (``digest_sample_s``, every version) and one full digest (``digest_full_s``, the first versions).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    n = args.warmup + args.steps
+    net, _, _ = build_gpt2(args.config, args.seq)
+    model = DistributedDataParallel(net)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch * world(), args.seq)
+    ckpt: Any = None
+    if method != "none":
+        from asymcheck import Checkpointer
+        from asymcheck.options import CommitOptions, PacingOptions, RetentionOptions
+
+        ckpt = Checkpointer(model, optimizer, str(root), retention=RetentionOptions(keep_last=KEEP),
+                            pacing=PacingOptions(max_overhead=None),
+                            commits=CommitOptions(dedup="off" if method == "own" else "replicas"))
+    dist.barrier()
+    model.train()
+    clock.tick()
+    for step in range(n):
+        at = (step * world() + rank()) * args.batch
+        x = ids[at:at + args.batch]
+        model(input_ids=x, labels=x).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.tick()
+    extra: dict[str, Any] = {}
+    if ckpt is not None:
+        ckpt.close()
+        stats = ckpt.stats()
+        extra |= asym_stats(stats)
+        extra["bytes_per_version"] = stats.stored_bytes // stats.versions_committed if stats.versions_committed \
+            else None
+    dist.barrier()
+    clock.done()
+    if method == "asymcheck":
+        from asymcheck.state.replicas import replica_digest
+        from asymcheck.state.trainstate import TrainingState
+
+        cap = TrainingState(model, optimizer).capture_step()
+        started = time.process_time()
+        for i in range(20):
+            replica_digest(cap.names, cap.sources, i, full=False)
+        extra["digest_sample_s"] = (time.process_time() - started) / 20
+        started = time.process_time()
+        replica_digest(cap.names, cap.sources, 0, full=True)
+        extra["digest_full_s"] = time.process_time() - started
+    dist.destroy_process_group()
+    return extra
+
+
 RUNNERS: dict[str, Callable[[str, argparse.Namespace, Path, Clock], dict[str, Any]]] = {
-    "accelerate": run_accelerate, "hf": run_hf, "lightning": run_lightning, "dcp": run_dcp, "loop": run_fsdp2}
+    "accelerate": run_accelerate, "hf": run_hf, "lightning": run_lightning, "dcp": run_dcp, "loop": run_fsdp2,
+    "ddploop": run_ddp_loop}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -623,7 +696,8 @@ def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("cpu_s_per_step", "finish_s", "setup_s"):
         out[key] = max(r[key] for r in results)
     out["rss"] = max((r["rss"] for r in results), key=lambda x: int(x["peak_growth_bytes"]))
-    out["per_rank"] = [{k: r.get(k) for k in ("rank", "cpu_s_per_step", "finish_s", "step_s")} for r in results]
+    out["per_rank"] = [{k: r.get(k) for k in ("rank", "cpu_s_per_step", "finish_s", "step_s", "bytes_per_version")}
+                       for r in results]
     return out
 
 
@@ -681,6 +755,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for key in ("versions_committed", "versions_skipped", "versions_dropped", "commits_failed"):
             if any(key in r for r in ok):
                 entry[key] = [r.get(key) for r in ok]
+        per_rank = [p["bytes_per_version"] for r in ok for p in r.get("per_rank", [r])
+                    if p.get("bytes_per_version") is not None]
+        if per_rank:
+            entry["bytes_per_rank_per_version"] = statistics.median(per_rank)
+        for key in ("digest_sample_s", "digest_full_s"):
+            if any(key in r for r in ok):
+                entry[key] = _median([r[key] for r in ok if key in r])
         stalls = [r["asym_median_stall_s"] for r in ok if r.get("asym_median_stall_s") is not None]
         if stalls:
             entry["asym_median_stall_s"] = statistics.median(stalls)
@@ -740,6 +821,17 @@ def table(results: dict[str, Any]) -> str:
         verdict = "-" if t["value"] is None else f"{t['value']:.2f} ({'met' if t['met'] else 'NOT met'})"
         lines.append(f"| {fw['title']} | {fmt(t['asymcheck_overhead_s'], '+.3f')} s | "
                      f"{fmt(t['own_overhead_s'], '+.3f')} s | {verdict} | {fmt(t['value_of_means'], '.2f')} |")
+    written = [(fw, m) for fw in results["frameworks"].values() for m in fw["methods"].values()
+               if "bytes_per_rank_per_version" in m]
+    if written:
+        lines += ["", "| row | method | bytes written per rank per version | x none step | CPU of the identity "
+                  "check: sampled digest / version, full digest |", "|---|---|---|---|---|"]
+        for fw, m in written:
+            digest = ""
+            if m.get("digest_sample_s") is not None:
+                digest = f"{m['digest_sample_s'] * 1e3:.2f} ms, {fmt(m.get('digest_full_s'), '.3f')} s"
+            lines.append(f"| {fw['title']} | {m['label']} | {m['bytes_per_rank_per_version'] / (1 << 20):.1f} MiB | "
+                         f"{fmt(m['ratio_vs_none'], '.2f')} | {digest} |")
     return "\n".join(lines)
 
 

@@ -108,6 +108,7 @@ class Snapshot:
         srcs = capture.sources
         self.versions = [t._version for t in capture.versioned]  # a DTensor's, not its local tensor's
         self.ptrs = [t.data_ptr() for t in srcs]
+        self._owner_ptrs = [address_of(o) if o is not None else 0 for o in capture.owners]  # a slice starts inside
         self.needs = [_need(t) for t in srcs]
         sampled = [i for i, (t, owner) in enumerate(zip(srcs, capture.owners, strict=False))
                    if owner is not None and _sampled(t)]  # parameters: what ``p.data`` edits reach
@@ -221,7 +222,7 @@ class Snapshot:
                         idx.add(i)
                     at += n
         for i, owner in enumerate(self.capture.owners):
-            if owner is not None and address_of(owner) != self.ptrs[i]:  # ``p.data = other`` since the step
+            if owner is not None and address_of(owner) != self._owner_ptrs[i]:  # ``p.data = other`` since the step
                 idx.add(i)
         self.verified = True
         self.dirty = [self.capture.names[i] for i in sorted(idx)]

@@ -13,6 +13,7 @@ from asymcheck.snapshot.hostpool import HostPool, HostSlot
 from asymcheck.snapshot.partition import Planner
 from asymcheck.snapshot.version import Snapshot, extents_of
 from asymcheck.state.dtensors import check_tensors
+from asymcheck.state.replicas import ReplicaSlicer
 from asymcheck.state.trainstate import Moment, TrainingState
 from asymcheck.stats import StatsRecorder
 from asymcheck.versions.commits import CommitQueue
@@ -66,11 +67,13 @@ class VersionCycle:
         on_recapture: called when a version was re-captured because
             parameters were added after the step (the hooks must follow them).
         save_on_close: seal the newest completed step on close if no version of it is open.
+        replicas: cuts each version's replicated state into this rank's slice (None: never).
     """
 
     def __init__(self, state: TrainingState, progress: Progress, *, edits: EditTracker, planner: Planner,
                  pool: HostPool, engine: CopyEngine, commits: CommitQueue, stats: StatsRecorder,
-                 loop: StoreLoop[CheckpointStore], on_recapture: Callable[[], None], save_on_close: bool) -> None:
+                 loop: StoreLoop[CheckpointStore], on_recapture: Callable[[], None], save_on_close: bool,
+                 replicas: ReplicaSlicer | None = None) -> None:
         self.state = state
         self.progress = progress
         self.edits = edits
@@ -82,6 +85,7 @@ class VersionCycle:
         self.loop = loop
         self.on_recapture = on_recapture
         self.save_on_close = save_on_close
+        self.replicas = replicas
         self.snap: Snapshot | None = None
         """The open version, if any."""
         self.moment: Moment | None = None
@@ -110,6 +114,8 @@ class VersionCycle:
                                         "call resume() first, or use a fresh directory")
             self.checked_store = True
         cap = self.state.capture_step(self.take_moment())
+        if self.replicas is not None:
+            self.replicas.apply(cap, step)
         if self.edits.eager:
             cap.make_eager(self.edits.eager)
         plan = self.planner.plan(extents_of(cap.sources))
@@ -135,6 +141,8 @@ class VersionCycle:
             logger.info("model or optimizer changed after step %d: re-capturing its version", snap.step)
             check_tensors(self.state.model, self.state.optimizer)  # no unsupported tensor added since
             cap = self.state.capture_step(Moment.of(snap.capture))
+            if self.replicas is not None:
+                self.replicas.apply(cap, snap.step)
             if self.edits.eager:
                 cap.make_eager(self.edits.eager)
             plan = self.planner.plan(extents_of(cap.sources))
@@ -180,6 +188,8 @@ class VersionCycle:
             del self.metrics[old]
         if metrics:
             meta["metrics"] = metrics
+        if self.replicas is not None:  # the claim of a version of slices (asymstore.format.replicas)
+            self.replicas.finish(snap.step, meta)
         meta["asymcheck"]["step"] = snap.step
         meta["asymcheck"]["plan"] = {"generation": snap.plan.generation, "warm": snap.plan.warm,
                                      "partitions": len(snap.plan.partitions),

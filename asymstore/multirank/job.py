@@ -64,6 +64,12 @@ class Job:
     """The single-process version ``restore`` resumed (the coordinator records it with the layout)."""
     layout_recorded: bool = False
     """The coordinator recorded the root's layout as this job's (see :mod:`.rootlayout`)."""
+    replicas_whole: bool = False
+    """The replicas of a sliced version differed: from then on this job writes (and publishes) whole copies only."""
+    shards_under_root: bool = False
+    """Every rank's shards are written to and read from ``root/rank-NNNNN`` (the default tiers): slices may be cut."""
+    shards_seen: bool = False
+    """The coordinator saw every rank's shard of a sliced version under the root (the root is shared)."""
     root_lock: DirLock | None = None
     """The root's writer lock, held by the coordinator while it takes a single-process root over (:mod:`.takeover`)."""
 

@@ -12,6 +12,7 @@ a rank that waits for the global version (:func:`await_global`) reads that answe
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -21,10 +22,13 @@ from asymstore.errors import (
     GlobalCommitError,
     GlobalCommitTimeoutError,
     GlobalVersionDroppedError,
+    ReplicasDifferError,
     RootLayoutError,
 )
-from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.format.names import rank_dirname, version_dirname
 from asymstore.format.placement import Placement
+from asymstore.format.replicas import is_sliced, refusal
 from asymstore.multirank import globaldir, rootlayout, takeover
 from asymstore.multirank.job import Job
 from asymstore.multirank.protocol import CommitRound, GlobalAnswer, ShardReport
@@ -48,6 +52,8 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
     Raises:
         GlobalCommitTimeoutError: not every rank reported within ``job.timeout_s``.
         GlobalCommitError: a rank reported that its shard failed.
+        ReplicasDifferError: ranks wrote slices of a replicated state that differs across them, or slices
+            beside whole copies (see :mod:`asymstore.format.replicas`); ``job.replicas_whole`` is set.
         CoordinationProtocolError: a rank's report is malformed (every rank waiting hears the failure).
     """
     try:
@@ -75,6 +81,16 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
         commit.answer(GlobalAnswer(failed=msg))
         raise GlobalCommitError(msg)
     shards = tuple(rep.info for rep in reports if rep.info is not None)
+    why = refusal([s.summary for s in shards], job.world_size, whole_only=job.replicas_whole)
+    if why is None and not job.shards_seen and is_sliced([s.summary for s in shards]):
+        why = _unseen(job, shards)
+    if why is not None:  # never a version whose restore would mix ranks' states (asymstore.format.replicas)
+        msg = f"step {step}: {why}; the global version is not published and the job falls back to whole " \
+              "copies of the replicated state on every rank"
+        logger.log(logging.INFO if job.replicas_whole else logging.WARNING, msg)  # versions in flight: once
+        job.replicas_whole = True
+        commit.answer(GlobalAnswer(failed=msg, dropped=True))
+        raise ReplicasDifferError(msg)
     manifest = GlobalManifest(step, job.world_size, shards, meta, time.time(), record_placement(job, reports))
     for stale in [s for s in job.global_steps() if s >= step]:  # a history abandoned by an older restore
         logger.warning("replacing global version %d of an abandoned history (restored an older one)", stale)
@@ -98,6 +114,18 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
     commit.answer(GlobalAnswer(step=step))
     logger.debug("published global version %d (%d ranks, %d bytes)", step, job.world_size, manifest.nbytes)
     return manifest
+
+
+def _unseen(job: Job, shards: tuple[ShardInfo, ...]) -> str | None:
+    """Why the ranks could not read each other's slices: a shard the coordinator does not see under the root."""
+    if not job.shards_under_root:
+        return "slices were cut with tiers outside the root, where the other ranks cannot read them"
+    missing = [s.rank for s in shards
+               if not os.path.isdir(os.path.join(job.root, rank_dirname(s.rank), version_dirname(s.step)))]
+    if missing:
+        return f"rank 0 does not see the shards of rank(s) {missing[:8]} under {job.root} (not a shared filesystem?)"
+    job.shards_seen = True
+    return None
 
 
 def record_placement(job: Job, reports: list[ShardReport]) -> str | None:

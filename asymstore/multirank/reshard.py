@@ -26,6 +26,7 @@ from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, d
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import Chunk, Manifest
 from asymstore.format.pieces import LAYOUT_KEY, TensorLayout, layout_meta, read_layouts
+from asymstore.format.replicas import is_sliced
 from asymstore.multirank.rootlayout import is_single_root
 from asymstore.read.reshardplan import PieceRead, plan_piece, strides
 from asymstore.read.verify import decode_one, read_manifest, verify_segment
@@ -485,6 +486,8 @@ async def restore_resharded(job: Job, tiers: Sequence[Tier], g: GlobalManifest, 
         logger.info("rank %d: global step %d of %d rank(s) resharded for %d rank(s) (%d tensor(s) re-cut, "
                     "%d byte(s) in the old shards)", job.rank, g.step, g.world_size, job.world_size,
                     len(wanted), nbytes)
-        return Checkpoint(manifest.step, tensors, meta, f"resharded from {g.world_size} rank(s)", manifest, [])
+        how = f"slices of {g.world_size} rank(s)" if g.world_size == job.world_size and is_sliced(
+            [s.summary for s in g.shards]) else f"resharded from {g.world_size} rank(s)"
+        return Checkpoint(manifest.step, tensors, meta, how, manifest, [])
     finally:
         await shards.close()

@@ -32,6 +32,7 @@ from asymstore.errors import (
     describe,
 )
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
+from asymstore.format.replicas import is_sliced
 from asymstore.multirank import rootlayout, takeover
 from asymstore.multirank.protocol import Fit, Go, Have, LoadResult, Relayed, RestoreRound, TryMsg
 from asymstore.multirank.reshard import restore_resharded
@@ -257,7 +258,10 @@ def _result(ckpt: Checkpoint | None, reason: str, refused: DestinationMismatchEr
 async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: GlobalManifest,
                      into: Into | None) -> tuple[Checkpoint | None, str, DestinationMismatchError | None]:
     """Load this rank's part of ``g``: the checkpoint, or None with the reason (and the refusal, if refused)."""
-    if _resharded(job, g) and reshard is not None:
+    if _resharded(job, g):
+        if reshard is None:  # a version of slices (the other world sizes were not offered): never one slice alone
+            return None, (f"global step {g.step} holds slices of a replicated state: restoring it needs "
+                          "RankStore.reshard (the Checkpointer sets it)"), None
         try:
             return await restore_resharded(job, local.tiers, g, reshard), "", None
         except (AsymstoreError, OSError) as exc:
@@ -276,5 +280,9 @@ async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: Glo
 
 
 def _resharded(job: Job, g: GlobalManifest) -> bool:
-    """Whether ``g`` is read through the resharding path: another world size, or a single-process version."""
-    return g.world_size != job.world_size or rootlayout.is_single_root(g)
+    """Whether ``g`` is read through the resharding path.
+
+    So it is for another world size, a single-process version, or shards holding slices of a replicated
+    state (each rank reads every slice it needs where it lives).
+    """
+    return g.world_size != job.world_size or rootlayout.is_single_root(g) or is_sliced([s.summary for s in g.shards])

@@ -36,6 +36,7 @@ from asymstore.format.checksum import checksum
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, shard_digest
 from asymstore.format.manifest import Manifest, validate_meta
 from asymstore.format.placement import RankPlacement
+from asymstore.format.replicas import REPLICAS_KEY
 from asymstore.io.rootlock import DirLock, sweep_directory
 from asymstore.multirank import globaldir, protocol, rootlayout, takeover
 from asymstore.multirank.job import Job
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+REPLICAS_WHOLE = "replicas-whole"
+"""The session key the coordinator puts when the job falls back to whole copies of its replicated state."""
 
 
 
@@ -129,6 +132,7 @@ class RankStore:
             peer_tiers=peer_tiers or (lambda r: [rank_tier(abs_root, r, read_only=False, fsync=fsync)]),
             rules=rules if rules.reads_notes else None, across_layouts=check_across(across_layouts))
         """What the multi-rank helpers use of this store (rank, world, global directory, coordination, timeouts)."""
+        self.job.shards_under_root = tiers is None and peer_tiers is None
         self._global_lock = DirLock(self.job.global_dir)
         if tiers is None:
             tiers = self.job.peer_tiers(rank)
@@ -463,6 +467,8 @@ class RankStore:
             self.local.abandon(step)
             raise
         rnd = self._commit_round(step)
+        if meta is not None and REPLICAS_KEY in meta:  # slices of a replicated state: the coordinator compares them
+            summary = {**(summary or {}), REPLICAS_KEY: meta[REPLICAS_KEY]}
         clean_summary = validate_meta(summary)
         clean_global = validate_meta(global_meta)
         if self.job.rules is not None and self.is_coordinator:  # the decision travels with the global version
@@ -476,6 +482,8 @@ class RankStore:
         info = ShardInfo(self.rank, step, shard_digest(m), m.nbytes, len(m.tensors), clean_summary)
         await asyncio.to_thread(rnd.report, self.rank, protocol.ShardReport(info, self.placement))
         self._last_commit = rnd
+        if REPLICAS_KEY in clean_summary and not self.is_coordinator and not self.job.replicas_whole:
+            await asyncio.to_thread(self._heard_replicas_whole)
         try:
             if self.is_coordinator:
                 self.last_global = await asyncio.to_thread(publish_global, self.job, rnd, step, clean_global)
@@ -486,11 +494,39 @@ class RankStore:
                 self.last_global = None  # published; the manifest itself lives with the coordinator
                 self.published_step = step
         except GlobalVersionDroppedError:
+            if self.is_coordinator and self.job.replicas_whole:  # every rank writes whole copies from now on
+                await asyncio.to_thread(self.kv.put, self.session_key(REPLICAS_WHOLE), "1")
             await self._discard(step)  # no global version will ever use it
             raise
         await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None,
                             floor=self._note_floor)
         return result
+
+    @property
+    def replicas_whole(self) -> bool:
+        """Whether this job fell back to whole copies of its replicated state (see :mod:`asymstore.format.replicas`).
+
+        Set on the coordinator when a sliced version's replicas differed across ranks (it is not
+        published), and on every other rank once it hears so, at one of its next commits. A writer
+        slicing replicated state must write whole copies once it is set.
+        """
+        return self.job.replicas_whole
+
+    @property
+    def slices_readable(self) -> bool:
+        """Whether every rank can read the other ranks' shards where they are written (default tiers under the root).
+
+        A writer cuts slices of a replicated state only then; the coordinator also checks that it sees
+        each rank's shard of the first sliced version under the root, else the job falls back.
+        """
+        return self.job.shards_under_root
+
+    def _heard_replicas_whole(self) -> None:
+        """Follow the coordinator's fallback to whole copies (a key of this session in the coordination store)."""
+        if self.kv.has(self.session_key(REPLICAS_WHOLE)):
+            self.job.replicas_whole = True
+            logger.warning("rank %d: the replicas of a sliced version differed across ranks: this job writes "
+                           "whole copies of its replicated state from now on", self.rank)
 
     def _commit_round(self, step: int) -> protocol.CommitRound:
         """The round of this session's commit of ``step`` (tagged with its agreement's nonce, when agreed)."""

@@ -71,6 +71,7 @@ BAD: list[tuple[type[Any], dict[str, Any]]] = [
     (CommitOptions, {"when_busy": "drop"}),
     (CommitOptions, {"host_slots": 0}),
     (CommitOptions, {"copy": "dma"}),
+    (CommitOptions, {"dedup": "all"}),
 ]
 
 

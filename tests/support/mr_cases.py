@@ -19,6 +19,10 @@ Case fields:
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
 - ``step_s`` (DDP, DeepSpeed): sleep this long at the start of every iteration.
+- ``dedup`` (DDP): the Checkpointer's ``CommitOptions(dedup=...)`` (default: the option's default).
+- ``diverge`` (DDP): rank 1 adds 0.5 to the first layer's bias right after DDP's broadcast, so its replica
+  differs from rank 0's for the whole run (DDP averages the gradients, so the offset stays).
+- ``mark`` (DDP): call ``ckpt.mark()`` as the last statement of every iteration.
 - ``ordered`` (DDP): average gradients with :func:`ordered_mean` (bit-identical restarts beyond 2 ranks).
 - ``sampler`` (DDP): the batches come from a DataLoader over 40 samples through
   ``asymcheck.ResumableDistributedSampler`` (shuffled, 2 samples a batch per rank, a ``data=`` object),
@@ -392,13 +396,16 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from asymcheck import Checkpointer
-    from asymcheck.options import PartitionOptions
+    from asymcheck.options import CommitOptions, PartitionOptions
     from asymcheck.state.trainstate import TrainingState
     from asymstore.multirank import RankStore
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
     n = case["iterations"]
     model = DDP(make_model())
+    if case.get("diverge") and rank == 1:
+        with torch.no_grad():
+            model.module[0].bias.add_(0.5)
     if case.get("ordered"):
         model.register_comm_hook(None, lambda state, bucket: ordered_mean(state, bucket))  # no annotations to check
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -415,7 +422,8 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
             case["dir"], tiers=tiers, keep_last=3, timeout_s=case.get("timeout_s", 60.0),
             **({"durable": tiers[0].name} if case.get("peer") and tiers else {}))
         ckpt = Checkpointer(model, opt, where, stateful=stateful, data=data,
-                            partitions=PartitionOptions(warmup=1, min_partition_bytes=512))
+                            partitions=PartitionOptions(warmup=1, min_partition_bytes=512),
+                            commits=CommitOptions(dedup=case["dedup"]) if "dedup" in case else None)
         assert isinstance(ckpt.store, RankStore) or dist.get_world_size() == 1  # one rank: an ordinary store
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration,
@@ -441,6 +449,8 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
         opt.zero_grad(set_to_none=True)
         log.loss(it, loss.item())
         pos.iteration += 1
+        if ckpt is not None and case.get("mark"):
+            ckpt.mark()
     if ckpt is not None:
         ckpt.close()
         stats = ckpt.stats()

@@ -1,0 +1,58 @@
+"""Slicing DDP's replicated state: the balanced plan of pieces and the digest that compares replicas."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asymcheck.state.replicas import SAMPLES, replica_digest, slice_plan
+from asymstore.format.pieces import TensorLayout
+
+shapes = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=12)
+
+
+@settings(deadline=None)
+@given(shapes=shapes, world=st.integers(2, 6))
+def test_every_rank_s_pieces_cover_each_tensor_once_and_balance_the_bytes(shapes: list[tuple[int, ...]],
+                                                                           world: int) -> None:
+    sources = [torch.zeros(s, dtype=torch.float32) for s in shapes]
+    plans = [dict(slice_plan(sources, r, world)) for r in range(world)]
+    assert all(p.keys() == plans[0].keys() for p in plans)  # the same tensors sliced on every rank
+    loads = [0] * world
+    for i, t in enumerate(sources):
+        if i not in plans[0]:
+            assert t.dim() == 0 or t.shape[0] == 0
+            continue
+        rows = sorted((plans[r][i].offsets[0], plans[r][i].offsets[0] + plans[r][i].shape[0], r) for r in range(world))
+        at = 0
+        for lo, hi, r in rows:
+            assert lo == at or lo == hi  # consecutive rows (empty pieces sit at the end)
+            at = max(at, hi)
+            layout = plans[r][i]
+            assert TensorLayout.from_json(layout.to_json()) == layout  # a piece its placements give
+            loads[r] += math.prod(layout.shape) * 4
+        assert at == t.shape[0]
+    biggest = max((math.ceil(t.shape[0] / world) * math.prod(t.shape[1:]) * 4 for i, t in enumerate(sources)
+                   if i in plans[0]), default=0)
+    assert max(loads) <= sum(loads) / world + biggest  # balanced up to one piece
+
+
+def test_the_digest_tells_replicas_apart() -> None:
+    g = torch.Generator().manual_seed(0)
+    names = ["a", "b"]
+    a = [torch.randn(300, 7, generator=g), torch.randn(5, generator=g)]
+    b = [t.clone() for t in a]
+    for full in (True, False):
+        assert replica_digest(names, a, 3, full=full) == replica_digest(names, b, 3, full=full)
+        assert replica_digest(["a", "c"], a, 3, full=full) != replica_digest(names, b, 3, full=full)
+        assert replica_digest(names, [a[0].reshape(7, 300), a[1]], 3, full=full) != \
+            replica_digest(names, a, 3, full=full)
+    b[0][123, 4] += 1.0
+    assert replica_digest(names, a, 3, full=True) != replica_digest(names, b, 3, full=True)
+    stride = a[0].numel() // SAMPLES
+    seen = {replica_digest(names, a, s, full=False) != replica_digest(names, b, s, full=False)
+            for s in range(4 * stride)}
+    assert seen == {True, False}  # a sample misses the changed element in some versions, not in all

@@ -9,10 +9,14 @@ ABBA (``harness.rounds``), the 1-minute load average printed beside each figure:
 - ``none``: no checkpoint (the baseline).
 - ``local``: what a directory gets today: ``Checkpointer(model, opt, directory)``
   (``open_store``: an AsymStore over one fsynced ``LocalTier``).
-- ``shm+local``: ``[host_tier(cap, path=/dev/shm/...), LocalTier(directory)]``: the commit
-  returns once the version is in shared memory (it outlives the process), the disk takes the
-  newest version it can in the background (backlog 1).
-- ``mem+local``: the same with a process-memory host tier (dies with the process).
+- ``shm+local``: the list ``[host_tier(cap, path=/dev/shm/...), LocalTier(directory)]``: the
+  disk is the first persistent tier, so ``commit`` waits for both (shared memory, then disk).
+- ``mem+local``: ``[host_tier(cap), LocalTier(directory)]`` (process memory; waits for both too).
+- ``shm>local``: ``AsymStore([host_tier(cap, path=/dev/shm/...), LocalTier(directory)],
+  durable=<the shm tier>)``: ``commit`` returns once shared memory has the version (a
+  ``[shm, local]`` list makes the first *persistent* tier, the disk, the one ``commit`` waits
+  for); the disk takes the newest version it can in the background (backlog 1: an older one
+  waiting is skipped there when a newer one arrives).
 - ``local-nofsync`` (diagnostic, only with ``--methods``): ``LocalTier(fsync=False)``, to
   show how much of a version is the fsyncs; never a default (not durable).
 
@@ -45,7 +49,7 @@ from typing import Any
 
 from harness import add_child_flag, add_quick_flag, child_argv, rounds, run_fresh
 
-METHODS = ["none", "local", "shm+local", "mem+local"]
+METHODS = ["none", "local", "shm+local", "shm>local", "mem+local"]
 EXTRA = ["local-nofsync"]
 CONFIG = {"n_layer": 2, "n_embd": 128, "n_head": 4, "vocab_size": 1536}  # ~0.6 M parameters: ~7 MB with AdamW
 HOST_BYTES = 256 << 20  # the host tier's capacity (a few versions of ~7 MB; bounded RAM)
@@ -58,7 +62,7 @@ def child(method: str, args: argparse.Namespace, out: Path) -> None:
 
     from asymcheck import Checkpointer
     from asymcheck.options import PacingOptions, RetentionOptions
-    from asymstore import LocalTier, host_tier
+    from asymstore import AsymStore, LocalTier, host_tier
 
     torch.set_num_threads(args.threads)
     fsyncs = [0]
@@ -79,7 +83,7 @@ def child(method: str, args: argparse.Namespace, out: Path) -> None:
     state_bytes = params * 4 * 3  # fp32 parameters and two AdamW moments
 
     work = Path(tempfile.mkdtemp(prefix="small-fast-", dir=args.dir))
-    shm = Path(tempfile.mkdtemp(prefix="small-fast-", dir="/dev/shm")) if method in ("shm+local",) else None
+    shm = Path(tempfile.mkdtemp(prefix="small-fast-", dir="/dev/shm")) if method.startswith("shm") else None
     ckpt: Checkpointer | None = None
     pacing = PacingOptions(max_overhead=None)
     retention = RetentionOptions(keep_last=2)
@@ -90,6 +94,10 @@ def child(method: str, args: argparse.Namespace, out: Path) -> None:
     elif method == "shm+local":
         ckpt = Checkpointer(model, opt, [host_tier(HOST_BYTES, path=shm), LocalTier(work)], pacing=pacing,
                             retention=retention)
+    elif method == "shm>local":
+        fast = host_tier(HOST_BYTES, path=shm)
+        store = AsymStore([fast, LocalTier(work)], durable=fast, keep_last=2)
+        ckpt = Checkpointer(model, opt, store, pacing=pacing)
     elif method == "mem+local":
         ckpt = Checkpointer(model, opt, [host_tier(HOST_BYTES), LocalTier(work)], pacing=pacing,
                             retention=retention)
@@ -157,7 +165,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per step (tune for ~30 ms steps)")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per step (tune for ~30 ms steps)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the training process")
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir())), help="where the directory tier lives")

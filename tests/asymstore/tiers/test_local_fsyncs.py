@@ -85,3 +85,32 @@ async def test_a_commit_fsyncs_segments_manifest_and_directories_but_not_latest(
     assert fsynced[len(tmp):] == [os.path.dirname(tmp[0]), str(root)], fsynced
     assert events[-1] == ("rename", str(root / LATEST))  # last, after the root's fsync: a hint, not durable yet
     assert os.path.isdir(v2)
+
+
+@pytest.mark.parametrize("left", ["missing", "empty", "zeros", "older", "ahead"])
+async def test_what_a_power_loss_can_leave_of_latest_never_decides_a_restore(tmp_path: Path, left: str) -> None:
+    """LATEST not yet durable when the power went: gone, empty, unwritten blocks, or the step before.
+
+    Restore and fsck go by the manifests; the hint is reported, and the next commit writes it again.
+    """
+    from tests.support.store import fsck_json
+
+    root = tmp_path / "t"
+    async with AsymStore([LocalTier(root)], keep_last=3, compression="never") as store:
+        for step in (1, 2, 3):
+            await commit(store, step)
+    latest = root / LATEST
+    if left == "missing":
+        latest.unlink()
+    else:
+        latest.write_bytes({"empty": b"", "zeros": b"\0\0", "older": b"2\n", "ahead": b"4\n"}[left])
+    rc, report = fsck_json(str(root))
+    assert report["newest_restorable"] == 3 and report["latest_problem"] is not None and rc == 1
+    async with AsymStore([LocalTier(root)], keep_last=3, compression="never") as store:
+        ckpt = await store.restore()
+        assert ckpt.step == 3 and not ckpt.fell_back
+        assert torch.equal(ckpt.tensors["w"], torch.arange(4096, dtype=torch.float32) + 3)
+        await commit(store, 5)
+    assert latest.read_text() == "5\n"
+    rc, report = fsck_json(str(root))
+    assert rc == 0 and report["latest_problem"] is None

@@ -24,9 +24,10 @@ Reported per method: median step time and its ratio to ``none``; process CPU sec
 (every thread) and, beside it, the CPU seconds per version (that less ``none``'s); the versions
 committed; and ``os.fsync`` calls per version (counted in the child by wrapping ``os.fsync``:
 every fsync of the library goes through it). With ``--strace`` one more run per method under
-``strace -c -f`` prints the syscall table (fsync, fdatasync, rename, openat, futex ...) per version.
+``strace -c -f`` prints the syscall table of the whole run (fsync, rename, openat, futex ...: divide the calls
+by the steps, a version each, for the count per version).
 
-    python benches/small_fast.py                     # 3 rounds x 300 steps per method
+    python benches/small_fast.py                     # 3 rounds x 300 steps per method (5-10 min on the 2-core VM)
     python benches/small_fast.py --quick             # 1 round x 60 steps, to try it
     python benches/small_fast.py --methods none local local-nofsync shm+local --strace
 

@@ -36,6 +36,7 @@ from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
 from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.references import REFERENCE_MODES, ReferenceMode
+from asymstore.write.samples import SampleMemory
 from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
 from asymstore.write.tierwrite import TierState, sweep, write_version
@@ -180,6 +181,7 @@ class AsymStore:
         self._committed_steps: set[int] = set()  # committed through this store object
         self._background = Background()
         self._copy_buffers = CopyBuffers()  # the background tiers' private copies of adopted versions, reused
+        self._samples = SampleMemory()  # compression samples of recent versions: a chunk is sampled every few
         self.close_timeout_s = close_timeout_s
         self.backlog = backlog
         self.read_only = read_only
@@ -518,7 +520,8 @@ class AsymStore:
         if not pending.tensors:
             raise EmptyStepError(f"every put for step {step} failed")
         return VersionPlan(step, pending.tensors, clean_meta, time.time(),  # type: ignore[arg-type]
-                           codec=self.codec, share_bytes=DEFAULT_SHARE_BYTES, tiers=len(self._tiers))
+                           codec=self.codec, share_bytes=DEFAULT_SHARE_BYTES, tiers=len(self._tiers),
+                           samples=self._samples)
 
     async def _write_durably(self, plan: VersionPlan) -> tuple[Manifest, list[str], dict[str, FlushStats]]:
         """Write ``plan`` to every tier up to the durable one; a faster tier's own failure only skips it there.

@@ -144,15 +144,23 @@ class LocalTier:
 
     async def begin(self, step: int, nbytes: int) -> _DirWriter:
         """Create the temporary directory of version ``step``."""
-        if await aiofiles.os.path.exists(os.path.join(self._vdir(step), MANIFEST_NAME)):
-            raise StepCommittedError(f"step {step} is already committed on {self.name}")
         tmp = os.path.join(self.root, f"{TMP_PREFIX}{version_dirname(step)}-{uuid.uuid4().hex[:8]}")
+        manifest = os.path.join(self._vdir(step), MANIFEST_NAME)
+
+        def make() -> bool:  # one thread hop for the check and the directory
+            if os.path.exists(manifest):
+                return False
+            os.makedirs(tmp)
+            return True
         self._active.add(os.path.basename(tmp))
         try:
-            await aiofiles.os.makedirs(tmp)
+            made = await asyncio.to_thread(make)
         except BaseException:
             self._active.discard(os.path.basename(tmp))
             raise
+        if not made:
+            self._active.discard(os.path.basename(tmp))
+            raise StepCommittedError(f"step {step} is already committed on {self.name}")
         return _DirWriter(self, step, tmp)
 
     async def read_manifest(self, step: int) -> bytes:
@@ -402,11 +410,16 @@ class LocalTier:
             self._active.discard(scratch)
 
     async def write_latest(self, step: int) -> None:
-        """Atomically replace the LATEST hint."""
+        """Atomically replace the LATEST hint (tmp file, rename), without an fsync of its own.
+
+        LATEST is a hint (restore and fsck trust manifests), so it costs a version no fsync: the
+        rename is atomic for every reader at once, and becomes durable with the next fsync of the
+        root (the next version's publish, or a retention delete). After a power loss it may name an
+        older step, or be missing or empty, as any stale hint: readers ignore what does not parse.
+        """
         data = f"{step}\n".encode()
-        # Not through aiofiles: it has no fsync, and tmp file, fsync, rename and fsync of the root must run
-        # in that order (removing the tmp file on failure); one thread runs the whole sequence.
-        await asyncio.to_thread(atomic_write, os.path.join(self.root, LATEST), data, fsync=self.fsync)
+        # tmp file then rename (removing the tmp file on failure), in one thread
+        await asyncio.to_thread(atomic_write, os.path.join(self.root, LATEST), data, fsync=False)
 
     async def read_latest(self) -> int | None:
         """Return the LATEST hint, or None (missing, unreadable, not a regular file or too long)."""

@@ -106,7 +106,12 @@ class Flusher:
         while len(self.queue) >= self.backlog:
             old = self.queue.pop(0)
             self.stats.skipped += 1
-            logger.warning("%s is behind: skipping step %d for newer step %d", self.name, old.step, plan.step)
+            # the first skip is a WARNING; the later ones are counted (status().skipped) and logged at INFO, since
+            # a tier behind a faster durable one (a memory tier taking every step) skips by design, at every step
+            log = logger.warning if self.stats.skipped == 1 else logger.info
+            log("%s is behind: skipping step %d for newer step %d%s", self.name, old.step, plan.step,
+                " (further skips are counted in status().skipped and logged at INFO)" if self.stats.skipped == 1
+                else "")
             self._finish(old)
         self.queue.append(plan)
         self._wake.set()

@@ -48,6 +48,7 @@ from asymstore.runtime.gcpause import gc_paused
 from asymstore.tiers.protocol import Buffer
 from asymstore.values import FlushStats, TierCalibration
 from asymstore.write.copybuffers import CopyBuffers
+from asymstore.write.samples import SampleMemory
 from asymstore.write.staging import StagedPack, StagedTensor
 
 logger = logging.getLogger(__name__)
@@ -128,10 +129,13 @@ class VersionPlan:
         share_bytes: most bytes of compressed chunks kept for the next tier.
         tiers: how many tiers the version will be written to (the last one
             keeps nothing for later).
+        samples: the store's compression samples of earlier versions
+            (:class:`~asymstore.write.samples.SampleMemory`): a chunk sampled recently is not sampled again.
     """
 
     def __init__(self, step: int, staged: Mapping[str, StagedTensor | StagedPack], meta: dict[str, Any],
-                 created: float, *, codec: PlaneCodec, share_bytes: int = 64 << 20, tiers: int = 1) -> None:
+                 created: float, *, codec: PlaneCodec, share_bytes: int = 64 << 20, tiers: int = 1,
+                 samples: SampleMemory | None = None) -> None:
         """Index the chunks of ``staged``; nothing is sampled or compressed yet."""
         self.step = step
         self.meta = dict(meta)
@@ -159,6 +163,8 @@ class VersionPlan:
         self._shared: dict[int, tuple[tuple[bool, ...], Encoded]] = {}
         self._shared_bytes = 0
         self._tiers_left = tiers
+        self._memory = samples
+        self._version = samples.next_version() if samples is not None else 0
 
     def _index(self, staged: Mapping[str, StagedTensor | StagedPack],
                kinds: dict[torch.dtype, tuple[str, int]]) -> None:
@@ -274,9 +280,16 @@ class VersionPlan:
             hit = self._samples.get(ref.index)
         if hit is not None:
             return hit, 0.0
+        key = (ref.tensor, ref.index, len(ref.view), ref.width)
+        if self._memory is not None and (old := self._memory.recall(key, self._version)) is not None:
+            with self._lock:  # an estimate only: no encoded bytes of an older version come with it
+                self._samples.setdefault(ref.index, old)
+            return old, 0.0
         t0 = time.perf_counter()
         result = sample(ref.view, ref.width, self.codec)
         spent = time.perf_counter() - t0
+        if self._memory is not None:
+            self._memory.remember(key, self._version, result)
         with self._lock:
             if result.encoded is not None:
                 if self._tiers_left > 0 and self._shared_bytes + result.encoded.nbytes <= self.share_bytes:

@@ -199,3 +199,24 @@ async def test_a_tier_that_cannot_list_leaves_restores_to_the_others(tmp_path: P
     with pytest.raises(TierError, match="cannot list"):  # the durable tier must list: that is an error
         async with AsymStore([_Unlisting(tmp_path / "a"), LocalTier(tmp_path / "b")], keep_last=None):
             pass
+
+
+async def test_a_disk_behind_a_memory_tier_warns_once_and_counts_the_versions_it_skips(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Memory first (durable), disk in the background: skipping is what it does at every fast step, not news."""
+    from asymstore.testing import SlowLocalTier
+
+    memory = host_tier(64 << 20)
+    disk = SlowLocalTier(tmp_path, delay_s=0.3, name="disk")
+    caplog.set_level("INFO", logger="asymstore.write.cascade")
+    async with AsymStore([memory, disk], durable=memory, keep_last=2, **FAST) as store:
+        for step in range(1, 8):  # the disk is busy with step 1 while steps 2..7 arrive: each replaces the last
+            await store.put_many(step, state(step, 1000))
+            await store.commit(step)
+        await store.flushed(timeout=30)
+        skipped = store.status()["disk"].skipped
+        assert store.versions()["disk"][-1] == 7  # the newest reached the disk
+    behind = [r for r in caplog.records if "is behind" in r.getMessage()]
+    assert skipped >= 2 and len(behind) == skipped
+    assert [r.levelname for r in behind] == ["WARNING"] + ["INFO"] * (skipped - 1)
+    assert "status().skipped" in behind[0].getMessage()

@@ -34,6 +34,7 @@ from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.values import Checkpoint, CommitResult, FlushStats, TierCalibration, TierStatus
 from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
+from asymstore.write.pool import SegmentPool, default_threads
 from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.segments import VersionPlan
 from asymstore.write.staging import PendingStep
@@ -67,6 +68,7 @@ class StoreOptions(TypedDict, total=False):
     flush_memory_bytes: int
     backlog: int
     close_timeout_s: float | None
+    pipeline_threads: int | None
 
 
 class AsymStore:
@@ -107,6 +109,11 @@ class AsymStore:
             arrives beyond it, the oldest waiting one is skipped there.
         close_timeout_s: how long ``close`` waits for background tiers
             (None: as long as it takes); what is left is reported and dropped.
+        pipeline_threads: threads that hash and write one version's segments
+            (one pool shared by every tier; :mod:`asymstore.write.pool`). 1: one
+            segment filled while the previous one is written; None (default):
+            :func:`~asymstore.write.pool.default_threads`, half of this process's
+            share of the host's CPUs, at most 8.
         read_only: open to read only (restore, versions, status) beside a
             live writer: no root is locked, nothing is swept or calibrated,
             and ``put`` / ``commit`` raise :class:`ReadOnlyStoreError`.
@@ -126,7 +133,8 @@ class AsymStore:
                  calibration_cache: str | os.PathLike[str] | bool = True,
                  flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES, backlog: int = 1,
                  close_timeout_s: float | None = 60.0, read_only: bool = False,
-                 retention_floor: Callable[[], int | None] | None = None) -> None:
+                 retention_floor: Callable[[], int | None] | None = None,
+                 pipeline_threads: int | None = None) -> None:
         """Configure the store; tiers are opened by ``open`` / ``async with``."""
         if not tiers:
             raise ValueError("AsymStore needs at least one tier")
@@ -156,6 +164,8 @@ class AsymStore:
         self.compression: Compression = compression
         self.codec = codec or PlaneCodec()
         self.flush_memory_bytes = flush_memory_bytes
+        self._pool = SegmentPool(default_threads() if pipeline_threads is None else pipeline_threads)
+        """The pipeline's threads (``pipeline_threads``), shared by every tier's writes."""
         self._given = dict(calibrations or {})
         if calibration_cache is True:
             self._cache: CalibrationCache | None = CalibrationCache()
@@ -284,6 +294,7 @@ class AsymStore:
                 pending.release_all()
             self._stager.pending.clear()
             self._open = False
+            self._pool.close()
             for state in self._tiers:
                 await self._close_tier(state.tier)
 
@@ -570,7 +581,7 @@ class AsymStore:
 
     async def _write_tier_locked(self, state: TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
         return await write_version(state, plan, compression=self.compression, segment_bytes=self.segment_bytes,
-                                   memory_bytes=self.flush_memory_bytes, retention=self.retention)
+                                   memory_bytes=self.flush_memory_bytes, retention=self.retention, pool=self._pool)
 
     async def flushed(self, step: int | None = None, *, tier: Tier | str | None = None,
                       timeout: float | None = None) -> None:

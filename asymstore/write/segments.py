@@ -66,7 +66,7 @@ _ZEROS = memoryview(bytes(SEGMENT_ALIGN))
 
 @dataclass
 class Segment:
-    """One segment to write: its name, the buffers that form it, and its checksum."""
+    """One segment to write: its name, the buffers that form it, and its checksum (empty until hashed)."""
 
     name: str
     parts: list[Buffer]
@@ -416,6 +416,25 @@ class SegmentBuilder:
 
     def next_segment(self) -> Segment | None:
         """Fill and return the next segment (about ``B`` bytes, at least one chunk), or None at the end."""
+        laid = self.next_layout()
+        if laid is None:
+            return None
+        seg, index = laid
+        seg.checksum = StreamingChecksum(seg.parts).hexdigest()
+        self.settle(index, seg.checksum)
+        return seg
+
+    def settle(self, index: int, digest: str) -> None:
+        """Record the checksum of segment ``index`` (from :meth:`next_layout`); any thread may call it."""
+        entry = self._segments[index]
+        self._segments[index] = SegmentEntry(entry.name, entry.size, digest)
+
+    def next_layout(self) -> tuple[Segment, int] | None:
+        """Fill the next segment without hashing it: the segment (no checksum yet) and its index, or None.
+
+        Layouts come one at a time, in order; :meth:`settle` records each one's
+        checksum (one xxh3 pass over its parts in order), from any thread.
+        """
         if self._done:
             return None
         plan = self.plan
@@ -424,7 +443,6 @@ class SegmentBuilder:
         name = segment_filename(len(self._segments))
         parts: list[Buffer] = []
         small: list[memoryview] = []  # consecutive small raw chunks, joined into one buffer
-        digest = StreamingChecksum()
         size = 0
         count = 0
         raw_count = 0
@@ -433,14 +451,12 @@ class SegmentBuilder:
             if small:
                 blob = b"".join(small)
                 parts.append(blob)
-                digest.update(blob)
                 small.clear()
 
         def pad_to_alignment(at: int) -> int:
             pad = -at % SEGMENT_ALIGN
             if pad:
                 parts.append(_ZEROS[:pad])
-                digest.update(_ZEROS[:pad])
             return at + pad
 
         out = self._chunks
@@ -465,7 +481,6 @@ class SegmentBuilder:
                         flush_small()
                         size = pad_to_alignment(size)
                         parts.append(view)
-                        digest.update(view)
                     out.append(Chunk(name, size, n, n, digests[index], RAW, digests[index]))
                     size += n
                     count += 1
@@ -489,7 +504,6 @@ class SegmentBuilder:
                 for part in st.parts:
                     if len(part):
                         parts.append(part)
-                        digest.update(part)
             size += st.nbytes
             count += 1
         self.stats.chunks_raw += raw_count
@@ -498,16 +512,16 @@ class SegmentBuilder:
             self._done = True
         if not count:
             return None
-        seg = Segment(name, parts, size, digest.hexdigest())
-        self._segments.append(SegmentEntry(name, size, seg.checksum))
+        seg = Segment(name, parts, size, "")
+        self._segments.append(SegmentEntry(name, size, ""))
         self.stats.segments += 1
         self.stats.stored_bytes += size
-        return seg
+        return seg, len(self._segments) - 1
 
     def manifest(self) -> Manifest:
         """Return the version's manifest for this tier (after the last segment)."""
-        if not self._done:
-            raise RuntimeError("manifest() before the last segment was built")
+        if not self._done or not all(entry.checksum for entry in self._segments):
+            raise RuntimeError("manifest() before the last segment was built and hashed")
         entries = {}
         pos = 0
         chunks, tensors = self._chunks, self.plan.tensors

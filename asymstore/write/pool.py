@@ -36,7 +36,7 @@ from typing import TypeVar
 from asymstore.errors import AsymstoreError, TierError
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.tiers.protocol import ThreadedWriter, VersionWriter
-from asymstore.write.segments import Segment, SegmentBuilder
+from asymstore.write.segments import SEGMENT_ALIGN, Segment, SegmentBuilder
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ async def stream_pooled(builder: SegmentBuilder, writer: VersionWriter, pool: Se
     # a writer whose write_segment was replaced on the instance (a wrapper, a test's slow disk) goes through it
     threaded = isinstance(writer, ThreadedWriter) and "write_segment" not in getattr(writer, "__dict__", {})
     limit = max(memory_bytes, 1)
+    # the largest segment the layout can make: B (plus the padding before its last chunk), or one chunk alone
+    biggest = max(builder.tier_plan.segment_bytes + SEGMENT_ALIGN, max(map(len, builder.plan.views), default=0))
     inflight: dict[asyncio.Future[float], int] = {}  # hash (and write) of one segment -> its bytes
     held = 0
     ordered: asyncio.Future[None] | None = None  # the previous in-order write (writers without threads)
@@ -176,7 +178,7 @@ async def stream_pooled(builder: SegmentBuilder, writer: VersionWriter, pool: Se
 
     try:
         while failure is None:
-            while inflight and (len(inflight) >= pool.threads or held + builder.tier_plan.segment_bytes > limit):
+            while inflight and (len(inflight) >= pool.threads or held + biggest > limit):
                 await settle_one()
                 if failure is not None:
                     break
@@ -186,10 +188,6 @@ async def stream_pooled(builder: SegmentBuilder, writer: VersionWriter, pool: Se
             if laid is None:
                 break
             seg, index = laid
-            while inflight and held + seg.size > limit and failure is None:  # above B (one large chunk): room first
-                await settle_one()
-            if failure is not None:
-                break
             fut = pool.run(task(seg, index))
             if not threaded:  # hashed in the pool, written in order on the loop
                 ordered = asyncio.ensure_future(write_in_order(ordered, fut, seg))

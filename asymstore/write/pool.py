@@ -3,7 +3,8 @@
 With one thread (``AsymStore(pipeline_threads=1)``) a tier's segments go as they always did: the
 next segment is filled (chunks gathered, compressed, hashed) in a worker thread while the previous
 one is written. With ``n > 1`` threads, :func:`stream_pooled` lays segments out in order on the pool
-(cheap for raw chunks: views of the staged bytes), then hands each one to the pool, where a thread
+(cheap for raw chunks: views of the staged bytes; chunks to compress are encoded ahead of it on the
+other threads), then hands each one to the pool, where a thread
 hashes it and, for a tier whose writer takes writes from threads (:class:`~asymstore.tiers.protocol.
 ThreadedWriter`: ``LocalTier`` and the shared-memory ``host_tier``), writes it, several segments at once.
 Other tiers get their segments hashed in the pool and written one at a time, in order, as before.
@@ -105,9 +106,13 @@ class SegmentPool:
                     max_workers=self.threads, thread_name_prefix="asymstore-pipeline")
             return self._executor
 
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn`` on a pool thread; return its future (wait for it from any thread)."""
+        return self._pool().submit(fn)
+
     def run(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Run ``fn`` on a pool thread; return a future of the running loop."""
-        return asyncio.wrap_future(self._pool().submit(fn))
+        return asyncio.wrap_future(self.submit(fn))
 
     def close(self) -> None:
         """Stop the threads once their tasks are done (a later :meth:`run` starts new ones)."""
@@ -125,9 +130,11 @@ async def stream_pooled(builder: SegmentBuilder, writer: VersionWriter, pool: Se
                         memory_bytes: int) -> None:
     """Write ``builder``'s segments with ``pool``: laid out in order, hashed and written several at once.
 
-    At most ``pool.threads`` segments are hashed or written at a time, and the
-    segments in flight (laid out, not yet written) hold at most ``memory_bytes``
-    between them, one segment at least. On a failure no new segment starts,
+    At most ``pool.threads`` segments are hashed or written at a time; chunks
+    planned compressed are encoded ahead of the layout on the pool's threads
+    (:meth:`SegmentBuilder.encode_ahead`). The segments in flight (laid out,
+    not yet written) and the chunks encoded ahead hold at most ``memory_bytes``
+    between them (raw bytes counted for the chunks), one segment at least. On a failure no new segment starts,
     the ones in flight finish, and the first error is raised (an
     :class:`~asymstore.errors.AsymstoreError` as it is, an ``OSError`` of a
     write as :class:`~asymstore.errors.TierError`); the caller aborts the version.
@@ -178,12 +185,15 @@ async def stream_pooled(builder: SegmentBuilder, writer: VersionWriter, pool: Se
 
     try:
         while failure is None:
-            while inflight and (len(inflight) >= pool.threads or held + biggest > limit):
+            while inflight and (len(inflight) >= pool.threads or held + builder.ahead_bytes + biggest > limit):
                 await settle_one()
                 if failure is not None:
                     break
             if failure is not None:
                 break
+            # chunks to compress are encoded ahead on the other threads, within what the budget leaves
+            ahead = builder.encode_ahead(pool.submit, limit - held - biggest)
+            stats.inflight_peak_bytes = max(stats.inflight_peak_bytes, held + ahead)
             laid = await pool.run(builder.next_layout)
             if laid is None:
                 break
@@ -195,12 +205,14 @@ async def stream_pooled(builder: SegmentBuilder, writer: VersionWriter, pool: Se
             else:
                 inflight[fut] = seg.size
             held += seg.size
-            stats.inflight_peak_bytes = max(stats.inflight_peak_bytes, held)
+            stats.inflight_peak_bytes = max(stats.inflight_peak_bytes, held + builder.ahead_bytes)
         while inflight:
             await settle_one()
     finally:
-        if inflight:  # cancelled: the threads finish their segments before the caller aborts the version
-            await asyncio.shield(asyncio.gather(*inflight, return_exceptions=True))
+        # a failure or a cancel: the threads finish what they started before the caller aborts the version
+        running = [asyncio.wrap_future(fut) for fut in builder.drop_ahead()]
+        if inflight or running:
+            await asyncio.shield(asyncio.gather(*inflight, *running, return_exceptions=True))
     if failure is not None:
         if isinstance(failure, AsymstoreError) or not isinstance(failure, OSError):
             raise failure

@@ -22,6 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -400,14 +401,61 @@ class SegmentBuilder:
         self._segments: list[SegmentEntry] = []
         self._chunks: list[Chunk] = []  # version order
         self._done = False
+        self._ahead: dict[int, tuple[Future[tuple[Encoded, bool]], int]] = {}  # chunk -> its encoding, raw bytes
+        self._ahead_pos = 0
+        self._ahead_bytes = 0
         self.stats = FlushStats(tier_plan.tier, plan.step, tier_plan.segment_bytes, tier_plan.segment_bytes_source,
                                 tier_plan.calibration, raw_bytes=plan.raw_bytes,
                                 sample_seconds=tier_plan.sample_seconds,
                                 predicted_seconds=tier_plan.predicted_seconds)
 
+    def encode_ahead(self, submit: Callable[[Callable[[], tuple[Encoded, bool]]], Future[tuple[Encoded, bool]]],
+                     budget: int) -> int:
+        """Start encoding the next chunks planned compressed, ahead of the layout, with ``submit``.
+
+        Chunks are taken in order from the layout's position while the raw
+        bytes of those started and not yet laid out stay within ``budget``
+        (one chunk at least when none is ahead). The layout then takes each
+        result instead of encoding the chunk itself (same bytes either way).
+
+        Returns:
+            The raw bytes of the chunks encoded ahead and not yet laid out (:attr:`ahead_bytes`).
+        """
+        masks, views = self.tier_plan.masks, self.plan.views
+        at = max(self._ahead_pos, self._pos)
+        while at < len(views):
+            mask = masks[at]
+            n = len(views[at])
+            if mask is not None and n:
+                if self._ahead and self._ahead_bytes + n > budget:
+                    break
+                ref = self.plan.chunk(at)
+                self._ahead[at] = (submit(functools.partial(self.plan.encoded, ref, mask)), n)
+                self._ahead_bytes += n
+            at += 1
+        self._ahead_pos = at
+        return self._ahead_bytes
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Raw bytes of the chunks encoded ahead (:meth:`encode_ahead`) and not yet laid out."""
+        return self._ahead_bytes
+
+    def drop_ahead(self) -> list[Future[tuple[Encoded, bool]]]:
+        """Cancel the encodings ahead that have not started; return those still running (a failed version)."""
+        running = [fut for fut, _ in self._ahead.values() if not fut.cancel()]
+        self._ahead.clear()
+        self._ahead_bytes = 0
+        return running
+
     def _compressed(self, index: int, mask: tuple[bool, ...]) -> _Stored | None:
         ref = self.plan.chunk(index)
-        enc, fresh = self.plan.encoded(ref, mask)
+        ahead = self._ahead.pop(index, None)
+        if ahead is not None:  # encoded by another thread (encode_ahead)
+            self._ahead_bytes -= ahead[1]
+            enc, fresh = ahead[0].result()
+        else:
+            enc, fresh = self.plan.encoded(ref, mask)
         if fresh:
             self.stats.compress_seconds += enc.seconds
         if enc.nbytes >= len(ref.view):

@@ -23,6 +23,7 @@ from asymstore.format.names import TMP_PREFIX, version_dirname
 from asymstore.policy.compression import Compression
 from asymstore.testing import FailingSegmentTier
 from asymstore.tiers.protocol import Buffer, Tier
+from asymstore.write import segments
 from asymstore.write.pool import MAX_DEFAULT_THREADS, default_threads
 from tests.support.tensors import assert_same, random_tensor
 
@@ -174,18 +175,48 @@ async def test_pool_writes_segments_at_the_same_time(tmp_path: object) -> None:
         assert_same(ckpt.tensors[name], t)
 
 
-async def test_segments_in_flight_stay_within_the_flush_memory_budget(tmp_path: object) -> None:
+@pytest.mark.parametrize("compression", ["never", "always"])
+async def test_segments_in_flight_stay_within_the_flush_memory_budget(tmp_path: object, compression: str) -> None:
     seg = 64 << 10
     budget = 3 * seg
     tier = _MeteredTier(str(tmp_path), delay_s=0.02)
-    tensors = {f"t{i}": random_tensor(torch.float32, (16_384,), seed=i) for i in range(24)}
-    async with _store([tier], 8, segment_bytes=seg, flush_memory_bytes=budget, compression="never") as store:
+    tensors = {f"t{i}": random_tensor(torch.float32, (16_384,), seed=i) for i in range(24)}  # 64 KiB each
+    async with _store([tier], 8, segment_bytes=seg, flush_memory_bytes=budget, compression=compression,
+                      chunk_bytes=seg) as store:
         await store.put_many(0, tensors)
         result = await store.commit(0)
+        ckpt = await store.restore()
     stats = result.flush[tier.name]
     assert stats.segments == 24
     assert seg < tier.most <= budget  # several at once, never more than the budget
     assert tier.most <= stats.inflight_peak_bytes <= budget  # and reported
+    for name, t in tensors.items():
+        assert_same(ckpt.tensors[name], t)
+
+
+async def test_pool_compresses_chunks_at_the_same_time(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks planned compressed are encoded ahead of the layout on the pool's threads, two at once at least."""
+    barrier = threading.Barrier(2, timeout=10)
+    encoders: set[str] = set()
+    real = segments.encode
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        encoders.add(threading.current_thread().name)
+        barrier.wait()  # BrokenBarrierError unless another chunk is being encoded at the same time
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(segments, "encode", encode)
+    tensors = {f"t{i}": (random_tensor(torch.float32, (65_536,), seed=i).view(torch.uint8) & 0x0F).view(torch.float32)
+               for i in range(4)}
+    async with _store([LocalTier(str(tmp_path))], 3, segment_bytes=256 << 10, flush_memory_bytes=4 << 20,
+                      compression="always", chunk_bytes=128 << 10) as store:
+        await store.put_many(0, tensors)
+        result = await store.commit(0)
+        ckpt = await store.restore()
+    assert result.flush[f"local:{tmp_path}"].chunks_compressed == 8
+    assert len(encoders) >= 2 and all(name.startswith("asymstore-pipeline") for name in encoders)
+    for name, t in tensors.items():
+        assert_same(ckpt.tensors[name], t)
 
 
 async def test_a_failed_pooled_write_keeps_the_last_version(tmp_path: object) -> None:

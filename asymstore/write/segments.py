@@ -15,6 +15,7 @@ The cost model and the compression rule: docs/concepts/batching.md.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import logging
@@ -359,8 +360,11 @@ class VersionPlan:
 
     # -- encoding ----------------------------------------------------------
 
-    def encoded(self, ref: ChunkRef, mask: tuple[bool, ...]) -> tuple[Encoded, bool]:
-        """Return the chunk's stored form for ``mask`` and whether it was computed now (not shared)."""
+    def encoded(self, ref: ChunkRef, mask: tuple[bool, ...], codec: PlaneCodec | None = None) -> tuple[Encoded, bool]:
+        """Return the chunk's stored form for ``mask`` and whether it was computed now (not shared).
+
+        ``codec``: other settings that give the same bytes as the plan's (another zstd thread count >= 1).
+        """
         with self._lock:
             shared = self._shared.get(ref.index)
             smp = self._samples.get(ref.index)
@@ -368,7 +372,7 @@ class VersionPlan:
             return shared[1], False
         if smp is not None and smp.encoded is not None and smp.mask == mask:
             return smp.encoded, False
-        enc = encode(ref.view, ref.width, self.codec, mask)
+        enc = encode(ref.view, ref.width, codec or self.codec, mask)
         with self._lock:
             if self._tiers_left > 1 and self._shared_bytes + enc.nbytes <= self.share_bytes:
                 self._shared[ref.index] = (mask, enc)
@@ -422,6 +426,11 @@ class SegmentBuilder:
             The raw bytes of the chunks encoded ahead and not yet laid out (:attr:`ahead_bytes`).
         """
         masks, views = self.tier_plan.masks, self.plan.views
+        # several chunks are encoded at once: one zstd worker each, not one per CPU each (zstd's output is the
+        # same for any number of workers >= 1; 0, compressing on the calling thread, is another format)
+        codec = self.plan.codec
+        if codec.threads != 0:
+            codec = dataclasses.replace(codec, threads=1)
         at = max(self._ahead_pos, self._pos)
         while at < len(views):
             mask = masks[at]
@@ -430,7 +439,7 @@ class SegmentBuilder:
                 if self._ahead and self._ahead_bytes + n > budget:
                     break
                 ref = self.plan.chunk(at)
-                self._ahead[at] = (submit(functools.partial(self.plan.encoded, ref, mask)), n)
+                self._ahead[at] = (submit(functools.partial(self.plan.encoded, ref, mask, codec)), n)
                 self._ahead_bytes += n
             at += 1
         self._ahead_pos = at

@@ -205,18 +205,21 @@ async def test_pool_compresses_chunks_at_the_same_time(tmp_path: object, monkeyp
         barrier.wait()  # BrokenBarrierError unless another chunk is being encoded at the same time
         return real(*args, **kwargs)
 
+    tensors = {f"t{i}": (torch.randn(1 << 20) * 0.02).to(torch.bfloat16) for i in range(4)}  # 2 MiB each
+    kw: dict[str, Any] = {"segment_bytes": 2 << 20, "flush_memory_bytes": 16 << 20, "compression": "always",
+                          "chunk_bytes": 1 << 20}
+    one, many = os.path.join(str(tmp_path), "one"), os.path.join(str(tmp_path), "many")
+    await _commit(LocalTier(one), 1, [tensors], **kw)  # zstd with one worker per CPU
     monkeypatch.setattr(segments, "encode", encode)
-    tensors = {f"t{i}": (random_tensor(torch.float32, (65_536,), seed=i).view(torch.uint8) & 0x0F).view(torch.float32)
-               for i in range(4)}
-    async with _store([LocalTier(str(tmp_path))], 3, segment_bytes=256 << 10, flush_memory_bytes=4 << 20,
-                      compression="always", chunk_bytes=128 << 10) as store:
+    async with _store([LocalTier(many)], 3, **kw) as store:
         await store.put_many(0, tensors)
         result = await store.commit(0)
         ckpt = await store.restore()
-    assert result.flush[f"local:{tmp_path}"].chunks_compressed == 8
+    assert result.flush[f"local:{many}"].chunks_compressed == 8
     assert len(encoders) >= 2 and all(name.startswith("asymstore-pipeline") for name in encoders)
     for name, t in tensors.items():
         assert_same(ckpt.tensors[name], t)
+    assert _version_files(one, 0) == _version_files(many, 0)  # one zstd worker per chunk: the same frames
 
 
 async def test_a_failed_pooled_write_keeps_the_last_version(tmp_path: object) -> None:

@@ -131,8 +131,9 @@ class FlushStats:
         pipeline_threads: threads that hashed and wrote the segments
             (``AsymStore(pipeline_threads=...)``; :mod:`asymstore.write.pool`).
         inflight_peak_bytes: most segment bytes in flight at once (filled and
-            not yet written); at most ``flush_memory_bytes`` unless one segment
-            alone is larger.
+            not yet written, and with more than one pipeline thread the raw
+            bytes of chunks compressed ahead); at most ``flush_memory_bytes``
+            unless one segment alone is larger.
     """
 
     tier: str

@@ -13,9 +13,10 @@ The segments, their checksums and the manifest are the same bytes whatever the n
 segment boundaries come from the tier plan alone, and each segment's checksum is one xxh3 pass
 over its parts in order, taken by whichever thread writes it.
 
-Memory: segments in flight (laid out and not yet written) hold at most ``flush_memory_bytes``
-between them (one segment at least), the same budget that caps the segment size at half of it;
-:attr:`~asymstore.values.FlushStats.inflight_peak_bytes` reports the most that were.
+Memory: segments in flight (laid out and not yet written) and chunks encoded ahead (their raw
+bytes) hold at most ``flush_memory_bytes`` between them (one segment at least), the same budget
+that caps the segment size at half of it; :attr:`~asymstore.values.FlushStats.inflight_peak_bytes`
+reports the most that were.
 
 Why threads: xxhash, zstd, ``os.write``/``writev``, ``ctypes.memmove`` and torch copies release
 the GIL while they run on large buffers (a Python thread beside them keeps running), so the threads

@@ -47,12 +47,30 @@ MAX_DEFAULT_THREADS = 8
 """The most threads :func:`default_threads` gives: past about this many, one host's memory bandwidth is spent."""
 
 
-def host_cpus() -> int:
-    """The CPUs this process may run on (its affinity; the CPU count where affinity is unknown)."""
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+"""cgroup v2's CPU quota of this process's group: ``"<quota> <period>"`` or ``"max <period>"``."""
+
+
+def quota_cpus(path: str = CGROUP_CPU_MAX) -> int | None:
+    """CPUs a cgroup v2 quota allows (rounded up), or None: no quota, no cgroup v2, or unreadable."""
     try:
-        return len(os.sched_getaffinity(0))
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def host_cpus() -> int:
+    """The CPUs this process may run on: its affinity (the CPU count where unknown), within its cgroup's quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    quota = quota_cpus()
+    return min(cpus, quota) if quota is not None else cpus
 
 
 def local_ranks() -> int:
@@ -66,8 +84,8 @@ def local_ranks() -> int:
 def default_threads(cpus: int | None = None, ranks: int | None = None) -> int:
     """The pipeline threads of one store when ``pipeline_threads`` is not given.
 
-    Half of this process's share of the host's CPUs (its affinity divided by
-    the job's processes on this host), at most :data:`MAX_DEFAULT_THREADS`,
+    Half of this process's share of the host's CPUs (:func:`host_cpus`
+    divided by the job's processes on this host), at most :data:`MAX_DEFAULT_THREADS`,
     at least 1: the other half stays with training (its main thread, data
     loader workers, the CUDA driver), so the pipeline is never in its way.
     A 2-core machine gets 1 thread (the pipeline as it was before the pool);

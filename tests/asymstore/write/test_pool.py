@@ -24,7 +24,7 @@ from asymstore.policy.compression import Compression
 from asymstore.testing import FailingSegmentTier
 from asymstore.tiers.protocol import Buffer, Tier
 from asymstore.write import segments
-from asymstore.write.pool import MAX_DEFAULT_THREADS, default_threads
+from asymstore.write.pool import MAX_DEFAULT_THREADS, default_threads, host_cpus, quota_cpus
 from tests.support.tensors import assert_same, random_tensor
 
 _CAL = TierCalibration.from_throughput(500e6, 0.001)  # given: the same decisions in every store
@@ -243,6 +243,17 @@ async def test_a_failed_pooled_write_keeps_the_last_version(tmp_path: object) ->
             assert_same(ckpt.tensors[name], t)
         await store.commit(1)  # the failure was once: the retry commits
         assert (await store.restore()).step == 1
+
+
+def test_a_cgroup_quota_bounds_the_host_cpus(tmp_path: object) -> None:
+    path = os.path.join(str(tmp_path), "cpu.max")
+    for text, cpus in [("max 100000\n", None), ("400000 100000\n", 4), ("150000 100000\n", 2),
+                       ("1000 100000\n", 1), ("garbage\n", None)]:
+        with open(path, "w") as f:
+            f.write(text)
+        assert quota_cpus(path) == cpus
+    assert quota_cpus(os.path.join(str(tmp_path), "missing")) is None
+    assert 1 <= host_cpus() <= len(os.sched_getaffinity(0))
 
 
 def test_default_threads_leave_cores_to_training() -> None:

@@ -109,9 +109,11 @@ class AsymStore:
             arrives beyond it, the oldest waiting one is skipped there.
         close_timeout_s: how long ``close`` waits for background tiers
             (None: as long as it takes); what is left is reported and dropped.
-        pipeline_threads: threads that hash and write one version's segments
-            (one pool shared by every tier; :mod:`asymstore.write.pool`). 1: one
-            segment filled while the previous one is written; None (default):
+        pipeline_threads: threads that stage large tensors (copy and
+            checksums) and hash, compress and write one version's segments (one
+            pool shared by every tier; :mod:`asymstore.write.pool`). 1: one
+            segment filled while the previous one is written, large tensors
+            staged in asyncio's default threads; None (default):
             :func:`~asymstore.write.pool.default_threads`, half of this process's
             share of the host's CPUs, at most 8.
         read_only: open to read only (restore, versions, status) beside a
@@ -159,13 +161,13 @@ class AsymStore:
         self._tiers = [TierState(t, retention_floor) for t in tiers]
         self.segment_bytes = segment_bytes
         chunk = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
-        self._stager = Stager(chunk, self._admit)
+        self._pool = SegmentPool(default_threads() if pipeline_threads is None else pipeline_threads)
+        """The pipeline's threads (``pipeline_threads``): staging of large tensors and every tier's writes."""
+        self._stager = Stager(chunk, self._admit, self._pool.run if self._pool.threads > 1 else None)
         """What is staged per uncommitted step (``put``, ``adopt``; :mod:`asymstore.write.puts`)."""
         self.compression: Compression = compression
         self.codec = codec or PlaneCodec()
         self.flush_memory_bytes = flush_memory_bytes
-        self._pool = SegmentPool(default_threads() if pipeline_threads is None else pipeline_threads)
-        """The pipeline's threads (``pipeline_threads``), shared by every tier's writes."""
         self._given = dict(calibrations or {})
         if calibration_cache is True:
             self._cache: CalibrationCache | None = CalibrationCache()

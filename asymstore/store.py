@@ -34,6 +34,7 @@ from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
 from asymstore.values import Checkpoint, CommitResult, FlushStats, TierCalibration, TierStatus
 from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
+from asymstore.write.pool import SegmentPool, default_threads
 from asymstore.write.puts import Release, Stager, check_step
 from asymstore.write.references import REFERENCE_MODES, ReferenceMode
 from asymstore.write.samples import SampleMemory
@@ -70,6 +71,7 @@ class StoreOptions(TypedDict, total=False):
     flush_memory_bytes: int
     backlog: int
     close_timeout_s: float | None
+    pipeline_threads: int | None
 
 
 class AsymStore:
@@ -116,6 +118,13 @@ class AsymStore:
             arrives beyond it, the oldest waiting one is skipped there.
         close_timeout_s: how long ``close`` waits for background tiers
             (None: as long as it takes); what is left is reported and dropped.
+        pipeline_threads: threads that stage large tensors (copy and
+            checksums) and hash, compress and write one version's segments (one
+            pool shared by every tier; :mod:`asymstore.write.pool`). 1: one
+            segment filled while the previous one is written, large tensors
+            staged in asyncio's default threads; None (default):
+            :func:`~asymstore.write.pool.default_threads`, half of this process's
+            share of the host's CPUs, at most 8.
         read_only: open to read only (restore, versions, status) beside a
             live writer: no root is locked, nothing is swept or calibrated,
             and ``put`` / ``commit`` raise :class:`ReadOnlyStoreError`.
@@ -136,7 +145,8 @@ class AsymStore:
                  calibration_cache: str | os.PathLike[str] | bool = True,
                  flush_memory_bytes: int = DEFAULT_FLUSH_MEMORY_BYTES, backlog: int = 1,
                  close_timeout_s: float | None = 60.0, read_only: bool = False,
-                 retention_floor: Callable[[], int | None] | None = None) -> None:
+                 retention_floor: Callable[[], int | None] | None = None,
+                 pipeline_threads: int | None = None) -> None:
         """Configure the store; tiers are opened by ``open`` / ``async with``."""
         if not tiers:
             raise ValueError("AsymStore needs at least one tier")
@@ -163,7 +173,9 @@ class AsymStore:
         self._tiers = [TierState(t, retention_floor) for t in tiers]
         self.segment_bytes = segment_bytes
         chunk = chunk_bytes or min(segment_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
-        self._stager = Stager(chunk, self._admit)
+        self._pool = SegmentPool(default_threads() if pipeline_threads is None else pipeline_threads)
+        """The pipeline's threads (``pipeline_threads``): staging of large tensors and every tier's writes."""
+        self._stager = Stager(chunk, self._admit, self._pool.run if self._pool.threads > 1 else None)
         """What is staged per uncommitted step (``put``, ``adopt``; :mod:`asymstore.write.puts`)."""
         self.compression: Compression = compression
         self.references: ReferenceMode = references
@@ -298,6 +310,7 @@ class AsymStore:
                 pending.release_all()
             self._stager.pending.clear()
             self._open = False
+            self._pool.close()
             for state in self._tiers:
                 await self._close_tier(state.tier)
 
@@ -586,7 +599,7 @@ class AsymStore:
     async def _write_tier_locked(self, state: TierState, plan: VersionPlan) -> tuple[Manifest, FlushStats]:
         return await write_version(state, plan, compression=self.compression, segment_bytes=self.segment_bytes,
                                    memory_bytes=self.flush_memory_bytes, retention=self.retention,
-                                   references=self.references)
+                                   references=self.references, pool=self._pool)
 
     async def flushed(self, step: int | None = None, *, tier: Tier | str | None = None,
                       timeout: float | None = None) -> None:

@@ -6,6 +6,8 @@ once, at a chosen phase of the commit protocol (:data:`PHASES`: ``"segments_writ
 process there, leaving the disk exactly as a crash would (run it in a child process);
 :class:`FailingLocalTier` raises :class:`~asymstore.errors.TierError` instead;
 :class:`SlowLocalTier` stalls each commit before its manifest, for tests of deadlines.
+:class:`FailingSegmentTier` fails one segment write with ``OSError`` (a full disk), in whichever
+thread writes it (a pipeline thread of :mod:`asymstore.write.pool`, or the write thread).
 :class:`CrashingPeerTier` dies part way through sending a version to its neighbour.
 
 What each phase leaves on disk, and a typical crash test: docs/extending/tiers.md.
@@ -13,11 +15,13 @@ What each phase leaves on disk, and a typical crash test: docs/extending/tiers.m
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import threading
 import time
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from typing import Any, Literal, NoReturn, get_args
 
 from asymstore.errors import TierError
@@ -25,10 +29,12 @@ from asymstore.format.manifest import MANIFEST_NAME
 from asymstore.io.files import fsync_dir, write_parts
 from asymstore.tiers.local import LocalTier, _DirWriter
 from asymstore.tiers.peer.tier import PeerTier
+from asymstore.tiers.protocol import Buffer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PHASES", "CrashingLocalTier", "CrashingPeerTier", "FailingLocalTier", "Phase", "SlowLocalTier"]
+__all__ = ["PHASES", "CrashingLocalTier", "CrashingPeerTier", "FailingLocalTier", "FailingSegmentTier", "Phase",
+           "SlowLocalTier"]
 
 Phase = Literal["segments_written", "manifest_half", "published", "retention"]
 PHASES: tuple[Phase, ...] = get_args(Phase)
@@ -205,3 +211,42 @@ class _SlowWriter(_DirWriter):
         if self.tier.commits > self.tier.after:
             time.sleep(self.tier.delay_s)
         super()._publish_sync(manifest)
+
+
+class FailingSegmentTier(LocalTier):
+    """A LocalTier whose ``after + 1``-th segment write raises ``OSError(ENOSPC)``, once; the others stall a little.
+
+    The store turns the error into :class:`~asymstore.errors.TierError` and
+    aborts the version; the previous one stays the newest.
+
+    Args:
+        root: the tier's directory.
+        after: how many segment writes succeed first.
+        delay_s: how long every other segment write stalls before it writes
+            (so several are in flight when the failure strikes).
+        **kwargs: passed to :class:`~asymstore.tiers.local.LocalTier`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, after: int = 0, delay_s: float = 0.0, **kwargs: Any) -> None:
+        """Create the tier; it fails one segment write."""
+        super().__init__(root, **kwargs)
+        if after < 0 or delay_s < 0:
+            raise ValueError("after and delay_s must be >= 0")
+        self.after = after
+        self.delay_s = delay_s
+        self.writes = 0  # segment writes started so far
+        self.failed_in: str | None = None  # the name of the thread whose write failed
+        self._count_lock = threading.Lock()  # (``_lock`` is LocalTier's root lock)
+        self._failed = False
+
+    def _write_segment_file(self, path: str, parts: Sequence[Buffer]) -> None:
+        with self._count_lock:
+            self.writes += 1
+            due = not self._failed and self.writes > self.after
+            if due:
+                self._failed = True
+                self.failed_in = threading.current_thread().name
+        if due:
+            raise OSError(errno.ENOSPC, "injected: no space left on device", path)
+        time.sleep(self.delay_s)
+        super()._write_segment_file(path, parts)

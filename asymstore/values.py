@@ -125,9 +125,15 @@ class FlushStats:
         sample_seconds: time spent sampling chunks to decide (this tier's share).
         compress_seconds: time spent compressing for this tier (chunks shared with
             an earlier tier cost nothing here).
-        write_seconds: time the tier spent in ``write_segment`` calls.
+        write_seconds: time the tier spent in ``write_segment`` calls (summed over the pipeline's threads).
         predicted_seconds: the model's ``T(B)`` plus the estimated compression time.
         calibration: the tier calibration the decisions used.
+        pipeline_threads: threads that hashed and wrote the segments
+            (``AsymStore(pipeline_threads=...)``; :mod:`asymstore.write.pool`).
+        inflight_peak_bytes: most segment bytes in flight at once (filled and
+            not yet written, and with more than one pipeline thread the raw
+            bytes of chunks compressed ahead); at most ``flush_memory_bytes``
+            unless one segment alone is larger.
     """
 
     tier: str
@@ -144,6 +150,8 @@ class FlushStats:
     compress_seconds: float = 0.0
     write_seconds: float = 0.0
     predicted_seconds: float = 0.0
+    pipeline_threads: int = 1
+    inflight_peak_bytes: int = 0
 
     @property
     def ratio(self) -> float:

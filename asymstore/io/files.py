@@ -104,6 +104,7 @@ def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
         # page aligned; private, so a forked child never shares it with its parent
         buf = _bounce.buf = mmap.mmap(-1, _DIRECT_CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     bounce = memoryview(buf)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     filled = 0
     i = 0
 
@@ -137,7 +138,11 @@ def _write_direct(fd: int, pending: list[memoryview]) -> list[memoryview]:
                     pending[i] = part[whole:]
                 continue
         n = min(len(part), _DIRECT_CHUNK - filled)
-        bounce[filled:filled + n] = part[:n]
+        address = address_of(part)
+        if address is not None:  # memmove releases the GIL (a slice assignment holds it): threads copy at once
+            ctypes.memmove(base + filled, address, n)
+        else:
+            bounce[filled:filled + n] = part[:n]
         filled += n
         if n == len(part):
             i += 1

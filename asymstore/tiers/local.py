@@ -439,9 +439,13 @@ class _DirWriter:
         self.tmp = tmp
 
     async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
+        await asyncio.to_thread(self.write_segment_blocking, name, parts)
+
+    def write_segment_blocking(self, name: str, parts: Sequence[Buffer]) -> None:
+        """Write one segment file (its own file: any number of threads at once; ThreadedWriter)."""
         path = os.path.join(self.tmp, validate_segment_name(name))
         try:
-            await asyncio.to_thread(self.tier._write_segment_file, path, parts)
+            self.tier._write_segment_file(path, parts)
         except OSError as exc:
             raise TierError(f"writing {path}: {exc}") from exc
 

@@ -8,7 +8,7 @@ Buffers given to ``write_segment`` stay valid only until the call returns; buffe
 ``read_segment`` belong to the caller. Optional capabilities are protocols checked with
 ``isinstance``, never ``getattr``: :class:`ExclusiveTier`, :class:`StatTier`,
 :class:`ProbeableTier`, :class:`HoldingTier`, :class:`ReadIntoTier`, :class:`ViewTier`,
-:class:`ReferencingTier`.
+:class:`ReferencingTier`, and for writers :class:`ThreadedWriter`.
 
 The call order step by step, and how to write a tier: docs/extending/tiers.md.
 """
@@ -37,6 +37,26 @@ class VersionWriter(Protocol):
 
     async def abort(self) -> None:
         """Remove whatever this writer wrote; the version never becomes visible."""
+        ...
+
+
+@runtime_checkable
+class ThreadedWriter(Protocol):
+    """A version writer whose segments may be written from worker threads, several at once.
+
+    The store's pipeline pool (:mod:`asymstore.write.pool`) then hashes and
+    writes each segment on one of its threads; ``publish`` or ``abort`` comes
+    only after every such write has returned. A subclass that changes how a
+    segment is written overrides :meth:`write_segment_blocking` (the
+    ``LocalTier`` writer's ``write_segment`` calls it).
+    """
+
+    def write_segment_blocking(self, name: str, parts: Sequence[Buffer]) -> None:
+        """Write one segment file as ``write_segment`` does, blocking; safe to call from several threads at once.
+
+        Raises:
+            TierError: the write failed.
+        """
         ...
 
 

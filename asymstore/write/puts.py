@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from asymstore.errors import InvalidStepError
 from asymstore.write.staging import (
@@ -23,6 +23,7 @@ from asymstore.write.staging import (
     PACK_MIN_TENSORS,
     PACK_TENSOR_BYTES,
     PendingStep,
+    StagedTensor,
     check_adoptable,
     stages_inline,
 )
@@ -51,11 +52,15 @@ class Stager:
         admit: called with a step before anything is staged for it; raises
             when the store cannot take it (closed, read-only, already
             committed, older than the newest committed step).
+        run: runs a large tensor's copy and checksums in a thread (the
+            store's pipeline pool); None: ``asyncio.to_thread``.
     """
 
-    def __init__(self, chunk_bytes: int, admit: Callable[[int], None]) -> None:
+    def __init__(self, chunk_bytes: int, admit: Callable[[int], None],
+                 run: Callable[[Callable[[], StagedTensor]], Awaitable[StagedTensor]] | None = None) -> None:
         self.chunk_bytes = chunk_bytes
         self.admit = admit
+        self.run = run  # where large tensors are copied and hashed (None: asyncio.to_thread)
         self.pending: dict[int, PendingStep] = {}
         """What is staged per uncommitted step (the store's commit takes it from here)."""
 
@@ -63,7 +68,7 @@ class Stager:
         self.admit(step)
         pending = self.pending.get(step)
         if pending is None:
-            pending = self.pending[step] = PendingStep(step, self.chunk_bytes)
+            pending = self.pending[step] = PendingStep(step, self.chunk_bytes, run=self.run)
         return pending
 
     async def put(self, step: int, name: str, tensor: object) -> None:

@@ -15,6 +15,7 @@ The cost model and the compression rule: docs/concepts/batching.md.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import json
 import logging
@@ -22,6 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Container, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +69,7 @@ _ZEROS = memoryview(bytes(SEGMENT_ALIGN))
 
 @dataclass
 class Segment:
-    """One segment to write: its name, the buffers that form it, and its checksum."""
+    """One segment to write: its name, the buffers that form it, and its checksum (empty until hashed)."""
 
     name: str
     parts: list[Buffer]
@@ -376,8 +378,11 @@ class VersionPlan:
 
     # -- encoding ----------------------------------------------------------
 
-    def encoded(self, ref: ChunkRef, mask: tuple[bool, ...]) -> tuple[Encoded, bool]:
-        """Return the chunk's stored form for ``mask`` and whether it was computed now (not shared)."""
+    def encoded(self, ref: ChunkRef, mask: tuple[bool, ...], codec: PlaneCodec | None = None) -> tuple[Encoded, bool]:
+        """Return the chunk's stored form for ``mask`` and whether it was computed now (not shared).
+
+        ``codec``: other settings that give the same bytes as the plan's (another zstd thread count >= 1).
+        """
         with self._lock:
             shared = self._shared.get(ref.index)
             smp = self._samples.get(ref.index)
@@ -385,7 +390,7 @@ class VersionPlan:
             return shared[1], False
         if smp is not None and smp.encoded is not None and smp.mask == mask:
             return smp.encoded, False
-        enc = encode(ref.view, ref.width, self.codec, mask)
+        enc = encode(ref.view, ref.width, codec or self.codec, mask)
         with self._lock:
             if self._tiers_left > 1 and self._shared_bytes + enc.nbytes <= self.share_bytes:
                 self._shared[ref.index] = (mask, enc)
@@ -427,14 +432,66 @@ class SegmentBuilder:
         self._segments: list[SegmentEntry] = []
         self._chunks: list[Chunk] = []  # version order
         self._done = False
+        self._ahead: dict[int, tuple[Future[tuple[Encoded, bool]], int]] = {}  # chunk -> its encoding, raw bytes
+        self._ahead_pos = 0
+        self._ahead_bytes = 0
         self.stats = FlushStats(tier_plan.tier, plan.step, tier_plan.segment_bytes, tier_plan.segment_bytes_source,
                                 tier_plan.calibration, raw_bytes=plan.raw_bytes,
                                 sample_seconds=tier_plan.sample_seconds,
                                 predicted_seconds=tier_plan.predicted_seconds)
 
+    def encode_ahead(self, submit: Callable[[Callable[[], tuple[Encoded, bool]]], Future[tuple[Encoded, bool]]],
+                     budget: int) -> int:
+        """Start encoding the next chunks planned compressed, ahead of the layout, with ``submit``.
+
+        Chunks are taken in order from the layout's position while the raw
+        bytes of those started and not yet laid out stay within ``budget``
+        (one chunk at least when none is ahead). The layout then takes each
+        result instead of encoding the chunk itself (same bytes either way).
+
+        Returns:
+            The raw bytes of the chunks encoded ahead and not yet laid out (:attr:`ahead_bytes`).
+        """
+        masks, views = self.tier_plan.masks, self.plan.views
+        # several chunks are encoded at once: one zstd worker each, not one per CPU each (zstd's output is the
+        # same for any number of workers >= 1; 0, compressing on the calling thread, is another format)
+        codec = self.plan.codec
+        if codec.threads != 0:
+            codec = dataclasses.replace(codec, threads=1)
+        at = max(self._ahead_pos, self._pos)
+        while at < len(views):
+            mask = masks[at]
+            n = len(views[at])
+            if mask is not None and n:
+                if self._ahead and self._ahead_bytes + n > budget:
+                    break
+                ref = self.plan.chunk(at)
+                self._ahead[at] = (submit(functools.partial(self.plan.encoded, ref, mask, codec)), n)
+                self._ahead_bytes += n
+            at += 1
+        self._ahead_pos = at
+        return self._ahead_bytes
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Raw bytes of the chunks encoded ahead (:meth:`encode_ahead`) and not yet laid out."""
+        return self._ahead_bytes
+
+    def drop_ahead(self) -> list[Future[tuple[Encoded, bool]]]:
+        """Cancel the encodings ahead that have not started; return those still running (a failed version)."""
+        running = [fut for fut, _ in self._ahead.values() if not fut.cancel()]
+        self._ahead.clear()
+        self._ahead_bytes = 0
+        return running
+
     def _compressed(self, index: int, mask: tuple[bool, ...]) -> _Stored | None:
         ref = self.plan.chunk(index)
-        enc, fresh = self.plan.encoded(ref, mask)
+        ahead = self._ahead.pop(index, None)
+        if ahead is not None:  # encoded by another thread (encode_ahead)
+            self._ahead_bytes -= ahead[1]
+            enc, fresh = ahead[0].result()
+        else:
+            enc, fresh = self.plan.encoded(ref, mask)
         if fresh:
             self.stats.compress_seconds += enc.seconds
         if enc.nbytes >= len(ref.view):
@@ -443,6 +500,25 @@ class SegmentBuilder:
 
     def next_segment(self) -> Segment | None:
         """Fill and return the next segment (about ``B`` bytes, at least one chunk), or None at the end."""
+        laid = self.next_layout()
+        if laid is None:
+            return None
+        seg, index = laid
+        seg.checksum = StreamingChecksum(seg.parts).hexdigest()
+        self.settle(index, seg.checksum)
+        return seg
+
+    def settle(self, index: int, digest: str) -> None:
+        """Record the checksum of segment ``index`` (from :meth:`next_layout`); any thread may call it."""
+        entry = self._segments[index]
+        self._segments[index] = SegmentEntry(entry.name, entry.size, digest)
+
+    def next_layout(self) -> tuple[Segment, int] | None:
+        """Fill the next segment without hashing it: the segment (no checksum yet) and its index, or None.
+
+        Layouts come one at a time, in order; :meth:`settle` records each one's
+        checksum (one xxh3 pass over its parts in order), from any thread.
+        """
         if self._done:
             return None
         plan = self.plan
@@ -451,7 +527,6 @@ class SegmentBuilder:
         name = segment_filename(len(self._segments))
         parts: list[Buffer] = []
         small: list[memoryview] = []  # consecutive small raw chunks, joined into one buffer
-        digest = StreamingChecksum()
         size = 0
         count = 0
         raw_count = 0
@@ -460,14 +535,12 @@ class SegmentBuilder:
             if small:
                 blob = b"".join(small)
                 parts.append(blob)
-                digest.update(blob)
                 small.clear()
 
         def pad_to_alignment(at: int) -> int:
             pad = -at % SEGMENT_ALIGN
             if pad:
                 parts.append(_ZEROS[:pad])
-                digest.update(_ZEROS[:pad])
             return at + pad
 
         out = self._chunks
@@ -496,7 +569,6 @@ class SegmentBuilder:
                         flush_small()
                         size = pad_to_alignment(size)
                         parts.append(view)
-                        digest.update(view)
                     out.append(Chunk(name, size, n, n, digests[index], RAW, digests[index]))
                     size += n
                     count += 1
@@ -520,7 +592,6 @@ class SegmentBuilder:
                 for part in st.parts:
                     if len(part):
                         parts.append(part)
-                        digest.update(part)
             size += st.nbytes
             count += 1
         self.stats.chunks_raw += raw_count
@@ -529,16 +600,16 @@ class SegmentBuilder:
             self._done = True
         if not count:
             return None
-        seg = Segment(name, parts, size, digest.hexdigest())
-        self._segments.append(SegmentEntry(name, size, seg.checksum))
+        seg = Segment(name, parts, size, "")
+        self._segments.append(SegmentEntry(name, size, ""))
         self.stats.segments += 1
         self.stats.stored_bytes += size
-        return seg
+        return seg, len(self._segments) - 1
 
     def manifest(self) -> Manifest:
         """Return the version's manifest for this tier (after the last segment)."""
-        if not self._done:
-            raise RuntimeError("manifest() before the last segment was built")
+        if not self._done or not all(entry.checksum for entry in self._segments):
+            raise RuntimeError("manifest() before the last segment was built and hashed")
         entries = {}
         pos = 0
         chunks, tensors = self._chunks, self.plan.tensors

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import mmap
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -250,6 +251,8 @@ class PendingStep:
     inflight: set[asyncio.Task[None]] = field(default_factory=set)
     sealed: bool = False
     releases: list[Callable[[], None]] = field(default_factory=list)  # owners of adopted tensors
+    run: Callable[[Callable[[], StagedTensor]], Awaitable[StagedTensor]] | None = None
+    """Runs a large tensor's copy and checksums in a thread (the store's pipeline pool); None: ``asyncio.to_thread``."""
 
     def release_all(self) -> None:
         """Hand every adopted tensor back to its owner (each callback once; errors are logged)."""
@@ -275,6 +278,8 @@ class PendingStep:
             fn = adopt if adopted else stage
             if stages_inline(value):
                 staged = fn(value, self.chunk_bytes)  # type: ignore[arg-type]
+            elif self.run is not None:
+                staged = await self.run(functools.partial(fn, value, self.chunk_bytes))  # type: ignore[arg-type]
             else:
                 staged = await asyncio.to_thread(fn, value, self.chunk_bytes)  # type: ignore[arg-type]
         except BaseException:

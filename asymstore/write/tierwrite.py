@@ -16,6 +16,7 @@ from asymstore.policy.costmodel import assumed_calibration
 from asymstore.policy.retention import Note, Retention, beyond_keep_last, keep_last_of
 from asymstore.tiers.protocol import ExclusiveTier, ReferencingTier, Tier, VersionWriter
 from asymstore.values import FlushStats, TierCalibration
+from asymstore.write.pool import SegmentPool, stream_pooled
 from asymstore.write.references import ReferenceMode, References, find_references
 from asymstore.write.segments import SegmentBuilder, VersionPlan
 
@@ -42,12 +43,15 @@ class TierState:
 
 async def write_version(state: TierState, plan: VersionPlan, *, compression: Compression,
                         segment_bytes: int | None, memory_bytes: int,
-                        retention: Retention, references: ReferenceMode = "off") -> tuple[Manifest, FlushStats]:
+                        retention: Retention, references: ReferenceMode = "off",
+                        pool: SegmentPool | None = None) -> tuple[Manifest, FlushStats]:
     """Write ``plan``'s version to ``state.tier`` (the caller holds ``state.lock``) and publish it.
 
     With ``references="unchanged"`` on a :class:`~asymstore.tiers.protocol.ReferencingTier`, the chunks
     equal to those of the newest version the tier holds (not marked bad) are referenced, not written
-    (:mod:`asymstore.write.references`).
+    (:mod:`asymstore.write.references`). The segments are hashed and written by ``pool`` when it has
+    more than one thread (:mod:`asymstore.write.pool`), else filled in one worker thread while the
+    previous one is written.
 
     After the publish: ``LATEST``, retention (``retention``, with the tier's own
     ``keep_last`` first; :mod:`asymstore.policy.retention`) and the sweep of dead writers' leftovers; their failures
@@ -74,7 +78,10 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
             await asyncio.shield(tier.release_references(step))
         raise
     try:
-        await _stream_segments(builder, writer)
+        if pool is not None and pool.threads > 1:
+            await stream_pooled(builder, writer, pool, memory_bytes)
+        else:
+            await _stream_segments(builder, writer)
         manifest = builder.manifest()
         await writer.publish(manifest.to_json())
     except BaseException as exc:
@@ -135,9 +142,13 @@ async def _references(state: TierState, plan: VersionPlan) -> References:
 async def _stream_segments(builder: SegmentBuilder, writer: VersionWriter) -> None:
     """Write the builder's segments in order, filling segment k+1 in a thread while k is written."""
     nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
+    stats = builder.stats
+    written = 0  # bytes of the segment written while this one filled
     try:
         while (seg := await nxt) is not None:
             nxt = asyncio.ensure_future(asyncio.to_thread(builder.next_segment))
+            stats.inflight_peak_bytes = max(stats.inflight_peak_bytes, written + seg.size)
+            written = seg.size
             t0 = time.perf_counter()
             await writer.write_segment(seg.name, seg.parts)
             builder.stats.write_seconds += time.perf_counter() - t0

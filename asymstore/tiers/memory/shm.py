@@ -26,9 +26,9 @@ from asymstore.format.manifest import validate_segment_name
 from asymstore.format.names import QUARANTINE
 from asymstore.io.files import check_directory, open_regular
 from asymstore.io.rootlock import Swept, is_leftover_name
-from asymstore.tiers.local import LocalTier
+from asymstore.tiers.local import LocalTier, _DirWriter
 from asymstore.tiers.memory.capacity import BackPressure, BoundedTier, Reservation
-from asymstore.tiers.protocol import Buffer, VersionWriter
+from asymstore.tiers.protocol import Buffer
 
 logger = logging.getLogger(__name__)
 
@@ -185,12 +185,16 @@ class ShmTier(BoundedTier):
 class _ShmWriter:
     """A LocalTier writer whose version is counted against the capacity once published."""
 
-    def __init__(self, inner: VersionWriter, reservation: Reservation) -> None:
+    def __init__(self, inner: _DirWriter, reservation: Reservation) -> None:
         self.inner = inner
         self.reservation = reservation
 
     async def write_segment(self, name: str, parts: Sequence[Buffer]) -> None:
         await self.inner.write_segment(name, parts)  # checks the name
+
+    def write_segment_blocking(self, name: str, parts: Sequence[Buffer]) -> None:
+        """Write one segment file from a pipeline thread (a ThreadedWriter, as the LocalTier writer is)."""
+        self.inner.write_segment_blocking(name, parts)
 
     async def publish(self, manifest: bytes) -> None:
         await self.inner.publish(manifest)

@@ -70,7 +70,7 @@ def run(example: Path, timeout: float) -> tuple[bool, float, str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds each example may take (default 60)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds each example may take (default 120)")
     parser.add_argument("names", nargs="*", help="run only these examples (file names under examples/)")
     args = parser.parse_args()
     problems = check_readme() + check_docs()

@@ -30,7 +30,7 @@ def nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """Raw bytes of ``tensors``, each storage counted once (tied weights once)."""
     seen: dict[tuple[object, int, int], int] = {}
     for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), int(t.numel()))
         seen[key] = t.numel() * t.element_size()
     return sum(seen.values())
 

@@ -47,6 +47,7 @@ from asymcheck.integrations.settings import ACCELERATE, refusal
 from asymcheck.options import CheckpointerOptions, PartitionOptions, renamed_location
 from asymcheck.policy.preempt import PreemptionRecord
 from asymcheck.snapshot.hooks import HooksFactory, StepHooks
+from asymcheck.state.replicas import Replication
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats, StepRecord
 from asymcheck.versions.storespec import StoreSpec
@@ -62,6 +63,7 @@ SCHEDULER_NAME = names.ACCELERATE_SCHEDULER
 SCALER_NAME = names.ACCELERATE_SCALER
 LOADER_NAME = "loader"  # the name of a single loader passed as ``data=``
 
+_DDP = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED,
               DistributedType.FSDP}
 
@@ -603,8 +605,20 @@ def attach(accelerator: Any, model: Any, optimizer: Any, location: StoreSpec | N
         module = accelerator.unwrap_model(model, keep_torch_compile=False)
         if getattr(accelerator.state.dynamo_plugin, "fullgraph", None):
             hooks = _step_hooks(inner, options, forwarded)  # a hook that breaks the graph would be an error
-    ckpt = Checkpointer(module, inner, where, stateful=states, data=datas, every=every, hooks=hooks, **forwarded)
+    ckpt = Checkpointer(module, inner, where, stateful=states, data=datas, every=every, hooks=hooks,
+                        replication=_replication(accelerator), **forwarded)
     return AccelerateCheckpointer(ckpt, loaders)
+
+
+def _replication(accelerator: Any) -> Replication:
+    """``"replicated"`` under DDP (``distributed_type`` ``MULTI_CPU``/``MULTI_GPU`` on several processes).
+
+    ``prepare`` wraps the model in ``DistributedDataParallel`` and the Checkpointer is handed the module
+    inside it; it then writes the replicated state in slices (``CommitOptions(dedup=...)``), the
+    replicas compared first.
+    """
+    ddp = accelerator.distributed_type in _DDP and accelerator.num_processes > 1
+    return "replicated" if ddp else "detect"
 
 
 def _step_hooks(optimizer: torch.optim.Optimizer, given: Mapping[str, Any],

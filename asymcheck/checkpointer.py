@@ -53,7 +53,7 @@ from asymcheck.snapshot.partition import (
     WindowRecorder,
 )
 from asymcheck.state.dtensors import check_tensors
-from asymcheck.state.replicas import ReplicaSlicer
+from asymcheck.state.replicas import REPLICATIONS, ReplicaSlicer, Replication
 from asymcheck.state.trainstate import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.versions.commits import CommitQueue
@@ -173,6 +173,13 @@ class Checkpointer:
             function running a store coroutine on the Checkpointer's thread, and returns the
             :class:`asymcheck.state.trainstate.TrainingState` of ``model`` and ``optimizer`` (it then
             holds the ``stateful`` and ``data`` objects; pass neither here).
+        replication: whether ``model``'s parameters and ``optimizer``'s state are the same on every rank,
+            which ``CommitOptions(dedup="replicas")`` then writes in slices (docs/guides/multirank.md,
+            "Replicated state written once per job"): ``"detect"`` (default): when ``model`` is a
+            ``DistributedDataParallel``; ``"replicated"``: the caller says so, for a framework that trains
+            the module under DDP and hands over the module inside its wrapper (the integrations do).
+            Never trusted: the replicas are compared across ranks, and a job whose replicas differ
+            writes whole copies with a WARNING.
         store_or_tiers: the former name of ``location``, deprecated (a ``DeprecationWarning``; goes in
             the next release).
         **flat: the flat keywords of earlier releases (``keep_last=5``, ``warmup=2``, ...), deprecated:
@@ -183,8 +190,9 @@ class Checkpointer:
         UnsupportedModelError: a parameter, buffer or optimizer tensor is a
             tensor subclass other than DTensor, or a DTensor placed other
             than by ``Shard(d)`` / ``Replicate()``: nothing was hooked.
-        InvalidOptionError: an option out of its range (``every=0``, ``partitioning="blocks"``), a group
-            not of its class, or a flat keyword beside its own group: nothing was hooked.
+        InvalidOptionError: an option out of its range (``every=0``, ``partitioning="blocks"``,
+            ``replication="ddp"``), a group not of its class, or a flat keyword beside its own group:
+            nothing was hooked.
         TypeError: a keyword that is no option; ``location`` and ``store_or_tiers`` both given, or neither.
         RootLayoutError: (one process, a directory) the root's ``LAYOUT.json`` is not valid; its
             subclass RootLayoutConflictError: the root holds both layouts and no record says which
@@ -199,11 +207,14 @@ class Checkpointer:
                  preemption: PreemptionOptions | None = None, pacing: PacingOptions | None = None,
                  commits: CommitOptions | None = None, across_layouts: AcrossLayouts = "resume",
                  hooks: HooksFactory | None = None, state: StateFactory | None = None,
-                 store_or_tiers: StoreSpec | None = None, **flat: Unpack[FlatOptions]) -> None:
+                 replication: Replication = "detect", store_or_tiers: StoreSpec | None = None,
+                 **flat: Unpack[FlatOptions]) -> None:
         """Open the store on its own thread and register the hooks."""
         where: StoreSpec = renamed_location(location, store_or_tiers, old="store_or_tiers", caller=type(self).__name__)
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise InvalidOptionError(f"every must be an int >= 1, got {every!r}")
+        if replication not in REPLICATIONS:
+            raise InvalidOptionError(f"replication must be one of {REPLICATIONS}, got {replication!r}")
         options = resolve({"retention": retention, "partitions": partitions, "failures": failures,
                            "preemption": preemption, "pacing": pacing, "commits": commits}, flat,
                           caller=type(self).__name__, stacklevel=3)
@@ -255,7 +266,7 @@ class Checkpointer:
                                    loop=self._loop, on_recapture=self._refresh_hooks,
                                    save_on_close=options.pacing.save_on_close,
                                    replicas=None if state is not None else ReplicaSlicer(
-                                       self._loop.store, model, optimizer, commit.dedup))
+                                       self._loop.store, model, optimizer, commit.dedup, replication))
         self._hook_s = 0.0
         self._open_s = 0.0
         self._last_pre: float | None = None

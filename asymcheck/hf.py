@@ -34,6 +34,7 @@ from typing import Any, Unpack
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.training_args import ParallelMode
 
 from asymcheck.checkpointer import Checkpointer
 from asymcheck.errors import (
@@ -50,6 +51,7 @@ from asymcheck.integrations.settings import HF_TRAINER, refusal
 from asymcheck.options import CheckpointerOptions, PartitionOptions, RetentionOptions, renamed_location
 from asymcheck.snapshot.hooks import HooksFactory, StepHooks
 from asymcheck.state.encode import decode
+from asymcheck.state.replicas import Replication
 from asymcheck.state.trainstate import RENAMED, Stateful
 from asymcheck.versions.storespec import StoreSpec
 from asymstore import KeepBest, Manifest, NoCheckpointError
@@ -198,6 +200,17 @@ def _drop_quiet(quiet: logging.Filter, directory: str | None) -> None:
 
 def _is_deepspeed(args: TrainingArguments) -> bool:
     return args.deepspeed is not None or getattr(args, "deepspeed_plugin", None) is not None
+
+
+def _replication(args: TrainingArguments) -> Replication:
+    """``"replicated"`` when the Trainer trains under DDP (``parallel_mode``: a process per rank; no DeepSpeed, FSDP).
+
+    The Trainer hands the callback the module inside its ``DistributedDataParallel``; the Checkpointer
+    then writes the replicated state in slices (``CommitOptions(dedup=...)``), the replicas compared first.
+    """
+    ddp = (args.parallel_mode == ParallelMode.DISTRIBUTED and args.world_size > 1 and not _is_deepspeed(args)
+           and not args.fsdp)
+    return "replicated" if ddp else "detect"
 
 
 def _fullgraph() -> bool:
@@ -575,7 +588,7 @@ class AsymCheckCallback(TrainerCallback):
             if args.torch_compile and _fullgraph():  # a hook that breaks the graph would be an error
                 hooks = self._step_hooks(optimizer, options)
             ckpt = Checkpointer(model, optimizer, self.location, stateful=stateful, every=self.every, hooks=hooks,
-                                **options)
+                                replication=_replication(args), **options)
         self._run.start(ckpt)
         try:
             self._begin(state, expect, kwargs.get("train_dataloader"), args)

@@ -52,6 +52,7 @@ from asymcheck.integrations.settings import LIGHTNING, refusal
 from asymcheck.options import CheckpointerOptions, PartitionOptions, RetentionOptions, renamed_location
 from asymcheck.snapshot.hooks import Driver, Hooks, HookSet, StepHooks
 from asymcheck.state.loaders import is_stateful_loader
+from asymcheck.state.replicas import Replication
 from asymcheck.state.trainstate import Stateful
 from asymcheck.stats import CheckpointStats
 from asymcheck.versions.storespec import StoreSpec
@@ -151,6 +152,16 @@ def compiled_fullgraph(module: LightningModule) -> bool:
     """
     ctx = getattr(module, "_compiler_ctx", None)
     return isinstance(ctx, dict) and bool(getattr(ctx.get("dynamo_ctx"), "fullgraph", False))
+
+
+def _replication(trainer: Trainer) -> Replication:
+    """``"replicated"`` under ``DDPStrategy`` on several processes (not its subclass ``DeepSpeedStrategy``).
+
+    The strategy wraps the LightningModule in ``DistributedDataParallel`` and the Checkpointer is handed
+    the LightningModule; it then writes the replicated state in slices (``CommitOptions(dedup=...)``),
+    the replicas compared first.
+    """
+    return "replicated" if type(trainer.strategy) is DDPStrategy and trainer.world_size > 1 else "detect"
 
 
 def _deepspeed_problems(strategy: DeepSpeedStrategy, trainer: Trainer, module: LightningModule) -> list[str]:
@@ -569,13 +580,15 @@ class LightningCheckpointer(Checkpointer):
         step_hooks_only: only the optimizer's step hooks (:class:`asymcheck.snapshot.hooks.StepHooks`,
             ``sealing="step"``; give ``PartitionOptions(partitioning="step")``): for a module compiled with
             ``fullgraph=True``, where a forward or grad hook would break the graph.
+        replication: as :class:`asymcheck.Checkpointer` takes it (``"replicated"`` under ``DDPStrategy``:
+            the strategy holds the ``DistributedDataParallel``, the LightningModule is the module inside).
         **options: the Checkpointer's typed option groups.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, location: StoreSpec, *,
                  stateful: Mapping[str, Stateful] | None = None, every: int = 1, sealing: Sealing = "closure",
                  optimizers: Sequence[torch.optim.Optimizer] = (), step_hooks_only: bool = False,
-                 **options: Unpack[CheckpointerOptions]) -> None:
+                 replication: Replication = "detect", **options: Unpack[CheckpointerOptions]) -> None:
         """Build the Checkpointer with the model's hooks and the step hooks ``sealing`` needs."""
         if step_hooks_only and sealing != "step":
             raise ValueError("step_hooks_only needs sealing='step' (the optimizer's step pre-hook seals)")
@@ -592,7 +605,8 @@ class LightningCheckpointer(Checkpointer):
                            on_step_pre=driver.before_step if sealing == "step" else _noop,
                            on_step_post=driver.after_step)
 
-        super().__init__(model, optimizer, location, stateful=stateful, every=every, hooks=hooks, **options)
+        super().__init__(model, optimizer, location, stateful=stateful, every=every, hooks=hooks,
+                         replication=replication, **options)
 
     def before_step(self) -> None:
         """Seal the open version: the optimizer is about to step (its closure ran). For ``sealing="closure"``."""
@@ -778,7 +792,8 @@ class AsymCheckCallback(Callback):
         else:
             ckpt = LightningCheckpointer(pl_module, trainer.optimizers[0], self.location, stateful=stateful,
                                          every=self.every, sealing=sealing, optimizers=trainer.optimizers,
-                                         step_hooks_only=fullgraph, **options)
+                                         step_hooks_only=fullgraph, replication=_replication(trainer),
+                                         **options)
         self._run.start(ckpt, marked=0)
         self._recorded = 0
         self._validated = self._resuming = False

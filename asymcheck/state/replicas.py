@@ -17,7 +17,9 @@ never published (its restore would mix ranks' states), every rank writes whole c
 of the job, and a WARNING says so.
 
 What is sliced: the lazily copied tensors (parameters, optimizer state) of a model wrapped in
-``DistributedDataParallel`` trained by an optimizer that is not ``ZeroRedundancyOptimizer``, on a
+``DistributedDataParallel`` (or one its caller declares replicated, :data:`Replication`: the framework
+integrations, which train the module under DDP and hand the Checkpointer the module inside the
+wrapper) trained by an optimizer that is not ``ZeroRedundancyOptimizer``, on a
 store of several ranks whose shards every rank can read (:class:`asymstore.protocols.ReplicaSlicingStore`:
 a directory's default tiers under a shared root; node-local tiers write whole copies). DTensors (FSDP2) keep their
 own layouts and nothing is sliced beside them; buffers, RNG states and 0-d tensors stay whole.
@@ -43,12 +45,19 @@ from asymstore.protocols import ReplicaSlicingStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEDUPS", "FULL_VERSIONS", "SAMPLES", "Dedup", "Digest", "ReplicaSlicer", "gather_digest", "replica_digest",
-           "slice_plan"]
+__all__ = ["DEDUPS", "FULL_VERSIONS", "REPLICATIONS", "SAMPLES", "Dedup", "Digest", "ReplicaSlicer", "Replication",
+           "gather_digest", "replica_digest", "slice_plan"]
 
 Dedup = Literal["replicas", "off"]
 """``"replicas"``: each rank writes its slice of the replicated state; ``"off"``: every rank writes all of it."""
 DEDUPS: tuple[str, ...] = get_args(Dedup)
+
+Replication = Literal["detect", "replicated"]
+"""How the Checkpointer knows its model's state is the same on every rank: ``"detect"``: the model is a
+``DistributedDataParallel``; ``"replicated"``: its caller says so (a framework integration under DDP, whose
+framework holds the wrapper and hands over the module inside it). Either way the replicas are compared
+across ranks before a sliced version is published, and a job whose replicas differ writes whole copies."""
+REPLICATIONS: tuple[str, ...] = get_args(Replication)
 
 FULL_VERSIONS = 2
 """The first versions of a job whose replicas are compared byte for byte (every byte digested)."""
@@ -159,14 +168,15 @@ def replica_digest(names: Sequence[str], sources: Sequence[torch.Tensor], step: 
     return gather_digest(names, sources, step, full=full).hexdigest()
 
 
-def _replicated(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+def _replicated(model: torch.nn.Module, optimizer: torch.optim.Optimizer, replication: Replication) -> bool:
     """Whether the model's parameters and the optimizer's state are the same on every rank (DDP, no ZeRO)."""
     if not torch.distributed.is_available():
         return False
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    return isinstance(model, DistributedDataParallel) and not isinstance(optimizer, ZeroRedundancyOptimizer)
+    declared = replication == "replicated" or isinstance(model, DistributedDataParallel)
+    return declared and not isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 class ReplicaSlicer:
@@ -175,17 +185,18 @@ class ReplicaSlicer:
     Args:
         store: the opened store (slicing needs a :class:`asymstore.protocols.ReplicaSlicingStore` of
             several ranks).
-        model: the module trained (slicing needs ``DistributedDataParallel``).
+        model: the module trained (slicing needs ``DistributedDataParallel``, or ``replication="replicated"``).
         optimizer: its optimizer (not ``ZeroRedundancyOptimizer``).
         dedup: ``"replicas"`` or ``"off"`` (never slice).
+        replication: how the model is known to be replicated (:data:`Replication`).
     """
 
     def __init__(self, store: object, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 dedup: Dedup) -> None:
+                 dedup: Dedup, replication: Replication = "detect") -> None:
         """Decide whether this job slices at all."""
         self._store = store if isinstance(store, ReplicaSlicingStore) else None
         self.enabled = (dedup == "replicas" and self._store is not None and self._store.world_size > 1
-                        and self._store.slices_readable and _replicated(model, optimizer))
+                        and self._store.slices_readable and _replicated(model, optimizer, replication))
         """Whether versions are sliced (until the job falls back to whole copies)."""
         self.rank = self._store.rank if self._store is not None else 0
         self.world = self._store.world_size if self._store is not None else 1

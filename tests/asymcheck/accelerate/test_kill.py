@@ -18,7 +18,8 @@ and fp16's ``GradScaler`` with skipped steps (a few micro-batches' losses made i
 version is one completed optimizer step, the scaler's scale and growth tracker are in it) through
 Accelerate's own scaler path on the CPU (``torch.amp.GradScaler("cpu")`` handed to the ``Accelerator``, which
 makes its fp16 scaler only on GPUs); real fp16 on CUDA is a ``gpu`` test. The plugin's FSDP2 is not here:
-Accelerate 1.15 runs FSDP only on GPUs (on the CPU it prepares the model with DDP).
+Accelerate 1.15 runs FSDP only on GPUs (on the CPU it prepares the model with DDP). Under DDP the root holds
+the replicated state in slices (each process about half of it: ``attach`` tells the Checkpointer it runs DDP).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from asymstore.values import Checkpoint
 from tests.procs.accel_train import OVERFLOW
 from tests.support.launch import proc_argv, proc_env
 from tests.support.mr_harness import free_ports
+from tests.support.replicas import assert_sliced, nbytes
 
 pytestmark = pytest.mark.slow
 
@@ -320,6 +322,10 @@ def check_kill_and_resume(runs: Runs, config: Config) -> None:
                 seen.add(key)
         assert seen == set(want), f"{what}: rank {rank} never trained {sorted(set(want) - seen)}"
         assert_same_state(final(case.reference, rank), final(case.resumed, rank), f"{what}: rank {rank}")
+    if config.mode == "ddp":  # attach() told the Checkpointer Accelerate runs DDP: the replicated state in slices
+        whole = final(case.reference, 0).tensors
+        replicated = nbytes(v for k, v in whole.items() if k.startswith(("model/", "optim/")))
+        assert_sliced(case.killed.out.parent / "ckpt", config.world, replicated, what)
 
 
 def test_loader_iterated_around_the_resumable_loader_is_refused(runs: Runs) -> None:

@@ -13,29 +13,29 @@ checkpoints beside the versions); ``deepspeed`` (ZeRO-2 through ``TrainingArgume
 on one rank: the callback attaches the DeepSpeed adapter to the Trainer's engine, with ``keep_every=5``
 beside ``keep_last=3``, which its multi-rank store must apply); ``deepspeed-2ranks`` (the same on 2 ranks);
 ``ddp-2ranks`` (``ddp-4ranks`` in ``make test-all``): DDP without DeepSpeed, each rank a process with the
-environment ``torchrun --nproc_per_node N`` gives it, gloo on CPU (``use_cpu=True``), every rank SIGKILLed at
-the same step and restarted with the same command; the callback's directory is a multi-rank root (a shard
-per rank, global versions). The comparison is with the uninterrupted run, bit for bit: on 2 ranks the
-all-reduce adds two gradients, the same sum in either order, whatever DDP's buckets (which it rebuilds after
-each process's first step); on 4 ranks the order could depend on the buckets, but this model's gradients fit
-DDP's first bucket and the runs came out bit-exact (seeds 5, 6, 7; if a seed ever differs there, compare with
-a run restarted at the same step without a kill, as the multirank guide does); ``bf16`` (``bf16=True``: the
-Trainer's CPU autocast, checked in every training forward); ``grad-ckpt`` (``gradient_checkpointing=True``:
-every attention forward runs again inside backward, counted, and fires the Checkpointer's forward pre-hooks
-there); ``peft`` (LoRA adapters on the frozen GPT-2 through ``peft.get_peft_model``: the version holds the
-whole model, the adapters' optimizer state and the frozen base's fingerprint; the resume puts the adapters back
-from the store, the Trainer reads none from the resume directory), and after it the same run on a changed base,
-refused with ``StateMismatchError`` before a step, the store untouched; ``compile``
-(``torch_compile=True, torch_compile_backend="aot_eager"``: the model runs as an ``OptimizedModule``,
-the snapshot hooks run eagerly at its graph breaks and copy the versions' bytes there); ``fp16-cpu-scaler``
-(``fp16=True`` through Accelerate's own GradScaler path on the CPU: Accelerate makes its fp16 scaler only on GPUs,
-so a test-only shim hands the Trainer's ``Accelerator`` a ``torch.amp.GradScaler("cpu")``, in the reference run
-too; the losses of four fixed steps are made infinite in every run, so the scaler backs off and skips their
-updates; the scaler's state must come back equal. With the Trainer's default fused AdamW the scaler calls the
-optimizer's ``step`` every time (the update is skipped inside it), so every global step is a version; with
-``fp16-cpu-scaler-unfused`` (``optim="adamw_torch"``) the scaler does not call ``step`` on an inf: a skipped step
-makes no version, and a version holds the TrainerState's ``global_step`` as the Trainer counts it, the skipped
-steps after it included) and ``fp16-cuda`` (the real fp16 on a
+environment ``torchrun --nproc_per_node N`` gives it, gloo on CPU (``use_cpu=True``), every rank SIGKILLed at the
+same step and restarted with the same command; the callback's directory is a multi-rank root (a shard per rank,
+global versions) holding the replicated state in slices (each rank about half of it, the replicas claim in every
+shard: the callback tells the Checkpointer the Trainer runs DDP). The comparison is with the uninterrupted run, bit
+for bit: on 2 ranks the all-reduce adds two gradients, the same sum in either order, whatever DDP's buckets (which
+it rebuilds after each process's first step); on 4 ranks the order could depend on the buckets, but this model's
+gradients fit DDP's first bucket and the runs came out bit-exact (seeds 5, 6, 7; if a seed ever differs there,
+compare with a run restarted at the same step without a kill, as the multirank guide does); ``bf16`` (``bf16=True``:
+the Trainer's CPU autocast, checked in every training forward); ``grad-ckpt`` (``gradient_checkpointing=True``:
+every attention forward runs again inside backward, counted, and fires the Checkpointer's forward pre-hooks there);
+``peft`` (LoRA adapters on the frozen GPT-2 through ``peft.get_peft_model``: the version holds the whole model, the
+adapters' optimizer state and the frozen base's fingerprint; the resume puts the adapters back from the store, the
+Trainer reads none from the resume directory), and after it the same run on a changed base, refused with
+``StateMismatchError`` before a step, the store untouched; ``compile`` (``torch_compile=True,
+torch_compile_backend="aot_eager"``: the model runs as an ``OptimizedModule``, the snapshot hooks run eagerly at its
+graph breaks and copy the versions' bytes there); ``fp16-cpu-scaler`` (``fp16=True`` through Accelerate's own
+GradScaler path on the CPU: Accelerate makes its fp16 scaler only on GPUs, so a test-only shim hands the Trainer's
+``Accelerator`` a ``torch.amp.GradScaler("cpu")``, in the reference run too; the losses of four fixed steps are made
+infinite in every run, so the scaler backs off and skips their updates; the scaler's state must come back equal.
+With the Trainer's default fused AdamW the scaler calls the optimizer's ``step`` every time (the update is skipped
+inside it), so every global step is a version; with ``fp16-cpu-scaler-unfused`` (``optim="adamw_torch"``) the scaler
+does not call ``step`` on an inf: a skipped step makes no version, and a version holds the TrainerState's
+``global_step`` as the Trainer counts it, the skipped steps after it included) and ``fp16-cuda`` (the real fp16 on a
 GPU, ``gpu``-marked, skipped without CUDA); ``peft-ddp-2ranks`` (LoRA under DDP on 2 ranks) and
 ``compile-ddp-2ranks`` (``torch_compile=True`` under DDP on 2 ranks, ``exhaustive``).
 All runs of the module share one driver process (torch and transformers imported once; each run a forked child).
@@ -60,6 +60,7 @@ import torch
 
 from tests.procs.hf_train import OVERFLOW
 from tests.support.launch import proc_argv, proc_env
+from tests.support.replicas import assert_sliced, nbytes
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
 
@@ -239,6 +240,9 @@ def check_case(name: str, root: Path, result: str, context: str) -> None:
         assert (root / f"{name}-ck" / "global" / f"v{STEPS:012d}.json").exists(), context
         rank0 = load(root / name, "result.pt")["state"]
         assert all(torch.equal(rank0[k], v) for k, v in got["state"].items() if k.startswith("model/")), context
+        # the callback told the Checkpointer the Trainer runs DDP: the replicated state is written in slices
+        replicated = nbytes(v for k, v in got["state"].items() if k.startswith(("model/", "optim/state/")))
+        assert_sliced(root / f"{name}-ck", ranks, replicated, context)
     # the configuration really ran: bf16 autocast in every training forward, every block forward recomputed
     autocast = ["torch.bfloat16"] if "--bf16" in extra else ["torch.float16"] if "cuda" in extra else ["off"]
     assert got["autocast"] == ref["autocast"] == autocast, context

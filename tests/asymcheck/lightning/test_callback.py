@@ -16,6 +16,8 @@ order without reading the batches already trained. Exhaustive: kills at fixed st
 version, at epoch ends, at the end), under ``accumulate_grad_batches=2``; ``make test`` runs one case of the
 accumulating kill and the SIGTERM path. A killed child must have died by that signal at the drawn step (its
 return code and the marker it writes just before). ``LIGHTNING_KILL_SEED`` replays the random kill points.
+Under DDP the root holds the replicated state in slices (each rank about half of it: the callback tells the
+Checkpointer the strategy is DDP).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from asymstore import AsymStore, LocalTier
 from asymstore.multirank.globaldir import list_global_steps
 from tests.support.launch import proc_argv, proc_env
 from tests.support.mr_harness import free_ports
+from tests.support.replicas import assert_sliced, nbytes
 
 pytestmark = pytest.mark.slow
 
@@ -206,6 +209,9 @@ def test_ddp_kill_and_resume(ddp_reference: _Launch, tmp_path: Path) -> None:
     for rank in (0, 1):
         # shard versions: their manifests (a directory kept only for later shards' references is none)
         assert sorted(int(p.parent.name[1:]) for p in (root / f"rank-{rank:05d}").glob("v*/MANIFEST.json")) == kept
+    # the callback told the Checkpointer the strategy is DDP: the replicated state is written in slices
+    final = torch.load(out / "final-rank0.pt")
+    assert_sliced(root, 2, nbytes(v for k, v in final.items() if k.startswith(("model/", "opt/"))))
 
 
 def test_ddp_bf16_kill_and_resume(tmp_path: Path) -> None:

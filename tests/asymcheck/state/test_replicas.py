@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asymcheck.state.replicas import SAMPLES, replica_digest, slice_plan
+from asymcheck import Checkpointer, InvalidOptionError
+from asymcheck.state.replicas import SAMPLES, ReplicaSlicer, replica_digest, slice_plan
 from asymstore.format.pieces import TensorLayout
 
 shapes = st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple), min_size=1, max_size=12)
@@ -56,3 +60,32 @@ def test_the_digest_tells_replicas_apart() -> None:
     seen = {replica_digest(names, a, s, full=False) != replica_digest(names, b, s, full=False)
             for s in range(4 * stride)}
     assert seen == {True, False}  # a sample misses the changed element in some versions, not in all
+
+
+@dataclass(frozen=True)
+class TwoRanks:
+    """What a multi-rank store tells the slicer (a RankStore of 2 ranks over a shared root), without the ranks."""
+
+    rank: int = 0
+    world_size: int = 2
+    replicas_whole: bool = False
+    slices_readable: bool = True
+
+
+def test_a_module_declared_replicated_is_sliced_without_its_ddp_wrapper() -> None:
+    """The integrations hand over the module inside the framework's DDP and say so (``replication="replicated"``)."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not ReplicaSlicer(TwoRanks(), model, optimizer, "replicas").enabled  # "detect": not a DDP model
+    assert ReplicaSlicer(TwoRanks(), model, optimizer, "replicas", "replicated").enabled
+    assert not ReplicaSlicer(TwoRanks(), model, optimizer, "off", "replicated").enabled  # dedup="off" wins
+    assert not ReplicaSlicer(TwoRanks(world_size=1), model, optimizer, "replicas", "replicated").enabled
+    assert not ReplicaSlicer(TwoRanks(slices_readable=False), model, optimizer, "replicas", "replicated").enabled
+
+
+def test_an_unknown_replication_is_refused_before_anything_is_hooked(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(InvalidOptionError, match="replication"):
+        Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), str(tmp_path / "ck"),
+                     replication="ddp")  # type: ignore[arg-type]
+    assert not (tmp_path / "ck").exists()

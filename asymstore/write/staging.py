@@ -30,6 +30,7 @@ from asymstore.format.checksum import checksum
 from asymstore.format.manifest import DTYPE_SIZES, validate_name, validate_names
 from asymstore.format.tensors import as_bytes, dtype_name, host_copy
 from asymstore.runtime.gcpause import gc_paused
+from asymstore.values import KnownChunks
 
 logger = logging.getLogger(__name__)
 
@@ -231,6 +232,32 @@ def adopt(value: torch.Tensor, chunk_bytes: int) -> StagedTensor:
     return _cut(value.detach(), chunk_bytes, adopted=True)
 
 
+def adopt_known(value: KnownChunks, chunk_bytes: int) -> StagedTensor:
+    """Stage ``value.tensor`` itself with the checksums the caller gave (nothing is hashed).
+
+    Raises:
+        InvalidValueError: not an adoptable tensor, checksums taken with another chunk size, or
+            not one well-formed checksum per chunk.
+    """
+    tensor = check_adoptable(value.tensor).detach()
+    if value.chunk_bytes != chunk_bytes:
+        raise InvalidValueError(f"checksums taken with chunks of {value.chunk_bytes} bytes; the store cuts "
+                                f"{chunk_bytes}")
+    data = as_bytes(tensor)
+    itemsize = tensor.element_size()
+    size = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    views = [data[i:i + size] for i in range(0, len(data), size)] or [data]
+    sums = value.checksums
+    if len(sums) != len(views) or not all(isinstance(c, str) and len(c) == 16 for c in sums):
+        raise InvalidValueError(f"{len(views)} chunk checksum(s) needed (16 hex digits each), got {len(sums)}")
+    return StagedTensor(tensor, list(zip(views, sums, strict=True)), adopted=True)
+
+
+def known_checksums(tensor: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
+    """The checksums of ``tensor``'s chunks as the store cuts them (for :class:`~asymstore.values.KnownChunks`)."""
+    return tuple(digest for _, digest in _cut(check_adoptable(tensor).detach(), chunk_bytes, adopted=True).chunks)
+
+
 def _cut(tensor: torch.Tensor, chunk_bytes: int, *, adopted: bool) -> StagedTensor:
     data = as_bytes(tensor)
     itemsize = tensor.element_size()
@@ -259,6 +286,15 @@ class PendingStep:
                 release()
             except Exception:
                 logger.exception("a release callback of step %d failed", self.step)
+
+    def put_known(self, name: str, value: KnownChunks) -> None:
+        """Stage ``value`` under ``name`` without copying or hashing it (:func:`adopt_known`)."""
+        validate_name(name)
+        if self.sealed:
+            raise StepCommittedError(f"step {self.step} is being committed; put is closed")
+        if name in self.tensors:
+            raise DuplicateNameError(f"{name!r} was already put for step {self.step}")
+        self.tensors[name] = adopt_known(value, self.chunk_bytes)
 
     async def put(self, name: str, value: object, *, adopted: bool = False) -> None:
         """Stage ``value`` under ``name`` (a copy, or the tensor itself when ``adopted``).

@@ -38,8 +38,8 @@ import torch
 from asymcheck.snapshot.version import Snapshot, gather_samples, sample_view
 from asymcheck.state.capture import Capture
 from asymcheck.state.dtensors import address_of
+from asymstore.format.tensors import chunk_checksums
 from asymstore.values import KnownChunks
-from asymstore.write.staging import known_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class FrozenTensors:
             src = snap.capture.sources[i]
             host = snap.slot.view(i, src).clone()
             flat = host.reshape(-1).view(torch.uint8)
-            known = (KnownChunks(host, self.chunk_bytes, known_checksums(host, self.chunk_bytes))
+            known = (KnownChunks(host, self.chunk_bytes, chunk_checksums(host, self.chunk_bytes))
                      if self.chunk_bytes is not None else None)
             self._entries[item.name] = _Entry(item.owner, item.ptr, item.version, src.dtype, src.shape, host,
                                               sample_view(flat).clone(), known)

@@ -22,6 +22,7 @@ from asymcheck.versions.progress import Progress
 from asymstore.format.pieces import LAYOUT_KEY
 from asymstore.protocols import CheckpointStore
 from asymstore.runtime.loop import StoreLoop
+from asymstore.values import KnownChunks
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class VersionCycle:
         tensors = snap.tensors()  # the slot is there: every partition was issued
         slot = snap.slot
         assert slot is not None
-        known = {}
+        known: dict[str, KnownChunks] = {}
         if use is not None and self.frozen is not None:
             self.frozen.learn(snap, use)  # before the slot is handed to the commit (and reused)
             plain, known = self.frozen.tensors(use)

@@ -28,7 +28,7 @@ import torch
 from asymstore.errors import DuplicateNameError, InvalidNameError, InvalidValueError, StepCommittedError
 from asymstore.format.checksum import checksum
 from asymstore.format.manifest import DTYPE_SIZES, validate_name, validate_names
-from asymstore.format.tensors import as_bytes, dtype_name, host_copy
+from asymstore.format.tensors import as_bytes, chunk_views, dtype_name, host_copy
 from asymstore.runtime.gcpause import gc_paused
 from asymstore.values import KnownChunks
 
@@ -243,28 +243,15 @@ def adopt_known(value: KnownChunks, chunk_bytes: int) -> StagedTensor:
     if value.chunk_bytes != chunk_bytes:
         raise InvalidValueError(f"checksums taken with chunks of {value.chunk_bytes} bytes; the store cuts "
                                 f"{chunk_bytes}")
-    data = as_bytes(tensor)
-    itemsize = tensor.element_size()
-    size = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
-    views = [data[i:i + size] for i in range(0, len(data), size)] or [data]
+    views = chunk_views(tensor, chunk_bytes)
     sums = value.checksums
     if len(sums) != len(views) or not all(isinstance(c, str) and len(c) == 16 for c in sums):
         raise InvalidValueError(f"{len(views)} chunk checksum(s) needed (16 hex digits each), got {len(sums)}")
     return StagedTensor(tensor, list(zip(views, sums, strict=True)), adopted=True)
 
 
-def known_checksums(tensor: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
-    """The checksums of ``tensor``'s chunks as the store cuts them (for :class:`~asymstore.values.KnownChunks`)."""
-    return tuple(digest for _, digest in _cut(check_adoptable(tensor).detach(), chunk_bytes, adopted=True).chunks)
-
-
 def _cut(tensor: torch.Tensor, chunk_bytes: int, *, adopted: bool) -> StagedTensor:
-    data = as_bytes(tensor)
-    itemsize = tensor.element_size()
-    chunk_bytes = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
-    chunks = [(data[i:i + chunk_bytes], checksum(data[i:i + chunk_bytes]))
-              for i in range(0, len(data), chunk_bytes)] or [(data, checksum(data))]
-    return StagedTensor(tensor, chunks, adopted)
+    return StagedTensor(tensor, [(view, checksum(view)) for view in chunk_views(tensor, chunk_bytes)], adopted)
 
 
 @dataclass

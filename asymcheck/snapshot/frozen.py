@@ -140,7 +140,8 @@ class FrozenTensors:
         for i, (name, src, owner, counter) in enumerate(zip(cap.names, cap.sources, cap.owners, cap.versioned,
                                                             strict=True)):
             entry = self._entries.pop(name, None)
-            if owner is None or not _eligible(src, owner, counter, in_groups, self.min_bytes):
+            if (owner is None or name in cap.layouts  # a piece of a global tensor (DTensor, replica slice)
+                    or not _eligible(src, owner, counter, in_groups, self.min_bytes)):
                 keep.append(i)
                 continue
             if (entry is not None and entry.owner is owner and entry.version == owner._version

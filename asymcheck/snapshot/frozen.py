@@ -43,8 +43,9 @@ from asymstore.values import KnownChunks
 
 logger = logging.getLogger(__name__)
 
-MIN_BYTES = 64 << 10
-"""Smaller parameters are copied every version (they would be packed, and cost next to nothing)."""
+MIN_BYTES = (64 << 10) + 1
+"""Smaller parameters are copied every version: a store packs tensors of up to 64 KiB (and always writes
+packs), and they cost next to nothing."""
 
 
 @dataclass

@@ -40,6 +40,7 @@ from asymcheck.restore.reshard import enable_resharding
 from asymcheck.restore.resume import restore_live
 from asymcheck.snapshot.copyengine import CopyEngine
 from asymcheck.snapshot.edits import EditTracker
+from asymcheck.snapshot.frozen import FrozenTensors
 from asymcheck.snapshot.hooks import Driver, Hooks, HookSet, HooksFactory
 from asymcheck.snapshot.hostpool import HostPool
 from asymcheck.snapshot.partition import (
@@ -71,7 +72,7 @@ from asymstore import CorruptVersionError, NoCheckpointError
 from asymstore.errors import InvalidMetaError
 from asymstore.multirank.rootlayout import AcrossLayouts
 from asymstore.opener import open_store
-from asymstore.protocols import CheckpointStore
+from asymstore.protocols import CheckpointStore, KnownBytesStore
 from asymstore.runtime.loop import StoreLoop
 from asymstore.values import TierStatus
 
@@ -266,7 +267,9 @@ class Checkpointer:
                                    loop=self._loop, on_recapture=self._refresh_hooks,
                                    save_on_close=options.pacing.save_on_close,
                                    replicas=None if state is not None else ReplicaSlicer(
-                                       self._loop.store, model, optimizer, commit.dedup, replication))
+                                       self._loop.store, model, optimizer, commit.dedup, replication),
+                                   frozen=None if state is not None else FrozenTensors(
+                                       store.chunk_bytes if isinstance(store, KnownBytesStore) else None))
         self._hook_s = 0.0
         self._open_s = 0.0
         self._last_pre: float | None = None
@@ -405,6 +408,7 @@ class Checkpointer:
         self._require_open()
         if self._progress.started:
             raise CheckpointerStateError("resume() must be called before the first optimizer step")
+        self._forget_frozen("resume")
         try:
             ckpt, in_place = self._loop.run(restore_live(self._loop.store, self.state))
         except NoCheckpointError:
@@ -466,7 +470,8 @@ class Checkpointer:
         if self._progress.closed or snap is None:
             return
         fresh = self.state.capture_step(self.state.capture_moment())
-        if [n for n in fresh.names if n not in self._edits.eager] == snap.capture.names:
+        taken = set(self._edits.eager) | set(snap.capture.known)  # copied eagerly, or known unchanged
+        if [n for n in fresh.names if n not in taken] == snap.capture.names:
             snap.capture.eager.update(fresh.eager)  # eagerly copied edited tensors keep their values of the step
             snap.capture.meta = fresh.meta
             self.state.capture_next(snap.capture)
@@ -493,7 +498,15 @@ class Checkpointer:
             started = time.perf_counter()
             self._cycle.finish_copy(snap)
             self._hook_s += time.perf_counter() - started
-        yield
+        try:
+            yield
+        finally:  # the block may have edited frozen parameters in ways their version counter misses
+            self._forget_frozen("editing()")
+
+    def _forget_frozen(self, reason: str) -> None:
+        """The next version copies every frozen parameter again (see :mod:`asymcheck.snapshot.frozen`)."""
+        if self._cycle.frozen is not None:
+            self._cycle.frozen.forget(reason)
 
     def flush(self) -> None:
         """Wait until every sealed version is committed (and apply the failure policy)."""

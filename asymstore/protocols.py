@@ -4,7 +4,7 @@
 :class:`~asymstore.AsymStore` and :class:`~asymstore.multirank.RankStore` satisfy it, and
 ``isinstance(x, CheckpointStore)`` tells a store from the other things an adapter accepts (tiers,
 a directory). **Capabilities** are optional ``runtime_checkable`` protocols an adapter checks with
-``isinstance``: :class:`DropReportingStore`, :class:`CollectiveStore` (one rank's part of a
+``isinstance``: :class:`DropReportingStore`, :class:`KnownBytesStore`, :class:`CollectiveStore` (one rank's part of a
 multi-rank checkpoint), :class:`ReshardingStore` and :class:`ReplicaSlicingStore`. The values they pass are in
 :mod:`asymstore.values`.
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.format.manifest import Manifest
-from asymstore.values import Checkpoint, CommitResult, Targets, TierStatus
+from asymstore.values import Checkpoint, CommitResult, KnownChunks, Targets, TierStatus
 
 if TYPE_CHECKING:
     from asymstore.dist.kv import KV
@@ -81,6 +81,28 @@ class CheckpointStore(Protocol):
 
     async def read_manifest(self, step: int | None = None) -> Manifest:
         """The manifest of the newest version whose manifest reads (or of ``step``); no tensor is read."""
+        ...
+
+
+@runtime_checkable
+class KnownBytesStore(Protocol):
+    """A store that stages tensors whose chunk checksums the caller already holds, hashing nothing.
+
+    :class:`~asymstore.AsymStore` is one. The Checkpointer hands it the private host copies of
+    parameters known to be unchanged since an earlier version (frozen, in no optimizer param
+    group, not edited: :mod:`asymcheck.snapshot.frozen`), so a version neither copies them from
+    the device nor hashes them again; each :class:`~asymstore.tiers.protocol.ReferencingTier`
+    then references the chunks it holds (same name, dtype, shape, bytes and checksum, held
+    committed there), and every other tier writes the bytes, which are right there.
+    """
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The largest chunk of one tensor (the checksums must be taken with it)."""
+        ...
+
+    async def adopt_known(self, step: int, tensors: Mapping[str, KnownChunks]) -> None:
+        """Stage every ``name -> KnownChunks`` for ``step`` without copying or hashing it."""
         ...
 
 

@@ -28,10 +28,10 @@ from asymstore.policy.calibration import CalibrationCache, calibrate
 from asymstore.policy.compression import COMPRESSION_POLICIES, Compression
 from asymstore.policy.costmodel import assumed_calibration
 from asymstore.policy.retention import KeepBest, Retention
-from asymstore.protocols import CheckpointStore
+from asymstore.protocols import CheckpointStore, KnownBytesStore
 from asymstore.read.restore import restore_newest
 from asymstore.tiers.protocol import ExclusiveTier, ReportingTier, Tier
-from asymstore.values import Checkpoint, CommitResult, FlushStats, TierCalibration, TierStatus
+from asymstore.values import Checkpoint, CommitResult, FlushStats, KnownChunks, TierCalibration, TierStatus
 from asymstore.write.cascade import Background
 from asymstore.write.copybuffers import CopyBuffers
 from asymstore.write.pool import SegmentPool, default_threads
@@ -433,6 +433,21 @@ class AsymStore:
         """
         await self._stager.adopt_many(step, tensors, release=release)
 
+    async def adopt_known(self, step: int, tensors: Mapping[str, KnownChunks]) -> None:
+        """Stage every ``name -> KnownChunks`` for ``step`` without copying or hashing it.
+
+        Each tensor is taken as it is, with the chunk checksums the caller vouches for
+        (:class:`~asymstore.values.KnownChunks`): a referencing tier references the chunks its
+        previous version holds with the same name, dtype, shape, bytes and checksum; every other
+        tier (and a referencing one that does not hold them committed) writes the bytes. Nothing
+        is staged when any of them is refused.
+
+        Raises:
+            InvalidValueError: a tensor is not adoptable, or its checksums do not fit the store's chunks.
+            Everything :meth:`put` raises.
+        """
+        await self._stager.adopt_known(step, tensors)
+
     def abandon(self, step: int) -> None:
         """Drop everything staged for an uncommitted ``step``; adopted tensors are released."""
         self._stager.abandon(step)
@@ -730,4 +745,5 @@ class AsymStore:
         raise CorruptVersionError("no manifest read: " + "; ".join(reasons))
 
 
-_SATISFIES: type[CheckpointStore] = AsymStore  # mypy checks that AsymStore satisfies the adapters' protocol
+_SATISFIES: type[CheckpointStore] = AsymStore
+_KNOWS: type[KnownBytesStore] = AsymStore  # mypy checks that AsymStore satisfies the adapters' protocol

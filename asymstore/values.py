@@ -3,7 +3,8 @@
 :class:`TierCalibration` (a tier's write cost model), :class:`FlushStats` (one version written to
 one tier), :class:`TierStatus` (one tier as the store sees it), :class:`CommitResult`,
 :class:`Checkpoint` (what a restore returns), ``Into`` (restore destinations) and ``Targets``
-(resharding). Plain data: this module imports only the format, so every layer can use it and
+(resharding), :class:`KnownChunks` (a tensor staged with its checksums).
+Plain data: this module imports only the format, so every layer can use it and
 nothing here can form a cycle. The store protocol that returns them is
 :mod:`asymstore.protocols`.
 
@@ -35,6 +36,28 @@ Targets = Callable[[Mapping[str, TensorLayout]], Mapping[str, TensorLayout]]
 
 
 # -- value types ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KnownChunks:
+    """A tensor whose chunk checksums the caller already knows (:class:`~asymstore.protocols.KnownBytesStore`).
+
+    The caller vouches that ``checksums`` are the xxh3-64 checksums of ``tensor``'s raw bytes cut
+    into chunks of ``chunk_bytes`` (rounded down to whole elements), as the store itself would cut
+    and hash them, and that nobody writes the tensor until the store is done with it. A wrong
+    checksum is caught when the bytes are read back (verification), never returned as data; but
+    a chunk the store references by its checksum is not read, so the caller must hold a private,
+    immutable copy whose checksums it computed itself.
+
+    Attributes:
+        tensor: a contiguous CPU tensor (taken without a copy).
+        chunk_bytes: the chunk size the checksums were taken with (must be the store's).
+        checksums: one per chunk, in byte order.
+    """
+
+    tensor: torch.Tensor
+    chunk_bytes: int
+    checksums: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ written per version, twice: as the kept versions' manifests say (their own segme
 itself, the median over the versions kept at the end, the first one never among them), and as the
 kernel counted them (the process's ``write_bytes`` from ``/proc/self/io`` over the versions after
 the first: ``LATEST``, the alignment of large chunks to 4 KiB pages and every other write of the
-process are in it); and beside them the trainable state (adapters + their AdamW moments + the step
+process are in it); the bytes copied from the model to host memory per version after the first
+(``stats().copy_bytes``: frozen parameters known unchanged are copied once, see
+docs/guides/checkpointer.md); and beside them the trainable state (adapters + their AdamW moments + the step
 counters) that a version must write. Target: ``unchanged`` writes <= 1.1 x the trainable state per
 version (by the manifests). Every run restores its newest version at the end and checks it bit-exact
 against the live model and optimizer.
@@ -88,6 +90,7 @@ def child(method: str, model_name: str, seq: int, batch: int, steps: int, rank: 
         ckpt = Checkpointer(model, opt, store)
     times: list[float] = []
     written: list[int] = []
+    copied: list[int] = []  # bytes copied from the model to host (the copy engine's count)
     try:
         for step in range(steps):
             x = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
@@ -99,12 +102,14 @@ def child(method: str, model_name: str, seq: int, batch: int, steps: int, rank: 
             if ckpt is not None and step == WARMUP_VERSIONS - 1:
                 ckpt.flush()
                 written.append(io_write_bytes())
+                copied.append(ckpt.stats().copy_bytes)
         committed_before = WARMUP_VERSIONS
         if ckpt is not None:
             ckpt.flush()
             written.append(io_write_bytes())
             stats = ckpt.stats() if callable(ckpt.stats) else ckpt.stats
             committed = int(stats.versions_committed)
+            copied.append(int(stats.copy_bytes))
             ckpt.close()
             manifests = [(root / d / MANIFEST_NAME).read_bytes() for d in sorted(os.listdir(root))
                          if parse_version_dirname(d) is not None and (root / d / MANIFEST_NAME).exists()]
@@ -130,6 +135,7 @@ def child(method: str, model_name: str, seq: int, batch: int, steps: int, rank: 
         }
         if ckpt is not None and committed > committed_before:
             doc["io_bytes_per_version"] = (written[-1] - written[0]) / (committed - committed_before)
+            doc["copy_bytes_per_version"] = (copied[-1] - copied[0]) / (committed - committed_before)
             doc["bytes_per_version"] = statistics.median(own)
         Path(out).write_text(json.dumps(doc))
     finally:
@@ -168,7 +174,7 @@ def main() -> None:
     print(f"GPT-2 {args.model} + LoRA r={args.rank}: parameters {results['none'][0]['total_param_bytes'] / 2**20:.1f} "
           f"MiB, trainable state (adapters + AdamW moments) {trainable / 2**20:.2f} MiB")
     print(f"{'method':<10} {'step ms':>8} {'x none':>7} {'MiB/version':>12} {'x trainable':>12} {'io MiB/v':>9} "
-          f"{'load':>5} exact")
+          f"{'copy MiB/v':>10} {'load':>5} exact")
     summary: dict[str, Any] = {"args": vars(args), "trainable_bytes": trainable, "methods": {}}
     for method in METHODS:
         rows = results[method]
@@ -177,12 +183,14 @@ def main() -> None:
         bpv = statistics.median(per_version) if per_version else float("nan")
         io = [r["io_bytes_per_version"] for r in rows if "io_bytes_per_version" in r]
         iopv = statistics.median(io) if io else float("nan")
+        cp = [r["copy_bytes_per_version"] for r in rows if "copy_bytes_per_version" in r]
+        cpv = statistics.median(cp) if cp else float("nan")
         load = statistics.mean(r["loadavg_1m"] for r in rows)
         exact = all(r["restored_exact"] for r in rows)
         print(f"{method:<10} {step * 1e3:8.1f} {step / base_step:7.2f} {bpv / 2**20:12.2f} {bpv / trainable:12.2f} "
-              f"{iopv / 2**20:9.2f} {load:5.1f} {exact}")
+              f"{iopv / 2**20:9.2f} {cpv / 2**20:10.2f} {load:5.1f} {exact}")
         summary["methods"][method] = {"step_s": step, "step_x_none": step / base_step, "bytes_per_version": bpv,
-                                      "io_bytes_per_version": iopv,
+                                      "io_bytes_per_version": iopv, "copy_bytes_per_version": cpv,
                                       "bytes_x_trainable": bpv / trainable, "loadavg_1m": load, "exact": exact,
                                       "runs": rows}
     met = summary["methods"]["unchanged"]["bytes_x_trainable"] <= TARGET_BYTES_X_TRAINABLE

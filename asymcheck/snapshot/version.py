@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_BYTES = 16  # bytes sampled per tensor for the fingerprint
 
 
-def _sample_view(flat: torch.Tensor) -> torch.Tensor:
+def sample_view(flat: torch.Tensor) -> torch.Tensor:
     """Every k-th byte of a flat byte view, about ``SAMPLE_BYTES`` of them."""
     return flat[::max(1, flat.numel() // SAMPLE_BYTES)]
 
@@ -41,11 +41,11 @@ def _sampled(t: torch.Tensor) -> bool:
     return t.device.type in ("cpu", "cuda") and t.is_contiguous() and t.numel() > 0
 
 
-def _gather(sources: list[torch.Tensor], indices: list[int]) -> torch.Tensor | None:
+def gather_samples(sources: list[torch.Tensor], indices: list[int]) -> torch.Tensor | None:
     """The byte samples of ``sources[i]`` for ``i`` in ``indices``, concatenated, on the host."""
     if not indices:
         return None
-    sample = torch.cat([_sample_view(sources[i].reshape(-1).view(torch.uint8)) for i in indices])
+    sample = torch.cat([sample_view(sources[i].reshape(-1).view(torch.uint8)) for i in indices])
     if sample.device.type == "cpu":
         return sample
     # queued on the compute stream after the step; lands in pinned memory before any later copy's event
@@ -117,7 +117,7 @@ class Snapshot:
         self._device_samples = False  # some sample comes from a CUDA device (its copy is asynchronous)
         for device in dict.fromkeys(srcs[i].device for i in sampled):
             indices = [i for i in sampled if srcs[i].device == device]
-            sample = _gather(srcs, indices)
+            sample = gather_samples(srcs, indices)
             if sample is not None:
                 self._sampled.append(indices)
                 self._samples.append(sample)
@@ -213,12 +213,12 @@ class Snapshot:
             else:
                 torch.cuda.synchronize()
         for indices, sample in zip(self._sampled, self._samples, strict=True):
-            copied = torch.cat([_sample_view(slot.region(i)) for i in indices])
+            copied = torch.cat([sample_view(slot.region(i)) for i in indices])
             if not torch.equal(copied, sample):  # find which (rare)
                 at = 0
                 for i in indices:
-                    n = _sample_view(slot.region(i)).numel()
-                    if not torch.equal(_sample_view(slot.region(i)), sample[at:at + n]):
+                    n = sample_view(slot.region(i)).numel()
+                    if not torch.equal(sample_view(slot.region(i)), sample[at:at + n]):
                         idx.add(i)
                     at += n
         for i, owner in enumerate(self.capture.owners):

@@ -34,6 +34,8 @@ class Capture:
         counters: per source, the tensor whose version counter in-place
             edits move (a DTensor for its local tensor; empty: the sources).
         layouts: where the sharded sources sit in their global tensors (DTensors).
+        known: names taken out of the sources because their bytes are known unchanged since an
+            earlier version (:mod:`asymcheck.snapshot.frozen`): the version takes a host copy.
     """
 
     names: list[str] = field(default_factory=list)
@@ -44,6 +46,7 @@ class Capture:
     owners: list[torch.Tensor | None] = field(default_factory=list)
     counters: list[torch.Tensor] = field(default_factory=list)
     layouts: dict[str, TensorLayout] = field(default_factory=dict)
+    known: list[str] = field(default_factory=list)
 
     @property
     def versioned(self) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ import concurrent.futures
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,8 +15,9 @@ import torch
 from asymcheck.stats import StatsRecorder
 from asymstore import CommitResult
 from asymstore.errors import AsymstoreError, GlobalVersionDroppedError
-from asymstore.protocols import CheckpointStore, DropReportingStore
+from asymstore.protocols import CheckpointStore, DropReportingStore, KnownBytesStore
 from asymstore.runtime.loop import StoreLoop
+from asymstore.values import KnownChunks
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class CommitQueue:
         return self._errors.pop(0) if self._errors else None
 
     def submit(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], ready: Any,
-               release: Callable[[], None], *, force: bool = False) -> tuple[bool, float]:
+               release: Callable[[], None], *, force: bool = False,
+               known: Mapping[str, KnownChunks] | None = None) -> tuple[bool, float]:
         """Commit a sealed version in the background.
 
         Args:
@@ -103,6 +105,9 @@ class CommitQueue:
             ready: a CUDA event to synchronize before reading ``tensors``, or None.
             release: gives the host slot back; the store calls it once it no longer reads ``tensors``.
             force: wait even under ``when_busy="skip"`` (the final version).
+            known: tensors staged with the checksums the caller holds (host copies of frozen
+                parameters, never written): a :class:`~asymstore.protocols.KnownBytesStore` hashes
+                nothing of them; any other store is given them as plain tensors.
 
         Returns:
             (submitted, seconds waited for an earlier commit).
@@ -121,12 +126,15 @@ class CommitQueue:
                 concurrent.futures.wait([fut])
                 self._collect(fut)
             waited = time.perf_counter() - started
-        self._inflight.append(self.loop.submit(self._commit(step, tensors, meta, ready, release)))
+        self._inflight.append(self.loop.submit(self._commit(step, tensors, meta, ready, release, dict(known or {}))))
         return True, waited
 
     async def _commit(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], ready: Any,
-                      release: Callable[[], None]) -> CommitResult:
+                      release: Callable[[], None], known: dict[str, KnownChunks]) -> CommitResult:
         store = self.loop.store
+        if known and not isinstance(store, KnownBytesStore):
+            tensors = {**tensors, **{name: k.tensor for name, k in known.items()}}  # hashed as any tensor
+            known = {}
         try:
             try:
                 if ready is not None:
@@ -138,6 +146,9 @@ class CommitQueue:
             # every tier written by the commit has it, or when the commit fails
             try:
                 await store.adopt_many(step, tensors, release=release)
+                if known:  # after: a refusal abandons the step, and that releases the slot
+                    assert isinstance(store, KnownBytesStore)
+                    await store.adopt_known(step, known)  # host copies never written: nothing to release
             except BaseException as exc:
                 store.abandon(step)
                 if isinstance(store, DropReportingStore):  # the other ranks must not wait for this one

@@ -9,18 +9,20 @@ from dataclasses import dataclass
 from asymcheck.errors import StepConflictError
 from asymcheck.snapshot.copyengine import CopyEngine
 from asymcheck.snapshot.edits import EditTracker
+from asymcheck.snapshot.frozen import FrozenTensors, FrozenUse
 from asymcheck.snapshot.hostpool import HostPool, HostSlot
 from asymcheck.snapshot.partition import Planner
 from asymcheck.snapshot.version import Snapshot, extents_of
 from asymcheck.state.dtensors import check_tensors
 from asymcheck.state.replicas import ReplicaSlicer
-from asymcheck.state.trainstate import Moment, TrainingState
+from asymcheck.state.trainstate import Capture, Moment, TrainingState
 from asymcheck.stats import StatsRecorder
 from asymcheck.versions.commits import CommitQueue
 from asymcheck.versions.progress import Progress
 from asymstore.format.pieces import LAYOUT_KEY
 from asymstore.protocols import CheckpointStore
 from asymstore.runtime.loop import StoreLoop
+from asymstore.values import KnownChunks
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +70,13 @@ class VersionCycle:
             parameters were added after the step (the hooks must follow them).
         save_on_close: seal the newest completed step on close if no version of it is open.
         replicas: cuts each version's replicated state into this rank's slice (None: never).
+        frozen: the host copies of frozen parameters known unchanged (None: every version copies all).
     """
 
     def __init__(self, state: TrainingState, progress: Progress, *, edits: EditTracker, planner: Planner,
                  pool: HostPool, engine: CopyEngine, commits: CommitQueue, stats: StatsRecorder,
                  loop: StoreLoop[CheckpointStore], on_recapture: Callable[[], None], save_on_close: bool,
-                 replicas: ReplicaSlicer | None = None) -> None:
+                 replicas: ReplicaSlicer | None = None, frozen: FrozenTensors | None = None) -> None:
         self.state = state
         self.progress = progress
         self.edits = edits
@@ -86,6 +89,8 @@ class VersionCycle:
         self.on_recapture = on_recapture
         self.save_on_close = save_on_close
         self.replicas = replicas
+        self.frozen = frozen
+        self.uses: dict[int, FrozenUse] = {}  # per open version (step): what it takes from ``frozen``
         self.snap: Snapshot | None = None
         """The open version, if any."""
         self.moment: Moment | None = None
@@ -118,12 +123,19 @@ class VersionCycle:
             self.replicas.apply(cap, step)
         if self.edits.eager:
             cap.make_eager(self.edits.eager)
+        self._select_frozen(step, cap)
         plan = self.planner.plan(extents_of(cap.sources))
         slot = self.pool.acquire(timeout=0)  # none free: the hooks take one once an earlier commit gives it back
         if slot is not None:
             slot.arrange(cap.sources)
         self.snap = Snapshot(step, cap, plan, slot, self._acquire)
         self.stats.versions_opened += 1
+
+    def _select_frozen(self, step: int, cap: Capture) -> None:
+        """Take the frozen parameters known unchanged out of ``cap`` (the version takes their host copies)."""
+        self.uses.clear()  # one version is open at a time
+        if self.frozen is not None:
+            self.uses[step] = self.frozen.select(cap, self.state.optimizer)
 
     def _acquire(self, wait: bool) -> HostSlot | None:
         """A free host slot: waiting for one (back-pressure: an earlier commit still holds them), or None now."""
@@ -145,6 +157,7 @@ class VersionCycle:
                 self.replicas.apply(cap, snap.step)
             if self.edits.eager:
                 cap.make_eager(self.edits.eager)
+            self._select_frozen(snap.step, cap)
             plan = self.planner.plan(extents_of(cap.sources))
             if snap.slot is not None:
                 snap.slot.arrange(cap.sources)
@@ -177,6 +190,15 @@ class VersionCycle:
         else:
             snap.ready = self.engine.wait() or snap.ready
         slot_wait = snap.slot_wait_s - slot_wait  # inside this seal (the step pre-hook's stall), not editing()'s
+        use = self.uses.pop(snap.step, None)
+        if use is not None and self.frozen is not None:
+            changed = self.frozen.check(use)  # a frozen parameter's bytes at the step differ from its copy
+            if changed:
+                self._release(snap)
+                self.commits.report_dropped(snap.step, f"{len(changed)} frozen tensor(s) changed without "
+                                                       "moving their version counter")
+                self.edits.dropped += 1
+                return Sealed(False, 0.0, snap.nbytes, True, dict(snap.issued_by_phase))
         if snap.dirty:
             self._release(snap)
             self.edits.dropped_version(snap.step, snap.dirty)
@@ -197,11 +219,16 @@ class VersionCycle:
         tensors = snap.tensors()  # the slot is there: every partition was issued
         slot = snap.slot
         assert slot is not None
+        known: dict[str, KnownChunks] = {}
+        if use is not None and self.frozen is not None:
+            self.frozen.learn(snap, use)  # before the slot is handed to the commit (and reused)
+            plain, known = self.frozen.tensors(use)
+            tensors.update(plain)
         layouts = self.state.layout_meta(tensors, snap.capture)
         if layouts is not None:  # where each tensor sits in its global tensor (asymstore.format.pieces)
             meta[LAYOUT_KEY] = layouts
         submitted, waited = self.commits.submit(snap.step, tensors, meta, snap.ready,
-                                                 lambda: self.pool.release(slot), force=force)
+                                                 lambda: self.pool.release(slot), force=force, known=known)
         self.stats.versions_sealed += 1
         if submitted:
             self.progress.saved_step = snap.step

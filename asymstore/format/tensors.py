@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from asymstore.errors import InvalidValueError, ManifestError
+from asymstore.format.checksum import checksum
 from asymstore.format.manifest import DTYPE_SIZES
 
 
@@ -69,6 +70,23 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
     array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
     array._owner = tensor  # type: ignore[attr-defined]  # keeps the storage alive
     return memoryview(array).cast("B")
+
+
+def chunk_views(tensor: torch.Tensor, chunk_bytes: int) -> list[memoryview]:
+    """The raw bytes of a contiguous CPU ``tensor`` cut as a store cuts them into chunks.
+
+    Chunks of ``chunk_bytes`` rounded down to a multiple of the element size (so every chunk
+    splits into whole byte planes), the last one shorter; one empty chunk for an empty tensor.
+    """
+    data = as_bytes(tensor)
+    itemsize = tensor.element_size()
+    size = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+    return [data[i:i + size] for i in range(0, len(data), size)] or [data]
+
+
+def chunk_checksums(tensor: torch.Tensor, chunk_bytes: int) -> tuple[str, ...]:
+    """The checksums of ``tensor``'s chunks (:func:`chunk_views`), as a store would take them when staging it."""
+    return tuple(checksum(view) for view in chunk_views(tensor, chunk_bytes))
 
 
 def from_bytes(buffer: memoryview | bytearray | bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

@@ -17,13 +17,15 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
-from asymstore.errors import InvalidStepError
+from asymstore.errors import DuplicateNameError, InvalidStepError
+from asymstore.values import KnownChunks
 from asymstore.write.staging import (
     PACK_BYTES,
     PACK_MIN_TENSORS,
     PACK_TENSOR_BYTES,
     PendingStep,
     StagedTensor,
+    adopt_known,
     check_adoptable,
     stages_inline,
 )
@@ -187,6 +189,21 @@ class Stager:
             _call(release, step)  # abandoned or committed while the checksums ran: nothing reads it now
         else:
             pending.releases.append(release)
+
+    async def adopt_known(self, step: int, tensors: Mapping[str, KnownChunks]) -> None:
+        """Stage every ``name -> KnownChunks`` for ``step`` as it is: no copy, no checksum (all checked first).
+
+        Raises:
+            InvalidValueError: see :func:`~asymstore.write.staging.adopt_known`.
+            Everything :meth:`put` raises.
+        """
+        pending = self._pending_for(step)
+        staged = {name: adopt_known(value, self.chunk_bytes) for name, value in tensors.items()}
+        for name in staged:
+            if name in pending.tensors:
+                raise DuplicateNameError(f"{name!r} was already put for step {step}")
+        for name, value in tensors.items():
+            pending.put_known(name, value)
 
     def abandon(self, step: int) -> None:
         """Drop everything put for an uncommitted ``step`` (adopted tensors are released)."""

@@ -29,8 +29,9 @@ import torch
 from asymstore.errors import DuplicateNameError, InvalidNameError, InvalidValueError, StepCommittedError
 from asymstore.format.checksum import checksum
 from asymstore.format.manifest import DTYPE_SIZES, validate_name, validate_names
-from asymstore.format.tensors import as_bytes, dtype_name, host_copy
+from asymstore.format.tensors import as_bytes, chunk_views, dtype_name, host_copy
 from asymstore.runtime.gcpause import gc_paused
+from asymstore.values import KnownChunks
 
 logger = logging.getLogger(__name__)
 
@@ -232,13 +233,26 @@ def adopt(value: torch.Tensor, chunk_bytes: int) -> StagedTensor:
     return _cut(value.detach(), chunk_bytes, adopted=True)
 
 
+def adopt_known(value: KnownChunks, chunk_bytes: int) -> StagedTensor:
+    """Stage ``value.tensor`` itself with the checksums the caller gave (nothing is hashed).
+
+    Raises:
+        InvalidValueError: not an adoptable tensor, checksums taken with another chunk size, or
+            not one well-formed checksum per chunk.
+    """
+    tensor = check_adoptable(value.tensor).detach()
+    if value.chunk_bytes != chunk_bytes:
+        raise InvalidValueError(f"checksums taken with chunks of {value.chunk_bytes} bytes; the store cuts "
+                                f"{chunk_bytes}")
+    views = chunk_views(tensor, chunk_bytes)
+    sums = value.checksums
+    if len(sums) != len(views) or not all(isinstance(c, str) and len(c) == 16 for c in sums):
+        raise InvalidValueError(f"{len(views)} chunk checksum(s) needed (16 hex digits each), got {len(sums)}")
+    return StagedTensor(tensor, list(zip(views, sums, strict=True)), adopted=True)
+
+
 def _cut(tensor: torch.Tensor, chunk_bytes: int, *, adopted: bool) -> StagedTensor:
-    data = as_bytes(tensor)
-    itemsize = tensor.element_size()
-    chunk_bytes = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
-    chunks = [(data[i:i + chunk_bytes], checksum(data[i:i + chunk_bytes]))
-              for i in range(0, len(data), chunk_bytes)] or [(data, checksum(data))]
-    return StagedTensor(tensor, chunks, adopted)
+    return StagedTensor(tensor, [(view, checksum(view)) for view in chunk_views(tensor, chunk_bytes)], adopted)
 
 
 @dataclass
@@ -262,6 +276,15 @@ class PendingStep:
                 release()
             except Exception:
                 logger.exception("a release callback of step %d failed", self.step)
+
+    def put_known(self, name: str, value: KnownChunks) -> None:
+        """Stage ``value`` under ``name`` without copying or hashing it (:func:`adopt_known`)."""
+        validate_name(name)
+        if self.sealed:
+            raise StepCommittedError(f"step {self.step} is being committed; put is closed")
+        if name in self.tensors:
+            raise DuplicateNameError(f"{name!r} was already put for step {self.step}")
+        self.tensors[name] = adopt_known(value, self.chunk_bytes)
 
     async def put(self, name: str, value: object, *, adopted: bool = False) -> None:
         """Stage ``value`` under ``name`` (a copy, or the tensor itself when ``adopted``).

@@ -132,15 +132,41 @@ class Embedded(nn.Module):
         return out
 
 
+class Adapted(nn.Module):
+    """A frozen base MLP with an own-loop low-rank adapter (no PEFT) beside its middle Linear."""
+
+    def __init__(self, body: nn.Sequential) -> None:
+        super().__init__()
+        self.body = body
+        for p in body.parameters():
+            p.requires_grad_(False)
+        width = body[3].in_features
+        self.down = nn.Parameter(torch.randn(4, width) * 0.05)
+        self.up = nn.Parameter(torch.zeros(width, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body[2](self.body[1](self.body[0](x)))
+        h = self.body[3](h) + h @ self.down.t() @ self.up.t()
+        for layer in list(self.body)[4:]:
+            h = layer(h)
+        return h
+
+
+FROZEN = ("frozen", "frozenedit")
+
+
 def build(config: str) -> tuple[nn.Module, torch.optim.Optimizer, Any, Any]:
     torch.manual_seed(1234)
     random.seed(1234)  # unused by training, but part of the state compared
     np.random.seed(1234)
+    width = 256 if config in FROZEN else 128  # the frozen base's middle weight: 256 KiB, known unchanged
     model: nn.Module = nn.Sequential(
-        nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.2),
-        nn.Linear(128, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.2),
-        nn.Linear(128, 32),
+        nn.Linear(32, width), nn.GELU(), nn.Dropout(0.2),
+        nn.Linear(width, width), nn.LayerNorm(width), nn.GELU(), nn.Dropout(0.2),
+        nn.Linear(width, 32),
     )
+    if config in FROZEN:
+        model = Adapted(model)  # type: ignore[arg-type]
     if config == "edits":
         model = Embedded(model)
     if config == "lora":
@@ -180,7 +206,7 @@ def save_final(out: Path, state: TrainingState, step: int) -> None:
 
 
 CONFIGS = ["plain", "accum", "scaler", "val", "rngbatch", "loader", "ema", "emaraw", "edits",
-           "bf16", "lora", "compiled", "sloader"]
+           "bf16", "lora", "compiled", "sloader", *FROZEN]
 
 
 def stateful_loader() -> Any:
@@ -195,7 +221,7 @@ def stateful_loader() -> Any:
 
 def middle_of(model: nn.Module) -> nn.Module:
     """The MLP's second Linear, where the kill hooks go, whatever wraps the MLP."""
-    body = model.body if isinstance(model, Embedded) else model
+    body = model.body if isinstance(model, Embedded | Adapted) else model
     if not isinstance(body, nn.Sequential):  # a PEFT model: the Sequential under its LoRA wrappers
         body = next(m for m in body.modules() if isinstance(m, nn.Sequential))
     return body[3]
@@ -207,6 +233,15 @@ def head_edits(model: nn.Module, it: int) -> None:
     if it % 4 == 2:
         model.load_state_dict({k: v * 0.97 for k, v in model.state_dict().items()})
     body[3].weight.data.mul_(0.995)
+
+
+def frozen_edits(middle: nn.Module, it: int) -> None:
+    """An in-place write under no_grad (one element: only the version counter tells), then a ``p.data`` edit."""
+    if it == 4:
+        with torch.no_grad():
+            middle.weight.view(-1)[1] += 0.5
+    if it == 6:
+        middle.weight.data.mul_(0.9)
 
 
 def main() -> int:
@@ -300,6 +335,8 @@ def main() -> int:
             total = 0.0
             if args.config == "edits":
                 head_edits(model, it)
+            if args.config == "frozenedit":  # edits of the frozen base between steps
+                frozen_edits(middle, it)
             for micro in range(accum):
                 micro_now[0] = micro
                 if args.config == "rngbatch":  # drawn from the global RNG before the forward
@@ -359,7 +396,7 @@ def main() -> int:
         ckpt.close()
         stats = ckpt.stats()
         emit(event="stats", skipped=stats.versions_skipped, committed=stats.versions_committed,
-             dropped=stats.versions_dropped)
+             dropped=stats.versions_dropped, copy_bytes=stats.copy_bytes)
     save_final(out, TrainingState(model, opt, stateful, data), steps_done())
     emit(event="done", step=steps_done(), iterations=pos.iteration, train_seconds=train_seconds)
     return 0

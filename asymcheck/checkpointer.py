@@ -268,7 +268,7 @@ class Checkpointer:
                                    save_on_close=options.pacing.save_on_close,
                                    replicas=None if state is not None else ReplicaSlicer(
                                        self._loop.store, model, optimizer, commit.dedup, replication),
-                                   frozen=None if state is not None else FrozenTensors(
+                                   frozen=None if state is not None or commit.frozen == "copy" else FrozenTensors(
                                        store.chunk_bytes if isinstance(store, KnownBytesStore) else None))
         self._hook_s = 0.0
         self._open_s = 0.0

@@ -45,6 +45,8 @@ __all__ = [
 
 WhenBusy = Literal["wait", "skip"]
 CopyMode = Literal["thread", "inline"]
+FrozenMode = Literal["copy", "known"]
+"""Frozen parameters: ``"copy"`` them at every version, or take them as ``"known"`` unchanged (CommitOptions.frozen)."""
 
 
 def _int(owner: str, name: str, value: object, *, least: int, optional: bool = False) -> None:
@@ -234,6 +236,16 @@ class CommitOptions:
             ``1 / world``; the replicas are compared across ranks, in full in the first versions, and a
             job whose replicas differ falls back to whole copies with a WARNING); ``"off"``: every
             rank writes all of it (docs/guides/multirank.md, "Replicated state").
+        frozen: parameters with ``requires_grad`` off and in no optimizer param group: ``"copy"``
+            (default) copies and hashes them at every version like everything else (tiers that
+            reference unchanged bytes still write them once); ``"known"`` copies them to host once and
+            takes them as unchanged while their object, address and version counter stay the same and
+            the edit detector's sample agrees, so a version does not read them again (a GPU run's
+            frozen base no longer crosses PCIe at every step). ``"known"`` cannot see an edit through
+            ``p.data`` (which moves no version counter) that the sample misses, such as a teacher
+            model updated by ``param.data.mul_(m).add_(...)``: use it only when frozen parameters are
+            never written that way outside ``ckpt.editing()`` (docs/guides/checkpointer.md,
+            "Frozen parameters").
 
     Raises:
         InvalidOptionError: a value out of its range.
@@ -244,6 +256,7 @@ class CommitOptions:
     host_slots: int = 2
     copy: CopyMode = "thread"
     dedup: Dedup = "replicas"
+    frozen: FrozenMode = "copy"
 
     def __post_init__(self) -> None:
         """Check every value."""
@@ -252,6 +265,7 @@ class CommitOptions:
         _int("CommitOptions", "host_slots", self.host_slots, least=1)
         _one_of("CommitOptions", "copy", self.copy, get_args(CopyMode))
         _one_of("CommitOptions", "dedup", self.dedup, DEDUPS)
+        _one_of("CommitOptions", "frozen", self.frozen, get_args(FrozenMode))
 
 
 GROUPS: dict[str, type[Any]] = {
@@ -263,7 +277,7 @@ GROUPS: dict[str, type[Any]] = {
     "commits": CommitOptions,
 }
 
-GROUP_ONLY = frozenset({"dedup"})
+GROUP_ONLY = frozenset({"dedup", "frozen"})
 """Fields added after the flat keywords were deprecated: given inside their group only, never flat."""
 
 FLAT_OPTIONS: dict[str, str] = {

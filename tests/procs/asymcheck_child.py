@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
-from asymcheck.options import PartitionOptions, RetentionOptions
+from asymcheck.options import CommitOptions, PartitionOptions, RetentionOptions
 from asymcheck.state.trainstate import TrainingState
 from asymstore import AsymStore, LocalTier
 from asymstore.testing import CrashingLocalTier
@@ -302,7 +302,8 @@ def main() -> int:
                 else LocalTier(args.dir))
         ckpt = Checkpointer(trained, opt, [tier], stateful=stateful, data=data,
                             retention=RetentionOptions(keep_last=3),
-                            partitions=PartitionOptions(warmup=2, min_partition_bytes=16 << 10))
+                            partitions=PartitionOptions(warmup=2, min_partition_bytes=16 << 10),
+                            commits=CommitOptions(frozen="known" if args.config in FROZEN else "copy"))
 
     def steps_done() -> int:
         return ckpt.step if ckpt is not None else step_of[0]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from asymcheck import Checkpointer
+from asymcheck.options import CommitOptions
 from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.values import Checkpoint
 from tests.support.asymcheck_train import open_ckpt, read_versions
@@ -43,6 +44,9 @@ class LoRA(nn.Module):
         return out
 
 
+KNOWN = CommitOptions(frozen="known")
+"""Frozen parameters taken as known unchanged (the default, ``"copy"``, copies them at every version)."""
+
 def base_bytes(model: LoRA) -> int:
     return sum(p.numel() * p.element_size() for p in model.base.parameters() if p.numel() * 4 > 64 << 10)
 
@@ -59,6 +63,7 @@ def run(where: object, steps: int, edit: Callable[[LoRA, int], None] | None = No
     middle base weight as the loop saw it when each step returned."""
     model = LoRA()
     opt = torch.optim.AdamW([model.a, model.b], lr=1e-2)
+    kwargs.setdefault("commits", KNOWN)
     ckpt = open_ckpt(model, opt, where, **kwargs)
     seen: dict[int, torch.Tensor] = {}
     for it in range(steps):
@@ -118,6 +123,26 @@ def test_in_place_edits_of_a_frozen_parameter_between_steps_are_captured(tmp_pat
     assert stats.copy_bytes < 5 * base_bytes(model)  # the cache was in use between the edits
 
 
+def test_by_default_frozen_parameters_are_copied_at_every_version_and_a_data_edit_the_sample_misses_is_kept(
+        tmp_path: Path) -> None:
+    """``frozen="copy"`` (the default): a teacher-style ``p.data`` edit of one element, which moves no
+    version counter and lies outside the byte sample, is in the very next version ("known" would miss it)."""
+    def edit(model: LoRA, it: int) -> None:
+        if it in (4, 7):
+            model.base[2].weight.data.view(-1)[1] += 1.0
+
+    model, ckpt, seen = run(tmp_path, 10, edit, commits=CommitOptions())
+    assert not torch.equal(seen[4], seen[5]) and not torch.equal(seen[7], seen[8])
+    versions = read_versions(tmp_path)
+    assert sorted(versions) == list(range(1, 11))
+    # an edit between steps belongs to the version of the step before it (copied at the next forward):
+    # version s holds what the loop saw when step s + 1 returned, the last one the final weight
+    expected = {s: seen[s + 1] for s in range(1, 10)} | {10: model.base[2].weight.detach()}
+    for step, ck in versions.items():
+        assert torch.equal(bits(ck.tensors["model/base.2.weight"]), bits(expected[step])), step
+    assert ckpt.stats().copy_bytes >= 9 * base_bytes(model)  # the base was read at every version
+
+
 def test_a_tier_without_references_gets_every_byte(tmp_path: Path) -> None:
     tier = host_tier(64 << 20, path=tmp_path / "shm")  # files: readable after the Checkpointer closes
     model, ckpt, seen = run([tier], 10)
@@ -149,7 +174,7 @@ def test_a_frozen_parameter_made_trainable_is_copied_again(tmp_path: Path) -> No
     model = LoRA()
     opt = torch.optim.AdamW([model.a, model.b], lr=1e-2)
     opts.append(opt)
-    ckpt = open_ckpt(model, opt, tmp_path)
+    ckpt = open_ckpt(model, opt, tmp_path, commits=KNOWN)
     seen: dict[int, torch.Tensor] = {}
     for it in range(9):
         unfreeze(model, it)

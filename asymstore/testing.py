@@ -91,7 +91,8 @@ class _FaultyLocalTier(LocalTier):
 class _FaultyWriter(_DirWriter):
     tier: _FaultyLocalTier
 
-    def _publish_sync(self, manifest: bytes) -> None:
+    def _publish_sync(self, manifest: bytes, latest: bool = False) -> bool:
+        # LATEST is left to write_latest, where the "published" phase faults before it
         if self.tier._due("segments_written"):
             self.tier._fault("segments_written")
         if self.tier._due("manifest_half"):
@@ -100,7 +101,7 @@ class _FaultyWriter(_DirWriter):
             if self.tier.fsync:
                 fsync_dir(self.tmp)
             self.tier._fault("manifest_half")
-        super()._publish_sync(manifest)
+        return super()._publish_sync(manifest, False)
 
 
 class CrashingLocalTier(_FaultyLocalTier):
@@ -206,11 +207,11 @@ class SlowLocalTier(LocalTier):
 class _SlowWriter(_DirWriter):
     tier: SlowLocalTier
 
-    def _publish_sync(self, manifest: bytes) -> None:
+    def _publish_sync(self, manifest: bytes, latest: bool = False) -> bool:
         self.tier.commits += 1
         if self.tier.commits > self.tier.after:
             time.sleep(self.tier.delay_s)
-        super()._publish_sync(manifest)
+        return super()._publish_sync(manifest, latest)
 
 
 class FailingSegmentTier(LocalTier):

@@ -83,6 +83,11 @@ class HostSlot:
         """Whether the buffer's memory is advised ``MADV_HUGEPAGE``."""
         self.allocations = 0
         """How many times a buffer was allocated (once, unless a version outgrew it)."""
+        # the regions and typed views of the current layout, made once and handed out again for every
+        # version laid out the same (a view per tensor per version was most of a seal's own time); dropped
+        # whenever the layout or the buffer changes
+        self._regions: list[torch.Tensor | None] = []
+        self._views: list[torch.Tensor | None] = []
 
     @property
     def allocated(self) -> int:
@@ -110,22 +115,38 @@ class HostSlot:
                 pos = _aligned(pos, PAGE)
             offsets.append(pos)
             pos = _aligned(pos + size)
-        if pos > self.capacity:
+        grown = pos > self.capacity
+        if grown:
             logger.debug("slot %d: growing from %d to %d bytes", self.index, self.capacity, pos)
+            self._regions = self._views = []  # nothing may keep the old buffer alive
             self._raw = self.buffer = torch.empty(0, dtype=torch.uint8)  # free the old one first
             self._raw, self.buffer, self.huge = _allocate(pos, self.pin)
             self.allocations += 1
+        if grown or offsets != self.offsets or sizes != self.sizes:
+            self._regions = [None] * len(sizes)
+            self._views = [None] * len(sizes)
         self.offsets, self.sizes = offsets, sizes
 
     def region(self, i: int) -> torch.Tensor:
-        """Return the bytes of tensor ``i`` as a flat uint8 view."""
-        return self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+        """Return the bytes of tensor ``i`` as a flat uint8 view (the same one while the layout stays)."""
+        region = self._regions[i]
+        if region is None:
+            region = self._regions[i] = self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+        return region
 
     def view(self, i: int, like: torch.Tensor) -> torch.Tensor:
-        """Return region ``i`` viewed with the dtype and shape of ``like``."""
+        """Return region ``i`` viewed with the dtype and shape of ``like``.
+
+        The same view is returned for every version laid out the same (same regions, ``like`` of the
+        same dtype and shape); a new one when any of these changes.
+        """
+        cached = self._views[i]
+        if cached is not None and cached.dtype == like.dtype and cached.shape == like.shape:
+            return cached
         if self.sizes[i] == 0:
             return torch.empty(like.shape, dtype=like.dtype)
-        return self.region(i).view(like.dtype).view(like.shape)
+        view = self._views[i] = self.region(i).view(like.dtype).view(like.shape)
+        return view
 
 
 class HostPool:

@@ -79,6 +79,8 @@ class LocalTier:
         self._refs: dict[int, frozenset[Ref]] = {}
         self._pins: dict[int, frozenset[Ref]] = {}
         self._retained: set[str] = set()
+        self._listed = False  # ``_refs`` holds every committed version's references (listed since open)
+        self._latest: int | None = None  # the step this tier last wrote into LATEST (None: not known yet)
         self._refs_lock = asyncio.Lock()  # a delete decides what to keep, and a hold checks and pins, one at a time
 
     def __repr__(self) -> str:
@@ -115,8 +117,11 @@ class LocalTier:
             return []
         # the live set, not a copy: a delete this writer starts meanwhile marks its directory before the
         # manifest goes, and the sweep looks again right before it acts on a directory without one
+        # once every committed version's references are known (listed since open, kept up to date by each
+        # publish, delete and quarantine), the sweep spares what they name without listing the root again: a
+        # version that lost its manifest meanwhile still spares its referenced segments (more kept, never less)
         try:
-            needed = await self._needed()
+            needed = self._needed_known() if self._listed else await self._needed()
         except (AsymstoreError, OSError) as exc:  # what committed versions reference is unknown: sweep nothing now
             logger.warning("%s: not sweeping: the references of its versions cannot be read: %s", self.name, exc)
             return []
@@ -239,7 +244,7 @@ class LocalTier:
         async with self._refs_lock:
             refs = await self._references()
             mine = refs.get(step, frozenset())
-            needed = await self._needed(exclude=step)
+            needed = self._needed_known(exclude=step)  # from the listing just made (one listing per delete)
             keep = needed.get(step, set())
             if keep:
                 self._retained.add(version_dirname(step))
@@ -324,12 +329,18 @@ class LocalTier:
                 logger.warning("%s: cannot read step %d's manifest for its references: %s", self.name, step, exc)
                 continue
             self._refs[step] = frozenset((o, f) for o, names in manifest.references.items() for f in names)
+        self._listed = True
         return self._refs
 
     async def _needed(self, exclude: int | None = None) -> dict[int, set[str]]:
         """Step -> its segments that a committed version (but ``exclude``) or one being written references."""
+        await self._references()
+        return self._needed_known(exclude)
+
+    def _needed_known(self, exclude: int | None = None) -> dict[int, set[str]]:
+        """:meth:`_needed` from the references known now (``_refs``, as the last listing and publishes left them)."""
         out: dict[int, set[str]] = {}
-        for step, refs in [*(await self._references()).items(), *self._pins.items()]:
+        for step, refs in [*self._refs.items(), *self._pins.items()]:
             if step == exclude:
                 continue
             for origin, name in refs:
@@ -417,9 +428,12 @@ class LocalTier:
         root (the next version's publish, or a retention delete). After a power loss it may name an
         older step, or be missing or empty, as any stale hint: readers ignore what does not parse.
         """
+        if step == self._latest:  # the publish of ``step`` wrote it already, in its own thread hop
+            return
         data = f"{step}\n".encode()
         # tmp file then rename (removing the tmp file on failure), in one thread
         await asyncio.to_thread(atomic_write, os.path.join(self.root, LATEST), data, fsync=False)
+        self._latest = step
 
     async def read_latest(self) -> int | None:
         """Return the LATEST hint, or None (missing, unreadable, not a regular file or too long)."""
@@ -450,8 +464,14 @@ class _DirWriter:
             raise TierError(f"writing {path}: {exc}") from exc
 
     async def publish(self, manifest: bytes) -> None:
+        # a step newer than the one LATEST names (as this tier last wrote it) is written there in the
+        # publish's own thread hop, after the root's fsync: write_latest then has nothing left to do
+        latest = self.tier._latest
+        newer = latest is not None and self.step > latest
         try:
-            await asyncio.to_thread(self._publish_sync, manifest)
+            wrote = await asyncio.to_thread(self._publish_sync, manifest, newer)
+            if wrote:
+                self.tier._latest = self.step
             self.tier._active.discard(os.path.basename(self.tmp))
             self.tier._refs[self.step] = self.tier._pins.pop(self.step, frozenset())
         except FileExistsError as exc:
@@ -459,7 +479,8 @@ class _DirWriter:
         except OSError as exc:
             raise TierError(f"publishing step {self.step} on {self.tier.name}: {exc}") from exc
 
-    def _publish_sync(self, manifest: bytes) -> None:
+    def _publish_sync(self, manifest: bytes, latest: bool = False) -> bool:
+        """Publish the version; with ``latest``, then replace LATEST by its step. Return whether LATEST was."""
         write_parts(os.path.join(self.tmp, MANIFEST_NAME), [manifest], fsync=self.tier.fsync)
         if self.tier.fsync:
             fsync_dir(self.tmp)
@@ -475,6 +496,14 @@ class _DirWriter:
         os.rename(self.tmp, dest)
         if self.tier.fsync:
             fsync_dir(self.tier.root)
+        if not latest:
+            return False
+        try:  # the version is committed: a hint that cannot be written now is written by write_latest
+            atomic_write(os.path.join(self.tier.root, LATEST), f"{self.step}\n".encode(), fsync=False)
+        except OSError as exc:
+            logger.warning("%s: step %d is committed, but LATEST was not replaced: %s", self.tier.name, self.step, exc)
+            return False
+        return True
 
     async def abort(self) -> None:
         self.tier._pins.pop(self.step, None)

@@ -23,9 +23,11 @@ from asymstore.write.staging import (
     PACK_BYTES,
     PACK_MIN_TENSORS,
     PACK_TENSOR_BYTES,
+    PackArena,
     PendingStep,
     StagedTensor,
     adopt_known,
+    arena_bytes,
     check_adoptable,
     stages_inline,
 )
@@ -118,11 +120,13 @@ class Stager:
         packing = len(items) >= PACK_MIN_TENSORS
         limit = min(PACK_TENSOR_BYTES, PACK_BYTES, self.chunk_bytes)
         every = 4096 if packing else 1024  # tensors staged between two yields to the event loop
+        # the packs of every run of small tensors carved from one allocation (not a mapping per run)
+        arena = PackArena(arena_bytes([v for _, v in items], limit)) if packing else None
         large = []
         i, pause = 0, every
         while i < len(items):
             if packing:  # a run of small tensors, copied into packs
-                i += pending.put_packed(items[i:pause], limit, adopted=adopted)
+                i += pending.put_packed(items[i:pause], limit, adopted=adopted, arena=arena)
             if i < pause and i < len(items):  # one that is not packed
                 name, value = items[i]
                 i += 1

@@ -133,13 +133,81 @@ def pack_memory(size: int) -> tuple[memoryview, int]:
     return as_bytes(buf), buf.data_ptr()
 
 
+_ARENA_ALIGN = 64  # where each pack carved from a :class:`PackArena` starts (a cache line)
+
+
+class PackArena:
+    """One allocation that the packs of one ``put_many`` / ``adopt_many`` call are carved from.
+
+    The small tensors of a call form one pack per run between its larger
+    tensors (a model's biases and norms between its weights: tens of runs per
+    version). Each pack taking a fresh mapping cost a ``mmap``, its page
+    faults and a ``munmap`` per run and version; carved from one arena sized
+    for the whole call, they cost one. A pack gives back the tail it did not
+    fill (:meth:`trim`); one that does not fit what is left (a run longer than
+    one pack holds makes more packs than runs) gets memory of its own
+    (:func:`pack_memory`).
+    The packs are disjoint slices of the arena, each starting on 64 bytes; the
+    mapping is unmapped when the last pack's view goes, as a pack's own would.
+    """
+
+    def __init__(self, size: int) -> None:
+        """Allocate ``size`` bytes (none when ``size`` is 0)."""
+        self.view, self.base = pack_memory(size)
+        self.used = 0
+        self.last: int | None = None  # where the pack taken last starts (until trimmed)
+        self.fresh = 0
+        """Packs that did not fit and took memory of their own."""
+
+    def take(self, size: int) -> tuple[memoryview, int]:
+        """``size`` bytes for one pack, and their address (from the arena when they fit)."""
+        at = self.used + (-self.used % _ARENA_ALIGN)
+        if size <= 0 or at + size > len(self.view):
+            self.fresh += size > 0
+            return pack_memory(size)
+        self.used = at + size
+        self.last = at
+        return self.view[at:at + size], self.base + at
+
+    def trim(self, base: int, used: int) -> None:
+        """Give back what the pack taken last at address ``base`` did not fill beyond ``used`` bytes."""
+        if self.last is not None and base == self.base + self.last:
+            self.used = self.last + used
+            self.last = None
+
+
+def arena_bytes(values: Sequence[object], limit: int) -> int:
+    """An upper bound on the arena the packable values of one call need (see :class:`PackArena`).
+
+    What :func:`pack_tensors` asks for each run of packable values (their bytes
+    and the most padding they can need), plus the alignment of each run's pack.
+    """
+    total = 0
+    run = False
+    plain, known, strided = _PLAIN, _KINDS, _STRIDED
+    for value in values:
+        ok = False
+        if type(value) in plain:
+            assert isinstance(value, torch.Tensor)
+            kind = known.get(value.dtype)
+            nbytes: int = value.nbytes
+            ok = kind is not None and value.layout is strided and not value.is_meta and nbytes <= limit
+            if ok:
+                assert kind is not None
+                total += nbytes + kind[1] - 1 + (0 if run else _ARENA_ALIGN)
+        run = ok
+    return total
+
+
 def pack_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], kinds: Sequence[Kind],
-                 sizes: Sequence[int], capacity: int, *, adopted: bool = False) -> list[StagedPack]:
+                 sizes: Sequence[int], capacity: int, *, adopted: bool = False,
+                 arena: PackArena | None = None) -> list[StagedPack]:
     """Copy ``tensors`` (each at most ``capacity`` bytes) into packs of at most ``capacity`` bytes, in order.
 
     One copy per tensor straight into the pack (a ``memmove`` for contiguous
     CPU tensors, GIL released), then one checksum per pack while it is hot.
     ``adopted``: the tensors passed :func:`check_adoptable` (``adopt_many``).
+    ``arena``: where the packs' memory is carved from (default: a fresh mapping per pack).
     """
     packs: list[StagedPack] = []
     left = sum(sizes) + sum(kind[1] - 1 for kind in kinds)  # bytes still to place, with the most padding needed
@@ -148,7 +216,7 @@ def pack_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], kinds: S
     i = 0
     while i < total:
         size = min(capacity, left)
-        buf, base = pack_memory(size)
+        buf, base = pack_memory(size) if arena is None else arena.take(size)
         first = i
         dtypes: list[str] = []
         shapes: list[tuple[int, ...]] = []
@@ -177,6 +245,8 @@ def pack_tensors(names: Sequence[str], tensors: Sequence[torch.Tensor], kinds: S
             used = at + n
             left -= n + itemsize - 1
             i += 1
+        if arena is not None:
+            arena.trim(base, used)
         view = buf[:used]
         packs.append(StagedPack(view, checksum(view), widths.pop() if len(widths) == 1 else 1, list(names[first:i]),
                                 dtypes, shapes, offsets, list(sizes[first:i]), adopted))
@@ -310,13 +380,15 @@ class PendingStep:
             raise
         self.tensors[name] = staged
 
-    def put_packed(self, items: Sequence[tuple[str, object]], limit: int, *, adopted: bool = False) -> int:
+    def put_packed(self, items: Sequence[tuple[str, object]], limit: int, *, adopted: bool = False,
+                   arena: PackArena | None = None) -> int:
         """Stage the leading run of packable ``items`` into packs, on the calling thread; return its length.
 
         ``limit``: the largest tensor packed (see :func:`packable`; packs hold
         at most ``min(PACK_BYTES, chunk_bytes)``). Like that many ``put``
         calls in order: when a name is refused, the tensors before it are
-        staged and the error is raised.
+        staged and the error is raised. ``arena``: where the packs' memory is
+        carved from (one per call of ``put_many``; default: a mapping per pack).
         """
         if self.sealed:
             raise StepCommittedError(f"step {self.step} is being committed; put is closed")
@@ -339,7 +411,8 @@ class PendingStep:
                     del names[i:], tensors[i:], kinds[i:], sizes[i:]
                     break
         with gc_paused():  # thousands of fresh objects, no cycles: no collector pass over them all meanwhile
-            packs = pack_tensors(names, tensors, kinds, sizes, min(PACK_BYTES, self.chunk_bytes), adopted=adopted)
+            packs = pack_tensors(names, tensors, kinds, sizes, min(PACK_BYTES, self.chunk_bytes), adopted=adopted,
+                                 arena=arena)
         for pack in packs:
             staged.update(dict.fromkeys(pack.names, pack))
         if refused is not None:

@@ -50,11 +50,11 @@ class GatedLocalTier(LocalTier):
 class _GatedWriter(_DirWriter):
     tier: GatedLocalTier
 
-    def _publish_sync(self, manifest: bytes) -> None:
+    def _publish_sync(self, manifest: bytes, latest: bool = False) -> bool:
         self.tier.commits += 1
         if self.tier.commits > self.tier.after:
             self.tier.gate.wait(self.tier.GATE_S)
-        super()._publish_sync(manifest)
+        return super()._publish_sync(manifest, latest)
 
 
 def make() -> tuple[nn.Module, torch.optim.Optimizer]:

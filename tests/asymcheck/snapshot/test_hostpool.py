@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asymcheck.options import CommitOptions
 from asymcheck.snapshot.hostpool import HUGE_MIN_BYTES, HUGE_PAGE, PAGE, HostSlot, huge_pages_available, thp_mode
@@ -97,3 +99,34 @@ def test_checkpointer_reuses_its_slots_across_versions(tmp_path: Path) -> None:
         fresh = make_model(seed=1, hidden=1024)
         TrainingState(fresh, make_opt(fresh)[0], {}).load(version.tensors, version.meta)
         equal_state(states[step], fresh.state_dict(), f"step {step}")
+
+
+_LAYOUT = st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
+                             st.lists(st.integers(0, 70), min_size=0, max_size=3)), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts=st.lists(_LAYOUT, min_size=1, max_size=6), big=st.integers(0, 5))
+def test_the_views_of_a_slot_follow_its_layout(layouts: list[list[tuple[torch.dtype, list[int]]]], big: int) -> None:
+    # versions laid out in turn (tensors added, dropped, reshaped, retyped; the buffer grown): each view has
+    # its tensor's dtype and shape and sits on its region of the current buffer (bytes written there read
+    # back), and a version laid out as the one before gets the very same views (made once per layout)
+    slot = HostSlot(0, pin=False)
+    gen = torch.Generator().manual_seed(len(layouts))
+    previous: tuple[list[tuple[torch.dtype, tuple[int, ...]]], list[torch.Tensor]] | None = None
+    for k, layout in enumerate(layouts):
+        srcs = [torch.zeros(shape + ([20000] if k == big and j == 0 else []), dtype=dtype)
+                for j, (dtype, shape) in enumerate(layout)]
+        slot.arrange(srcs)
+        key = [(t.dtype, tuple(t.shape)) for t in srcs]
+        views = [slot.view(i, t) for i, t in enumerate(srcs)]
+        for i, (t, v) in enumerate(zip(srcs, views, strict=True)):
+            assert v.dtype == t.dtype and v.shape == t.shape
+            if slot.sizes[i]:
+                assert v.data_ptr() == slot.buffer.data_ptr() + slot.offsets[i]
+                data = torch.randint(0, 256, (slot.sizes[i],), dtype=torch.uint8, generator=gen)
+                slot.region(i).copy_(data)
+                assert torch.equal(v.reshape(-1).view(torch.uint8), data)
+        if previous is not None and previous[0] == key:
+            assert all(a is b for a, b, t in zip(previous[1], views, srcs, strict=True) if t.numel())
+        previous = (key, views)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +115,71 @@ async def test_what_a_power_loss_can_leave_of_latest_never_decides_a_restore(tmp
     assert latest.read_text() == "5\n"
     rc, report = fsck_json(str(root))
     assert rc == 0 and report["latest_problem"] is None
+
+
+def count_hops(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the function of every ``asyncio.to_thread`` (a thread hop of the store's loop), in order."""
+    import asyncio
+
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def to_thread(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    return hops
+
+
+async def test_a_commit_lists_the_root_once_per_delete_and_writes_latest_in_the_publish_hop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a steady version under keep_last: LATEST replaced in the publish's own thread hop (no hop of its own), the
+    # retention delete lists the root once (was twice), the sweep after the publish spares what the versions
+    # reference as known without listing the root again (was once more): 2 listings per commit, not 4
+    root = tmp_path / "t"
+    async with AsymStore([LocalTier(root)], keep_last=2, compression="never") as store:
+        for step in (1, 2, 3):
+            await commit(store, step)
+        hops = count_hops(monkeypatch)
+        for step in (4, 5, 6):
+            before = len(hops)
+            await commit(store, step)
+            mine = hops[before:]
+            assert mine.count("_list_sync") == 2, mine  # the delete's and the store's list_versions
+            assert "atomic_write" not in mine, mine
+            assert mine.count("_publish_sync") == 1 and mine.count("sweep_directory") == 1, mine
+            assert (root / LATEST).read_text() == f"{step}\n"
+            assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == [
+                version_dirname(step - 1), version_dirname(step)]
+    async with AsymStore([LocalTier(root)], keep_last=2, compression="never") as store:
+        ckpt = await store.restore()
+        assert ckpt.step == 6 and torch.equal(ckpt.tensors["w"], torch.arange(4096, dtype=torch.float32) + 6)
+
+
+async def test_latest_that_the_publish_cannot_replace_is_written_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the version is committed whatever happens to the hint: a failure to replace LATEST in the publish's hop
+    # is logged, and write_latest replaces it right after (in a hop of its own)
+    from asymstore.io import files
+    from asymstore.tiers import local
+
+    root = tmp_path / "t"
+    async with AsymStore([LocalTier(root)], keep_last=3, compression="never") as store:
+        await commit(store, 1)
+        real = files.atomic_write
+        failed: list[str] = []
+
+        def once(path: str, data: bytes, **kw: Any) -> None:
+            if not failed:
+                failed.append(path)
+                raise OSError(28, "No space left on device")
+            real(path, data, **kw)
+
+        monkeypatch.setattr(local, "atomic_write", once)
+        await store.put(2, "w", torch.arange(4096, dtype=torch.float32) + 2)
+        await store.commit(2)
+        assert failed == [str(root / LATEST)]
+        assert (root / LATEST).read_text() == "2\n"
+        assert sorted(await store.tiers[0].list_versions()) == [1, 2]
+

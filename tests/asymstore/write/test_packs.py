@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -11,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asymstore import AsymStore, LocalTier, TierCalibration, host_tier
 from asymstore.errors import DuplicateNameError, InvalidNameError, ManifestError
@@ -20,8 +24,8 @@ from asymstore.format.names import version_dirname
 from asymstore.format.parse import parse_manifest
 from asymstore.fsck import check
 from asymstore.multirank.reshard import read_range
-from asymstore.write.staging import PACK_MIN_TENSORS
-from tests.support.tensors import DTYPES, assert_same, random_tensor
+from asymstore.write.staging import PACK_MIN_TENSORS, PACK_TENSOR_BYTES, PackArena, PendingStep, StagedPack, arena_bytes
+from tests.support.tensors import DTYPES, assert_same, bits, random_tensor
 
 SLOW = TierCalibration.from_throughput(1e6, 20e-3)  # compresses whatever shrinks
 
@@ -268,3 +272,82 @@ async def test_a_format_3_manifest_without_its_checksum_is_damaged(tmp_path: Pat
     assert json.loads(body)["format_version"] == PACKED_FORMAT_VERSION
     with pytest.raises(ManifestError, match="without its self-checksum"):
         parse_manifest(body)
+
+
+def model_like_state(layers: int) -> dict[str, torch.Tensor]:
+    """A model's order: each layer's large weights with its small biases and norms between them (a run each)."""
+    state: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        state[f"l{i}.w"] = torch.randn(128, 160)  # 80 KiB: a chunk of its own
+        for j in range(8):
+            state[f"l{i}.b{j}"] = torch.randn(128 + j)
+        state[f"l{i}.steps"] = torch.tensor(float(i + 1))
+        state[f"l{i}.mask"] = torch.arange(7) % 2 == 0  # bool: another item size in the same run
+    return state
+
+
+async def test_the_packs_of_one_call_are_carved_from_one_mapping(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # one mapping per adopt_many call, however many runs of small tensors (one per layer here), and the
+    # packs stay one per run (what references compare) and restore bit-exact from their disjoint slices
+    from asymstore.write import staging
+
+    calls: list[int] = []
+    real = staging.pack_memory
+
+    def counted(size: int) -> tuple[memoryview, int]:
+        calls.append(size)
+        return real(size)
+
+    monkeypatch.setattr(staging, "pack_memory", counted)
+    layers = 6
+    async with AsymStore([LocalTier(tmp_path)]) as store:
+        for step in (1, 2):
+            state = model_like_state(layers)
+            calls.clear()
+            await store.adopt_many(step, {n: t.clone() for n, t in state.items()})
+            assert len(calls) == 1  # was one per run: 6 here, tens per version of a real model
+            result = await store.commit(step)
+            assert len(result.manifest.packs) == layers
+            ckpt = await store.restore()
+            assert ckpt.step == step
+            for name, t in state.items():
+                assert_same(ckpt.tensors[name], t)
+    assert check(str(tmp_path), deep=True).ok
+
+
+_ITEMS = st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 40), st.booleans()), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(items=_ITEMS, capacity=st.sampled_from([256, 4096, 1 << 20]))
+def test_packs_carved_from_an_arena_are_disjoint_exact_and_fit_its_bound(
+        items: list[tuple[torch.dtype, int, bool]], capacity: int) -> None:
+    # runs of small tensors of mixed item sizes between large ones (not packed), staged as _stage_many does:
+    # every pack fits the arena arena_bytes sized (no mapping of its own) but those beyond one per run (a run
+    # longer than a pack), no two packs overlap, and each member's bytes in its pack are the tensor's
+    values: list[tuple[str, object]] = []
+    for i, (dtype, n, large) in enumerate(items):
+        t = random_tensor(dtype, (n,), i)
+        values.append((f"t{i}", torch.zeros(PACK_TENSOR_BYTES + 8, dtype=torch.uint8) if large else t))
+    limit = min(PACK_TENSOR_BYTES, capacity)
+    arena = PackArena(arena_bytes([v for _, v in values], limit))
+    pending = PendingStep(1, chunk_bytes=capacity)
+    i = 0
+    while i < len(values):
+        i += pending.put_packed(values[i:], limit, arena=arena)
+        if i < len(values):
+            i += 1  # a large one: staged on its own by the caller
+    packs = {id(p): p for p in pending.tensors.values() if isinstance(p, StagedPack)}.values()
+    runs = sum(1 for k, (_, _, large) in enumerate(items) if not large and (k == 0 or items[k - 1][2]))
+    assert arena.fresh <= max(0, len(packs) - runs)
+    if capacity == 1 << 20:  # no run longer than a pack: all in the arena
+        assert arena.fresh == 0
+    spans = sorted((ctypes.addressof(ctypes.c_char.from_buffer(p.view)), len(p.view)) for p in packs if len(p.view))
+    assert all(a + n <= b for (a, n), (b, _) in itertools.pairwise(spans))
+    for name, value in values:
+        pack = pending.tensors.get(name)
+        if isinstance(pack, StagedPack):
+            k = pack.names.index(name)
+            got = bytes(pack.view[pack.offsets[k]:pack.offsets[k] + pack.sizes[k]])
+            assert isinstance(value, torch.Tensor) and got == bits(value)

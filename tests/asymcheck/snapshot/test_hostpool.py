@@ -115,7 +115,9 @@ def test_the_views_of_a_slot_follow_its_layout(layouts: list[list[tuple[torch.dt
     gen = torch.Generator().manual_seed(len(layouts))
     previous: tuple[list[tuple[torch.dtype, tuple[int, ...]]], list[torch.Tensor]] | None = None
     for k, layout in enumerate(layouts):
-        srcs = [torch.zeros(shape + ([20000] if k == big and j == 0 else []), dtype=dtype)
+        # the buffer grown: one tensor of 20,000 elements (its shape replaced, never multiplied: 70 * 70 * 70 * 20,000
+        # int64 would be 55 GB)
+        srcs = [torch.zeros([20000] if k == big and j == 0 else shape, dtype=dtype)
                 for j, (dtype, shape) in enumerate(layout)]
         slot.arrange(srcs)
         key = [(t.dtype, tuple(t.shape)) for t in srcs]

@@ -43,6 +43,7 @@ from asymcheck.errors import (
 )
 from asymcheck.integrations import names, position, settings, support
 from asymcheck.integrations.forward import forwarded_options
+from asymcheck.integrations.rng import set_pass_states
 from asymcheck.integrations.settings import ACCELERATE, refusal
 from asymcheck.options import CheckpointerOptions, PartitionOptions, renamed_location
 from asymcheck.policy.preempt import PreemptionRecord
@@ -62,6 +63,7 @@ STEP_NAME = names.ACCELERATE_STEP  # the data object holding ``accelerator.step`
 SCHEDULER_NAME = names.ACCELERATE_SCHEDULER
 SCALER_NAME = names.ACCELERATE_SCALER
 LOADER_NAME = "loader"  # the name of a single loader passed as ``data=``
+GENERATORS = "generators"  # a loader position's live generator states (when the version was taken), by role
 
 _DDP = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
 _SUPPORTED = {DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED,
@@ -212,6 +214,7 @@ class ResumableLoader(position.ResumableLoader):
         loader_state = self._loader_state or {}
         self._loader_state = None
         if loader_state.get("_iterator_finished"):  # the version came after the pass's last batch: nothing left
+            # (load_state_dict set the generators where the finished pass left them: the next pass's order)
             self.loader.load_state_dict({})  # the next pass builds its iterator, as the uninterrupted run's did
             self.loader.set_epoch(self._resume_epoch + 1)
             return
@@ -294,19 +297,74 @@ class ResumableLoader(position.ResumableLoader):
                 f"data[{self.name!r}] is iterated directly: iterate the ResumableLoader that attach() made "
                 f"(ckpt.loader, or ckpt.loaders[{self.name!r}]) so that versions hold its position")
         state: dict[str, Any] = {"epoch": self.epoch, "batches": self.batches, "active": self._active,
-                                 "start": dict(self.position.start) if self._active else {}}
+                                 "start": dict(self.position.start) if self._active else {},
+                                 GENERATORS: {role: g.get_state() for role, g in self.generators().items()}}
         if self._stateful:  # Accelerate's copy of the loader's state after the batches yielded so far
             state["loader"] = copy.deepcopy(self.loader.state_dict())
             state["first"] = self._first
             state["fresh"] = self._fresh
         return state
 
+    def _complete(self, state: Mapping[str, Any]) -> bool:
+        """The version's pass had yielded its last batch (or none ran): the next pass is a new one.
+
+        Its order then comes from the loader's generators where the finished pass left them, which no
+        redraw of the pass gives back (a StatefulDataLoader's resume skips the finished pass; between
+        passes there is no pass to redraw): the version's live generator states are set instead.
+        """
+        inner = state.get("loader")
+        return not bool(state.get("active")) or (
+            self._stateful and isinstance(inner, Mapping) and bool(inner.get("_iterator_finished")))
+
+    def _held_generators(self, state: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+        """The live generator states the version holds, checked against this loader's generators (None: none).
+
+        Raises:
+            StateMismatchError: the states are malformed or of other generators than this loader's.
+        """
+        held = state.get(GENERATORS)
+        if held is None:
+            return None
+        if not isinstance(held, Mapping) or not all(isinstance(v, torch.Tensor) for v in held.values()):
+            raise StateMismatchError(f"data[{self.name!r}]: not generator states: {type(held).__name__}")
+        roles = sorted(self.generators())
+        if sorted(str(k) for k in held) != roles:
+            raise StateMismatchError(
+                f"data[{self.name!r}]: the version holds the states of the generators {sorted(held)}, this loader "
+                f"has {roles} (another sampler, or a loader generator given or taken away?)")
+        return {str(k): v for k, v in held.items()}
+
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse ``state`` before anything is loaded when the resume could not draw the next pass's order exactly.
+
+        A version taken after its pass's last batch (a StatefulDataLoader's) or between passes resumes at a
+        new pass, whose order the loader's generators (Accelerate's synchronized sampler generator under
+        DDP, a loader's own ``generator``) draw from where the finished pass left them: the version must
+        hold those states (versions taken before they were recorded hold none).
+
+        Raises:
+            StateMismatchError: such a version holds no (or other) generator states for this loader's generators.
+        """
+        if not isinstance(state, Mapping):
+            raise StateMismatchError(f"data[{self.name!r}]: not a loader position: {type(state).__name__}")
+        held = self._held_generators(state)
+        if held is None and self._complete(state) and self.generators():
+            raise StateMismatchError(
+                f"data[{self.name!r}]: the version was taken after its pass's last batch (or between passes) and "
+                f"holds no state of the loader's generators {sorted(self.generators())} (an earlier release): the "
+                "next pass would be shuffled differently from the uninterrupted run's. Resume from a version "
+                "taken inside a pass, or restart the epoch")
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Set the loader's epoch; the next pass continues the one the version was taken in.
+
+        A version taken after its pass's last batch, or between passes, also sets the loader's
+        generators to the states they had then (the next pass draws its order from them).
 
         Raises:
             StateMismatchError: the position does not fit this loader.
         """
+        self.check_state_dict(state)
         try:
             epoch, batches, active = int(state["epoch"]), int(state["batches"]), bool(state["active"])
             start = {str(k): v for k, v in state["start"].items() if isinstance(v, torch.Tensor)}
@@ -329,6 +387,9 @@ class ResumableLoader(position.ResumableLoader):
             self._fresh = bool(state.get("fresh", False)) and not active
             if not active and not self._fresh:  # the next pass builds its iterator (and draws), as it did
                 self.loader.load_state_dict({})  # uninterrupted (a fresh loader's reuses the one prepare built)
+        held = self._held_generators(state)
+        if held is not None and self._complete(state):  # where the finished pass left them: the next pass's order
+            set_pass_states(held, self.generators())
         self.loader.set_epoch(epoch)
         self.batches = batches if active else 0
         self._active = False

@@ -1,6 +1,6 @@
 """A training child of the Accelerate tests (run as a script, one per process; never imported by pytest).
 
-``python -m tests.procs.accel_train --mode MODE --out OUT [--dir CKPT] [--kill S] [--no-ckpt] [--raw]``
+``python -m tests.procs.accel_train --mode MODE --out OUT [--dir CKPT] [--kill S [--durable]] [--no-ckpt] [--raw]``
 
 Trains a small GPT-2 (``GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)``,
 dropout on) on synthetic tokens through Accelerate, in the loop shape of Hugging Face's
@@ -13,7 +13,9 @@ runs under ``asymcheck.accelerate.attach`` (a version every optimizer step) and 
 ``--mode``: ``single`` (one process), ``ddp`` (``RANK``, ``WORLD_SIZE``... in the environment, CPU
 and gloo), ``ds`` (the DeepSpeed plugin, ZeRO stage ``--stage``, DeepSpeed's CPU accelerator, gloo).
 ``--accum``: micro-steps per optimizer step. ``--kill S``: SIGKILL inside the forward of the first
-micro-batch after S optimizer steps (every process of the job does). ``--raw``: iterate the loader
+micro-batch after S optimizer steps (every process of the job does); with ``--durable`` instead right after
+the S-th optimizer step, once ``ckpt.preempt()`` made that step's version durable (the newest: the resume
+starts exactly there, an epoch's end for instance). ``--raw``: iterate the loader
 itself while attached; the first optimizer step must raise ``DataPositionError`` (an event).
 ``--precision``: ``no``; ``bf16`` (``Accelerator(mixed_precision="bf16")``: autocast on the CPU);
 ``fp16`` (``Accelerator(mixed_precision="fp16")`` on CUDA: Accelerate's ``GradScaler``); ``fp16-cpu``
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--kill", type=int, default=-1)
+    ap.add_argument("--durable", action="store_true",
+                    help="--kill S: right after the S-th optimizer step, its version made durable (ckpt.preempt())")
     ap.add_argument("--no-ckpt", action="store_true")
     ap.add_argument("--raw", action="store_true", help="iterate the loader itself while attached (an error)")
     ap.add_argument("--precision", choices=["no", "bf16", "fp16", "fp16-cpu"], default="no")
@@ -192,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
               parameters=sum(p.numel() for p in model.parameters()))
 
     module = accelerator.unwrap_model(model) if args.mode != "ds" else model.module
-    if args.kill >= 0:
-        state = {"completed": completed}
+    state = {"completed": completed}
+    if args.kill >= 0 and not args.durable:
         module.transformer.h[1].register_forward_pre_hook(torch.compiler.disable(  # run, never traced (compile)
             lambda m, a: die() if state["completed"] == args.kill and m.training else None))
 
@@ -224,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
             losses.flush()
             if accelerator.sync_gradients and not optimizer.step_was_skipped:
                 completed += 1
-                if args.kill >= 0:
-                    state["completed"] = completed
+                state["completed"] = completed
+                if args.durable and completed == args.kill and ckpt is not None:
+                    record = ckpt.preempt()  # this step's version durable and the newest: the resume starts here
+                    event(event="preempted", step=completed, record=str(record))
+                    die()
         model.eval()
         total = 0.0
         with torch.no_grad():

@@ -1,6 +1,6 @@
 """A training child of the Lightning tests with the README's two lines and nothing else (never imported by pytest).
 
-``python -m tests.procs.lightning_plain --out OUT [--dir CKPT] [--kill S]``
+``python -m tests.procs.lightning_plain --out OUT [--dir CKPT] [--kill S] [--generator]``
 
 A stock-style LightningModule, as Lightning's own transformer example has it: the demo
 ``lightning.pytorch.demos.Transformer`` (small, dropout on) on synthetic tokens, SGD, and a plain
@@ -8,7 +8,9 @@ A stock-style LightningModule, as Lightning's own transformer example has it: th
 the global RNG; no ``ResumableLoader``). 3 epochs of 6 batches. With ``--dir`` it runs under
 ``callbacks=[AsymCheckCallback(CKPT)]``; without it, it is the uninterrupted reference.
 ``--kill S``: inside the ``training_step`` after S optimizer steps, wait until every sealed version
-is committed (so the resume starts at step S - 1), then SIGKILL.
+is committed (so the resume starts at step S - 1), then SIGKILL. ``--generator``: the loader shuffles with a
+generator of its own (``DataLoader(..., generator=torch.Generator().manual_seed(11))``), each epoch's order
+drawn from it where the epoch before left it.
 
 Writes ``OUT/losses.jsonl`` (``{"key": "epoch:batch", "loss": hex float}`` per batch),
 ``OUT/restored.json`` (the step the fit resumed from, or null) and, when it finishes,
@@ -52,6 +54,7 @@ class Model(pl.LightningModule):
         self.model = Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=64, nlayers=1, dropout=0.2)
         self.out = out
         self.kill = kill
+        self.generator = False  # the loader shuffles with a generator of its own (--generator)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.kill is not None and self.global_step == self.kill:
@@ -70,7 +73,8 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.model.parameters(), lr=0.1)
 
     def train_dataloader(self) -> Any:
-        return torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=True)
+        generator = torch.Generator().manual_seed(11) if self.generator else None
+        return torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=True, generator=generator)
 
 
 def main() -> None:
@@ -78,12 +82,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--dir")
     parser.add_argument("--kill", type=int)
+    parser.add_argument("--generator", action="store_true", help="the loader shuffles with a generator of its own")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     module = Model(out, args.kill)
+    module.generator = args.generator
     callbacks: list[pl.Callback] = []
     if args.dir:
         callbacks.append(AsymCheckCallback(args.dir))

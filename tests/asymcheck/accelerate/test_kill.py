@@ -65,6 +65,9 @@ class Config:
     compile: str = "no"  # no | aot_eager | inductor: Accelerator(dynamo_plugin=TorchDynamoPlugin(backend=...))
     loader: str = "default"  # default | stateful: DataLoaderConfiguration(use_stateful_dataloader=True)
     peft: bool = False  # LoRA adapters (peft) around the model, the base frozen
+    # > 0: the kill comes right after the last optimizer step of this epoch, its version made durable first
+    # (``--durable``), so that the resume starts at the epoch's end; 0: a random kill point (ACCELERATE_KILL_SEED)
+    epoch_end: int = 0
 
     @property
     def batches(self) -> int:
@@ -79,7 +82,12 @@ class Config:
         ``accum`` is 1 there): no version is taken for it.
         """
         skipped = len(OVERFLOW) if self.precision.startswith("fp16") else 0
-        return EPOCHS * -(-self.batches // self.accum) - skipped
+        return EPOCHS * self.steps_per_epoch - skipped
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of an epoch (without skipped ones)."""
+        return -(-self.batches // self.accum)
 
     @property
     def name(self) -> str:
@@ -87,7 +95,7 @@ class Config:
         compiled = "" if self.compile == "no" else f"-{self.compile}"
         loader = "" if self.loader == "default" else f"-{self.loader}"
         return (f"{self.mode}{self.stage if self.mode == 'ds' else ''}-w{self.world}-a{self.accum}{precision}{compiled}"
-                f"{loader}{'-peft' if self.peft else ''}")
+                f"{loader}{'-peft' if self.peft else ''}{f'-end{self.epoch_end}' if self.epoch_end else ''}")
 
     def args(self) -> list[str]:
         return ["--mode", self.mode, "--accum", str(self.accum), "--stage", str(self.stage),
@@ -111,6 +119,8 @@ CONFIGS = [
     # and skips on inf): on the CPU with GradScaler("cpu") given to the Accelerator (Accelerate makes one on GPUs only)
     pytest.param(Config("single", 1, precision="fp16-cpu"), id="single-fp16-cpu-scaler"),
     pytest.param(Config("ddp", 2, precision="bf16"), id="ddp2-bf16", marks=pytest.mark.exhaustive),
+    # resumed from the version of the second epoch's last step (the pass over; the redrawn order skipped whole)
+    pytest.param(Config("ddp", 2, epoch_end=2), id="ddp2-epoch-end", marks=pytest.mark.exhaustive),
     pytest.param(Config("single", 1, precision="fp16"), id="single-fp16-cuda",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ]
@@ -280,10 +290,13 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         if config.precision == "fp16" and not torch.cuda.is_available():
             continue  # skipped: Accelerate's fp16 on the CPU trains in fp32 without a scaler
         d = base / config.name
-        kill = random.Random(f"{SEED}-{config.name}").randint(3, config.steps - 3)
+        if config.epoch_end:  # right after the epoch's last step, its version durable: the resume starts there
+            kill, durable = config.epoch_end * config.steps_per_epoch, ["--durable"]
+        else:
+            kill, durable = random.Random(f"{SEED}-{config.name}").randint(3, config.steps - 3), []
         print(f"{config.name}: SIGKILL after {kill} optimizer steps (ACCELERATE_KILL_SEED={SEED})")
         ref = Job(config, d / "reference", ["--no-ckpt"])
-        killed = Job(config, d / "killed", ["--dir", str(d / "ckpt"), "--kill", str(kill)])
+        killed = Job(config, d / "killed", ["--dir", str(d / "ckpt"), "--kill", str(kill), *durable])
         resumed = Job(config, d / "resumed", ["--dir", str(d / "ckpt")], after=[killed])
         out[config] = Case(config, kill, ref, killed, resumed)
         jobs += [ref, killed, resumed]

@@ -175,6 +175,53 @@ def test_continuation_draws_the_interrupted_order_and_leaves_the_rng_alone() -> 
     assert resumed.epoch == 4  # the loader's epoch moved on as the uninterrupted pass's did
 
 
+def stateful_shard() -> Any:
+    """A prepared-style stateful loader (torchdata) whose sampler shuffles with a generator of its own.
+
+    As Accelerate's under DDP (its synchronized generator) or any loader given ``generator=``: each pass
+    draws its order from that generator where the pass before left it.
+    """
+    from accelerate.data_loader import DataLoaderShard
+
+    data = torch.utils.data.TensorDataset(torch.arange(12))
+    sampler = torch.utils.data.RandomSampler(data, generator=torch.Generator().manual_seed(3))
+    return DataLoaderShard(data, batch_size=4, sampler=sampler, use_stateful_dataloader=True)
+
+
+def order(loader: ResumableLoader) -> list[int]:
+    return [int(i) for (batch,) in loader for i in batch]
+
+
+@pytest.mark.parametrize("where", ["after the last batch", "between passes"])
+def test_a_version_at_a_pass_end_resumes_the_next_order_of_the_loaders_generator(where: str) -> None:
+    """The version's pass is over: the next pass draws from the sampler generator where the finished pass left it."""
+    acc = SimpleNamespace(gradient_state=SimpleNamespace(active_dataloader=None))
+    loader = ResumableLoader(acc, stateful_shard(), "train")
+    state: dict[str, Any] = {}
+    for _ in loader:
+        state = loader.state_dict()  # what a version taken at this batch's step holds
+    if where == "between passes":
+        state = loader.state_dict()
+    assert state["active"] == (where == "after the last batch") and state["generators"].keys() == {"sampler"}
+    want = order(loader)  # the uninterrupted run's second pass
+    resumed = ResumableLoader(acc, stateful_shard(), "train")  # a new process: its generator as prepare left it
+    assert order(ResumableLoader(acc, stateful_shard(), "train")) != want  # (which draws the first pass's order)
+    resumed.check_state_dict(state)
+    resumed.load_state_dict(state)
+    if where == "after the last batch":
+        assert order(resumed) == []  # the finished pass: nothing left of it
+    assert resumed.epoch == 1 and order(resumed) == want
+    # a version without the generators' states (taken before they were recorded) is refused, nothing loaded
+    old = {k: v for k, v in state.items() if k != "generators"}
+    other = ResumableLoader(acc, stateful_shard(), "train")
+    for call in (other.check_state_dict, other.load_state_dict):
+        with pytest.raises(StateMismatchError, match="no state of the loader's generators"):
+            call(old)
+    assert other.epoch == 0 and not other.position.continuing
+    with pytest.raises(StateMismatchError, match="generators"):  # states of other generators than the loader's
+        other.load_state_dict({**state, "generators": {"loader": state["generators"]["sampler"]}})
+
+
 def plain_job() -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
     """A stand-in accelerator of one process (prepare() returns its arguments) and a model with its optimizer."""
     acc = accelerator(scaler=None, unwrap_model=lambda m: m)

@@ -57,18 +57,37 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> _Child:
     return _Child(tmp_path_factory.mktemp("plain-ref"))
 
 
+@pytest.fixture(scope="module")
+def reference_generator(tmp_path_factory: pytest.TempPathFactory) -> _Child:
+    """The uninterrupted fit whose loader shuffles with a generator of its own (``--generator``)."""
+    return _Child(tmp_path_factory.mktemp("plain-ref-generator"), "--generator")
+
+
 def _losses(path: Path) -> list[tuple[str, str]]:
     return [(r["key"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
 
 
-@pytest.mark.parametrize("kill", [9, 7], ids=["mid-epoch", "epoch-boundary"])
-def test_plain_loader_kill_and_resume(reference: _Child, tmp_path: Path, kill: int) -> None:
-    """Killed after ``kill`` steps, resumed at ``kill - 1``: step 8 is batch 2 of epoch 1, step 6 an epoch's last."""
+@pytest.mark.parametrize(("kill", "generator"), [
+    pytest.param(9, False, id="mid-epoch"),
+    pytest.param(7, False, id="epoch-boundary"),
+    # the cause of the Accelerate DDP stateful-loader divergence (a resume at an epoch's end losing the loader's
+    # generator) does not reach Lightning: passes without a change, kept as that check (exhaustive: CI's budget)
+    pytest.param(7, True, id="epoch-boundary-generator", marks=pytest.mark.exhaustive),
+])
+def test_plain_loader_kill_and_resume(request: pytest.FixtureRequest, tmp_path: Path, kill: int,
+                                      generator: bool) -> None:
+    """Killed after ``kill`` steps, resumed at ``kill - 1``: step 8 is batch 2 of epoch 1, step 6 an epoch's last.
+
+    With a loader generator the epoch after the resumed one is shuffled by it from where the finished epoch
+    left it: a version at an epoch's end must hold its state.
+    """
+    reference: _Child = request.getfixturevalue("reference_generator" if generator else "reference")
+    extra = ["--generator"] if generator else []
     out, root = tmp_path / "run", tmp_path / "ckpt"
-    _Child(out, "--dir", str(root), "--kill", str(kill)).wait(killed=True)
+    _Child(out, "--dir", str(root), "--kill", str(kill), *extra).wait(killed=True)
     killed = _losses(out / "losses.jsonl")
     assert len(killed) == kill and not (out / "final.pt").exists()
-    _Child(out, "--dir", str(root)).wait()
+    _Child(out, "--dir", str(root), *extra).wait()
     assert json.loads((out / "restored.json").read_text()) == kill - 1
     resumed = _losses(out / "losses.jsonl")[kill:]
     ref = _losses(reference.wait() / "losses.jsonl")

@@ -137,7 +137,10 @@ def child_pipeline(tier_kind: str, threads: int, size: int, args: argparse.Names
     times, cpus, flush = [], [], []
 
     async def run() -> None:
+        # references="off": every version is the same bytes here, and the pipeline is what is measured (with
+        # references on, the second version of a LocalTier would reference the first and write nothing)
         async with AsymStore([tier], pipeline_threads=threads, keep_last=1, compression=args.compression,
+                             references="off",
                              flush_memory_bytes=args.flush_memory_mib * MIB) as store:
             for step in range(args.versions):
                 c0, t0 = cpu_seconds(), time.perf_counter()

@@ -8,6 +8,8 @@ LocalTier (keep_last=3). Methods, each run in a fresh process, interleaved (ABBA
 - ``unchanged``: ``AsymStore(references="unchanged")`` (the default): the frozen base is written
   with the first version and referenced by every later one (format 4).
 - ``off``: ``AsymStore(references="off")``: every version writes the whole state (today's bytes).
+- ``known``: as ``unchanged``, with ``CommitOptions(frozen="known")``: the frozen base is also copied
+  to host only once, not read again at every version.
 
 Reported per method: median step time (after the first versions) and its ratio to ``none``; bytes
 written per version, twice: as the kept versions' manifests say (their own segments and the manifest
@@ -41,7 +43,7 @@ import torch
 from common import build_gpt2, same_bytes, write_json
 from harness import add_child_flag, add_quick_flag, child_argv, rounds, run_fresh
 
-METHODS = ["none", "unchanged", "off"]
+METHODS = ["none", "unchanged", "off", "known"]
 TARGET_BYTES_X_TRAINABLE = 1.10
 WARMUP_VERSIONS = 2  # versions not counted: the first writes the base
 
@@ -75,6 +77,7 @@ def trainable_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) ->
 
 def child(method: str, model_name: str, seq: int, batch: int, steps: int, rank: int, out: str) -> None:
     from asymcheck import Checkpointer
+    from asymcheck.options import CommitOptions
     from asymstore import AsymStore, LocalTier
     from asymstore.format.manifest import MANIFEST_NAME
     from asymstore.format.names import parse_version_dirname
@@ -86,8 +89,10 @@ def child(method: str, model_name: str, seq: int, batch: int, steps: int, rank: 
     root = Path(tempfile.mkdtemp(prefix=f"lora-{method}-", dir=os.environ.get("BENCH_DIR")))
     ckpt = None
     if method != "none":
-        store = AsymStore([LocalTier(root)], keep_last=3, references=method)  # type: ignore[arg-type]
-        ckpt = Checkpointer(model, opt, store)
+        references = "off" if method == "off" else "unchanged"
+        store = AsymStore([LocalTier(root)], keep_last=3, references=references)
+        ckpt = Checkpointer(model, opt, store,
+                            commits=CommitOptions(frozen="known" if method == "known" else "copy"))
     times: list[float] = []
     written: list[int] = []
     copied: list[int] = []  # bytes copied from the model to host (the copy engine's count)

@@ -477,6 +477,15 @@ def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> 
     return extra
 
 
+def train_step(model: Any, optimizer: torch.optim.Optimizer, ids: torch.Tensor, step: int, batch: int) -> None:
+    """One optimizer step of a GPT-2 language model on this rank's batch of ``ids`` (the ranks' batches interleaved)."""
+    at = (step * world() + rank()) * batch
+    x = ids[at:at + batch]
+    model(input_ids=x, labels=x).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def run_fsdp2(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> dict[str, Any]:
     """A plain loop over a GPT-2 sharded by ``fully_shard`` (every block and the root) on ``WORLD_SIZE`` gloo ranks.
 
@@ -512,11 +521,7 @@ def run_fsdp2(method: str, args: argparse.Namespace, root: Path, clock: Clock) -
     model.train()
     clock.tick()
     for step in range(n):
-        at = (step * world() + rank()) * args.batch
-        x = ids[at:at + args.batch]
-        model(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, ids, step, args.batch)
         if method == "own":
             msd, osd = get_state_dict(model, optimizer)
             path = root / f"step-{step}"
@@ -569,11 +574,7 @@ def run_ddp_loop(method: str, args: argparse.Namespace, root: Path, clock: Clock
     model.train()
     clock.tick()
     for step in range(n):
-        at = (step * world() + rank()) * args.batch
-        x = ids[at:at + args.batch]
-        model(input_ids=x, labels=x).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(model, optimizer, ids, step, args.batch)
         clock.tick()
     extra: dict[str, Any] = {}
     if ckpt is not None:

@@ -81,12 +81,17 @@ async def test_frozen_base_written_once_across_20_versions_and_retention(tmp_pat
             assert same_state((await store.restore(step)).tensors, make_frozen_state(step))
 
 
+
+async def commit_frozen(store: AsymStore, steps: range) -> None:
+    """Commit the frozen-base state of each of ``steps``."""
+    for step in steps:
+        await store.put_many(step, make_frozen_state(step))
+        await store.commit(step)
+
 async def test_last_version_that_references_a_segment_takes_it_along(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     async with AsymStore([LocalTier(root)], keep_last=2, **store_kw()) as store:
-        for step in range(1, 4):
-            await store.put_many(step, make_frozen_state(step))
-            await store.commit(step)
+        await commit_frozen(store, range(1, 4))
         changed = {k: v + 1 if v.is_floating_point() else v for k, v in make_frozen_state(4).items()}
         for step in (4, 5, 6):  # the base changes at 4: step 1's segments are needed until 3 goes
             await store.put_many(step, changed)
@@ -137,9 +142,7 @@ async def test_flipped_byte_in_a_referenced_chunk_fails_every_version_that_uses_
 async def test_export_follows_references(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     async with AsymStore([LocalTier(root)], keep_last=2, **store_kw()) as store:
-        for step in range(1, 5):
-            await store.put_many(step, make_frozen_state(step))
-            await store.commit(step)
+        await commit_frozen(store, range(1, 5))
     assert set(manifest_of(root, 4).references) == {1}
     out = tmp_path / "out.safetensors"
     summary = await export(str(root), "safetensors", str(out), prefix="")

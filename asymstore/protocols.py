@@ -21,7 +21,7 @@ from asymstore.format.manifest import Manifest
 from asymstore.values import Checkpoint, CommitResult, KnownChunks, Targets, TierStatus
 
 if TYPE_CHECKING:
-    from asymstore.dist.kv import KV
+    from asymstore.dist.fabric import Fabric
     from asymstore.values import Into
 
 
@@ -155,8 +155,11 @@ class CollectiveStore(CheckpointStore, Protocol):
         """True on the rank that publishes global manifests."""
         ...
 
-    def coordination(self) -> KV:
-        """The job's coordination client, never a collective (after ``open``; ``StoreClosedError`` before)."""
+    def coordination(self) -> Fabric:
+        """This rank's routes to the job's coordination, never a collective.
+
+        After ``open``; ``StoreClosedError`` before.
+        """
         ...
 
     def session_key(self, name: str) -> str:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from asymstore.dist.fabric import Fabric
 from asymstore.dist.kv import KV
 from asymstore.protocols import CollectiveStore
 
@@ -57,14 +58,17 @@ class PreemptAgreement:
     """One rank's side of the agreement (see the module docstring).
 
     Args:
-        kv: the job's coordination store (the RankStore's).
+        fabric: this rank's routes to the job's coordination store (the RankStore's): the notice is
+            published in the job's store and put into every node store at once; each rank reads its
+            node's (:mod:`asymstore.dist.fabric`), so the per-iteration read costs the job's store nothing
+            off the coordinator's node.
         key: the key of this store session's notice.
         rank: this rank.
     """
 
-    def __init__(self, kv: KV, key: str, rank: int) -> None:
+    def __init__(self, fabric: Fabric | KV, key: str, rank: int) -> None:
         """Nothing is read or written before a notice or a boundary."""
-        self.kv = kv
+        self.fabric = fabric if isinstance(fabric, Fabric) else Fabric(fabric)
         self.key = key
         self.rank = rank
         self.notice: AgreedNotice | None = None
@@ -84,7 +88,8 @@ class PreemptAgreement:
             return self.notice
         mine = AgreedNotice(step, self.rank, reason)
         try:
-            raw = self.kv.store.compare_set(self.key, "", mine.to_json())
+            raw = bytes(self.fabric.kv.store.compare_set(self.key, "", mine.to_json()))
+            self.fabric.fan_out(self.key, raw.decode(), 30.0)  # before this rank's next collective
         except Exception as exc:  # the store's server is gone (DistNetworkError, RuntimeError, ...)
             self._lose(exc)
             return None
@@ -95,9 +100,9 @@ class PreemptAgreement:
         if self.notice is not None or self.lost is not None:
             return self.notice
         try:
-            if not self.kv.store.check([self.key]):
+            if not self.fabric.has(self.key):
                 return None
-            raw = self.kv.store.get(self.key)
+            raw = self.fabric.local.store.get(self.key)
         except Exception as exc:
             self._lose(exc)
             return None

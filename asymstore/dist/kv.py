@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asymstore.runtime.exiting import exiting
 from asymstore.errors import CoordinationTimeoutError
+from asymstore.runtime.exiting import exiting
 
 logger = logging.getLogger(__name__)
 

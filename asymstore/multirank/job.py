@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asymstore.dist.fabric import Fabric
 from asymstore.dist.kv import KV
 from asymstore.errors import StoreClosedError
 from asymstore.format.globalmanifest import GlobalManifest
@@ -58,6 +59,8 @@ class Job:
     placement_cache: tuple[list[Any], str] | None = None
     client: KV | None = None
     """The coordination store client, set when the store opens."""
+    link: Fabric | None = None
+    """This rank's routes to the coordinator through its node (:mod:`asymstore.dist.fabric`), set when it opens."""
     across_layouts: AcrossLayouts = "resume"
     """What ``restore`` does with the versions of a single-process root (see :mod:`.rootlayout`)."""
     resumed_single: int | None = None
@@ -83,6 +86,15 @@ class Job:
         if self.client is None:
             raise StoreClosedError("the multi-rank store is not open: no coordination store yet")
         return self.client
+
+    @property
+    def fabric(self) -> Fabric:
+        """This rank's routes to the coordinator (the coordination store directly before ``open`` links it).
+
+        Raises:
+            StoreClosedError: the store is not open.
+        """
+        return self.link if self.link is not None else Fabric(self.kv)
 
     @property
     def is_coordinator(self) -> bool:

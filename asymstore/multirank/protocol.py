@@ -18,8 +18,10 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
+from asymstore.dist.fabric import Fabric
+from asymstore.dist.kv import KV
 from asymstore.errors import (
     AsymstoreError,
     CoordinationProtocolError,
@@ -31,9 +33,6 @@ from asymstore.errors import (
 )
 from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
 from asymstore.format.placement import RankPlacement
-
-if TYPE_CHECKING:
-    from asymstore.dist.kv import KV
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,9 @@ NONCE = "nonce"
 
 RETAIN_ALL = "retain/all"
 """Counter: one past the oldest shard step every rank must keep (plain ``keep_last``)."""
+
+RETAIN_RANKED = "retain/ranked"
+"""Set once the coordinator keeps some rank's shards apart from the others' (:func:`raise_keep_from`)."""
 
 RETAIN_SET = "retain/set"
 """The shard steps each rank keeps under ``keep_every``/``keep_best`` (:class:`RetainSet`)."""
@@ -534,13 +536,19 @@ class RetainSet:
 class Wire:
     """Typed puts, gets and waits on the coordination store: where payloads meet their keys.
 
+    Gathers (every rank's part of a round, read by the coordinator) and broadcasts (the coordinator's
+    word, heard by every rank) go through the rank's :class:`~asymstore.dist.fabric.Fabric`: directly on
+    the job's store on node 0, through the node's leader elsewhere. ``put``/``get``/``has``/``wait`` are
+    the job's store itself.
+
     Args:
-        kv: the job's coordination client.
+        kv: the job's coordination client, or this rank's fabric.
     """
 
-    def __init__(self, kv: KV) -> None:
+    def __init__(self, kv: KV | Fabric) -> None:
         """Wrap ``kv``."""
-        self.kv = kv
+        self.fabric = kv if isinstance(kv, Fabric) else Fabric(kv)
+        self.kv = self.fabric.kv
 
     def put(self, key: str, payload: Payload) -> None:
         """Put ``payload`` under ``key``."""
@@ -575,6 +583,32 @@ class Wire:
         """True when ``key`` is set."""
         return self.kv.has(key)
 
+    def contribute(self, prefix: str, rank: int, payload: Payload) -> None:
+        """Put ``rank``'s part of the gather under ``prefix`` (key ``<prefix>/<rank>``)."""
+        self.fabric.contribute(prefix, rank, encode(payload))
+
+    def gather(self, prefix: str, ranks: Sequence[int], kind: type[P], timeout_s: float, what: str) -> list[P]:
+        """The coordinator: the parts of ``ranks`` under ``prefix``, in their order.
+
+        Raises:
+            CoordinationTimeoutError: a part did not come in time (the missing ranks named).
+            CoordinationProtocolError: a part is no ``kind``.
+        """
+        raw = self.fabric.gather(prefix, ranks, timeout_s, what)
+        return [decode(v, kind, f"{prefix}/{r}") for r, v in zip(ranks, raw, strict=True)]
+
+    def missing(self, prefix: str, ranks: Sequence[int]) -> list[int]:
+        """The ranks of ``ranks`` whose part under ``prefix`` did not reach the coordinator yet."""
+        return self.fabric.missing(prefix, ranks)
+
+    def announce(self, key: str, payload: Payload) -> None:
+        """The coordinator: the broadcast ``key``."""
+        self.fabric.announce(key, encode(payload))
+
+    def hear(self, key: str, kind: type[P], timeout_s: float, what: str) -> P:
+        """Wait for the broadcast ``key`` and return its payload (CoordinationTimeoutError)."""
+        return decode(self.fabric.hear(key, timeout_s, what), kind, key)
+
 
 def open_session(kv: KV, rank: int) -> int:
     """Count an ``open`` of ``rank``: its session number (blocking)."""
@@ -600,7 +634,7 @@ class CommitRound:
     world_size: int
 
     @classmethod
-    def of(cls, kv: KV, session: int, tag: str, world_size: int) -> CommitRound:
+    def of(cls, kv: KV | Fabric, session: int, tag: str, world_size: int) -> CommitRound:
         """The round of the commit tagged ``tag`` (:func:`commit_tag`) in session ``session``."""
         return cls(Wire(kv), session_key(session, f"commit/{tag}"), world_size)
 
@@ -619,35 +653,36 @@ class CommitRound:
 
     def report(self, rank: int, report: ShardReport) -> None:
         """Every rank: report its shard."""
-        self.wire.put(self.report_key(rank), report)
+        self.wire.contribute(f"{self.prefix}/rank", rank, report)
 
-    def wait_reports(self, timeout_s: float, what: str) -> None:
-        """Coordinator: wait for every rank's report (CoordinationTimeoutError)."""
-        self.wire.wait([self.report_key(r) for r in range(self.world_size)], timeout_s, what)
+    def reports(self, timeout_s: float, what: str) -> list[ShardReport]:
+        """Coordinator: every rank's report, by rank, once all came.
+
+        Raises:
+            CoordinationTimeoutError: not every rank reported within ``timeout_s``.
+            CoordinationProtocolError: a malformed report.
+        """
+        return self.wire.gather(f"{self.prefix}/rank", range(self.world_size), ShardReport, timeout_s, what)
 
     def missing_reports(self) -> list[int]:
-        """The ranks that did not report yet."""
-        return [r for r in range(self.world_size) if not self.wire.has(self.report_key(r))]
-
-    def reports(self) -> list[ShardReport]:
-        """Every rank's report, by rank (CoordinationProtocolError: a malformed one)."""
-        return self.wire.get_many([self.report_key(r) for r in range(self.world_size)], ShardReport)
+        """The ranks whose report did not reach the coordinator yet."""
+        return self.wire.missing(f"{self.prefix}/rank", range(self.world_size))
 
     def answer(self, answer: GlobalAnswer) -> None:
         """Coordinator: say whether the global version is published."""
-        self.wire.put(self.answer_key, answer)
+        self.wire.announce(self.answer_key, answer)
 
     def wait_answer(self, timeout_s: float, what: str) -> GlobalAnswer:
         """Wait for the coordinator's answer (CoordinationTimeoutError) and return it."""
-        return self.wire.await_(self.answer_key, GlobalAnswer, timeout_s, what)
+        return self.wire.hear(self.answer_key, GlobalAnswer, timeout_s, what)
 
     def flushed(self, rank: int, note: Flushed) -> None:
         """A non-coordinator: it finished its part of this commit."""
-        self.wire.put(self.flushed_key(rank), note)
+        self.wire.contribute(f"{self.prefix}/flushed", rank, note)
 
     def wait_flushed(self, timeout_s: float, what: str) -> None:
         """Coordinator: wait until every other rank finished its part."""
-        self.wire.wait([self.flushed_key(r) for r in range(1, self.world_size)], timeout_s, what)
+        self.wire.gather(f"{self.prefix}/flushed", range(1, self.world_size), Flushed, timeout_s, what)
 
 
 @dataclass(frozen=True)
@@ -664,7 +699,7 @@ class RestoreRound:
     world_size: int
 
     @classmethod
-    def of(cls, kv: KV, prefix: str, world_size: int) -> RestoreRound:
+    def of(cls, kv: KV | Fabric, prefix: str, world_size: int) -> RestoreRound:
         """The round under ``prefix`` (:func:`round_key` of ``"restore"``)."""
         return cls(Wire(kv), prefix, world_size)
 
@@ -673,13 +708,12 @@ class RestoreRound:
         return "/".join([self.prefix, *map(str, parts)])
 
     def _gather(self, name: str, k: int | None, kind: type[P], timeout_s: float, what: str) -> list[P]:
-        keys = [self.key(name, r) if k is None else self.key(name, k, r) for r in range(self.world_size)]
-        self.wire.wait(keys, timeout_s, what)
-        return self.wire.get_many(keys, kind)
+        prefix = self.key(name) if k is None else self.key(name, k)
+        return self.wire.gather(prefix, range(self.world_size), kind, timeout_s, what)
 
     def have(self, rank: int, have: Have) -> None:
         """Every rank: list the shard steps it holds."""
-        self.wire.put(self.key("have", rank), have)
+        self.wire.contribute(self.key("have"), rank, have)
 
     def haves(self, timeout_s: float) -> list[Have]:
         """Coordinator: every rank's list, by rank."""
@@ -687,15 +721,15 @@ class RestoreRound:
 
     def post_try(self, k: int, msg: TryMsg) -> None:
         """Coordinator: its word on candidate ``k``."""
-        self.wire.put(self.key("try", k), msg)
+        self.wire.announce(self.key("try", k), msg)
 
     def wait_try(self, k: int, timeout_s: float) -> TryMsg:
         """A rank: the coordinator's word on candidate ``k``."""
-        return self.wire.await_(self.key("try", k), TryMsg, timeout_s, "the coordinator's restore")
+        return self.wire.hear(self.key("try", k), TryMsg, timeout_s, "the coordinator's restore")
 
     def fit(self, k: int, rank: int, fit: Fit) -> None:
         """Every rank: whether its destinations fit candidate ``k``."""
-        self.wire.put(self.key("fit", k, rank), fit)
+        self.wire.contribute(self.key("fit", k), rank, fit)
 
     def fits(self, k: int, timeout_s: float, what: str) -> list[Fit]:
         """Coordinator: every rank's fit of candidate ``k``, by rank."""
@@ -703,15 +737,15 @@ class RestoreRound:
 
     def go(self, k: int, go: Go) -> None:
         """Coordinator: load candidate ``k``, or the error."""
-        self.wire.put(self.key("go", k), go)
+        self.wire.announce(self.key("go", k), go)
 
     def wait_go(self, k: int, timeout_s: float) -> Go:
         """A rank: the coordinator's word after the fits of candidate ``k``."""
-        return self.wire.await_(self.key("go", k), Go, timeout_s, "the coordinator's restore")
+        return self.wire.hear(self.key("go", k), Go, timeout_s, "the coordinator's restore")
 
     def result(self, k: int, rank: int, result: LoadResult) -> None:
         """Every rank: whether it loaded candidate ``k``."""
-        self.wire.put(self.key("result", k, rank), result)
+        self.wire.contribute(self.key("result", k), rank, result)
 
     def results(self, k: int, timeout_s: float, what: str) -> list[LoadResult]:
         """Coordinator: every rank's result of candidate ``k``, by rank."""
@@ -727,21 +761,23 @@ class AgreeRound:
 
     def propose(self, agreement: Agreement) -> None:
         """Coordinator: post the agreement."""
-        self.wire.put(self.key, agreement)
+        self.wire.announce(self.key, agreement)
 
     def agreed(self, timeout_s: float) -> Agreement:
         """Every rank: wait for the coordinator's agreement and return it."""
-        return self.wire.await_(self.key, Agreement, timeout_s, "agreeing on the next step")
+        return self.wire.hear(self.key, Agreement, timeout_s, "agreeing on the next step")
 
 
-def retained_set(kv: KV) -> RetainSet | None:
+def retained_set(kv: KV | Fabric) -> RetainSet | None:
     """The shard steps each rank keeps under ``keep_every``/``keep_best`` (None: not posted yet).
+
+    Off node 0, the node store's copy (a round old at most: it only keeps more).
 
     Raises:
         CoordinationProtocolError: the record is malformed.
     """
-    wire = Wire(kv)
-    return wire.get(RETAIN_SET, RetainSet) if wire.has(RETAIN_SET) else None
+    raw = Wire(kv).fabric.peek(RETAIN_SET)
+    return None if raw is None else decode(raw, RetainSet, RETAIN_SET)
 
 
 def post_retained_set(kv: KV, kept: RetainSet) -> None:
@@ -749,9 +785,14 @@ def post_retained_set(kv: KV, kept: RetainSet) -> None:
     Wire(kv).put(RETAIN_SET, kept)
 
 
-def keep_from(kv: KV, rank: int) -> int:
-    """The oldest shard step ``rank`` must keep under plain ``keep_last`` (-1: none posted)."""
-    return max(kv.read_int(retain_rank(rank)), kv.read_int(RETAIN_ALL)) - 1
+def keep_from(kv: KV | Fabric, rank: int) -> int:
+    """The oldest shard step ``rank`` must keep under plain ``keep_last`` (-1: none posted).
+
+    Off node 0, the node store's copies of the counters (a round old at most: they only keep more).
+    """
+    fabric = Wire(kv).fabric
+    own = fabric.read_int(retain_rank(rank)) if fabric.has(RETAIN_RANKED) else 0
+    return max(own, fabric.read_int(RETAIN_ALL)) - 1
 
 
 def raise_keep_from(kv: KV, steps: dict[int, int], world_size: int) -> None:
@@ -761,6 +802,8 @@ def raise_keep_from(kv: KV, steps: dict[int, int], world_size: int) -> None:
         return
     for r, step in steps.items():  # a kept version of another world size may need rank r's older shards
         kv.raise_int(retain_rank(r), step + 1)
+    if not kv.has(RETAIN_RANKED):
+        kv.store.set(RETAIN_RANKED, "1")
 
 
 PAYLOADS: tuple[Callable[..., Payload], ...] = (

@@ -57,15 +57,13 @@ def publish_global(job: Job, commit: CommitRound, step: int, meta: dict[str, Any
         CoordinationProtocolError: a rank's report is malformed (every rank waiting hears the failure).
     """
     try:
-        commit.wait_reports(job.timeout_s, f"global commit of step {step}")
+        reports = commit.reports(job.timeout_s, f"global commit of step {step}")
     except CoordinationTimeoutError as exc:
         msg = (f"step {step}: rank(s) {commit.missing_reports()} did not report a committed shard within "
                f"{job.timeout_s:g} s; the global version is not published "
                f"(newest stays {max(job.global_steps(), default=None)})")
         commit.answer(GlobalAnswer(failed=msg))
         raise GlobalCommitTimeoutError(msg) from exc
-    try:
-        reports = commit.reports()
     except CoordinationProtocolError as exc:
         commit.answer(GlobalAnswer(failed=f"step {step}: {exc}; the global version is not published"))
         raise

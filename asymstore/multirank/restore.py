@@ -74,7 +74,7 @@ async def restore_collective(job: Job, local: AsymStore, reshard: Targets | None
         DestinationMismatchError: a rank refused the destinations of the candidate (see the module docstring).
         CoordinationProtocolError: a rank put a malformed message.
     """
-    rnd = RestoreRound.of(job.kv, key, job.world_size)
+    rnd = RestoreRound.of(job.fabric, key, job.world_size)
     if job.is_coordinator:
         haves = await asyncio.to_thread(_gather_haves, job, rnd, local)
         return await _coordinate(job, local, reshard, rnd, haves, step, into)

@@ -25,6 +25,7 @@ from asymstore.multirank.departed import retire_departed
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from asymstore.dist.fabric import Fabric
     from asymstore.dist.kv import KV
     from asymstore.multirank.job import Job
     from asymstore.store import AsymStore
@@ -141,7 +142,7 @@ async def delete_shard(local: AsymStore, step: int) -> None:
             await tier.delete_version(step)
 
 
-async def retain_shards(local: AsymStore, kv: KV, rank: int, *, by_rules: bool = False,
+async def retain_shards(local: AsymStore, kv: KV | Fabric, rank: int, *, by_rules: bool = False,
                         floor: Callable[[int], None] | None = None) -> None:
     """Delete ``rank``'s own shards no kept global version needs.
 

@@ -21,7 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Unpack
 
+from asymstore.dist.fabric import Fabric
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
+from asymstore.dist.topology import Topology
 from asymstore.dist.world import rank_world
 from asymstore.errors import (
     AsymstoreError,
@@ -107,6 +109,10 @@ class RankStore:
             first global commit records the root as multi-rank (:mod:`.rootlayout`); under ``"resume"`` it is
             refused on every rank (:class:`~asymstore.errors.LayoutTakeoverError`) unless ``restore``
             resumed one of them.
+        node_size: ranks per node, numbered node by node (default: ``LOCAL_WORLD_SIZE`` from the
+            environment, else one node). Off the coordinator's node the protocol goes through each node's
+            leader (``LOCAL_RANK`` 0): O(nodes) requests per round on the job's store
+            (:mod:`asymstore.dist.fabric`).
         **store_kwargs: options of this rank's own :class:`~asymstore.AsymStore`
             (:class:`~asymstore.store.StoreOptions`: ``segment_bytes``, ``compression``...).
     """
@@ -116,7 +122,7 @@ class RankStore:
                  kv: Any = None, keep_last: int | None = 3, keep_every: int | None = None,
                  keep_best: KeepBest | None = None, timeout_s: float = 300.0,
                  restore_timeout_s: float = 1800.0, wait_global: bool = False, namespace: str | None = None,
-                 fsync: bool = True, across_layouts: AcrossLayouts = "resume",
+                 fsync: bool = True, across_layouts: AcrossLayouts = "resume", node_size: int | None = None,
                  **store_kwargs: Unpack[StoreOptions]) -> None:
         """Configure; nothing is opened before ``open``."""
         rank, world_size = rank_world(rank, world_size)
@@ -139,6 +145,8 @@ class RankStore:
         self._shard_floor: int | None = None  # the oldest own shard the global retention keeps (None: not known)
         self.local = AsymStore(tiers, keep_last=None, retention_floor=self._sweep_floor, **store_kwargs)
         """This rank's own shards (retention follows the global versions, so it keeps everything itself)."""
+        self.topology = Topology.of(world_size, node_size)
+        """The job's nodes: the protocol aggregates through each node's leader (:mod:`asymstore.dist.fabric`)."""
         self.wait_global = wait_global
         self.namespace = namespace or checksum(self.root.encode())[:12]
         self._kv_given = kv
@@ -268,6 +276,9 @@ class RankStore:
             else:
                 self.job.client = KV(await asyncio.to_thread(store_from_env, self.namespace, timeout_s=self.timeout_s))
         self._session = await asyncio.to_thread(protocol.open_session, self.job.kv, self.rank)
+        link = Fabric(self.job.kv, self.topology, self.rank)
+        await asyncio.to_thread(link.connect, protocol.session_key(self._session, "nodes"), self.timeout_s)
+        self.job.link = link
         self._takeover = None
         if self.is_coordinator:  # the only writer of global/: lock it, then sweep what a dead coordinator left
             try:  # and look at the root: every rank hears the verdict, or the error, typed
@@ -314,7 +325,7 @@ class RankStore:
             try:
                 await asyncio.to_thread(self._last_commit.wait_answer, min(self.timeout_s, 30.0),
                                         "the last global commit")
-                await retain_shards(self.local, self.job.kv, self.rank, by_rules=self.job.rules is not None,
+                await retain_shards(self.local, self.job.fabric, self.rank, by_rules=self.job.rules is not None,
                                     floor=self._note_floor)
             except (CoordinationTimeoutError, CoordinationProtocolError, RuntimeError) as exc:
                 logger.info("rank %d closing without the last global commit: %s", self.rank, exc)
@@ -345,9 +356,12 @@ class RankStore:
         """The coordination store (after ``open``; StoreClosedError before)."""
         return self.job.kv
 
-    def coordination(self) -> KV:
-        """The job's coordination client (see :attr:`kv`): how the adapters agree across ranks, never a collective."""
-        return self.job.kv
+    def coordination(self) -> Fabric:
+        """This rank's routes to the job's coordination: how the adapters agree across ranks, never a collective.
+
+        See :mod:`asymstore.dist.fabric`.
+        """
+        return self.job.fabric
 
     # -- global versions -------------------------------------------------
 
@@ -374,7 +388,7 @@ class RankStore:
         The coordinator picks ``max(hint, newest global step + 1)``; own shards at
         or above it that no global version uses are rolled back when it is put.
         """
-        rnd = protocol.AgreeRound(protocol.Wire(self.kv), self._key("agree"))
+        rnd = protocol.AgreeRound(protocol.Wire(self.job.fabric), self._key("agree"))
         if self.is_coordinator:
             newest = max(self.global_steps(), default=-1)
             nonce = await asyncio.to_thread(protocol.next_nonce, self.kv)
@@ -498,7 +512,7 @@ class RankStore:
                 await asyncio.to_thread(self.kv.put, self.session_key(REPLICAS_WHOLE), "1")
             await self._discard(step)  # no global version will ever use it
             raise
-        await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None,
+        await retain_shards(self.local, self.job.fabric, self.rank, by_rules=self.job.rules is not None,
                             floor=self._note_floor)
         return result
 
@@ -523,7 +537,7 @@ class RankStore:
 
     def _heard_replicas_whole(self) -> None:
         """Follow the coordinator's fallback to whole copies (a key of this session in the coordination store)."""
-        if self.kv.has(self.session_key(REPLICAS_WHOLE)):
+        if self.job.fabric.has(self.session_key(REPLICAS_WHOLE)):
             self.job.replicas_whole = True
             logger.warning("rank %d: the replicas of a sliced version differed across ranks: this job writes "
                            "whole copies of its replicated state from now on", self.rank)
@@ -531,7 +545,7 @@ class RankStore:
     def _commit_round(self, step: int) -> protocol.CommitRound:
         """The round of this session's commit of ``step`` (tagged with its agreement's nonce, when agreed)."""
         tag = self._commit_tags.pop(step, None) or protocol.commit_tag(step)
-        return protocol.CommitRound.of(self.kv, self._session, tag, self.world_size)
+        return protocol.CommitRound.of(self.job.fabric, self._session, tag, self.world_size)
 
     async def _discard(self, step: int) -> None:
         await delete_shard(self.local, step)
@@ -571,8 +585,8 @@ class RankStore:
                     answer = await asyncio.to_thread(rnd.wait_answer, wait, "the last global commit")
                     if answer.step is not None:
                         self.published_step = answer.step
-                        await retain_shards(self.local, self.kv, self.rank, by_rules=self.job.rules is not None,
-                                            floor=self._note_floor)
+                        await retain_shards(self.local, self.job.fabric, self.rank,
+                                            by_rules=self.job.rules is not None, floor=self._note_floor)
                     await asyncio.to_thread(rnd.flushed, self.rank, protocol.Flushed(answer))
             except (CoordinationTimeoutError, CoordinationProtocolError, RuntimeError) as exc:
                 logger.warning("rank %d: its last commit is not finished on every rank: %s", self.rank, exc)

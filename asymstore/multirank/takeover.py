@@ -76,7 +76,7 @@ async def share(job: Job, key: str, verdict: Verdict | None = None, *, error: Ba
     if error is not None:
         verdict = Verdict(False, "", None, (type(error).__name__, str(error)))
     assert verdict is not None
-    await asyncio.to_thread(Wire(job.kv).put, key, verdict)
+    await asyncio.to_thread(Wire(job.fabric).announce, key, verdict)
 
 
 async def verdict(job: Job, key: str, timeout_s: float) -> Verdict:
@@ -87,7 +87,7 @@ async def verdict(job: Job, key: str, timeout_s: float) -> Verdict:
         CoordinationProtocolError: it is malformed.
         RootLockedError, RootUnreadableError, RootLayoutError: the coordinator's error at ``open``.
     """
-    got = await asyncio.to_thread(Wire(job.kv).await_, key, Verdict, timeout_s,
+    got = await asyncio.to_thread(Wire(job.fabric).hear, key, Verdict, timeout_s,
                                   "the coordinator's look at the root's layout")
     got.raise_error()
     return got

@@ -1,0 +1,416 @@
+"""How one rank exchanges the coordination protocol's messages: through its node's leader, not one store per rank.
+
+Every round of the multi-rank protocol (:mod:`asymstore.multirank.protocol`) is a *gather* (each rank puts
+its part, the coordinator reads them all: shard reports, restore lists, fits and results, flush notes) or
+a *broadcast* (the coordinator puts one value every rank reads: the global answer, the agreed step, a
+restore candidate, the go). With one TCPStore and N ranks that is O(N) requests on the one server per
+round, and N ranks polling it while they wait. :class:`Fabric` routes both through the job's topology
+(:class:`~asymstore.dist.topology.Topology`):
+
+- **Node 0** (the coordinator's node, where ``torchrun`` hosts the job's store) talks to the job's
+  store directly, as before. A job of one node therefore runs exactly the direct protocol.
+- **Every other node** gets a node store: a TCPStore its leader (``LOCAL_RANK`` 0) serves on the node
+  (``127.0.0.1``), whose address the leader posts once per session. Its ranks put their parts and wait
+  for broadcasts there. The leader's relay (:class:`NodeRelay`, daemon threads of the leader's process)
+  forwards the node's parts of a gather as one value (``<prefix>/node/<n>``: every part, and which
+  ranks are missing when its wait ran out), waits for a broadcast a member asked for in the job's store
+  (``TCPStore.wait``: it blocks in the server, never polls) and copies it into the node store, and
+  keeps the few values members read every commit (the retention counters) fresh there: O(nodes)
+  requests per round on the job's store.
+
+A leader's death is its ranks' death: their node store dies with it (their requests fail, typed by the
+store as ``RuntimeError``), the coordinator misses the node's part and abandons the round, and the next
+session (the job restarted) elects the leaders anew. Values a node store holds are copies of what the
+job's store held: a stale retention counter only keeps more shards than needed, never fewer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from asymstore.dist.kv import KV
+from asymstore.dist.topology import Topology
+from asymstore.errors import CoordinationProtocolError, CoordinationTimeoutError
+
+logger = logging.getLogger(__name__)
+
+WANT_QUEUE = "relay/want"
+"""The node store's queue of what members ask the leader's relay for (JSON ``{"key", "kind", "timeout"}``)."""
+
+LEADER_SHARE = 0.8
+"""A leader forwards its node's parts of a gather after this share of the round's timeout at most (partial
+parts then, naming the missing ranks), so that the coordinator hears which ranks are missing before its own
+wait for the nodes runs out."""
+
+_FOREVER_S = 7 * 24 * 3600.0
+
+
+def node_address_key(session_prefix: str, node: int) -> str:
+    """Where the leader of ``node`` posts its node store's address in session ``session_prefix``."""
+    return f"{session_prefix}/node-store/{node}"
+
+
+def node_part_key(prefix: str, node: int) -> str:
+    """Where the leader of ``node`` puts its node's parts of the gather under ``prefix``."""
+    return f"{prefix}/node/{node}"
+
+
+def part_key(prefix: str, rank: int) -> str:
+    """Where ``rank`` puts its part of the gather under ``prefix``."""
+    return f"{prefix}/{rank}"
+
+
+class Fabric:
+    """One rank's routes to the coordinator and back (see the module docstring).
+
+    A fabric without a node link (``Fabric(kv)``: node 0, a job of one node, a world of one) reads and
+    writes the job's store directly.
+
+    Args:
+        kv: the job's coordination store (this rank's client).
+        topology: the job's nodes (None: one node).
+        rank: this rank.
+    """
+
+    def __init__(self, kv: KV, topology: Topology | None = None, rank: int = 0) -> None:
+        """Direct until :meth:`connect` links a rank of another node to its node store."""
+        self.kv = kv
+        self.topology = topology
+        self.rank = rank
+        self.local = kv
+        """Where this rank puts its parts and reads broadcasts: its node store, or the job's store."""
+        self.relay: NodeRelay | None = None
+        """The node's relay, on a leader of a node other than 0."""
+        self._asked: set[str] = set()
+        self._prefix: str | None = None
+
+    # -- topology ----------------------------------------------------------------------------------
+
+    @property
+    def node(self) -> int:
+        """This rank's node (0 without a topology)."""
+        return 0 if self.topology is None else self.topology.node_of(self.rank)
+
+    @property
+    def direct(self) -> bool:
+        """True when this rank talks to the job's store itself (node 0, one node)."""
+        return self.local is self.kv
+
+    def connect(self, session_prefix: str, timeout_s: float) -> None:
+        """Link this rank to its node store (blocking; nothing for node 0 or a job of one node).
+
+        The leader serves the node store and posts its address; the other ranks wait for it (a wait that
+        blocks in the job's store, once per session).
+
+        Raises:
+            CoordinationTimeoutError: the leader did not post its node store within ``timeout_s``.
+        """
+        top = self.topology
+        self._prefix = session_prefix
+        if top is None or top.nodes == 1 or self.node == 0:
+            return
+        key = node_address_key(session_prefix, self.node)
+        if top.is_leader(self.rank):
+            self.relay = NodeRelay(self.kv, top, self.node, timeout_s)
+            self.local = self.relay.local
+            self.kv.store.set(key, json.dumps({"host": self.relay.host, "port": self.relay.port}))
+            return
+        raw = blocking_get(self.kv.store, key, timeout_s, f"rank {self.rank}: the node store of node {self.node}")
+        addr = json.loads(bytes(raw).decode())
+        self.local = KV(connect_store(str(addr["host"]), int(addr["port"]), timeout_s))
+
+    # -- gathers -------------------------------------------------------------------------------------
+
+    def contribute(self, prefix: str, rank: int, raw: str) -> None:
+        """Put ``rank``'s part of the gather under ``prefix`` (a leader's relay forwards its node's parts)."""
+        self.local.store.set(part_key(prefix, rank), raw)
+        if self.relay is not None:
+            self.relay.forward(prefix)
+
+    def _gather_keys(self, prefix: str, ranks: Sequence[int]) -> list[tuple[str, list[int] | None]]:
+        """The keys the coordinator reads for ``ranks``: a rank's own (None) or a node's parts (its ranks)."""
+        top = self.topology
+        out: list[tuple[str, list[int] | None]] = []
+        nodes: dict[int, list[int]] = {}
+        for r in ranks:
+            if top is None or top.nodes == 1 or top.node_of(r) == 0:
+                out.append((part_key(prefix, r), None))
+            else:
+                nodes.setdefault(top.node_of(r), []).append(r)
+        return out + [(node_part_key(prefix, n), members) for n, members in nodes.items()]
+
+    def gather(self, prefix: str, ranks: Sequence[int], timeout_s: float, what: str) -> list[bytes]:
+        """The coordinator: every part of ``ranks`` under ``prefix``, in the order of ``ranks`` (blocking).
+
+        Raises:
+            CoordinationTimeoutError: a part did not come within ``timeout_s`` (names the missing ranks).
+            CoordinationProtocolError: a node's forwarded parts are malformed.
+        """
+        keyed = self._gather_keys(prefix, ranks)
+        try:
+            self.kv.wait([k for k, _ in keyed], timeout_s, what)
+        except CoordinationTimeoutError as exc:
+            raise CoordinationTimeoutError(f"{what}: rank(s) {self.missing(prefix, ranks)} missing after "
+                                           f"{timeout_s:g} s") from exc
+        parts: dict[int, bytes] = {}
+        missing: list[int] = []
+        for (key, members), value in zip(keyed, self._get_many([k for k, _ in keyed]), strict=True):
+            if members is None:
+                parts[int(key.rsplit("/", 1)[1])] = value
+                continue
+            got, lost = _node_parts(value, members, key)
+            parts.update(got)
+            missing += lost
+        if missing:
+            raise CoordinationTimeoutError(f"{what}: rank(s) {sorted(missing)} missing after {timeout_s:g} s "
+                                           f"(their node's leader waited for them)")
+        return [parts[r] for r in ranks]
+
+    def missing(self, prefix: str, ranks: Sequence[int]) -> list[int]:
+        """The ranks of ``ranks`` whose part under ``prefix`` the coordinator cannot read yet."""
+        out: list[int] = []
+        for key, members in self._gather_keys(prefix, ranks):
+            present = self.kv.has(key)
+            if members is None:
+                if not present:
+                    out.append(int(key.rsplit("/", 1)[1]))
+                continue
+            if not present:
+                out += members
+                continue
+            try:
+                out += _node_parts(bytes(self.kv.store.get(key)), members, key)[1]
+            except CoordinationProtocolError:
+                out += members
+        return sorted(out)
+
+    def _get_many(self, keys: Sequence[str]) -> list[bytes]:
+        store = self.kv.store
+        multi_get = getattr(store, "multi_get", None)
+        raw = multi_get(list(keys)) if multi_get is not None else [store.get(k) for k in keys]
+        return [bytes(v) for v in raw]
+
+    # -- broadcasts ----------------------------------------------------------------------------------
+
+    def announce(self, key: str, raw: str) -> None:
+        """The coordinator: put the broadcast ``key`` in the job's store."""
+        self.kv.store.set(key, raw)
+
+    def hear(self, key: str, timeout_s: float, what: str) -> bytes:
+        """Wait for the broadcast ``key`` and return it (through the node's leader off node 0).
+
+        Raises:
+            CoordinationTimeoutError: not within ``timeout_s`` (or the process is exiting).
+        """
+        if not self.direct and not self.local.has(key):
+            self._ask(key, "once", timeout_s)
+        self.local.wait([key], timeout_s, what)
+        return bytes(self.local.store.get(key))
+
+    def has(self, key: str) -> bool:
+        """Whether the broadcast ``key`` (set once, never changed) is set, without waiting.
+
+        Off node 0 the first call asks the leader's relay to wait for it in the job's store; until it
+        copies it, the node store does not have it.
+        """
+        if self.local.has(key):
+            return True
+        if not self.direct:
+            self._ask(key, "once", _FOREVER_S)
+        return False
+
+    def peek(self, key: str) -> bytes | None:
+        """The value of ``key`` (one the coordinator changes over time), or None when unset.
+
+        Off node 0 the node store's copy, which the leader's relay refreshes with every gather it
+        forwards: it may be a round old.
+        """
+        if not self.direct:
+            self._ask(key, "value", 0.0)
+        return bytes(self.local.store.get(key)) if self.local.has(key) else None
+
+    def read_int(self, key: str) -> int:
+        """The counter ``key`` (0 when never set); off node 0 the node store's copy (see :meth:`peek`)."""
+        if self.direct:
+            return self.kv.read_int(key)
+        self._ask(key, "count", 0.0)
+        return int(bytes(self.local.store.get(key))) if self.local.has(key) else 0
+
+    def _ask(self, key: str, kind: str, timeout_s: float) -> None:
+        asked = f"{kind}:{key}"
+        if asked in self._asked:
+            return
+        self._asked.add(asked)
+        self.local.store.queue_push(WANT_QUEUE, json.dumps({"key": key, "kind": kind, "timeout": timeout_s}))
+
+    def fan_out(self, key: str, raw: str, timeout_s: float) -> None:
+        """Put ``key`` into every node store too (blocking): a broadcast every rank must see at its next read.
+
+        The preemption notice needs it: a rank that reads its node store right after a collective must
+        see a notice published before that collective, with no relay in between. Best effort per node
+        (a node that cannot be reached is logged; its relay still copies the key when asked).
+        """
+        top, prefix = self.topology, self._prefix
+        if top is None or top.nodes == 1 or prefix is None:
+            return
+        if not self.direct and not self.local.has(key):
+            self.local.store.set(key, raw)
+        for node in range(1, top.nodes):
+            try:
+                addr = json.loads(bytes(self.kv.store.get(node_address_key(prefix, node))).decode())
+                store = connect_store(str(addr["host"]), int(addr["port"]), timeout_s)
+                store.set(key, raw)
+            except Exception as exc:  # a dead node: its ranks are gone with their leader
+                logger.warning("rank %d: could not put %s into node %d's store: %s", self.rank, key, node, exc)
+
+
+def _node_parts(raw: bytes, members: Sequence[int], key: str) -> tuple[dict[int, bytes], list[int]]:
+    """Parse a node's forwarded parts: (rank -> part, ranks missing)."""
+    try:
+        doc = json.loads(raw)
+        parts = {int(r): str(v).encode() for r, v in dict(doc["parts"]).items()}
+        missing = [int(r) for r in doc.get("missing", [])]
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CoordinationProtocolError(f"{key}: malformed parts of a node: {str(exc)[:200]}") from exc
+    if set(parts) | set(missing) != set(members) or set(parts) & set(missing):
+        raise CoordinationProtocolError(f"{key}: a node's parts name ranks {sorted(parts)} and missing "
+                                        f"{sorted(missing)}, not its ranks {list(members)}")
+    return parts, missing
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> Any:
+    """A new client of the TCPStore at ``host:port``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),  # type: ignore[attr-defined]
+                         wait_for_workers=False)
+
+
+def blocking_get(store: Any, key: str, timeout_s: float, what: str) -> bytes:
+    """Wait for ``key`` in the server (a new connection, so that ``store`` stays free), then get it.
+
+    Raises:
+        CoordinationTimeoutError: not within ``timeout_s``.
+    """
+    clone = getattr(store, "clone", None)
+    if clone is None:  # a process-local store: poll it
+        KV(store).wait([key], timeout_s, what)
+        return bytes(store.get(key))
+    waiter = clone()
+    try:
+        waiter.wait([key], datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # DistStoreError: the wait ran out
+        raise CoordinationTimeoutError(f"{what}: {key} not set within {timeout_s:g} s") from exc
+    return bytes(waiter.get(key))
+
+
+class NodeRelay:
+    """A leader's relay between its node store and the job's store (see the module docstring).
+
+    Args:
+        central: the leader's client of the job's store.
+        topology: the job's nodes.
+        node: the leader's node (not 0).
+        timeout_s: the protocol's round timeout (a gather's parts are forwarded by ``LEADER_SHARE`` of it).
+    """
+
+    def __init__(self, central: KV, topology: Topology, node: int, timeout_s: float) -> None:
+        """Serve the node store and start the relay's thread."""
+        import torch.distributed as dist
+
+        self.central = central
+        self.topology = topology
+        self.node = node
+        self.timeout_s = timeout_s
+        self.host = "127.0.0.1"
+        self.server = dist.TCPStore(self.host, 0, None, True,  # type: ignore[attr-defined]
+                                    timeout=datetime.timedelta(seconds=_FOREVER_S), wait_for_workers=False)
+        self.port = int(self.server.port)
+        self.local = KV(connect_store(self.host, self.port, timeout_s))
+        self._lock = threading.Lock()
+        self._relayed: set[str] = set()
+        self._values: set[str] = set()
+        self._forwarded: set[str] = set()
+        self.forwards = 0
+        """Gathers this relay forwarded (for tests and the bench)."""
+        threading.Thread(target=self._serve_wants, name=f"asymstore-relay-{node}", daemon=True).start()
+
+    def forward(self, prefix: str) -> None:
+        """Forward the node's parts of the gather under ``prefix`` once they are all in (in a thread)."""
+        with self._lock:
+            if prefix in self._forwarded:
+                return
+            self._forwarded.add(prefix)
+        threading.Thread(target=self._forward, args=(prefix,), name="asymstore-relay-forward", daemon=True).start()
+
+    def _forward(self, prefix: str) -> None:
+        members = list(self.topology.members(self.node))
+        keys = [part_key(prefix, r) for r in members]
+        waiter = self.local.store.clone()
+        try:
+            waiter.wait(keys, datetime.timedelta(seconds=self.timeout_s * LEADER_SHARE))
+        except RuntimeError:
+            pass  # forward what came, naming the missing ranks
+        try:
+            present = [r for r in members if waiter.check([part_key(prefix, r)])]
+            values = waiter.multi_get([part_key(prefix, r) for r in present]) if present else []
+            doc = {"parts": {str(r): bytes(v).decode() for r, v in zip(present, values, strict=True)},
+                   "missing": [r for r in members if r not in present]}
+            central = self.central.store.clone()
+            central.set(node_part_key(prefix, self.node), json.dumps(doc))
+            self.forwards += 1
+            self._refresh(central)
+        except Exception as exc:  # the job's store is gone: the coordinator misses this node
+            logger.warning("node %d: could not forward %s: %s", self.node, prefix, exc)
+
+    def _refresh(self, central: Any) -> None:
+        """Copy the values members read every round: a counter in one request, a value in two when set."""
+        with self._lock:
+            keys = sorted(self._values)
+        for kind, key in (k.split(":", 1) for k in keys):
+            if kind == "count":
+                self.local.store.set(key, str(int(central.add(key, 0))))
+            elif central.check([key]):
+                self.local.store.set(key, central.get(key))
+
+    def _serve_wants(self) -> None:
+        queue = self.local.store.clone()
+        queue.set_timeout(datetime.timedelta(seconds=_FOREVER_S))
+        while True:
+            try:
+                want = json.loads(bytes(queue.queue_pop(WANT_QUEUE, True)).decode())
+                key, kind, timeout_s = str(want["key"]), str(want["kind"]), float(want["timeout"])
+            except Exception as exc:  # the node store is gone (process exiting), or a malformed want
+                logger.debug("node %d relay: %s", self.node, exc)
+                return
+            with self._lock:
+                if kind in ("value", "count"):
+                    if f"{kind}:{key}" in self._values:
+                        continue
+                    self._values.add(f"{kind}:{key}")
+                elif key in self._relayed:
+                    continue
+                else:
+                    self._relayed.add(key)
+            if kind in ("value", "count"):
+                try:
+                    self._refresh(self.central.store.clone())
+                except Exception as exc:
+                    logger.debug("node %d relay: %s", self.node, exc)
+                continue
+            threading.Thread(target=self._relay, args=(key, timeout_s), name="asymstore-relay-wait",
+                             daemon=True).start()
+
+    def _relay(self, key: str, timeout_s: float) -> None:
+        try:
+            raw = blocking_get(self.central.store, key, timeout_s, f"node {self.node} relaying {key}")
+            self.local.store.set(key, raw)
+        except Exception as exc:  # not set in time: a later want asks again
+            with self._lock:
+                self._relayed.discard(key)
+            logger.debug("node %d relay of %s: %s", self.node, key, exc)

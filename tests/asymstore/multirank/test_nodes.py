@@ -1,0 +1,169 @@
+"""The protocol through node leaders (asymstore.dist.fabric): same versions as the direct path, O(nodes) requests.
+
+8 ranks as threads of this process (each its own event loop and its own client of one real TCPStore, as
+ranks of a job have), once as 4 nodes of 2 and once as one node (the direct protocol). Every request each
+rank's client makes on the job's store is counted: off node 0 the ranks that do not lead make none while
+committing, and each leader a bounded few per commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from asymstore.dist.topology import Topology
+from asymstore.errors import GlobalCommitTimeoutError
+from asymstore.multirank.globaldir import list_global_steps, read_global
+from tests.support.ranks import run_ranks, store
+
+WORLD = 8
+COMMITS = 4
+
+
+class Counting:
+    """A c10d store client that counts its requests (the test's request counter on the job's store)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name == "clone":
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                self.calls += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+    def clone(self) -> Any:
+        """A new connection, counted too (a leader's relay waits on its own connections)."""
+        return Counting(self._inner.clone())
+
+
+def _job(root: Path, node_size: int) -> tuple[dict[int, Any], dict[int, int]]:
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    clients = {r: Counting(dist.PrefixStore("asymstore/t", dist.TCPStore(
+        "127.0.0.1", server.port, None, False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)))
+        for r in range(WORLD)}
+    per_commit: dict[int, int] = {}
+
+    async def rank(r: int) -> Any:
+        s = store(root, r, WORLD, clients[r], node_size=node_size, timeout_s=20.0)
+        async with s:
+            for step in range(COMMITS + 1):
+                if step == 1:
+                    start = clients[r].calls
+                await s.put_many(step, {"w": torch.full((16,), float(r * 100 + step))})
+                await s.commit(step)
+            per_commit[r] = clients[r].calls - start
+            await s.flush()
+        async with store(root, r, WORLD, clients[r], node_size=node_size, timeout_s=20.0) as again:
+            ckpt = await again.restore()
+            return ckpt.step, ckpt.tensors["w"].clone()
+
+    out = run_ranks(WORLD, rank)
+    del server
+    return out, per_commit
+
+
+def test_through_node_leaders_the_versions_are_the_direct_ones_with_o_nodes_requests(tmp_path: Path) -> None:
+    """4 nodes of 2 against one node: same global versions and restores; the non-leaders off node 0 ask nothing."""
+    nodes, direct = tmp_path / "nodes", tmp_path / "direct"
+    got, calls = _job(nodes, 2)
+    want, direct_calls = _job(direct, WORLD)
+    for r in range(WORLD):
+        assert not isinstance(got[r], BaseException), got[r]
+        assert not isinstance(want[r], BaseException), want[r]
+        assert got[r][0] == want[r][0] == COMMITS
+        assert torch.equal(got[r][1], want[r][1])
+        assert torch.equal(got[r][1], torch.full((16,), float(r * 100 + COMMITS)))
+    assert list_global_steps(str(nodes / "global")) == list_global_steps(str(direct / "global"))
+    a, b = read_global(str(nodes / "global"), COMMITS), read_global(str(direct / "global"), COMMITS)
+    assert [s.digest for s in a.shards] == [s.digest for s in b.shards]
+    top = Topology(WORLD, 2)
+    for r in range(WORLD):
+        if top.node_of(r) > 0 and not top.is_leader(r):
+            assert calls[r] == 0, (r, calls)  # its node's leader speaks for it
+    leaders = sum(calls[top.leader(n)] for n in range(1, top.nodes)) / COMMITS
+    assert leaders <= 2 * (top.nodes - 1) + 2, calls  # each leader: its node's parts, the retention counter
+    assert sum(calls.values()) < sum(direct_calls.values()), (calls, direct_calls)
+
+
+def test_a_node_whose_rank_never_reports_is_named_by_its_leader(tmp_path: Path) -> None:
+    """Rank 3 (node 1 of 4 nodes of 2) never commits: the coordinator's timeout names rank 3, not its node."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    port = server.port
+
+    async def rank(r: int) -> Any:
+        kv = dist.PrefixStore("asymstore/t", dist.TCPStore("127.0.0.1", port, None, False,
+                                                            timeout=datetime.timedelta(seconds=30),
+                                                            wait_for_workers=False))
+        async with store(tmp_path, r, WORLD, kv, node_size=2, timeout_s=3.0) as s:
+            await s.put_many(0, {"w": torch.zeros(4)})
+            if r == 3:
+                return None
+            try:
+                await s.commit(0)
+            except GlobalCommitTimeoutError as exc:
+                return str(exc)
+            return None
+
+    out = run_ranks(WORLD, rank)
+    assert isinstance(out[0], str) and "rank(s) [3]" in out[0], out[0]
+    assert list_global_steps(str(tmp_path / "global")) == []
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_topology_numbers_ranks_node_by_node(size: int) -> None:
+    """Nodes, leaders and members of a topology; a node size that does not divide the world is refused."""
+    top = Topology(24, size) if 24 % size == 0 else None
+    if top is None:
+        with pytest.raises(ValueError):
+            Topology(24, size + 4)
+        return
+    assert [r for n in range(top.nodes) for r in top.members(n)] == list(range(24))
+    assert all(top.is_leader(top.leader(n)) and top.node_of(top.leader(n)) == n for n in range(top.nodes))
+
+
+def test_a_preemption_notice_reaches_every_node_before_the_publisher_goes_on(tmp_path: Path) -> None:
+    """Rank 5 (node 2 of 4) publishes a notice; every rank's very next read of its node store sees it."""
+    from asymcheck.policy.agreement import agreement_for
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    port = server.port
+    opened, published, seen = threading.Barrier(WORLD), threading.Event(), {}
+
+    async def rank(r: int) -> Any:
+        kv = dist.PrefixStore("asymstore/t", dist.TCPStore("127.0.0.1", port, None, False,
+                                                            timeout=datetime.timedelta(seconds=30),
+                                                            wait_for_workers=False))
+        async with store(tmp_path, r, WORLD, kv, node_size=2, timeout_s=5.0) as s:
+            agreement = agreement_for(s)
+            assert agreement is not None
+            assert agreement.poll() is None  # nothing yet; off node 0 this asks the leader to watch
+            opened.wait(10)
+            if r == 5:
+                agreement.publish(7, "SIGTERM")
+                published.set()
+            published.wait(10)
+            notice = agreement.poll()  # the first read after the publisher returned (a collective's order)
+            seen[r] = None if notice is None else (notice.step, notice.rank)
+            opened.wait(10)
+
+    out = run_ranks(WORLD, rank)
+    assert all(v is None for v in out.values()), out
+    assert seen == {r: (7, 5) for r in range(WORLD)}, seen

@@ -196,8 +196,9 @@ def rank_tiers(case: dict[str, Any], rank: int) -> list[Any] | None:
 
 
 def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(case["port"]), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    per_node = case["peer"]["per_node"] if case.get("peer") else case.get("per_node", world)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(case["port"]), RANK=str(rank),  # as torchrun
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
     torch.set_num_threads(1)
     log = Log(cdir, rank)
     if "preempt" in case:  # every rank SIGTERMed mid-training: tests/support/preempt_cases.py

@@ -154,7 +154,8 @@ ONLY = 2  # the one rank SIGTERMed in the ddp4-only case
 def cases4(root: Path) -> list[dict[str, Any]]:
     cases: list[dict[str, Any]] = []
     for kind, seeds in SEEDS.items():
-        common: dict[str, Any] = {"kind": kind, "iterations": ITERATIONS4}
+        common: dict[str, Any] = {"kind": kind, "iterations": ITERATIONS4,
+                                  "per_node": 2}  # 2 nodes of 2 (LOCAL_WORLD_SIZE=2): the notice through leaders
         if kind == "ds":
             common["stage"] = 2
         else:

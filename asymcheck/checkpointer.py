@@ -508,6 +508,18 @@ class Checkpointer:
         if self._cycle.frozen is not None:
             self._cycle.frozen.forget(reason)
 
+    def settle(self) -> None:
+        """Deliver an optimizer step whose hooks report its completion late: :attr:`step` counts it, its version opens.
+
+        The DeepSpeed adapter's hooks deliver a completed ``engine.step()`` at the next forward (or at
+        :meth:`mark`), so between the engine's step and that forward :attr:`step` is one behind. An
+        integration that reads :attr:`step` there (Lightning's ``on_train_batch_end``) calls this first.
+        A no-op when nothing is pending (a plain optimizer's hooks deliver the step when it returns)
+        and once closed.
+        """
+        if not self._progress.closed:
+            self._settle()
+
     def flush(self) -> None:
         """Wait until every sealed version is committed (and apply the failure policy)."""
         self._commits.drain()

@@ -638,9 +638,11 @@ def _deepspeed_checkpointer(engine: Any, location: StoreSpec, stateful: Mapping[
 
     It seals a version at the inner optimizer's first step pre-hook of ``engine.step()`` (Lightning
     runs the closure, then ``on_before_optimizer_step``, then ``engine.step()``), takes the engine's
-    files as DeepSpeed's ``save_checkpoint`` writes them, and opens the next version at the first
-    forward after the step or at :meth:`asymcheck.Checkpointer.mark` (``on_train_batch_start``),
-    whichever comes first; ``stateful`` (the loop state, schedulers) is taken at the mark.
+    files as DeepSpeed's ``save_checkpoint`` writes them; the adapter delivers the step at the next
+    forward, and the callback delivers it earlier, in ``on_train_batch_end``
+    (:meth:`asymcheck.Checkpointer.settle`), where the next version opens and the batch's loop state is
+    recorded with its step; ``stateful`` (the loop state, schedulers) is taken at the mark
+    (``on_train_batch_start``).
     """
     import asymcheck.deepspeed
 
@@ -903,6 +905,8 @@ class AsymCheckCallback(Callback):
                 positioned.resumed()
         self._run.rng.put_back()
         ckpt = self.checkpointer
+        if ckpt is not None:
+            ckpt.settle()  # DeepSpeed: a step the hooks deliver late counts before its version takes this state
         if ckpt is None or not self._run.due(ckpt.step):
             return  # not the first batch after a step (gradient accumulation)
         loops = {**self._loops.recorded, MARKED: True}  # the RNG states are those right before training_step
@@ -936,6 +940,10 @@ class AsymCheckCallback(Callback):
             return
         if isinstance(ckpt, LightningCheckpointer):
             ckpt.batch_end()  # manual optimization: the training_step's steps are done, its version opens
+        # DeepSpeed's adapter delivers engine.step() at the next forward: without this ckpt.step is one behind
+        # here, the batch's loop state goes unrecorded and version 1 would hold an empty one (a resume from it
+        # restarted the epoch at batch 0 with the step's parameters)
+        ckpt.settle()
         if ckpt.step != self._recorded:  # an optimizer step ran in this batch
             self._recorded = ckpt.step
             for loader in _loaders(trainer):

@@ -229,6 +229,58 @@ def test_hooks_factory_replaces_the_plain_hooks_and_drives_the_protocol(tmp_path
             assert torch.equal(v, expected[4][k]), k
 
 
+class _LateHooks(HookSet):
+    """Hooks that deliver a step's completion late, at ``settle`` (as the DeepSpeed adapter's, at the next forward)."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, driver: Driver) -> None:
+        self.pending = False
+        self._after = driver.after_step
+        self._returned = driver.step_returned
+        super().__init__(model, opt, on_forward=driver.on_forward, on_grad=driver.on_grad,
+                         on_step_pre=driver.before_step, on_step_post=self._post)
+
+    def _post(self) -> None:
+        self.pending = True
+        self._returned()
+
+    def settle(self) -> None:
+        if self.pending:
+            self.pending = False
+            self._after()
+
+
+def test_settle_delivers_a_step_the_hooks_report_late(tmp_path: Path) -> None:
+    """``settle()`` counts a step whose hooks deliver it late, once; each settled step is a version, resumed exactly."""
+    model, opt = _model()
+    late: list[_LateHooks] = []
+
+    def hooks(driver: Driver) -> _LateHooks:
+        late.append(_LateHooks(model, opt, driver))
+        return late[0]
+
+    expected: dict[str, torch.Tensor] = {}
+    with Checkpointer(model, opt, tmp_path / "ck", hooks=hooks, preemption=QUIET,
+                      pacing=PacingOptions(max_overhead=None)) as ckpt:
+        for i in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert ckpt.step == i and late[0].pending  # the step completed, not delivered yet
+            ckpt.settle()
+            assert ckpt.step == i + 1 and not late[0].pending
+            ckpt.settle()  # nothing pending: a no-op
+            assert ckpt.step == i + 1
+            expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ckpt.settle()  # closed: a no-op
+    assert ckpt.step == 3
+    restored, ropt = _model()
+    with Checkpointer(restored, ropt, tmp_path / "ck", preemption=QUIET) as again:
+        assert again.resume() == 3
+        for k, v in restored.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+
+
 class _CountingState(TrainingState):
     loads = 0
 

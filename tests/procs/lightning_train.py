@@ -18,6 +18,8 @@ the whole model (FSDP2, gloo on the CPU); the final state holds each rank's loca
 ``--deepspeed``: ``DeepSpeedStrategy(stage=2)`` (ZeRO-2) on DeepSpeed's CPU accelerator through a test-only subclass
 that steps around Lightning's two CUDA checks (see ``_CPUDeepSpeedStrategy``); one process, or 2 with ``--ddp``.
 ``--accum N``: ``accumulate_grad_batches=N``.
+``--flush`` (with ``--kill``): right before the kill, wait until the callback's sealed versions are committed
+(``checkpointer.flush()``), so the resume takes the version of the step before the kill whatever the machine's load.
 ``--sigterm``: SIGTERM instead of SIGKILL (the preemption flush commits the newest step, then
 Lightning's handler ends the fit by its ``SIGTERMException``, exit status 0, no final state written).
 ``--precision P``: ``bf16-mixed`` (``Trainer(precision="bf16-mixed")``: autocast, no scaler) or ``16-mixed``:
@@ -84,6 +86,7 @@ class Model(pl.LightningModule):
         self.ddp = False
         self.fsdp2 = False
         self.signal = signal.SIGKILL
+        self.flush: AsymCheckCallback | None = None  # --flush: the callback whose sealed versions commit first
 
     def configure_model(self) -> None:
         """``--fsdp2``: FSDP2 over the data-parallel mesh, each GPT-2 block and the whole model (Lightning's recipe)."""
@@ -102,6 +105,8 @@ class Model(pl.LightningModule):
     @torch.compiler.disable  # type: ignore[misc]  # run, never traced, under --compile
     def _before(self, batch_idx: int) -> None:
         if self.kill is not None and self.global_step == self.kill:
+            if self.flush is not None and self.flush.checkpointer is not None:  # commit the sealed versions first
+                self.flush.checkpointer.flush()
             marker = {"step": self.global_step, "signal": signal.Signals(self.signal).name}
             (self.out / f"killed-rank{self.global_rank}.json").write_text(json.dumps(marker))  # the kill came here
             os.kill(os.getpid(), self.signal)
@@ -199,6 +204,7 @@ def main() -> None:
     parser.add_argument("--deepspeed", action="store_true")
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--sigterm", action="store_true")
+    parser.add_argument("--flush", action="store_true")
     parser.add_argument("--precision", choices=["32-true", "bf16-mixed", "16-mixed"], default="32-true")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--compile", choices=["aot_eager", "inductor"])
@@ -225,6 +231,8 @@ def main() -> None:
         ckpt = AsymCheckCallback(args.dir, keep_last=2, monitor="val_loss", save_top_k=1,
                                  pacing=PacingOptions(max_overhead=None))
         callbacks.append(ckpt)
+        if args.flush:
+            module.flush = ckpt
     precision: dict[str, Any] = {}
     if args.precision == "16-mixed" and not args.gpu:  # what precision="16-mixed" builds on a GPU, on the CPU
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=4)

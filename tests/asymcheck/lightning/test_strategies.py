@@ -83,6 +83,23 @@ def test_deepspeed_kill_and_resume(tmp_path: Path, ranks: int) -> None:
     assert list_global_steps(str(root / "global"))[-1] == steps  # the DeepSpeed adapter's multi-rank root
 
 
+def test_deepspeed_resumed_from_first_version(tmp_path: Path) -> None:
+    """DeepSpeedStrategy(stage=2), killed after 2 steps with version 1 committed: resumed from it, bit-exact.
+
+    The adapter delivers ``engine.step()`` at the next forward, so ``on_train_batch_end`` used to see the
+    Checkpointer's step one behind: the first batch's loop state went unrecorded and version 1 held an empty
+    one; resumed from it (the newest committed when the kill came before version 2's commit, as on a loaded
+    machine), the fit started again at epoch 0 batch 0 with the parameters of step 1. ``--flush`` commits
+    version 1 before the kill, so this resume takes it whatever the load.
+    """
+    ref = _Launch(tmp_path / "ref", "--deepspeed")
+    out, root = tmp_path / "run", tmp_path / "ckpt"
+    _Launch(out, "--dir", str(root), "--kill", "2", "--flush", "--deepspeed").wait(killed=(2, signal.SIGKILL))
+    _Launch(out, "--dir", str(root), "--deepspeed").wait()
+    assert _resumed_step(out) == 1
+    _check_same(ref.wait(), out, 1)
+
+
 def test_deepspeed_accumulating_refused(tmp_path: Path) -> None:
     """DeepSpeedStrategy with ``accumulate_grad_batches=2``: a real fit refused, typed, before anything is written.
 

@@ -11,12 +11,14 @@ round, and N ranks polling it while they wait. :class:`Fabric` routes both throu
   store directly, as before. A job of one node therefore runs exactly the direct protocol.
 - **Every other node** gets a node store: a TCPStore its leader (``LOCAL_RANK`` 0) serves on the node
   (``127.0.0.1``), whose address the leader posts once per session. Its ranks put their parts and wait
-  for broadcasts there. The leader's relay (:class:`NodeRelay`, daemon threads of the leader's process)
-  forwards the node's parts of a gather as one value (``<prefix>/node/<n>``: every part, and which
-  ranks are missing when its wait ran out), waits for a broadcast a member asked for in the job's store
-  (``TCPStore.wait``: it blocks in the server, never polls) and copies it into the node store, and
-  keeps the few values members read every commit (the retention counters) fresh there: O(nodes)
-  requests per round on the job's store.
+  for broadcasts there (polls of a store on their own node, which cost the job's store nothing). The
+  leader's relay (:class:`NodeRelay`, a thread of the leader's process per gather) forwards the node's
+  parts of a gather as one value (``<prefix>/node/<n>``: every part, and which ranks are missing when
+  its wait ran out): one request per node per gather on the job's store.
+- **Broadcasts fan out**: the coordinator puts each one into the job's store (for its own node) and
+  into every node store itself (it connects to them once per session), as it puts the values ranks
+  read every commit (the retention counters, the fallback to whole replicas). Nothing waits in the
+  job's store for them, and nothing is blocked in a store call when a process exits.
 
 A leader's death is its ranks' death: their node store dies with it (their requests fail, typed by the
 store as ``RuntimeError``), the coordinator misses the node's part and abandons the round, and the next
@@ -31,6 +33,7 @@ import json
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asymstore.dist.kv import KV
@@ -39,13 +42,13 @@ from asymstore.errors import CoordinationProtocolError, CoordinationTimeoutError
 
 logger = logging.getLogger(__name__)
 
-WANT_QUEUE = "relay/want"
-"""The node store's queue of what members ask the leader's relay for (JSON ``{"key", "kind", "timeout"}``)."""
-
 LEADER_SHARE = 0.8
 """A leader forwards its node's parts of a gather after this share of the round's timeout at most (partial
 parts then, naming the missing ranks), so that the coordinator hears which ranks are missing before its own
 wait for the nodes runs out."""
+
+NODE_POLL_MAX_S = 0.002
+"""The longest pause between two polls of a node store (served on the node: a poll costs the job's store nothing)."""
 
 _FOREVER_S = 7 * 24 * 3600.0
 
@@ -86,8 +89,9 @@ class Fabric:
         """Where this rank puts its parts and reads broadcasts: its node store, or the job's store."""
         self.relay: NodeRelay | None = None
         """The node's relay, on a leader of a node other than 0."""
-        self._asked: set[str] = set()
         self._prefix: str | None = None
+        self._timeout_s = 300.0
+        self._nodes: list[KV] = []  # the coordinator's clients of the other nodes' stores
 
     # -- topology ----------------------------------------------------------------------------------
 
@@ -102,27 +106,45 @@ class Fabric:
         return self.local is self.kv
 
     def connect(self, session_prefix: str, timeout_s: float) -> None:
-        """Link this rank to its node store (blocking; nothing for node 0 or a job of one node).
+        """Link this rank to its node store (blocking; nothing for a job of one node).
 
-        The leader serves the node store and posts its address; the other ranks wait for it (a wait that
-        blocks in the job's store, once per session).
+        The leader of a node other than 0 serves the node store and posts its address; the node's other
+        ranks wait for it (once per session). The coordinator connects to every node store, for its
+        broadcasts.
 
         Raises:
-            CoordinationTimeoutError: the leader did not post its node store within ``timeout_s``.
+            CoordinationTimeoutError: a leader did not post its node store within ``timeout_s``.
         """
         top = self.topology
         self._prefix = session_prefix
-        if top is None or top.nodes == 1 or self.node == 0:
+        self._timeout_s = timeout_s
+        if top is None or top.nodes == 1:
             return
-        key = node_address_key(session_prefix, self.node)
+        if self.rank == 0:
+            self._nodes = [self._node_store(n) for n in range(1, top.nodes)]
+            return
+        if self.node == 0:
+            return
         if top.is_leader(self.rank):
             self.relay = NodeRelay(self.kv, top, self.node, timeout_s)
             self.local = self.relay.local
-            self.kv.store.set(key, json.dumps({"host": self.relay.host, "port": self.relay.port}))
+            self.kv.store.set(node_address_key(session_prefix, self.node),
+                              json.dumps({"host": self.relay.host, "port": self.relay.port}))
             return
-        raw = blocking_get(self.kv.store, key, timeout_s, f"rank {self.rank}: the node store of node {self.node}")
-        addr = json.loads(bytes(raw).decode())
-        self.local = KV(connect_store(str(addr["host"]), int(addr["port"]), timeout_s))
+        self.local = self._node_store(self.node)
+
+    def _node_store(self, node: int) -> KV:
+        assert self._prefix is not None
+        key = node_address_key(self._prefix, node)
+        self.kv.wait([key], self._timeout_s, f"rank {self.rank}: the node store of node {node}")
+        addr = json.loads(bytes(self.kv.store.get(key)).decode())
+        return KV(connect_store(str(addr["host"]), int(addr["port"]), self._timeout_s), poll_max_s=NODE_POLL_MAX_S)
+
+    def close(self) -> None:
+        """Stop this rank's relay (a leader's); the node store stays served until the process ends."""
+        if self.relay is not None:
+            self.relay.stop()
+
 
     # -- gathers -------------------------------------------------------------------------------------
 
@@ -198,73 +220,70 @@ class Fabric:
     # -- broadcasts ----------------------------------------------------------------------------------
 
     def announce(self, key: str, raw: str) -> None:
-        """The coordinator: put the broadcast ``key`` in the job's store."""
+        """The coordinator: put the broadcast ``key`` into the job's store and every node store.
+
+        Raises:
+            RuntimeError: a node store could not be reached (its leader is gone: its ranks with it).
+        """
         self.kv.store.set(key, raw)
+        self._fan_out(key, raw)
+
+    def _fan_out(self, key: str, raw: str) -> None:
+        if not self._nodes:
+            return
+        if len(self._nodes) == 1:
+            self._nodes[0].store.set(key, raw)
+            return
+        with ThreadPoolExecutor(min(8, len(self._nodes))) as pool:  # node stores answer in parallel
+            list(pool.map(lambda node: node.store.set(key, raw), self._nodes))
+
+    def raise_counter(self, key: str, value: int) -> None:
+        """The coordinator: raise the counter ``key`` to ``value`` (never lower) and tell every node store."""
+        self.kv.raise_int(key, value)
+        if self._nodes:
+            self._fan_out(key, str(self.kv.read_int(key)))
 
     def hear(self, key: str, timeout_s: float, what: str) -> bytes:
-        """Wait for the broadcast ``key`` and return it (through the node's leader off node 0).
+        """Wait for the broadcast ``key`` in this rank's node store (the job's store on node 0) and return it.
 
         Raises:
             CoordinationTimeoutError: not within ``timeout_s`` (or the process is exiting).
         """
-        if not self.direct and not self.local.has(key):
-            self._ask(key, "once", timeout_s)
         self.local.wait([key], timeout_s, what)
         return bytes(self.local.store.get(key))
 
     def has(self, key: str) -> bool:
-        """Whether the broadcast ``key`` (set once, never changed) is set, without waiting.
-
-        Off node 0 the first call asks the leader's relay to wait for it in the job's store; until it
-        copies it, the node store does not have it.
-        """
-        if self.local.has(key):
-            return True
-        if not self.direct:
-            self._ask(key, "once", _FOREVER_S)
-        return False
+        """Whether the broadcast ``key`` is set, without waiting (in this rank's node store)."""
+        return self.local.has(key)
 
     def peek(self, key: str) -> bytes | None:
-        """The value of ``key`` (one the coordinator changes over time), or None when unset.
-
-        Off node 0 the node store's copy, which the leader's relay refreshes with every gather it
-        forwards: it may be a round old.
-        """
-        if not self.direct:
-            self._ask(key, "value", 0.0)
+        """The value of the broadcast ``key`` (one the coordinator changes over time), or None when unset."""
         return bytes(self.local.store.get(key)) if self.local.has(key) else None
 
     def read_int(self, key: str) -> int:
-        """The counter ``key`` (0 when never set); off node 0 the node store's copy (see :meth:`peek`)."""
+        """The counter ``key`` (0 when never set), as the coordinator last told this rank's node."""
         if self.direct:
             return self.kv.read_int(key)
-        self._ask(key, "count", 0.0)
-        return int(bytes(self.local.store.get(key))) if self.local.has(key) else 0
-
-    def _ask(self, key: str, kind: str, timeout_s: float) -> None:
-        asked = f"{kind}:{key}"
-        if asked in self._asked:
-            return
-        self._asked.add(asked)
-        self.local.store.queue_push(WANT_QUEUE, json.dumps({"key": key, "kind": kind, "timeout": timeout_s}))
+        raw = self.peek(key)
+        return 0 if raw is None else int(raw)
 
     def fan_out(self, key: str, raw: str, timeout_s: float) -> None:
-        """Put ``key`` into every node store too (blocking): a broadcast every rank must see at its next read.
+        """Put ``key`` into every node store too (blocking): a broadcast from a rank that is not the coordinator.
 
         The preemption notice needs it: a rank that reads its node store right after a collective must
-        see a notice published before that collective, with no relay in between. Best effort per node
-        (a node that cannot be reached is logged; its relay still copies the key when asked).
+        see a notice published before that collective. Best effort per node (a node that cannot be
+        reached is logged: its ranks are gone with their leader).
         """
         top, prefix = self.topology, self._prefix
         if top is None or top.nodes == 1 or prefix is None:
             return
-        if not self.direct and not self.local.has(key):
-            self.local.store.set(key, raw)
+        if self._nodes:
+            self._fan_out(key, raw)
+            return
         for node in range(1, top.nodes):
             try:
                 addr = json.loads(bytes(self.kv.store.get(node_address_key(prefix, node))).decode())
-                store = connect_store(str(addr["host"]), int(addr["port"]), timeout_s)
-                store.set(key, raw)
+                connect_store(str(addr["host"]), int(addr["port"]), timeout_s).set(key, raw)
             except Exception as exc:  # a dead node: its ranks are gone with their leader
                 logger.warning("rank %d: could not put %s into node %d's store: %s", self.rank, key, node, exc)
 
@@ -291,26 +310,8 @@ def connect_store(host: str, port: int, timeout_s: float) -> Any:
                          wait_for_workers=False)
 
 
-def blocking_get(store: Any, key: str, timeout_s: float, what: str) -> bytes:
-    """Wait for ``key`` in the server (a new connection, so that ``store`` stays free), then get it.
-
-    Raises:
-        CoordinationTimeoutError: not within ``timeout_s``.
-    """
-    clone = getattr(store, "clone", None)
-    if clone is None:  # a process-local store: poll it
-        KV(store).wait([key], timeout_s, what)
-        return bytes(store.get(key))
-    waiter = clone()
-    try:
-        waiter.wait([key], datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # DistStoreError: the wait ran out
-        raise CoordinationTimeoutError(f"{what}: {key} not set within {timeout_s:g} s") from exc
-    return bytes(waiter.get(key))
-
-
 class NodeRelay:
-    """A leader's relay between its node store and the job's store (see the module docstring).
+    """A leader's relay from its node store to the job's store (see the module docstring).
 
     Args:
         central: the leader's client of the job's store.
@@ -320,7 +321,7 @@ class NodeRelay:
     """
 
     def __init__(self, central: KV, topology: Topology, node: int, timeout_s: float) -> None:
-        """Serve the node store and start the relay's thread."""
+        """Serve the node store."""
         import torch.distributed as dist
 
         self.central = central
@@ -328,89 +329,46 @@ class NodeRelay:
         self.node = node
         self.timeout_s = timeout_s
         self.host = "127.0.0.1"
-        self.server = dist.TCPStore(self.host, 0, None, True,  # type: ignore[attr-defined]
-                                    timeout=datetime.timedelta(seconds=_FOREVER_S), wait_for_workers=False)
-        self.port = int(self.server.port)
-        self.local = KV(connect_store(self.host, self.port, timeout_s))
+        server = dist.TCPStore(self.host, 0, None, True,  # type: ignore[attr-defined]
+                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        _SERVED.append(server)  # served until the process ends: the node's ranks may read it after our close
+        self.port = int(server.port)
+        self.local = KV(connect_store(self.host, self.port, timeout_s), poll_max_s=NODE_POLL_MAX_S)
         self._lock = threading.Lock()
-        self._relayed: set[str] = set()
-        self._values: set[str] = set()
         self._forwarded: set[str] = set()
+        self._stopped = False
         self.forwards = 0
         """Gathers this relay forwarded (for tests and the bench)."""
-        threading.Thread(target=self._serve_wants, name=f"asymstore-relay-{node}", daemon=True).start()
+
+    def stop(self) -> None:
+        """Start no new forward (one in flight still forwards: the node's ranks may be behind their leader)."""
+        self._stopped = True
 
     def forward(self, prefix: str) -> None:
         """Forward the node's parts of the gather under ``prefix`` once they are all in (in a thread)."""
         with self._lock:
-            if prefix in self._forwarded:
+            if prefix in self._forwarded or self._stopped:
                 return
             self._forwarded.add(prefix)
-        threading.Thread(target=self._forward, args=(prefix,), name="asymstore-relay-forward", daemon=True).start()
+        threading.Thread(target=self._forward, args=(prefix,), name="asymstore-relay", daemon=True).start()
 
     def _forward(self, prefix: str) -> None:
         members = list(self.topology.members(self.node))
         keys = [part_key(prefix, r) for r in members]
-        waiter = self.local.store.clone()
+        node = KV(self.local.store, poll_max_s=NODE_POLL_MAX_S)
         try:
-            waiter.wait(keys, datetime.timedelta(seconds=self.timeout_s * LEADER_SHARE))
-        except RuntimeError:
+            node.wait(keys, self.timeout_s * LEADER_SHARE, f"node {self.node}: its ranks' parts of {prefix}")
+        except CoordinationTimeoutError:
             pass  # forward what came, naming the missing ranks
         try:
-            present = [r for r in members if waiter.check([part_key(prefix, r)])]
-            values = waiter.multi_get([part_key(prefix, r) for r in present]) if present else []
+            present = [r for r in members if node.has(part_key(prefix, r))]
+            values = node.store.multi_get([part_key(prefix, r) for r in present]) if present else []
             doc = {"parts": {str(r): bytes(v).decode() for r, v in zip(present, values, strict=True)},
                    "missing": [r for r in members if r not in present]}
-            central = self.central.store.clone()
-            central.set(node_part_key(prefix, self.node), json.dumps(doc))
+            self.central.store.set(node_part_key(prefix, self.node), json.dumps(doc))
             self.forwards += 1
-            self._refresh(central)
         except Exception as exc:  # the job's store is gone: the coordinator misses this node
             logger.warning("node %d: could not forward %s: %s", self.node, prefix, exc)
 
-    def _refresh(self, central: Any) -> None:
-        """Copy the values members read every round: a counter in one request, a value in two when set."""
-        with self._lock:
-            keys = sorted(self._values)
-        for kind, key in (k.split(":", 1) for k in keys):
-            if kind == "count":
-                self.local.store.set(key, str(int(central.add(key, 0))))
-            elif central.check([key]):
-                self.local.store.set(key, central.get(key))
 
-    def _serve_wants(self) -> None:
-        queue = self.local.store.clone()
-        queue.set_timeout(datetime.timedelta(seconds=_FOREVER_S))
-        while True:
-            try:
-                want = json.loads(bytes(queue.queue_pop(WANT_QUEUE, True)).decode())
-                key, kind, timeout_s = str(want["key"]), str(want["kind"]), float(want["timeout"])
-            except Exception as exc:  # the node store is gone (process exiting), or a malformed want
-                logger.debug("node %d relay: %s", self.node, exc)
-                return
-            with self._lock:
-                if kind in ("value", "count"):
-                    if f"{kind}:{key}" in self._values:
-                        continue
-                    self._values.add(f"{kind}:{key}")
-                elif key in self._relayed:
-                    continue
-                else:
-                    self._relayed.add(key)
-            if kind in ("value", "count"):
-                try:
-                    self._refresh(self.central.store.clone())
-                except Exception as exc:
-                    logger.debug("node %d relay: %s", self.node, exc)
-                continue
-            threading.Thread(target=self._relay, args=(key, timeout_s), name="asymstore-relay-wait",
-                             daemon=True).start()
-
-    def _relay(self, key: str, timeout_s: float) -> None:
-        try:
-            raw = blocking_get(self.central.store, key, timeout_s, f"node {self.node} relaying {key}")
-            self.local.store.set(key, raw)
-        except Exception as exc:  # not set in time: a later want asks again
-            with self._lock:
-                self._relayed.discard(key)
-            logger.debug("node %d relay of %s: %s", self.node, key, exc)
+_SERVED: list[Any] = []

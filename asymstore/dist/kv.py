@@ -48,11 +48,13 @@ class KV:
 
     Args:
         store: a ``torch.distributed.Store`` (TCPStore, PrefixStore, HashStore).
+        poll_max_s: the longest pause between two polls of a wait (a node-local store affords short ones).
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, *, poll_max_s: float = _POLL_MAX_S) -> None:
         """Wrap ``store``."""
         self.store = store
+        self.poll_max_s = poll_max_s
 
     def put(self, key: str, value: Any) -> None:
         """Set ``key`` to ``value`` as JSON."""
@@ -100,7 +102,7 @@ class KV:
                     return
                 raise CoordinationTimeoutError(f"{what}: still missing after {timeout_s:g} s: {missing}")
             time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MAX_S)
+            delay = min(delay * 2, self.poll_max_s)
 
     def read_int(self, key: str) -> int:
         """Return the integer counter ``key`` (0 when never set), without blocking."""

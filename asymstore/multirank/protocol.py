@@ -771,7 +771,7 @@ class AgreeRound:
 def retained_set(kv: KV | Fabric) -> RetainSet | None:
     """The shard steps each rank keeps under ``keep_every``/``keep_best`` (None: not posted yet).
 
-    Off node 0, the node store's copy (a round old at most: it only keeps more).
+    Off node 0, the node store's copy, which the coordinator puts there when it posts it.
 
     Raises:
         CoordinationProtocolError: the record is malformed.
@@ -780,30 +780,34 @@ def retained_set(kv: KV | Fabric) -> RetainSet | None:
     return None if raw is None else decode(raw, RetainSet, RETAIN_SET)
 
 
-def post_retained_set(kv: KV, kept: RetainSet) -> None:
-    """Coordinator: post the shard steps each rank keeps."""
-    Wire(kv).put(RETAIN_SET, kept)
+def post_retained_set(kv: KV | Fabric, kept: RetainSet) -> None:
+    """Coordinator: post the shard steps each rank keeps (into every node store too)."""
+    Wire(kv).announce(RETAIN_SET, kept)
 
 
 def keep_from(kv: KV | Fabric, rank: int) -> int:
     """The oldest shard step ``rank`` must keep under plain ``keep_last`` (-1: none posted).
 
-    Off node 0, the node store's copies of the counters (a round old at most: they only keep more).
+    Off node 0, the node store's copies of the counters, which the coordinator puts there when it raises them.
     """
     fabric = Wire(kv).fabric
     own = fabric.read_int(retain_rank(rank)) if fabric.has(RETAIN_RANKED) else 0
     return max(own, fabric.read_int(RETAIN_ALL)) - 1
 
 
-def raise_keep_from(kv: KV, steps: dict[int, int], world_size: int) -> None:
-    """Coordinator: rank -> the oldest shard step it must keep (counters only rise: one request when alike)."""
+def raise_keep_from(kv: KV | Fabric, steps: dict[int, int], world_size: int) -> None:
+    """Coordinator: rank -> the oldest shard step it must keep (counters only rise: one request when alike).
+
+    Every node store is told the new values too (see :mod:`asymstore.dist.fabric`).
+    """
+    fabric = Wire(kv).fabric
     if len(set(steps.values())) == 1 and len(steps) == world_size:  # the usual case: one request
-        kv.raise_int(RETAIN_ALL, next(iter(steps.values())) + 1)
+        fabric.raise_counter(RETAIN_ALL, next(iter(steps.values())) + 1)
         return
     for r, step in steps.items():  # a kept version of another world size may need rank r's older shards
-        kv.raise_int(retain_rank(r), step + 1)
-    if not kv.has(RETAIN_RANKED):
-        kv.store.set(RETAIN_RANKED, "1")
+        fabric.raise_counter(retain_rank(r), step + 1)
+    if not fabric.kv.has(RETAIN_RANKED):
+        fabric.announce(RETAIN_RANKED, "1")
 
 
 PAYLOADS: tuple[Callable[..., Payload], ...] = (

@@ -74,7 +74,7 @@ def _retain_by_rules(job: Job) -> None:
     if not kept:
         return
     needed = {r: tuple(sorted({g.shard(r).step for g in kept if r < g.world_size})) for r in range(job.world_size)}
-    protocol.post_retained_set(job.kv, protocol.RetainSet(needed))
+    protocol.post_retained_set(job.fabric, protocol.RetainSet(needed))
 
 
 def _global(job: Job, step: int) -> GlobalManifest:
@@ -107,7 +107,7 @@ def retain_globals(job: Job) -> None:
         return
     needed = {r: min(steps_r) for r in range(job.world_size)
               if (steps_r := [g.shard(r).step for g in kept if r < g.world_size])}
-    protocol.raise_keep_from(job.kv, needed, job.world_size)
+    protocol.raise_keep_from(job.fabric, needed, job.world_size)
 
 
 async def retire_departed_shards(job: Job) -> None:

@@ -333,6 +333,8 @@ class RankStore:
         try:
             await self.local.close()
         finally:
+            if self.job.link is not None:
+                self.job.link.close()
             takeover.release_root(self.job)
             self._global_lock.release()
 
@@ -509,7 +511,7 @@ class RankStore:
                 self.published_step = step
         except GlobalVersionDroppedError:
             if self.is_coordinator and self.job.replicas_whole:  # every rank writes whole copies from now on
-                await asyncio.to_thread(self.kv.put, self.session_key(REPLICAS_WHOLE), "1")
+                await asyncio.to_thread(self.job.fabric.announce, self.session_key(REPLICAS_WHOLE), '"1"')
             await self._discard(step)  # no global version will ever use it
             raise
         await retain_shards(self.local, self.job.fabric, self.rank, by_rules=self.job.rules is not None,

@@ -229,13 +229,26 @@ class Fabric:
         self._fan_out(key, raw)
 
     def _fan_out(self, key: str, raw: str) -> None:
-        if not self._nodes:
+        """Put ``key`` into every node store still served (a dead node's ranks are gone with their leader)."""
+        nodes = list(self._nodes)
+        if not nodes:
             return
-        if len(self._nodes) == 1:
-            self._nodes[0].store.set(key, raw)
-            return
-        with ThreadPoolExecutor(min(8, len(self._nodes))) as pool:  # node stores answer in parallel
-            list(pool.map(lambda node: node.store.set(key, raw), self._nodes))
+
+        def put(node: KV) -> KV | None:
+            try:
+                node.store.set(key, raw)
+                return None
+            except RuntimeError as exc:  # DistNetworkError: the leader's process is gone
+                logger.warning("rank %d: a node store is gone (its leader died), its ranks hear nothing more: %s",
+                               self.rank, str(exc).splitlines()[0][:200])
+                return node
+
+        if len(nodes) == 1:
+            dead = [put(nodes[0])]
+        else:
+            with ThreadPoolExecutor(min(8, len(nodes))) as pool:  # node stores answer in parallel
+                dead = list(pool.map(put, nodes))
+        self._nodes = [n for n in self._nodes if n not in dead]
 
     def raise_counter(self, key: str, value: int) -> None:
         """The coordinator: raise the counter ``key`` to ``value`` (never lower) and tell every node store."""

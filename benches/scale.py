@@ -13,10 +13,11 @@ the other ranks as asyncio tasks in ``--procs`` worker processes. Each rank has 
 own TCPStore client of the central server (as every rank of a torchrun job has),
 connected before the start, one at a time per process (``--lazy-clients``: on the
 rank's first request instead, so that a rank whose protocol never asks the central
-store opens no connection); every operation through it is counted. Connecting amid
-traffic can stall a connect for 5 s on a machine whose DNS is unreachable (c10d's
-connect path looks a name up): the eager clients keep that out of the figures, a
-protocol that opens connections of its own (node stores) shows it in its opening
+store opens no connection); every operation through it is counted. c10d's connect
+looks a socket's name up (``getnameinfo``): where DNS is unreachable (the development
+VM) about one connect in 30 waits 5 s or 10 s for the resolver, so the bench sets
+``RES_OPTIONS="timeout:1 attempts:1"`` for its processes unless it is set; a protocol
+that opens connections of its own (node stores) still shows the rest in its opening
 phase (printed per N).
 
 The topology: ``--node-size L`` ranks per node, numbered node by node. It reaches
@@ -92,10 +93,13 @@ SPARE_FDS = 256
 """Descriptors a process needs besides the store connections (libraries, pipes, files)."""
 SPARE_BYTES = 1 << 30
 """Memory left free when deciding whether the next N fits."""
-PROCESS_BYTES = 400 << 20
-"""A process's memory before its ranks (the interpreter and torch), before a run has measured it."""
-RANK_BYTES = 512 * KIB
-"""A rank's memory before a run has measured it (about 200 KiB measured at 256 ranks: a guess on the safe side)."""
+PROCESS_BYTES = 300 << 20
+"""A process's memory before its ranks (the interpreter and torch: 230 MiB measured)."""
+RANK_BYTES = 128 * KIB
+"""A rank's own memory (its store, client, task; 60 KiB measured at 1,024 ranks without restores)."""
+PEER_BYTES = 768
+"""A rank's memory per rank of the job once it has restored (~540 B measured at 1,024 ranks): each rank holds the
+global manifest it restored (``RankStore.restored_global``, N entries), so N ranks in one machine hold N² entries."""
 
 
 class Gauge:
@@ -344,14 +348,25 @@ def mem_available() -> int:
     return 0
 
 
-def fits(world: int, processes: int, per_rank: float, per_process: float) -> str | None:
-    """None when ``world`` ranks over ``processes`` processes fit in memory and threads, else why not."""
-    need = int(processes * per_process + world * per_rank)
+def memory_needed(world: int, processes: int, restores: int) -> int:
+    """The bytes ``world`` simulated ranks over ``processes`` processes need (the model of the constants above)."""
+    return int(processes * PROCESS_BYTES + world * (RANK_BYTES + (PEER_BYTES * world if restores else 0)))
+
+
+def fits(world: int, processes: int, restores: int, scale: float) -> str | None:
+    """None when ``world`` ranks over ``processes`` processes fit in memory and threads, else why not.
+
+    ``scale``: how much more than the model the runs so far took (1.0: as modelled).
+    """
+    need = int(memory_needed(world, processes, restores) * scale)
     free = mem_available()
     if need + SPARE_BYTES > free:
-        return (f"needs about {need >> 20} MiB ({processes} processes x {int(per_process) >> 20} MiB + "
-                f"{world} ranks x {int(per_rank) >> 10} KiB) and {SPARE_BYTES >> 20} MiB to spare, "
-                f"but {free >> 20} MiB are available")
+        why = (f"needs about {need >> 20} MiB and {SPARE_BYTES >> 20} MiB to spare, but {free >> 20} MiB are "
+               f"available")
+        if restores:
+            return (f"{why}: after a restore each simulated rank holds the global manifest of {world} entries "
+                    f"(~{world * PEER_BYTES >> 20} MiB each, N² in all); measure this N with --restores 0")
+        return why
     threads = world + 64 * processes  # a thread per rank blocked in a store call, and each process's own
     nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
     if nproc != resource.RLIM_INFINITY and threads > nproc:
@@ -391,6 +406,7 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
     peak_fds = [0]
     stop = threading.Event()
     server_cpu = cpu_s()
+    spawned = time.time()
     try:
         for _, ranks in groups:
             here, there = ctx.Pipe()
@@ -403,6 +419,7 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
         for pipe in pipes:
             if pipe.recv() != "ready":
                 raise RuntimeError("a worker failed to start")
+        startup = time.time() - spawned
         # before the start the server holds the ranks' clients connected so far and the bench's own: the rest
         # (files, pipes, the listening socket, multiprocessing's sockets) stays as it is for the whole run
         not_connections = open_fds() - gauge.now.value - len(groups)
@@ -426,6 +443,7 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
         elapsed = time.time() - started
         for p in workers:
             p.join(60)
+        teardown = time.time() - started - elapsed
     finally:
         stop.set()
         for p in workers:
@@ -469,7 +487,7 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
             "restore_max_s": max(agreements) if agreements else None,
             "coordinator_cpu_ms_per_commit": processes[0]["cpu_ms_per_commit"],
             "leader_cpu_ms_per_commit": leaders[0]["cpu_ms_per_commit"] if leaders else None,
-            "server_process_cpu_s": server_cpu, "elapsed_s": elapsed,
+            "server_process_cpu_s": server_cpu, "elapsed_s": elapsed, "startup_s": startup, "teardown_s": teardown,
             "phases_s": {phase: max(res["phases"][phase] for res in results) - started
                          for phase in ("opened", "committed", "agreed", "closed")},
             "clients_opened": gauge.opened.value, "peak_clients_open": gauge.peak.value,
@@ -494,16 +512,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's warning per client socket, in every process
+    # c10d's connect looks a socket's name up (getnameinfo); where DNS is unreachable (this VM) about one connect in
+    # 30 waits out the resolver's 5 s timeout twice: one short try keeps that artifact out of the opening phase
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     if args.node_size < 1 or args.procs < 1 or args.commits < 1 or args.restores < 0:
         parser.error("--node-size, --procs and --commits must be >= 1, --restores >= 0")
     hierarchical = accepts_node_size()
     if not hierarchical:
         print("RankStore takes no node_size: every run is the flat protocol (one central store for all ranks)")
-    print(f"load average before: {os.getloadavg()[0]:.2f} (cores: {os.cpu_count()}); "
+    print(f"RES_OPTIONS={os.environ['RES_OPTIONS']!r}; load average before: {os.getloadavg()[0]:.2f} "
+          f"(cores: {os.cpu_count()}); "
           f"memory available: {mem_available() >> 20} MiB; open files: {resource.getrlimit(resource.RLIMIT_NOFILE)}",
           flush=True)
     rows: list[dict[str, Any]] = []
-    per_rank, per_process = float(RANK_BYTES), float(PROCESS_BYTES)
+    scale = 1.0  # the memory measured over the model's, at worst so far
     print(f"{'ranks':>6} {'protocol':>11} {'publish p50/max':>18} {'req/commit':>11} {'req/agree':>10} "
           f"{'agreement':>10} {'coord CPU':>10} {'leader CPU':>11} {'clients':>8} {'srv fds':>8} {'ring':>9} "
           f"{'RSS':>8}")
@@ -516,15 +538,13 @@ def main(argv: list[str] | None = None) -> int:
             ([] if args.flat_only else [args.node_size]) + ([n] if args.flat or args.flat_only else []))
         for node_size in given:
             processes = len(groups_of(n, args.procs, args.node_size)) + 1
-            why = fd_limit(n + SPARE_FDS) or fits(n, processes, per_rank, per_process)
+            why = fd_limit(n + SPARE_FDS) or fits(n, processes, args.restores, scale)
             if why:
                 print(f"{n:>6}: skipped, {why}", flush=True)
                 continue
             row = run(n, args.procs, args.commits, args.restores, args.node_size, node_size, args.lazy_clients)
             rows.append(row)
-            sizes = sorted(p["rss_mib"] for p in row["processes"])
-            per_process = sizes[0] * (1 << 20)  # the coordinator's process: one rank
-            per_rank = max(16 * KIB, (row["rss_mib_total"] * (1 << 20) - len(sizes) * per_process) / n)
+            scale = max(scale, row["rss_mib_total"] * (1 << 20) / memory_needed(n, processes - 1, args.restores))
             leader = row["leader_cpu_ms_per_commit"]
             print(f"{n:>6} {row['protocol']:>11} {row['publish_p50_ms']:>7.1f}/{row['publish_max_ms']:>6.1f} ms "
                   f"{row['requests_per_commit']:>11.0f} {row['requests_per_agreement']:>10.0f} "
@@ -536,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'':>8}{p['process']:<32} {p['ranks']:>6} ranks  CPU {p['cpu_ms_per_commit']:>7.1f} ms/commit "
                       f"{p['cpu_ms_per_agreement']:>8.1f} ms/agreement  RSS {p['rss_mib']:>6.0f} MiB")
             print(f"{'':>8}{'store server (this process)':<32} {'':>12}CPU {row['server_process_cpu_s']:.1f} s over "
-                  f"{row['elapsed_s']:.1f} s; all ranks " + ", ".join(
+                  f"{row['elapsed_s']:.1f} s (start-up {row['startup_s']:.0f} s, teardown {row['teardown_s']:.0f} s); "
+                  "all ranks " + ", ".join(
                       f"{phase} at {at:.1f} s" for phase, at in row["phases_s"].items()), flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.out:

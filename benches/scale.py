@@ -146,9 +146,9 @@ class Counting:
 
             with self._connecting:
                 if self._store is None:
-                    store = dist.TCPStore("127.0.0.1", self._port, None, False,
+                    store = dist.TCPStore("127.0.0.1", self._port, None, False,  # type: ignore[attr-defined]
                                           timeout=datetime.timedelta(seconds=900), wait_for_workers=False)
-                    self._store = dist.PrefixStore("asymstore/scale", store)
+                    self._store = dist.PrefixStore("asymstore/scale", store)  # type: ignore[attr-defined]
                     self._gauge.open()
         return self._store
 
@@ -210,8 +210,9 @@ class StartLine:
         import torch.distributed as dist
 
         self.local, self.processes = local, processes
-        self.kv = dist.PrefixStore("asymstore/scale-bench", dist.TCPStore(
-            "127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=900), wait_for_workers=False))
+        client = dist.TCPStore("127.0.0.1", port, None, False,  # type: ignore[attr-defined]
+                               timeout=datetime.timedelta(seconds=900), wait_for_workers=False)
+        self.kv = dist.PrefixStore("asymstore/scale-bench", client)  # type: ignore[attr-defined]
         self.arrived: dict[str, int] = {}
         self.open: dict[str, asyncio.Event] = {}
 
@@ -397,8 +398,8 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=900),
-                           wait_for_workers=False)
+    server = dist.TCPStore("127.0.0.1", port, None, True,  # type: ignore[attr-defined]
+                           timeout=datetime.timedelta(seconds=900), wait_for_workers=False)
     root = tempfile.mkdtemp(prefix="asymstore-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ctx = mp.get_context("spawn")
     gauge = Gauge(ctx)

@@ -5,7 +5,7 @@ whose replicas), :mod:`asymstore.tiers.peer.link` (the transport) and
 :mod:`asymstore.tiers.peer.service` (the receiving end).
 """
 
-from asymstore.tiers.peer.ring import Ring, ring_of
+from asymstore.tiers.peer.ring import Ring, RingLayout, ring_layout, ring_of
 from asymstore.tiers.peer.tier import PeerTier
 
-__all__ = ["PeerTier", "Ring", "ring_of"]
+__all__ = ["PeerTier", "Ring", "RingLayout", "ring_layout", "ring_of"]

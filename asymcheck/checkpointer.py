@@ -442,9 +442,13 @@ class Checkpointer:
         the metrics belong to and before the next one; metrics of a step whose
         version is not taken (``every`` > 1, pacing) are dropped.
 
+        Under hooks that deliver a step late (DeepSpeed: at the next forward) the step is delivered
+        first (:meth:`settle`), so metrics logged right after ``engine.step()`` go with its version.
+
         Raises:
             InvalidMetaError: a name is not a string or a value not a finite number.
         """
+        self.settle()  # DeepSpeed: without it the metrics went to the step before, whose version was sealed (lost)
         clean: dict[str, float] = {}
         for name, value in metrics.items():
             if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, int | float) \

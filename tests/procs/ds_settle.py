@@ -1,0 +1,133 @@
+"""A child of tests/asymcheck/deepspeed/test_settle.py: one process, a real DeepSpeed engine (ZeRO-2, CPU, gloo).
+
+``python -m tests.procs.ds_settle --mode MODE --dir CKPT --out OUT.json``
+
+The DeepSpeed adapter's hooks deliver a completed ``engine.step()`` late (at the next forward of the root
+module); each mode reads the Checkpointer between the engine's step and that forward:
+
+- ``metrics``: ``ckpt.log_metrics({"m": s})`` right after step ``s``, with ``keep_last=1`` and
+  ``keep_best=KeepBest("m", "min")`` (step 1 is the best); writes the global versions kept and their metrics.
+- ``submodule``: the forwards call the root module's children directly (the root's forward pre-hook never
+  fires); writes ``ckpt.step`` after close, the versions, and what a fresh engine resumed from the newest
+  version holds (the step ``resume()`` returned, the engine's ``global_steps``).
+- ``accelerate``: Accelerate's DeepSpeed plugin (``accelerator.backward`` runs ``engine.step()``); writes
+  ``ckpt.step`` read right after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STEPS = 3
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _engine() -> Any:
+    import deepspeed
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+
+
+def metrics(root: str) -> dict[str, Any]:
+    import asymcheck.deepspeed as ads
+    from asymcheck.options import PacingOptions, RetentionOptions
+    from asymstore import KeepBest
+    from asymstore.multirank.globaldir import read_global
+
+    engine = _engine()
+    ckpt = ads.attach(engine, root, pacing=PacingOptions(max_overhead=None),
+                      retention=RetentionOptions(keep_last=1, keep_best=KeepBest("m", "min")))
+    ckpt.resume()
+    for i in range(STEPS):
+        engine.backward(engine(_batch(i)).square().mean())
+        engine.step()
+        ckpt.log_metrics({"m": float(i + 1)})  # the metric of step i + 1, right after it
+    ckpt.close()
+    steps = ckpt.rank_store.global_steps()
+    return {"versions": steps,
+            "metrics": {str(s): read_global(os.path.join(root, "global"), s).meta.get("metrics") for s in steps}}
+
+
+def submodule(root: str) -> dict[str, Any]:
+    import asymcheck.deepspeed as ads
+    from asymcheck.options import PacingOptions
+
+    engine = _engine()
+    ckpt = ads.attach(engine, root, pacing=PacingOptions(max_overhead=None))
+    ckpt.resume()
+    for i in range(STEPS):
+        out = _batch(i)
+        for child in engine.module:  # the root module's forward (and its pre-hooks) never runs
+            out = child(out)
+        engine.backward(out.square().mean())
+        engine.step()
+    ckpt.close()
+    closed_step, versions = ckpt.step, ckpt.rank_store.global_steps()
+    again = _engine()
+    resumed = ads.attach(again, root)
+    step = resumed.resume()
+    resumed.close()
+    return {"step": closed_step, "versions": versions, "engine_steps": int(engine.global_steps),
+            "resumed": step, "resumed_engine_steps": int(again.global_steps)}
+
+
+def accelerate(root: str) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    import asymcheck.accelerate as aa
+    from asymcheck.options import PacingOptions
+
+    plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=1)
+    plugin.deepspeed_config.update({"train_micro_batch_size_per_gpu": 4, "zero_allow_untested_optimizer": True,
+                                    "steps_per_print": 10**6})
+    accelerator = Accelerator(deepspeed_plugin=plugin)
+    model = _model()
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt = aa.attach(accelerator, model, opt, root, pacing=PacingOptions(max_overhead=None))
+    ckpt.resume()
+    seen = []
+    for i in range(STEPS):
+        accelerator.backward(model(_batch(i)).square().mean())  # runs engine.step()
+        opt.step()
+        opt.zero_grad()
+        seen.append(ckpt.step)  # optimizer steps completed: i + 1
+    ckpt.close()
+    return {"seen": seen, "step": ckpt.step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["metrics", "submodule", "accelerate"], required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.mode != "accelerate":
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    result = {"metrics": metrics, "submodule": submodule, "accelerate": accelerate}[args.mode](args.dir)
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,8 @@ module); each mode reads the Checkpointer between the engine's step and that for
 - ``submodule``: the forwards call the root module's children directly (the root's forward pre-hook never
   fires); writes ``ckpt.step`` after close, the versions, and what a fresh engine resumed from the newest
   version holds (the step ``resume()`` returned, the engine's ``global_steps``).
+- ``functional``: as ``submodule``, the forward computed from the parameters with ``torch.nn.functional``
+  (no module's forward runs at all: only the next engine step can deliver the last one).
 - ``accelerate``: Accelerate's DeepSpeed plugin (``accelerator.backward`` runs ``engine.step()``); writes
   ``ckpt.step`` read right after each optimizer step.
 """
@@ -67,7 +69,19 @@ def metrics(root: str) -> dict[str, Any]:
             "metrics": {str(s): read_global(os.path.join(root, "global"), s).meta.get("metrics") for s in steps}}
 
 
-def submodule(root: str) -> dict[str, Any]:
+def _through_children(engine: Any, x: torch.Tensor) -> torch.Tensor:
+    for child in engine.module:  # the root module's forward (and its pre-hooks) never runs
+        x = child(x)
+    return x
+
+
+def _functional(engine: Any, x: torch.Tensor) -> torch.Tensor:
+    first, last = engine.module[0], engine.module[2]  # no module's forward runs
+    return torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, first.weight, first.bias)),
+                                      last.weight, last.bias)
+
+
+def submodule(root: str, functional: bool = False) -> dict[str, Any]:
     import asymcheck.deepspeed as ads
     from asymcheck.options import PacingOptions
 
@@ -75,9 +89,7 @@ def submodule(root: str) -> dict[str, Any]:
     ckpt = ads.attach(engine, root, pacing=PacingOptions(max_overhead=None))
     ckpt.resume()
     for i in range(STEPS):
-        out = _batch(i)
-        for child in engine.module:  # the root module's forward (and its pre-hooks) never runs
-            out = child(out)
+        out = (_functional if functional else _through_children)(engine, _batch(i))
         engine.backward(out.square().mean())
         engine.step()
     ckpt.close()
@@ -117,7 +129,7 @@ def accelerate(root: str) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["metrics", "submodule", "accelerate"], required=True)
+    ap.add_argument("--mode", choices=["metrics", "submodule", "functional", "accelerate"], required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -125,7 +137,9 @@ def main() -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    result = {"metrics": metrics, "submodule": submodule, "accelerate": accelerate}[args.mode](args.dir)
+    modes = {"metrics": metrics, "submodule": submodule, "functional": lambda root: submodule(root, True),
+             "accelerate": accelerate}
+    result = modes[args.mode](args.dir)
     Path(args.out).write_text(json.dumps(result))
 
 

@@ -7,34 +7,13 @@ DeepSpeed's CPU accelerator, gloo; tests/procs/ds_settle.py) whose loop reads th
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.support.launch import proc_argv, proc_env
+from tests.support.ds_child import run_ds_settle
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _run(tmp_path: Path, mode: str) -> dict[str, Any]:
-    out = tmp_path / f"{mode}.json"
-    env = proc_env(DS_ACCELERATOR="cpu", DS_BUILD_OPS="0", OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
-    done = subprocess.run(proc_argv("ds_settle", "--mode", mode, "--dir", str(tmp_path / "ckpt"), "--out", str(out)),
-                          env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.read_text())
-    return result
 
 
 def test_metrics_logged_right_after_the_engine_step_go_with_its_version(tmp_path: Path) -> None:
@@ -44,19 +23,23 @@ def test_metrics_logged_right_after_the_engine_step_go_with_its_version(tmp_path
     metrics went to the step before, whose version was sealed already: every version's were lost, and
     retention deleted version 1, the best.
     """
-    result = _run(tmp_path, "metrics")
+    result = run_ds_settle(tmp_path, "metrics")
     assert result["versions"] == [1, 3]
     assert result["metrics"] == {"1": {"m": 1.0}, "3": {"m": 3.0}}
 
 
-def test_forwards_that_bypass_the_root_module_still_deliver_each_step(tmp_path: Path) -> None:
-    """A loop calling the root module's children directly (its forward pre-hook never runs): one version per step.
+@pytest.mark.parametrize("mode", ["submodule", "functional"])
+def test_forwards_that_bypass_the_root_module_still_deliver_each_step(tmp_path: Path, mode: str) -> None:
+    """Forwards that never run the root module's (``submodule``: its children called directly; ``functional``: no
+    module's forward at all, ``torch.nn.functional`` on the parameters): one version per step, resumed exactly.
 
     Before, no step after the first was delivered until ``close()``: the only version was numbered 1 and held
     the engine after 3 steps, so a loop resumed from it (``range(ckpt.resume(), total)``) trained 2 steps more.
+    ``submodule`` is delivered at the next module's forward, ``functional`` at the next engine step's pre-hook.
     """
-    result = _run(tmp_path, "submodule")
+    result = run_ds_settle(tmp_path, mode)
     assert result["engine_steps"] == 3
     assert result["step"] == 3
     assert result["versions"] == [1, 2, 3]
     assert result["resumed"] == 3 and result["resumed_engine_steps"] == 3
+

@@ -1,6 +1,6 @@
 """A child of tests/asymcheck/deepspeed/test_settle.py: one process, a real DeepSpeed engine (ZeRO-2, CPU, gloo).
 
-``python -m tests.procs.ds_settle --mode MODE --dir CKPT --out OUT.json``
+``python -m tests.procs.ds_settle --mode MODE --dir CKPT --out OUT.json`` (``RANK`` in OUT is the process's rank)
 
 The DeepSpeed adapter's hooks deliver a completed ``engine.step()`` late (at the next forward of the root
 module); each mode reads the Checkpointer between the engine's step and that forward:
@@ -12,6 +12,9 @@ module); each mode reads the Checkpointer between the engine's step and that for
   version holds (the step ``resume()`` returned, the engine's ``global_steps``).
 - ``functional``: as ``submodule``, the forward computed from the parameters with ``torch.nn.functional``
   (no module's forward runs at all: only the next engine step can deliver the last one).
+- ``preempt`` (2 ranks: ``RANK``, ``WORLD_SIZE``... in the environment): after 3 steps rank 0 calls
+  ``ckpt.preempt()`` right after ``engine.step()``, rank 1 after a validation forward (which delivers the
+  step); writes, per rank, the flush's record and the ERRORs ``asymcheck.policy.preempt`` logged.
 - ``accelerate``: Accelerate's DeepSpeed plugin (``accelerator.backward`` runs ``engine.step()``); writes
   ``ckpt.step`` read right after each optimizer step.
 """
@@ -102,6 +105,34 @@ def submodule(root: str, functional: bool = False) -> dict[str, Any]:
             "resumed": step, "resumed_engine_steps": int(again.global_steps)}
 
 
+def preempt(root: str) -> dict[str, Any]:
+    import logging
+
+    import torch.distributed as dist
+
+    import asymcheck.deepspeed as ads
+    from asymcheck.options import PacingOptions
+
+    errors: list[str] = []
+
+    class Errors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record.getMessage())
+
+    logging.getLogger("asymcheck.policy.preempt").addHandler(Errors(logging.ERROR))
+    engine = _engine()
+    ckpt = ads.attach(engine, root, pacing=PacingOptions(max_overhead=None))
+    ckpt.resume()
+    for i in range(STEPS):
+        engine.backward(engine(_batch(i)).square().mean())
+        engine.step()
+    if dist.get_rank() == 1:  # a validation forward: the adapter delivers the step here
+        with torch.no_grad():
+            engine(_batch(99))
+    record = ckpt.preempt()  # collective: every rank, after the same optimizer step
+    return {"step": record.step, "durable": record.durable, "global_step": record.global_step, "errors": errors}
+
+
 def accelerate(root: str) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -129,7 +160,7 @@ def accelerate(root: str) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["metrics", "submodule", "functional", "accelerate"], required=True)
+    ap.add_argument("--mode", choices=["metrics", "submodule", "functional", "preempt", "accelerate"], required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -138,9 +169,9 @@ def main() -> None:
 
         deepspeed.init_distributed(dist_backend="gloo")
     modes = {"metrics": metrics, "submodule": submodule, "functional": lambda root: submodule(root, True),
-             "accelerate": accelerate}
+             "preempt": preempt, "accelerate": accelerate}
     result = modes[args.mode](args.dir)
-    Path(args.out).write_text(json.dumps(result))
+    Path(args.out.replace("RANK", os.environ.get("RANK", "0"))).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -43,3 +43,17 @@ def test_forwards_that_bypass_the_root_module_still_deliver_each_step(tmp_path: 
     assert result["versions"] == [1, 2, 3]
     assert result["resumed"] == 3 and result["resumed_engine_steps"] == 3
 
+
+
+def test_preempt_right_after_the_engine_step_agrees_on_that_step(tmp_path: Path) -> None:
+    """2 ranks call ``preempt()`` after step 3: rank 0 right after ``engine.step()``, rank 1 after a validation forward.
+
+    Both flush step 3 durably, and the ranks agree on step 3. Before, rank 0 proposed the step it had
+    counted (2: the engine's step not delivered yet), and one rank logged that the ranks had agreed on
+    another step than its own.
+    """
+    result = run_ds_settle(tmp_path, "preempt", world=2)
+    for rank in ("rank0", "rank1"):
+        assert result[rank]["step"] == 3 and result[rank]["durable"], result
+        assert result[rank]["global_step"] == 3, result
+        assert result[rank]["errors"] == [], result

@@ -396,6 +396,9 @@ class Checkpointer:
                 hold parts of one: the next optimizer step raises
                 CheckpointerStateError instead of training on them.
             CheckpointerStateError: training already started, or closed.
+            StepConflictError: training already started (a step the hooks deliver late, DeepSpeed's,
+                counts here too) and the store holds that step or a newer one, as at such a step
+                of a plain loop.
             RootLayoutError: (several ranks) the root's ``LAYOUT.json`` is not valid, or (its subclass
                 RootLayoutConflictError) the root holds both layouts and no record says which is current.
             WorldSizeMismatchError: the version was written by another number of ranks and cannot be
@@ -406,6 +409,7 @@ class Checkpointer:
         beside committed versions unless ``across_layouts="start_fresh"`` says so.
         """
         self._require_open()
+        self._settle()  # DeepSpeed: an engine step not delivered yet (no forward since) counts as a step here
         if self._progress.started:
             raise CheckpointerStateError("resume() must be called before the first optimizer step")
         self._forget_frozen("resume")

@@ -12,6 +12,9 @@ module); each mode reads the Checkpointer between the engine's step and that for
   version holds (the step ``resume()`` returned, the engine's ``global_steps``).
 - ``functional``: as ``submodule``, the forward computed from the parameters with ``torch.nn.functional``
   (no module's forward runs at all: only the next engine step can deliver the last one).
+- ``late-resume``: a first run commits versions 1 and 2; a second takes one engine step, then calls
+  ``ckpt.resume()`` (too late: the step ran), one more step, close; writes what ``resume()`` did (the
+  error's class, or the step resumed), the global versions and the engine's ``global_steps``.
 - ``preempt`` (2 ranks: ``RANK``, ``WORLD_SIZE``... in the environment): after 3 steps rank 0 calls
   ``ckpt.preempt()`` right after ``engine.step()``, rank 1 after a validation forward (which delivers the
   step); writes, per rank, the flush's record and the ERRORs ``asymcheck.policy.preempt`` logged.
@@ -23,12 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
 STEPS = 3
 
 
@@ -105,9 +110,34 @@ def submodule(root: str, functional: bool = False) -> dict[str, Any]:
             "resumed": step, "resumed_engine_steps": int(again.global_steps)}
 
 
-def preempt(root: str) -> dict[str, Any]:
-    import logging
+def late_resume(root: str) -> dict[str, Any]:
+    import asymcheck.deepspeed as ads
+    from asymcheck.options import PacingOptions
 
+    first = _engine()
+    with ads.attach(first, root, pacing=PacingOptions(max_overhead=None)) as ckpt:
+        ckpt.resume()
+        for i in range(2):
+            first.backward(first(_batch(i)).square().mean())
+            first.step()
+    engine = _engine()
+    ckpt = ads.attach(engine, root, pacing=PacingOptions(max_overhead=None))
+    engine.backward(engine(_batch(7)).square().mean())
+    engine.step()  # a step of this run, then the resume: it must refuse (nothing loaded)
+    try:
+        outcome: Any = ckpt.resume()
+    except Exception as exc:
+        outcome = type(exc).__name__
+    engine.backward(engine(_batch(8)).square().mean())
+    engine.step()
+    try:
+        ckpt.close()
+    except Exception as exc:  # the plain adapter's step raises StepConflictError on a store ahead of the run
+        logger.info("close: %r", exc)
+    return {"outcome": outcome, "versions": ckpt.rank_store.global_steps(), "engine_steps": int(engine.global_steps)}
+
+
+def preempt(root: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     import asymcheck.deepspeed as ads
@@ -160,7 +190,8 @@ def accelerate(root: str) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["metrics", "submodule", "functional", "preempt", "accelerate"], required=True)
+    ap.add_argument("--mode", choices=["metrics", "submodule", "functional", "late-resume", "preempt",
+                                           "accelerate"], required=True)
     ap.add_argument("--dir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -169,7 +200,7 @@ def main() -> None:
 
         deepspeed.init_distributed(dist_backend="gloo")
     modes = {"metrics": metrics, "submodule": submodule, "functional": lambda root: submodule(root, True),
-             "preempt": preempt, "accelerate": accelerate}
+             "late-resume": late_resume, "preempt": preempt, "accelerate": accelerate}
     result = modes[args.mode](args.dir)
     Path(args.out.replace("RANK", os.environ.get("RANK", "0"))).write_text(json.dumps(result))
 

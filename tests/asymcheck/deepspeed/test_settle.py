@@ -57,3 +57,18 @@ def test_preempt_right_after_the_engine_step_agrees_on_that_step(tmp_path: Path)
         assert result[rank]["step"] == 3 and result[rank]["durable"], result
         assert result[rank]["global_step"] == 3, result
         assert result[rank]["errors"] == [], result
+
+
+def test_resume_after_an_engine_step_is_refused(tmp_path: Path) -> None:
+    """``resume()`` after this run's first ``engine.step()`` (no forward since), the store holding versions 1, 2.
+
+    Refused with the error the plain adapter raises at such a step (``StepConflictError``: the store is ahead
+    of the run); nothing is loaded (the engine goes on from its own step: 2 steps in all) and nothing written.
+    Before, the step was not delivered yet, so ``resume()`` took the run for a fresh one and loaded version 2
+    over the stepped engine; the pending step was then counted on top: version 3 held the engine of version
+    2 and version 4 that of engine step 3.
+    """
+    result = run_ds_settle(tmp_path, "late-resume")
+    assert result["outcome"] == "StepConflictError", result
+    assert result["engine_steps"] == 2, result
+    assert result["versions"] == [1, 2], result

@@ -335,7 +335,11 @@ class Checkpointer:
 
     @property
     def step(self) -> int:
-        """Optimizer steps completed (including those before a resume)."""
+        """Optimizer steps completed (including those before a resume).
+
+        With hooks that deliver a completed step late (DeepSpeed's: at the next forward) a step counts
+        once delivered; code that reads it right after ``engine.step()`` calls :meth:`settle` first.
+        """
         return self._progress.step
 
     @property

@@ -451,7 +451,8 @@ class Checkpointer:
         version is not taken (``every`` > 1, pacing) are dropped.
 
         Under hooks that deliver a step late (DeepSpeed: at the next forward) the step is delivered
-        first (:meth:`settle`), so metrics logged right after ``engine.step()`` go with its version.
+        first (:meth:`settle`; so call it from the training thread), so metrics logged right after
+        ``engine.step()`` go with its version.
 
         Raises:
             InvalidMetaError: a name is not a string or a value not a finite number.

@@ -479,8 +479,18 @@ class AccelerateCheckpointer:
 
     @property
     def step(self) -> int:
-        """Optimizer steps completed (including those before a resume)."""
+        """Optimizer steps completed (including those before a resume); read it from the training loop.
+
+        Under the DeepSpeed plugin ``accelerator.backward`` runs ``engine.step()``, whose completion the
+        adapter's hooks deliver only at the next forward: the step is delivered here first
+        (:meth:`asymcheck.Checkpointer.settle`), so that it counts right after the optimizer step too.
+        """
+        self.checkpointer.settle()
         return self.checkpointer.step
+
+    def settle(self) -> None:
+        """Deliver a step the DeepSpeed plugin's hooks report late (see :meth:`asymcheck.Checkpointer.settle`)."""
+        self.checkpointer.settle()
 
     @property
     def restored(self) -> RestoreInfo | None:

@@ -335,7 +335,11 @@ class Checkpointer:
 
     @property
     def step(self) -> int:
-        """Optimizer steps completed (including those before a resume)."""
+        """Optimizer steps completed (including those before a resume).
+
+        With hooks that deliver a completed step late (DeepSpeed's: at the next forward) a step counts
+        once delivered; code that reads it right after ``engine.step()`` calls :meth:`settle` first.
+        """
         return self._progress.step
 
     @property
@@ -396,6 +400,9 @@ class Checkpointer:
                 hold parts of one: the next optimizer step raises
                 CheckpointerStateError instead of training on them.
             CheckpointerStateError: training already started, or closed.
+            StepConflictError: training already started (a step the hooks deliver late, DeepSpeed's,
+                counts here too) and the store holds that step or a newer one, as at such a step
+                of a plain loop.
             RootLayoutError: (several ranks) the root's ``LAYOUT.json`` is not valid, or (its subclass
                 RootLayoutConflictError) the root holds both layouts and no record says which is current.
             WorldSizeMismatchError: the version was written by another number of ranks and cannot be
@@ -406,6 +413,7 @@ class Checkpointer:
         beside committed versions unless ``across_layouts="start_fresh"`` says so.
         """
         self._require_open()
+        self._settle()  # DeepSpeed: an engine step not delivered yet (no forward since) counts as a step here
         if self._progress.started:
             raise CheckpointerStateError("resume() must be called before the first optimizer step")
         self._forget_frozen("resume")
@@ -442,9 +450,14 @@ class Checkpointer:
         the metrics belong to and before the next one; metrics of a step whose
         version is not taken (``every`` > 1, pacing) are dropped.
 
+        Under hooks that deliver a step late (DeepSpeed: at the next forward) the step is delivered
+        first (:meth:`settle`; so call it from the training thread), so metrics logged right after
+        ``engine.step()`` go with its version.
+
         Raises:
             InvalidMetaError: a name is not a string or a value not a finite number.
         """
+        self.settle()  # DeepSpeed: without it the metrics went to the step before, whose version was sealed (lost)
         clean: dict[str, float] = {}
         for name, value in metrics.items():
             if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, int | float) \

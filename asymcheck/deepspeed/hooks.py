@@ -5,8 +5,10 @@ the inner step once per parameter sub-group. So *step pre* (seal the previous ve
 optimizer's first step pre-hook of an engine step; *step done* (RNG states, ``data`` objects) its
 step post-hook; *step post* (open the new version) the first forward pre-hook after the step,
 prepended on the root module so it runs before ZeRO-3 gathers any parameter (counters, scheduler and
-parameters are final by then). Forward and post-accumulate-grad hooks drive the partitions as in the
-plain adapter.
+parameters are final by then). A loop that calls the root's submodules directly never runs the root's
+forward: the first forward pre-hook of any module delivers it then, and failing that the first step
+pre-hook of the next engine step (told apart from ZeRO-3's next sub-group by ``engine.global_steps``).
+Forward and post-accumulate-grad hooks drive the partitions as in the plain adapter.
 
 Guide: ``docs/guides/deepspeed.md`` (What a version holds).
 """
@@ -57,15 +59,21 @@ class DeepSpeedHooks(HookSet):
         self._pre_cb = on_step_pre
         self._post_cb = on_step_post
         self._done_cb = on_step_done
+        self._engine = engine
         self.stepping = False  # inside an engine step (the inner pre-hook fired)
         self.stepped = False  # the inner step ran; the post callback is due
+        self._stepping_at: int | None = None  # engine.global_steps when the engine step in progress began
         super().__init__(engine.module, inner_optimizer(engine), on_forward=on_forward, on_grad=on_grad,
                          on_step_pre=self._inner_pre, on_step_post=self._inner_post)
         self._root: RemovableHandle | None = engine.module.register_forward_pre_hook(self._root_pre, prepend=True)
 
     def _inner_pre(self) -> None:
+        at = getattr(self._engine, "global_steps", None)
+        if self.stepped and at != self._stepping_at:  # a new engine step, and no forward delivered the last one
+            self.settle()
         if not self.stepping:
             self.stepping = True
+            self._stepping_at = at
             self._pre_cb()
 
     def _inner_post(self) -> None:
@@ -75,6 +83,10 @@ class DeepSpeedHooks(HookSet):
 
     def _root_pre(self, module: torch.nn.Module, args: Any) -> None:
         self.settle()
+
+    def _forward_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self.settle()  # a forward that bypassed the root module (its children called directly)
+        super()._forward_hook(module, args)
 
     def settle(self) -> None:
         """Deliver a pending step post (the first forward after a step does this on its own)."""

@@ -195,6 +195,7 @@ class Preemption:
         limit = self.deadline_s if deadline_s is None else check_deadline(deadline_s)
         deadline = Deadline(limit)
         lost = False
+        self.settle()  # DeepSpeed: right after engine.step() the step counts only once delivered (not step - 1)
         step = self.progress.step
         if self.agreement is not None:
             agreed = self.agreement.publish(step, "explicit")

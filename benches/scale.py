@@ -34,8 +34,8 @@ Reported per N and protocol, over ``--commits`` commits (after one warm-up) and
 - publish latency: from the last rank's shard report to the global manifest being
   published (the coordinator's ``commit`` returning), p50 and max. A rank's report
   is the ``set`` of its report key on the central store, timed by the counting
-  client; a rank that sets none there (it reports to its node's leader) counts from
-  its ``commit`` returning;
+  client; through node leaders the last report is the last leader's forward of its
+  node's reports (the coordinator can publish only after it);
 - central store requests per commit, and per restore agreement (the requests made
   during ``restore()`` by every rank);
 - restore agreement: the slowest rank's ``restore()`` of the newest global version,
@@ -462,7 +462,8 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
             reported.setdefault(int(step_key.split(".")[0]), {}).update(by_rank)
     latency = []
     for step in range(1, commits + 1):  # step 0 is the warm-up
-        last = max(reported.get(step, {}).get(r, at) for r, at in done[step].items())  # the report, else commit
+        central = reported.get(step, {})  # the reports that reached the job's store (a node's: its leader's forward)
+        last = max(central.values()) if central else max(done[step].values())
         latency.append(max(0.0, done[step][0] - last))  # the last report to the publish
     layouts = getattr(ring_module, "_layout", None)
     if layouts is not None:

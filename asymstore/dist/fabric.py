@@ -11,7 +11,7 @@ round, and N ranks polling it while they wait. :class:`Fabric` routes both throu
   store directly, as before. A job of one node therefore runs exactly the direct protocol.
 - **Every other node** gets a node store: a TCPStore its leader (``LOCAL_RANK`` 0) serves on the node
   (``127.0.0.1``), whose address the leader posts once per session. Its ranks put their parts and wait
-  for broadcasts there (polls of a store on their own node, which cost the job's store nothing). The
+  for broadcasts there (waits that block in that store's server; they cost the job's store nothing). The
   leader's relay (:class:`NodeRelay`, a thread of the leader's process per gather) forwards the node's
   parts of a gather as one value (``<prefix>/node/<n>``: every part, and which ranks are missing when
   its wait ran out): one request per node per gather on the job's store.
@@ -32,6 +32,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 from asymstore.dist.kv import KV
 from asymstore.dist.topology import Topology
 from asymstore.errors import CoordinationProtocolError, CoordinationTimeoutError
+from asymstore.runtime.exiting import exiting
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ LEADER_SHARE = 0.8
 parts then, naming the missing ranks), so that the coordinator hears which ranks are missing before its own
 wait for the nodes runs out."""
 
-NODE_POLL_MAX_S = 0.002
+NODE_POLL_MAX_S = 0.02
 """The longest pause between two polls of a node store (served on the node: a poll costs the job's store nothing)."""
 
 _FOREVER_S = 7 * 24 * 3600.0
@@ -92,6 +94,7 @@ class Fabric:
         self._prefix: str | None = None
         self._timeout_s = 300.0
         self._nodes: list[KV] = []  # the coordinator's clients of the other nodes' stores
+        self._waiter: Any = None  # a member's connection to its node store for waits that block in the server
 
     # -- topology ----------------------------------------------------------------------------------
 
@@ -259,11 +262,44 @@ class Fabric:
     def hear(self, key: str, timeout_s: float, what: str) -> bytes:
         """Wait for the broadcast ``key`` in this rank's node store (the job's store on node 0) and return it.
 
+        A rank of another node that does not lead it waits in its node store's server (``TCPStore.wait``
+        on a connection of its own, in a daemon thread: the store lives in its leader's process, so the
+        wait never holds up this process's exit); the others poll (a leader's own store, rank 0's node).
+
         Raises:
             CoordinationTimeoutError: not within ``timeout_s`` (or the process is exiting).
+            RuntimeError: the node store is gone (the leader died).
         """
-        self.local.wait([key], timeout_s, what)
+        if not self.local.has(key) and self.relay is None and not self.direct:
+            self._block_for(key, timeout_s, what)
+        else:
+            self.local.wait([key], timeout_s, what)
         return bytes(self.local.store.get(key))
+
+    def _block_for(self, key: str, timeout_s: float, what: str) -> None:
+        waiter = self._waiter
+        self._waiter = None  # held by this wait (a wait that times out keeps it: the next makes another)
+        if waiter is None:
+            waiter = self.local.store.clone()
+        done, failed = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                waiter.wait([key], datetime.timedelta(seconds=_FOREVER_S))
+            except Exception as exc:  # the node store is gone
+                failed.append(exc)
+            done.set()
+
+        threading.Thread(target=wait, name="asymstore-hear", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not done.wait(min(0.25, max(0.0, deadline - time.monotonic()))):
+            if exiting():
+                raise CoordinationTimeoutError(f"{what}: the process is exiting; still missing: {[key]}")
+            if time.monotonic() >= deadline:
+                raise CoordinationTimeoutError(f"{what}: still missing after {timeout_s:g} s: {[key]}")
+        if failed:
+            raise failed[0]
+        self._waiter = waiter
 
     def has(self, key: str) -> bool:
         """Whether the broadcast ``key`` is set, without waiting (in this rank's node store)."""

@@ -12,9 +12,10 @@ round, and N ranks polling it while they wait. :class:`Fabric` routes both throu
 - **Every other node** gets a node store: a TCPStore its leader (``LOCAL_RANK`` 0) serves on the node
   (``127.0.0.1``), whose address the leader posts once per session. Its ranks put their parts and wait
   for broadcasts there (waits that block in that store's server; they cost the job's store nothing). The
-  leader's relay (:class:`NodeRelay`, a thread of the leader's process per gather) forwards the node's
-  parts of a gather as one value (``<prefix>/node/<n>``: every part, and which ranks are missing when
-  its wait ran out): one request per node per gather on the job's store.
+  leader's relay (:class:`NodeRelay`, a thread of the leader's process per gather, waiting in the node
+  store's server) forwards the node's parts of a gather as one value (``<prefix>/node/<n>``: every
+  part, and which ranks are missing when its wait ran out): one request per node per gather on the
+  job's store.
 - **Broadcasts fan out**: the coordinator puts each one into the job's store (for its own node) and
   into every node store itself (it connects to them once per session), as it puts the values ranks
   read every commit (the retention counters, the fallback to whole replicas). Nothing waits in the
@@ -40,7 +41,7 @@ from typing import Any
 from asymstore.dist.kv import KV
 from asymstore.dist.topology import Topology
 from asymstore.errors import CoordinationProtocolError, CoordinationTimeoutError
-from asymstore.runtime.exiting import exiting
+from asymstore.runtime.exiting import EXIT_WAIT_S, at_exit, exiting
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ LEADER_SHARE = 0.8
 """A leader forwards its node's parts of a gather after this share of the round's timeout at most (partial
 parts then, naming the missing ranks), so that the coordinator hears which ranks are missing before its own
 wait for the nodes runs out."""
+
+CONNECT_TIMEOUT_S = 60.0
+"""The least time a connect to a node store gets (see :func:`connect_store`)."""
 
 NODE_POLL_MAX_S = 0.02
 """The longest pause between two polls of a node store (served on the node: a poll costs the job's store nothing)."""
@@ -135,6 +139,7 @@ class Fabric:
                               json.dumps({"host": self.relay.host, "port": self.relay.port}))
             return
         self.local = self._node_store(self.node)
+        self._waiter = self.local.store.clone()  # for the waits in the node store's server, made at open
 
     def _node_store(self, node: int) -> KV:
         assert self._prefix is not None
@@ -352,11 +357,15 @@ def _node_parts(raw: bytes, members: Sequence[int], key: str) -> tuple[dict[int,
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> Any:
-    """A new client of the TCPStore at ``host:port``."""
+    """A new client of the TCPStore at ``host:port`` (given at least :data:`CONNECT_TIMEOUT_S` to connect).
+
+    A connect can stall seconds on a name lookup (seen here: one in about 40 waited 5 s on a VM whose
+    resolver does not answer), so the round's timeout is not the connect's.
+    """
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s),  # type: ignore[attr-defined]
-                         wait_for_workers=False)
+    timeout = datetime.timedelta(seconds=max(timeout_s, CONNECT_TIMEOUT_S))
+    return dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)  # type: ignore[attr-defined]
 
 
 class NodeRelay:
@@ -385,7 +394,12 @@ class NodeRelay:
         self.local = KV(connect_store(self.host, self.port, timeout_s), poll_max_s=NODE_POLL_MAX_S)
         self._lock = threading.Lock()
         self._forwarded: set[str] = set()
+        self._pending: dict[str, list[str]] = {}
+        # connections for the forwards' waits, made now: a connect may stall seconds on a name lookup
+        # (seen on a VM without DNS), which must not happen inside a commit's round
+        self._waiters: list[Any] = [self.local.store.clone() for _ in range(2)]
         self._stopped = False
+        at_exit(self._release, phase=1)
         self.forwards = 0
         """Gathers this relay forwarded (for tests and the bench)."""
 
@@ -404,11 +418,23 @@ class NodeRelay:
     def _forward(self, prefix: str) -> None:
         members = list(self.topology.members(self.node))
         keys = [part_key(prefix, r) for r in members]
-        node = KV(self.local.store, poll_max_s=NODE_POLL_MAX_S)
+        with self._lock:  # a connection of its own for a wait that blocks in the node store's server (no polls)
+            waiter = self._waiters.pop() if self._waiters else None
+            self._pending[prefix] = keys
         try:
-            node.wait(keys, self.timeout_s * LEADER_SHARE, f"node {self.node}: its ranks' parts of {prefix}")
-        except CoordinationTimeoutError:
-            pass  # forward what came, naming the missing ranks
+            if waiter is None:  # connections are kept: a connect may stall on a name lookup
+                waiter = self.local.store.clone()
+            waiter.wait(keys, datetime.timedelta(seconds=self.timeout_s * LEADER_SHARE))
+        except RuntimeError:
+            pass  # DistStoreError: the wait ran out; forward what came, naming the missing ranks
+        finally:
+            with self._lock:
+                self._pending.pop(prefix, None)
+                if waiter is not None:
+                    self._waiters.append(waiter)
+        if exiting():
+            return
+        node = self.local
         try:
             present = [r for r in members if node.has(part_key(prefix, r))]
             values = node.store.multi_get([part_key(prefix, r) for r in present]) if present else []
@@ -418,6 +444,25 @@ class NodeRelay:
             self.forwards += 1
         except Exception as exc:  # the job's store is gone: the coordinator misses this node
             logger.warning("node %d: could not forward %s: %s", self.node, prefix, exc)
+
+    def _release(self) -> None:
+        """At exit: end the forwards still waiting in this process's node store (see :mod:`asymstore.runtime.exiting`).
+
+        A thread still blocked in a call to a store this process serves would return from it while the
+        interpreter finalizes (the server goes with it): SIGABRT. Their missing parts are set (the store
+        dies with this process; nothing else reads a part) and the forwards end without forwarding.
+        """
+        with self._lock:
+            pending = [k for keys in self._pending.values() for k in keys]
+        for key in pending:
+            try:
+                if not self.local.has(key):
+                    self.local.store.set(key, "")
+            except Exception as exc:
+                logger.debug("node %d: %s", self.node, exc)
+        deadline = time.monotonic() + EXIT_WAIT_S
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 _SERVED: list[Any] = []

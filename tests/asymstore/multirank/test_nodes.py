@@ -98,7 +98,10 @@ def test_through_node_leaders_the_versions_are_the_direct_ones_with_o_nodes_requ
 
 
 def test_a_node_whose_rank_never_reports_is_named_by_its_leader(tmp_path: Path) -> None:
-    """Rank 3 (node 1 of 4 nodes of 2) never commits: the coordinator's timeout names rank 3, not its node."""
+    """Rank 3 (node 1 of 4 nodes of 2) never commits: the coordinator's timeout names rank 3, not its node.
+
+    (10 s: a connect at ``open`` may stall 5 s on a name lookup on a machine whose resolver does not answer.)
+    """
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
     port = server.port
@@ -107,7 +110,7 @@ def test_a_node_whose_rank_never_reports_is_named_by_its_leader(tmp_path: Path) 
         kv = dist.PrefixStore("asymstore/t", dist.TCPStore("127.0.0.1", port, None, False,
                                                             timeout=datetime.timedelta(seconds=30),
                                                             wait_for_workers=False))
-        async with store(tmp_path, r, WORLD, kv, node_size=2, timeout_s=3.0) as s:
+        async with store(tmp_path, r, WORLD, kv, node_size=2, timeout_s=10.0) as s:
             await s.put_many(0, {"w": torch.zeros(4)})
             if r == 3:
                 return None
@@ -142,23 +145,24 @@ def test_a_preemption_notice_reaches_every_node_before_the_publisher_goes_on(tmp
                            wait_for_workers=False)
     port = server.port
     opened, published, seen = threading.Barrier(WORLD), threading.Event(), {}
+    wait_s = 30.0
 
     async def rank(r: int) -> Any:
         kv = dist.PrefixStore("asymstore/t", dist.TCPStore("127.0.0.1", port, None, False,
                                                             timeout=datetime.timedelta(seconds=30),
                                                             wait_for_workers=False))
-        async with store(tmp_path, r, WORLD, kv, node_size=2, timeout_s=5.0) as s:
+        async with store(tmp_path, r, WORLD, kv, node_size=2, timeout_s=20.0) as s:
             agreement = agreement_for(s)
             assert agreement is not None
             assert agreement.poll() is None  # nothing yet; off node 0 this asks the leader to watch
-            opened.wait(10)
+            opened.wait(wait_s)
             if r == 5:
                 agreement.publish(7, "SIGTERM")
                 published.set()
-            published.wait(10)
+            published.wait(wait_s)
             notice = agreement.poll()  # the first read after the publisher returned (a collective's order)
             seen[r] = None if notice is None else (notice.step, notice.rank)
-            opened.wait(10)
+            opened.wait(wait_s)
 
     out = run_ranks(WORLD, rank)
     assert all(v is None for v in out.values()), out

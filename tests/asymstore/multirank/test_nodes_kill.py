@@ -31,7 +31,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cases = [
         {"name": "ref", "mode": "ref", **common},
         {"name": "kill", "mode": "attach", "dir": ck, "kill": {"rank": 2, "at": f"commit:{COMMITS}"},
-         "timeout_s": 4.0, "fsck": True, **common},
+         "timeout_s": 8.0, "fsck": True, **common},
         {"name": "resume", "mode": "attach", "dir": ck, "fsck": True, **common},
     ]
     run_cases(cases, WORLD, root / "out")

@@ -89,7 +89,7 @@ class PreemptAgreement:
         mine = AgreedNotice(step, self.rank, reason)
         try:
             raw = bytes(self.fabric.kv.store.compare_set(self.key, "", mine.to_json()))
-            self.fabric.fan_out(self.key, raw.decode(), 30.0)  # before this rank's next collective
+            self.fabric.fan_out(self.key, raw.decode())  # before this rank's next collective
         except Exception as exc:  # the store's server is gone (DistNetworkError, RuntimeError, ...)
             self._lose(exc)
             return None

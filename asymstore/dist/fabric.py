@@ -321,7 +321,7 @@ class Fabric:
         raw = self.peek(key)
         return 0 if raw is None else int(raw)
 
-    def fan_out(self, key: str, raw: str, timeout_s: float) -> None:
+    def fan_out(self, key: str, raw: str) -> None:
         """Put ``key`` into every node store too (blocking): a broadcast from a rank that is not the coordinator.
 
         The preemption notice needs it: a rank that reads its node store right after a collective must
@@ -336,8 +336,7 @@ class Fabric:
             return
         for node in range(1, top.nodes):
             try:
-                addr = json.loads(bytes(self.kv.store.get(node_address_key(prefix, node))).decode())
-                connect_store(str(addr["host"]), int(addr["port"]), timeout_s).set(key, raw)
+                self._node_store(node).store.set(key, raw)
             except Exception as exc:  # a dead node: its ranks are gone with their leader
                 logger.warning("rank %d: could not put %s into node %d's store: %s", self.rank, key, node, exc)
 
@@ -400,8 +399,6 @@ class NodeRelay:
         self._waiters: list[Any] = [self.local.store.clone() for _ in range(2)]
         self._stopped = False
         at_exit(self._release, phase=1)
-        self.forwards = 0
-        """Gathers this relay forwarded (for tests and the bench)."""
 
     def stop(self) -> None:
         """Start no new forward (one in flight still forwards: the node's ranks may be behind their leader)."""
@@ -441,7 +438,6 @@ class NodeRelay:
             doc = {"parts": {str(r): bytes(v).decode() for r, v in zip(present, values, strict=True)},
                    "missing": [r for r in members if r not in present]}
             self.central.store.set(node_part_key(prefix, self.node), json.dumps(doc))
-            self.forwards += 1
         except Exception as exc:  # the job's store is gone: the coordinator misses this node
             logger.warning("node %d: could not forward %s: %s", self.node, prefix, exc)
 

@@ -18,7 +18,7 @@ $(PY):
 # (DS_BUILD_OPS=0) and runs on the CPU accelerator in the tests.
 $(VENV)/.setup-done: pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed,docs,accelerate,hf,lightning,peft,loaders]"
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed,docs,accelerate,hf,lightning,peft,loaders,torchft,ray]"
 	$(PIP) install -q libkvikio-cu12 && $(PIP) install -q --no-deps kvikio-cu12
 	touch $@
 

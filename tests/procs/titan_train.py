@@ -1,0 +1,216 @@
+"""A training child of the TorchTitan tests (run as a script; never imported by pytest).
+
+``python -m tests.procs.titan_train --out OUT [--dir DUMP] [--steps N] [--kill S] [--hf] [--exclude NAME]``
+
+TorchTitan's own training entry point needs CUDA and triton, so this child drives the manager the way
+``torchtitan.trainer.Trainer.train`` does, with TorchTitan's own state objects on the CPU: the model parts
+go into ``OptimizersContainer`` (built from ``default_adamw``, TorchTitan's AdamW config) and
+``LRSchedulersContainer`` (warmup, then linear decay); the batches come from a ``ParallelAwareDataloader``
+(torchdata's ``StatefulDataLoader``) over a stateful token stream; ``train_state`` is the trainer's own
+``{"step", "ntokens_seen"}``. The manager is built as the trainer builds it (``config.checkpoint.build(...)``
+with ``AsymCheckManager.Config``); each step runs the trainer's order: ``step += 1``, ``zero_grad``, the
+micro-batches' forward and backward, ``clip_grad_norm_``, ``maybe_wait_for_staging()``,
+``optimizers.step()``, ``lr_schedulers.step()``, ``save(step, last_step=...)``; ``load()`` first,
+``close()`` last. The model (embedding, two blocks with dropout, a head) draws from the global RNG.
+
+Without ``--dir`` the manager is disabled (``enable=False``): the uninterrupted reference. ``--kill S``:
+SIGKILL inside the first forward after S optimizer steps. ``--hf``: ``last_save_in_hf=True`` with a
+state-dict adapter that renames to Hugging Face's names and ``export_dtype="bfloat16"``.
+
+Writes ``OUT/losses.jsonl`` (``{"step", "loss": hex}`` per step), ``OUT/events.jsonl`` and, when it
+finishes, ``OUT/final.safetensors`` + ``OUT/final.json``: the model, the optimizer's state, its param
+groups, the scheduler, the train state and the RNG state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB, DIM, SEQ, BATCH, ACCUM = 64, 32, 16, 2, 2
+
+
+class TokenStream(torch.utils.data.IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+    """An endless stream of token samples (each from its own seed); its position is its state."""
+
+    def __init__(self) -> None:
+        self.sample_idx = 0
+
+    def __iter__(self) -> Any:
+        while True:
+            g = torch.Generator().manual_seed(1000 + self.sample_idx)
+            tokens = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+            self.sample_idx += 1
+            yield {"input": tokens[:-1]}, tokens[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample_idx": self.sample_idx}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sample_idx = state["sample_idx"]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, 2 * DIM)
+        self.w2 = nn.Linear(2 * DIM, DIM)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dropout(self.w2(torch.nn.functional.gelu(self.w1(self.norm(x)))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.norm = nn.LayerNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))  # type: ignore[no-any-return]
+
+
+class TrainState:
+    """The trainer's own ``train_state`` (``Trainer.state_dict``/``load_state_dict``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.ntokens_seen = state["ntokens_seen"]
+
+
+HF_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "norm.bias": "model.norm.bias", "output.weight": "lm_head.weight"}
+
+
+def hf_adapter() -> Any:
+    """A state-dict adapter of TorchTitan's kind (``StateDictAdapter``): TorchTitan names -> Hugging Face's."""
+    from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+    class Adapter(StateDictAdapter):  # type: ignore[misc]
+        def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            return {HF_NAMES.get(k, "model." + k): v for k, v in state_dict.items()}
+
+        def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+            back = {v: k for k, v in HF_NAMES.items()}
+            return {back.get(k, k.removeprefix("model.")): v for k, v in hf_state_dict.items()}
+
+    return Adapter(None, None)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.time()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--kill", type=int, default=-1)
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--exclude", action="append", default=[])
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    events = open(out / "events.jsonl", "a")
+    losses = open(out / "losses.jsonl", "a")
+
+    def event(**fields: Any) -> None:
+        events.write(json.dumps({**fields, "t": round(time.time() - started, 2)}) + "\n")
+        events.flush()
+
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    from asymcheck.torchtitan import AsymCheckManager
+
+    torch.manual_seed(42)
+    model = TinyLM()
+    model_parts: list[nn.Module] = [model]
+    optimizers = default_adamw(lr=3e-3).build(model_parts=model_parts)
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
+                                                 min_lr_factor=0.0).build(optimizers=optimizers,
+                                                                          training_steps=args.steps)
+    dataloader = ParallelAwareDataloader(TokenStream(), dp_rank=0, dp_world_size=1, batch_size=BATCH)
+    train_state = TrainState()
+    config = AsymCheckManager.Config(enable=args.dir is not None, interval=1, folder="ckpt", keep_latest_k=3,
+                                     last_save_in_hf=args.hf, export_dtype="bfloat16" if args.hf else "float32",
+                                     exclude_from_loading=list(args.exclude))
+    checkpointer = config.build(dataloader=dataloader, model_parts=model_parts, optimizers=optimizers,
+                                lr_schedulers=lr_schedulers, states={"train_state": train_state},
+                                sd_adapter=hf_adapter() if args.hf else None, base_folder=args.dir or "")
+    checkpointer.load(step=config.load_step)
+    event(event="resumed", step=train_state.step, ntokens_seen=train_state.ntokens_seen)
+
+    def forward_pre(module: nn.Module, inputs: Any) -> None:
+        if train_state.step == args.kill + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model.register_forward_pre_hook(forward_pre)
+    data_iterator = iter(dataloader)
+    while train_state.step < args.steps:
+        train_state.step += 1
+        optimizers.zero_grad()
+        total = torch.zeros(())
+        for _ in range(ACCUM):
+            input_dict, labels = next(data_iterator)
+            train_state.ntokens_seen += labels.numel()
+            pred = model(input_dict["input"])
+            loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1), labels.flatten()) / ACCUM
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_([p for m in model_parts for p in m.parameters()], 1.0, foreach=True)
+        checkpointer.maybe_wait_for_staging()
+        optimizers.step()
+        lr_schedulers.step()
+        losses.write(json.dumps({"step": train_state.step, "loss": float(total).hex()}) + "\n")
+        losses.flush()
+        checkpointer.save(train_state.step, last_step=train_state.step == args.steps)
+    checkpointer.close()
+    if args.dir is not None:
+        stats = checkpointer.checkpointer.stats()
+        event(event="stats", committed=stats.versions_committed, dropped=stats.versions_dropped,
+              versions=checkpointer.checkpointer.final_versions)
+    save_final(out, model, optimizers, lr_schedulers, train_state)
+    event(event="done")
+    return 0
+
+
+def save_final(out: Path, model: nn.Module, optimizers: Any, lr_schedulers: Any, train_state: TrainState) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    [optimizer] = optimizers.optimizers
+    sd = optimizer.state_dict()
+    for index, state in sd["state"].items():
+        for key, value in state.items():
+            tensors[f"optim/{index}/{key}"] = value.detach().clone().reshape(-1)
+    tensors["rng"] = torch.get_rng_state()
+    save_file(tensors, str(out / "final.safetensors"))
+    groups = [{k: (v.hex() if isinstance(v, float) else v) for k, v in g.items() if k not in ("params", "param_names")}
+              for g in sd["param_groups"]]
+    (out / "final.json").write_text(json.dumps({"param_groups": groups, "lr_scheduler": lr_schedulers.state_dict(),
+                                                "train_state": train_state.state_dict()}, default=str))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

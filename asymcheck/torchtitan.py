@@ -48,6 +48,7 @@ try:  # the manager's base and its state names; TorchTitan is an optional depend
         LR_SCHEDULER,
         MODEL,
         OPTIMIZER,
+        TRAIN_STATE,
         BaseCheckpointManager,
     )
 except ImportError as exc:  # pragma: no cover - exercised only without torchtitan
@@ -55,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsymCheckManager", "DataloaderState", "export_hf", "unsupported_settings"]
+__all__ = ["AsymCheckManager", "DataloaderState", "cuda_graphs", "export_hf", "unsupported_settings"]
 
 FRAMEWORK = "torchtitan"
 ExportDtype = Literal["float16", "bfloat16", "float32"]
@@ -64,7 +65,20 @@ HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
 
-def unsupported_settings(config: Any, *, model_parts: list[torch.nn.Module], optimizers: Any,
+def cuda_graphs(trainer: Any) -> bool:
+    """Whether ``trainer`` (the ``train_state`` TorchTitan hands the manager) replays its steps as CUDA graphs.
+
+    TorchTitan wraps the forward and backward in a CUDA graph unless ``training.disable_cuda_graphs``, on
+    NVIDIA CUDA only. A trainer without a TorchTitan ``config`` says nothing (False).
+    """
+    training = getattr(getattr(trainer, "config", None), "training", None)
+    disabled = getattr(training, "disable_cuda_graphs", None)
+    if not isinstance(disabled, bool) or disabled:
+        return False
+    return torch.cuda.is_available() and torch.version.hip is None
+
+
+def unsupported_settings(config: Any, *, model_parts: list[torch.nn.Module], optimizers: Any, trainer: Any = None,
                          version: str | None = None) -> list[str]:
     """One line per setting of ``config`` (an :class:`AsymCheckManager.Config`) or of the trainer's parts refused.
 
@@ -72,6 +86,7 @@ def unsupported_settings(config: Any, *, model_parts: list[torch.nn.Module], opt
         config: the manager's config.
         model_parts: the trainer's model parts.
         optimizers: the trainer's ``OptimizersContainer`` (or one optimizer).
+        trainer: the trainer (``states["train_state"]``), whose ``config.training`` says whether CUDA graphs run.
         version: the torchtitan version (default: the installed one).
     """
     if version is None:
@@ -100,6 +115,8 @@ def unsupported_settings(config: Any, *, model_parts: list[torch.nn.Module], opt
         refuse("checkpoint.load_only")
     if OPTIMIZER in config.exclude_from_loading:
         refuse("checkpoint.exclude_from_loading=['optimizer']")
+    if cuda_graphs(trainer):
+        refuse("training.disable_cuda_graphs=False")
     return out
 
 
@@ -220,7 +237,8 @@ class AsymCheckManager(BaseCheckpointManager):  # type: ignore[misc]  # torchtit
         self.save_future = None
         if not self.enable:
             return
-        support.require_supported(unsupported_settings(config, model_parts=model_parts, optimizers=optimizers),
+        support.require_supported(unsupported_settings(config, model_parts=model_parts, optimizers=optimizers,
+                                                       trainer=states.get(TRAIN_STATE)),
                                   UnsupportedTorchTitanConfigError,
                                   "asymcheck.torchtitan.AsymCheckManager does not capture this job correctly")
         if config.last_save_in_hf and sd_adapter is None:

@@ -140,6 +140,10 @@ TORCHTITAN: tuple[Refusal, ...] = (
     Refusal("checkpoint.create_seed_checkpoint", "a seed checkpoint is TorchTitan's CheckpointManager's job: "
             "every version here is a whole training state"),
     Refusal("checkpoint.load_only", "the hooks take a version every interval: there is no read-only mode"),
+    Refusal("training.disable_cuda_graphs=False", "on NVIDIA CUDA TorchTitan captures the forward and backward as one "
+            "CUDA graph and replays it without Python: the hooks that copy a version during them would not run in a "
+            "replay, and copies issued while it is captured would be captured into it; run with "
+            "--training.disable_cuda_graphs (off NVIDIA CUDA TorchTitan runs eagerly anyway)"),
     Refusal("checkpoint.exclude_from_loading=['optimizer']", "a version loads the model and its optimizer together "
             "(the optimizer's state is read in place with the parameters)"),
 )

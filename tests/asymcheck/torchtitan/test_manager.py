@@ -18,17 +18,17 @@ from tests.support.titan_parts import ACCUM, BATCH, TinyLM, TokenStream, TrainSt
 
 pytest.importorskip("torchtitan.components.checkpointer", reason="torchtitan is not installed")
 
-from torchtitan.components.dataloader import ParallelAwareDataloader  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw  # noqa: E402
-from torchtitan.components.optimizer.optimizer import ParamGroupConfig  # noqa: E402
+from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw
+from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
-from asymcheck.errors import (  # noqa: E402
+from asymcheck.errors import (
     CheckpointerStateError,
     StateMismatchError,
     UnsupportedTorchTitanConfigError,
 )
-from asymcheck.torchtitan import AsymCheckManager, unsupported_settings  # noqa: E402
-from asymstore import AsymStore, LocalTier  # noqa: E402
+from asymcheck.torchtitan import AsymCheckManager, unsupported_settings
+from asymstore import AsymStore, LocalTier
 
 
 class Job:
@@ -162,3 +162,23 @@ def test_save_of_a_step_the_optimizer_did_not_take_is_refused(tmp_path: Path) ->
     with pytest.raises(CheckpointerStateError, match="TorchTitan saves step 5 after 1 optimizer steps"):
         job.manager.save(5)
     job.manager.close()
+
+
+def test_cuda_graphs_of_the_trainer_are_refused_where_torchtitan_would_capture_them() -> None:
+    """TorchTitan replays fwd+bwd as a CUDA graph on NVIDIA CUDA unless ``training.disable_cuda_graphs``."""
+    from types import SimpleNamespace
+
+    from torchtitan.config import TrainingConfig
+
+    model = TinyLM()
+    optimizers = default_adamw().build(model_parts=[model])
+    graphs = SimpleNamespace(config=SimpleNamespace(training=TrainingConfig()))
+    eager = SimpleNamespace(config=SimpleNamespace(training=TrainingConfig(disable_cuda_graphs=True)))
+    on_cuda = torch.cuda.is_available() and torch.version.hip is None
+    lines = unsupported_settings(AsymCheckManager.Config(enable=True), model_parts=[model], optimizers=optimizers,
+                                 trainer=graphs)
+    assert any(line.startswith("training.disable_cuda_graphs=False") for line in lines) == on_cuda, lines
+    assert unsupported_settings(AsymCheckManager.Config(enable=True), model_parts=[model], optimizers=optimizers,
+                                trainer=eager) == []
+    assert unsupported_settings(AsymCheckManager.Config(enable=True), model_parts=[model], optimizers=optimizers,
+                                trainer=TrainState()) == []  # no TorchTitan config: nothing to tell

@@ -5,8 +5,10 @@
 TorchTitan's own training entry point needs CUDA and triton, so this child drives the manager the way
 ``torchtitan.trainer.Trainer.train`` does, with TorchTitan's own state objects on the CPU: the model parts
 go into ``OptimizersContainer`` (built from ``default_adamw``, TorchTitan's AdamW config) and
-``LRSchedulersContainer`` (warmup, then linear decay); the batches come from a ``ParallelAwareDataloader``
-(torchdata's ``StatefulDataLoader``) over a stateful token stream; ``train_state`` is the trainer's own
+``LRSchedulersContainer`` (warmup, then linear decay); the batches come from TorchTitan's
+``HuggingFaceTextDataLoader`` (``--assets``: tests/support/titan_assets.py's tokenizer and dataset, through
+TorchTitan's tokenizer) or a ``ParallelAwareDataloader`` (torchdata's ``StatefulDataLoader``) over a stateful
+token stream; ``train_state`` is the trainer's own
 ``{"step", "ntokens_seen"}``. The manager is built as the trainer builds it (``config.checkpoint.build(...)``
 with ``AsymCheckManager.Config``); each step runs the trainer's order: ``step += 1``, ``zero_grad``, the
 micro-batches' forward and backward, ``clip_grad_norm_``, ``maybe_wait_for_staging()``,
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tests.support.titan_parts import ACCUM, BATCH, TinyLM, TokenStream, TrainState, hf_adapter
+from tests.support.titan_parts import ACCUM, BATCH, SEQ, TinyLM, TokenStream, TrainState, hf_adapter
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill", type=int, default=-1)
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--exclude", action="append", default=[])
+    ap.add_argument("--assets", default=None, help="titan_assets' directory: TorchTitan's HuggingFaceTextDataLoader")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                                  min_lr_factor=0.0).build(optimizers=optimizers,
                                                                           training_steps=args.steps)
-    dataloader = ParallelAwareDataloader(TokenStream(), dp_rank=0, dp_world_size=1, batch_size=BATCH)
+    if args.assets is None:
+        dataloader = ParallelAwareDataloader(TokenStream(), dp_rank=0, dp_world_size=1, batch_size=BATCH)
+    else:  # TorchTitan's own text loader over a Hugging Face dataset, tokenized by TorchTitan's tokenizer
+        from torchtitan.components.tokenizer import HuggingFaceTokenizer
+        from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+        tokenizer = HuggingFaceTokenizer.Config().build(tokenizer_path=os.path.join(args.assets, "tokenizer"))
+        dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=os.path.join(args.assets, "c4")
+                                                      ).build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer,
+                                                              seq_len=SEQ, local_batch_size=BATCH)
     train_state = TrainState()
     config = AsymCheckManager.Config(enable=args.dir is not None, interval=1, folder="ckpt", keep_latest_k=3,
                                      last_save_in_hf=args.hf, export_dtype="bfloat16" if args.hf else "float32",

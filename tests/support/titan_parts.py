@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-VOCAB, DIM, SEQ, BATCH, ACCUM = 64, 32, 16, 2, 2
+VOCAB, DIM, SEQ, BATCH, ACCUM = 512, 32, 16, 2, 2  # VOCAB covers titan_assets' tokenizer (503 ids)
 
 
 class TokenStream(torch.utils.data.IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):

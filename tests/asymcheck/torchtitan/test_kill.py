@@ -3,7 +3,8 @@
 TorchTitan 0.3's training entry point needs CUDA and triton (``import torchtitan.train`` fails on a CPU
 build); tests/procs/titan_train.py drives the manager as ``Trainer.train`` does, with TorchTitan's own
 ``OptimizersContainer`` (``default_adamw``), ``LRSchedulersContainer`` (warmup and linear decay),
-``ParallelAwareDataloader`` and the trainer's ``train_state``, two micro-batches per step and dropout.
+``HuggingFaceTextDataLoader`` (its tokenizer over a local text dataset, tests/support/titan_assets.py) and
+the trainer's ``train_state``, two micro-batches per step and dropout.
 The job is SIGKILLed inside the forward pass after a random number of steps (``TITAN_KILL_SEED``
 replays it), started again: it resumes from the newest verified version and trains to the end, exporting
 the last step as Hugging Face safetensors (``last_save_in_hf``). Every loss either job logged, and the
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from tests.support.launch import proc_argv, proc_env
+from tests.support.titan_assets import make_assets
 
 pytest.importorskip("torchtitan.components.checkpointer", reason="torchtitan is not installed")
 
@@ -62,8 +64,11 @@ class Job:
 def start(out: Path, *args: str) -> tuple[Path, subprocess.Popen[bytes]]:
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "log", "wb")
-    proc = subprocess.Popen(proc_argv("titan_train", "--out", str(out), "--steps", str(STEPS), *args),
-                            stdout=log, stderr=subprocess.STDOUT, env=proc_env(OMP_NUM_THREADS="1"))
+    assets = out.parent / "assets"
+    proc = subprocess.Popen(proc_argv("titan_train", "--out", str(out), "--steps", str(STEPS), "--assets", str(assets),
+                                      *args), stdout=log, stderr=subprocess.STDOUT,
+                            env=proc_env(OMP_NUM_THREADS="1", HF_DATASETS_CACHE=str(out / "hf-cache"),
+                                         HF_HUB_OFFLINE="1"))
     return out, proc
 
 
@@ -82,6 +87,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     kill = random.Random(SEED).randint(3, STEPS - 3)
     print(f"SIGKILL after {kill} steps (TITAN_KILL_SEED={SEED})")
     dump = base / "dump"
+    make_assets(base / "assets")
     started = [start(base / "reference"), start(base / "killed", "--dir", str(dump), "--kill", str(kill))]
     done = [Job(out, proc.wait(timeout=300)) for out, proc in started]
     out, proc = start(base / "resumed", "--dir", str(dump), "--hf")

@@ -1,21 +1,16 @@
 """TorchTitan's checkpoint manager on the Checkpointer: a version every step, chosen in TorchTitan's own job config.
 
-TorchTitan 0.3 builds its checkpoint manager from the job config (``Trainer.Config.checkpoint`` takes any
-``BaseCheckpointManager.Config``; the trainer calls ``config.checkpoint.build(model_parts=...,
-optimizers=..., lr_schedulers=..., dataloader=..., states={"train_state": trainer}, ...)``), so a config
-registry function of yours turns it on::
-
-    from asymcheck.torchtitan import AsymCheckManager
+TorchTitan 0.3 builds the manager its job config names (``Trainer.Config.checkpoint`` takes any
+``BaseCheckpointManager.Config``), so a config registry function of yours selects this one::
 
     config.checkpoint = AsymCheckManager.Config(enable=True, interval=1, folder="checkpoint")
 
-:class:`AsymCheckManager` builds an :class:`asymcheck.Checkpointer` over the trainer's model and
-optimizer: its hooks copy the state after step ``t`` during the forward and backward of step ``t + 1``
-(the asymmetric snapshot) and commit the version in the background; TorchTitan's ``save(step)`` (after
-the LR scheduler's step) is where the version takes the trainer's step counters and the scheduler;
-``load()`` resumes the newest version that verifies, on another number of ranks too (resharded). With
-``last_save_in_hf`` the last step's version is exported as Hugging Face safetensors through the model's
-state-dict adapter (:func:`export_hf`). What is captured and what is refused: docs/guides/torchtitan.md.
+:class:`AsymCheckManager` builds an :class:`asymcheck.Checkpointer` over the trainer's model and optimizer:
+the state after step ``t`` is copied during the forward and backward of step ``t + 1`` (the asymmetric
+snapshot) and committed in the background; ``save(step)`` takes the trainer's counters and schedulers;
+``load()`` resumes the newest version that verifies, resharded on another number of ranks; with
+``last_save_in_hf`` the last step is exported as Hugging Face safetensors (:func:`export_hf`).
+Guide (what is captured, what is refused): docs/guides/torchtitan.md.
 """
 
 from __future__ import annotations

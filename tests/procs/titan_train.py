@@ -16,8 +16,10 @@ micro-batches' forward and backward, ``clip_grad_norm_``, ``maybe_wait_for_stagi
 ``close()`` last. The model (embedding, two blocks with dropout, a head) draws from the global RNG.
 
 Without ``--dir`` the manager is disabled (``enable=False``): the uninterrupted reference. ``--kill S``:
-SIGKILL inside the first forward after S optimizer steps. ``--hf``: ``last_save_in_hf=True`` with a
-state-dict adapter that renames to Hugging Face's names and ``export_dtype="bfloat16"``.
+SIGKILL inside the first forward after S optimizer steps. ``--fsdp``: FSDP2 (``fully_shard`` on each block
+and the root) over the ranks of the environment (``RANK``, ``WORLD_SIZE``..., gloo), the loader split by
+rank; ``--dump-resumed``: the whole state right after ``load()`` into ``OUT/resumed.*``. ``--hf``:
+``last_save_in_hf=True`` with a state-dict adapter that renames to Hugging Face's names and ``export_dtype="bfloat16"``.
 
 Writes ``OUT/losses.jsonl`` (``{"step", "loss": hex}`` per step), ``OUT/events.jsonl`` and, when it
 finishes, ``OUT/final.safetensors`` + ``OUT/final.json``: the model, the optimizer's state, its param
@@ -50,11 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--exclude", action="append", default=[])
     ap.add_argument("--assets", default=None, help="titan_assets' directory: TorchTitan's HuggingFaceTextDataLoader")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) over WORLD_SIZE ranks, gloo")
+    ap.add_argument("--dump-resumed", action="store_true", help="write the state right after load() (resumed.*)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    events = open(out / "events.jsonl", "a")
-    losses = open(out / "losses.jsonl", "a")
+    suffix = f"-rank{os.environ['RANK']}" if args.fsdp else ""
+    events = open(out / f"events{suffix}.jsonl", "a")
+    losses = open(out / f"losses{suffix}.jsonl", "a")
 
     def event(**fields: Any) -> None:
         events.write(json.dumps({**fields, "t": round(time.time() - started, 2)}) + "\n")
@@ -65,22 +70,33 @@ def main(argv: list[str] | None = None) -> int:
 
     from asymcheck.torchtitan import AsymCheckManager
 
+    rank, world = 0, 1
+    if args.fsdp:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(42)
     model = TinyLM()
+    if args.fsdp:  # TorchTitan's FSDP2: each block, then the root
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     model_parts: list[nn.Module] = [model]
     optimizers = default_adamw(lr=3e-3).build(model_parts=model_parts)
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
                                                  min_lr_factor=0.0).build(optimizers=optimizers,
                                                                           training_steps=args.steps)
     if args.assets is None:
-        dataloader = ParallelAwareDataloader(TokenStream(), dp_rank=0, dp_world_size=1, batch_size=BATCH)
+        dataloader = ParallelAwareDataloader(TokenStream(), dp_rank=rank, dp_world_size=world, batch_size=BATCH)
     else:  # TorchTitan's own text loader over a Hugging Face dataset, tokenized by TorchTitan's tokenizer
         from torchtitan.components.tokenizer import HuggingFaceTokenizer
         from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
         tokenizer = HuggingFaceTokenizer.Config().build(tokenizer_path=os.path.join(args.assets, "tokenizer"))
         dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=os.path.join(args.assets, "c4")
-                                                      ).build(dp_world_size=1, dp_rank=0, tokenizer=tokenizer,
+                                                      ).build(dp_world_size=world, dp_rank=rank, tokenizer=tokenizer,
                                                               seq_len=SEQ, local_batch_size=BATCH)
     train_state = TrainState()
     config = AsymCheckManager.Config(enable=args.dir is not None, interval=1, folder="ckpt", keep_latest_k=3,
@@ -91,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                                 sd_adapter=hf_adapter() if args.hf else None, base_folder=args.dir or "")
     checkpointer.load(step=config.load_step)
     event(event="resumed", step=train_state.step, ntokens_seen=train_state.ntokens_seen)
+    if args.dump_resumed:
+        save_final(out, model, optimizers, lr_schedulers, train_state, name="resumed", write=rank == 0)
 
     def forward_pre(module: nn.Module, inputs: Any) -> None:
         if train_state.step == args.kill + 1:
@@ -121,25 +139,36 @@ def main(argv: list[str] | None = None) -> int:
         stats = checkpointer.checkpointer.stats()
         event(event="stats", committed=stats.versions_committed, dropped=stats.versions_dropped,
               versions=checkpointer.checkpointer.final_versions)
-    save_final(out, model, optimizers, lr_schedulers, train_state)
+    save_final(out, model, optimizers, lr_schedulers, train_state, write=rank == 0)
     event(event="done")
     return 0
 
 
-def save_final(out: Path, model: nn.Module, optimizers: Any, lr_schedulers: Any, train_state: TrainState) -> None:
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor's full tensor: a collective every rank runs)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def save_final(out: Path, model: nn.Module, optimizers: Any, lr_schedulers: Any, train_state: TrainState,
+               name: str = "final", write: bool = True) -> None:
+    """Write the whole state as ``OUT/NAME.safetensors`` and ``.json`` (every rank gathers; ``write`` writes)."""
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    tensors: dict[str, torch.Tensor] = {f"model/{k}": full(v) for k, v in model.state_dict().items()}
     [optimizer] = optimizers.optimizers
     sd = optimizer.state_dict()
     for index, state in sd["state"].items():
         for key, value in state.items():
-            tensors[f"optim/{index}/{key}"] = value.detach().clone().reshape(-1)
+            tensors[f"optim/{index}/{key}"] = full(value).reshape(-1)
     tensors["rng"] = torch.get_rng_state()
-    save_file(tensors, str(out / "final.safetensors"))
+    if not write:
+        return
+    save_file(tensors, str(out / f"{name}.safetensors"))
     groups = [{k: (v.hex() if isinstance(v, float) else v) for k, v in g.items() if k not in ("params", "param_names")}
               for g in sd["param_groups"]]
-    (out / "final.json").write_text(json.dumps({"param_groups": groups, "lr_scheduler": lr_schedulers.state_dict(),
+    (out / f"{name}.json").write_text(json.dumps({"param_groups": groups, "lr_scheduler": lr_schedulers.state_dict(),
                                                 "train_state": train_state.state_dict()}, default=str))
 
 

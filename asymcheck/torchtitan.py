@@ -110,6 +110,8 @@ def unsupported_settings(config: Any, *, model_parts: list[torch.nn.Module], opt
         refuse("checkpoint.load_only")
     if OPTIMIZER in config.exclude_from_loading:
         refuse("checkpoint.exclude_from_loading=['optimizer']")
+    if TRAIN_STATE in config.exclude_from_loading:
+        refuse("checkpoint.exclude_from_loading=['train_state']")
     if cuda_graphs(trainer):
         refuse("training.disable_cuda_graphs=False")
     return out
@@ -213,8 +215,8 @@ class AsymCheckManager(BaseCheckpointManager):  # type: ignore[misc]  # torchtit
 
         Of ``BaseCheckpointManager.Config``: ``enable``, ``folder`` (the store's root, under the dump
         folder), ``interval`` (a version every ``interval`` steps), ``keep_latest_k`` (versions kept; 0:
-        all), ``exclude_from_loading`` (``dataloader``, ``lr_scheduler``, ``train_state``: their state is
-        taken but not loaded), ``last_save_in_hf`` and ``export_dtype`` (the Hugging Face export of the
+        all), ``exclude_from_loading`` (``dataloader``, ``lr_scheduler`` and other ``states`` objects: their
+        state is taken but not loaded), ``last_save_in_hf`` and ``export_dtype`` (the Hugging Face export of the
         last step) are used; ``last_save_model_only`` and ``enable_first_step_checkpoint`` change nothing
         (every version is a whole training state); the others are refused when set (docs/guides/torchtitan.md).
         """

@@ -146,6 +146,9 @@ TORCHTITAN: tuple[Refusal, ...] = (
             "--training.disable_cuda_graphs (off NVIDIA CUDA TorchTitan runs eagerly anyway)"),
     Refusal("checkpoint.exclude_from_loading=['optimizer']", "a version loads the model and its optimizer together "
             "(the optimizer's state is read in place with the parameters)"),
+    Refusal("checkpoint.exclude_from_loading=['train_state']", "versions are numbered by the optimizer steps done, "
+            "which the trainer's step must go on from: a resumed model with the trainer's step back at 0 would "
+            "save steps the store already holds"),
 )
 """What :class:`asymcheck.torchtitan.AsymCheckManager` refuses when the trainer builds it."""
 

@@ -85,9 +85,11 @@ def two_optimizers() -> OptimizersContainer:
     ({"initial_load_path": "/some/where"}, 1, "one", "checkpoint.initial_load_path"),
     ({"load_only": True}, 1, "one", "checkpoint.load_only"),
     ({"exclude_from_loading": ["optimizer"]}, 1, "one", "checkpoint.exclude_from_loading=['optimizer']"),
+    ({"exclude_from_loading": ["train_state"]}, 1, "one", "checkpoint.exclude_from_loading=['train_state']"),
     ({}, 2, "one", "2 model parts"),
     ({}, 1, "two", "2 optimizers in the OptimizersContainer"),
-], ids=["load_step", "initial_load_path", "load_only", "exclude-optimizer", "pipeline", "two-optimizers"])
+], ids=["load_step", "initial_load_path", "load_only", "exclude-optimizer", "exclude-train-state", "pipeline",
+                  "two-optimizers"])
 def test_refused_settings_name_themselves_before_anything_is_hooked(
         tmp_path: Path, config: dict[str, Any], parts: int, optimizers: str, names: str) -> None:
     model_parts = [TinyLM() for _ in range(parts)]

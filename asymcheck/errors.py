@@ -141,3 +141,15 @@ class UnresumableDataError(AsymcheckError, ValueError):
 
 class InexactResumeWarning(UserWarning):
     """A resume will not continue the data exactly as an uninterrupted run would; the message says what differs."""
+
+
+# -- TorchTitan ------------------------------------------------------------------
+
+
+class UnsupportedTorchTitanConfigError(UnsupportedConfigError):
+    """A TorchTitan setting (or version) ``asymcheck.torchtitan.AsymCheckManager`` does not capture correctly.
+
+    The message names the setting (a ``checkpoint.`` field, or what the trainer handed the manager); raised
+    when the trainer builds the manager, before anything is hooked. The refused settings:
+    docs/guides/torchtitan.md.
+    """

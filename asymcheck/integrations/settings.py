@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["ACCELERATE", "HF_TRAINER", "LIGHTNING", "TESTED", "Refusal", "refusal"]
+__all__ = ["ACCELERATE", "HF_TRAINER", "LIGHTNING", "TESTED", "TORCHTITAN", "Refusal", "refusal"]
 
 
 class Refusal(NamedTuple):
@@ -33,6 +33,7 @@ TESTED: dict[str, tuple[int, int]] = {
     "accelerate": (1, 15),  # pyproject.toml: accelerate>=1.15,<1.16
     "transformers": (5, 24),  # transformers>=5.24,<5.25
     "lightning": (2, 6),  # lightning>=2.6,<2.7
+    "torchtitan": (0, 3),  # torchtitan>=0.3,<0.4
 }
 """Per framework (its package name), the ``major.minor`` the tests exercise."""
 
@@ -122,6 +123,34 @@ LIGHTNING: tuple[Refusal, ...] = (
             "tensor_parallel_size=1) and fully_shard over device_mesh['data_parallel'] in configure_model"),
 )
 """What :class:`asymcheck.lightning.AsymCheckCallback` refuses when ``fit`` starts."""
+
+
+TORCHTITAN: tuple[Refusal, ...] = (
+    Refusal("version", "only the tested major.minor of torchtitan is supported"),
+    Refusal("pipeline parallelism", "several model parts (pipeline stages) are untested: one model part, under FSDP2, "
+            "tensor parallelism or one device, is what a version captures"),
+    Refusal("several optimizers", "an OptimizersContainer holding more than one optimizer (param groups of several "
+            "optimizer names, or several model parts) is untested: give every group to one optimizer"),
+    Refusal("checkpoint.load_step", "a version is the newest that verifies (an older one is taken only when the "
+            "newer ones do not verify); load another step with python -m asymstore.export or asymstore.dcp"),
+    Refusal("checkpoint.initial_load_path", "a first load from TorchTitan's own checkpoint folder or Hugging Face "
+            "weights is not wired: start from them with TorchTitan's CheckpointManager, or load the weights into "
+            "the model before training"),
+    Refusal("checkpoint.initial_load_in_hf", "see checkpoint.initial_load_path"),
+    Refusal("checkpoint.create_seed_checkpoint", "a seed checkpoint is TorchTitan's CheckpointManager's job: "
+            "every version here is a whole training state"),
+    Refusal("checkpoint.load_only", "the hooks take a version every interval: there is no read-only mode"),
+    Refusal("training.disable_cuda_graphs=False", "on NVIDIA CUDA TorchTitan captures the forward and backward as one "
+            "CUDA graph and replays it without Python: the hooks that copy a version during them would not run in a "
+            "replay, and copies issued while it is captured would be captured into it; run with "
+            "--training.disable_cuda_graphs (off NVIDIA CUDA TorchTitan runs eagerly anyway)"),
+    Refusal("checkpoint.exclude_from_loading=['optimizer']", "a version loads the model and its optimizer together "
+            "(the optimizer's state is read in place with the parameters)"),
+    Refusal("checkpoint.exclude_from_loading=['train_state']", "versions are numbered by the optimizer steps done, "
+            "which the trainer's step must go on from: a resumed model with the trainer's step back at 0 would "
+            "save steps the store already holds"),
+)
+"""What :class:`asymcheck.torchtitan.AsymCheckManager` refuses when the trainer builds it."""
 
 
 def refusal(table: tuple[Refusal, ...], setting: str) -> Refusal:

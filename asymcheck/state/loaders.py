@@ -49,11 +49,24 @@ def _generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
-def state_dict(obj: Any) -> Any:
-    """What a version holds for ``obj``: a StatefulDataLoader's state and its generators', else ``obj.state_dict()``."""
+def _loader_class() -> Any:
+    """The ``StatefulDataLoader`` class of torchdata (imported already: :func:`is_stateful_loader` said so)."""
+    return sys.modules["torchdata.stateful_dataloader"].StatefulDataLoader
+
+
+def state_dict(obj: Any, *, own: bool = True) -> Any:
+    """What a version holds for ``obj``: a StatefulDataLoader's state and its generators', else ``obj.state_dict()``.
+
+    Args:
+        obj: the object.
+        own: a StatefulDataLoader subclass's state as its own ``state_dict`` makes it (default), or, False,
+            as torchdata's ``StatefulDataLoader.state_dict`` does, for a subclass whose override re-encodes it
+            (TorchTitan's ``ParallelAwareDataloader`` pickles it).
+    """
     if not is_stateful_loader(obj):
         return obj.state_dict()
-    return {LOADER: obj.state_dict(), GENERATORS: [g.get_state() for g in _generators(obj)]}
+    state = obj.state_dict() if own else _loader_class().state_dict(obj)
+    return {LOADER: state, GENERATORS: [g.get_state() for g in _generators(obj)]}
 
 
 def _wrapped(obj: Any, state: Any) -> bool:
@@ -71,14 +84,28 @@ def check(name: str, obj: Any, state: Any) -> None:
                                  f"StatefulDataLoader, which has {len(_generators(obj))} (another sampler?)")
 
 
-def load_state_dict(obj: Any, state: Any) -> None:
-    """Put ``state`` (from :func:`state_dict`, checked by :func:`check`) back into ``obj``."""
+def load_state_dict(obj: Any, state: Any, *, own: bool = True) -> None:
+    """Put ``state`` (from :func:`state_dict` with the same ``own``, checked by :func:`check`) back into ``obj``."""
     if not _wrapped(obj, state):
         obj.load_state_dict(state)
         return
     live = _generators(obj)
     saved = list(state[GENERATORS])
-    obj.load_state_dict(state[LOADER])
-    obj.state_dict()  # makes the restored iterator now; the loader's next iter() returns it
+    methods = obj if own else _TorchdataMethods(obj)
+    methods.load_state_dict(state[LOADER])
+    methods.state_dict()  # makes the restored iterator now; the loader's next iter() returns it
     for g, s in zip(live, saved, strict=True):
         g.set_state(s)
+
+
+class _TorchdataMethods:
+    """torchdata's own ``state_dict`` / ``load_state_dict`` of a StatefulDataLoader subclass that overrides them."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def state_dict(self) -> Any:
+        return _loader_class().state_dict(self._loader)
+
+    def load_state_dict(self, state: Any) -> None:
+        _loader_class().load_state_dict(self._loader, state)

@@ -20,6 +20,8 @@ $(VENV)/.setup-done: pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH)
 	DS_BUILD_OPS=0 $(PIP) install -q -e ".[test,demo,bench,deepspeed,docs,accelerate,hf,lightning,peft,loaders,torchft,ray]"
 	$(PIP) install -q libkvikio-cu12 && $(PIP) install -q --no-deps kvikio-cu12
+	# torchtitan 0.3 pins datasets<4.8 (the loaders extra has 5.2, which its text loader runs with): no-deps plus what it imports
+	$(PIP) install -q --no-deps "torchtitan>=0.3,<0.4" && $(PIP) install -q tyro spmd_types==0.2.3 tokenizers safetensors
 	touch $@
 
 setup: $(VENV)/.setup-done

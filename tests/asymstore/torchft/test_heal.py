@@ -1,0 +1,146 @@
+"""torchft's own Manager and lighthouse on CPU: a replica group SIGKILLed mid-training heals from the other's store.
+
+Two replica groups of one rank, each a real process (``tests/procs/torchft_group.py``), torchft's
+``LighthouseServer`` in this process, ``ProcessGroupGloo`` between the groups. Group 1 is killed
+after a committed step, restarted, heals through ``StoreTransport`` from group 0's memory tier, and
+the job goes on. With ``min_replica_size=2`` no step commits while a group is missing, so every
+committed step's losses and the final weights equal those of an uninterrupted run (computed here, in
+one process, as torchft's DDP averages: the sum of the two groups' gradients over 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("torchft")
+
+from torchft._torchft import LighthouseServer
+
+from tests.procs.torchft_group import batch
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _spawn(rid: int, lighthouse: str, steps: int, root: Path, out: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "tests.procs.torchft_group", str(rid), lighthouse, str(steps),
+                             str(root), str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_step(proc: subprocess.Popen[str], step: int, deadline: float, seen: list[str]) -> None:
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.strip() == f"STEP {step}":
+            return
+    raise AssertionError(f"the group never reached step {step}:\n{''.join(seen[-40:])}")
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _uninterrupted(steps: int) -> tuple[dict[int, list[float]], dict[str, torch.Tensor]]:
+    """Losses per committed step of groups 0 and 1, and the final weights, of a run nobody interrupts."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        losses: dict[int, list[float]] = {}
+        for n in range(steps):
+            grads = []
+            losses[n + 1] = []
+            for g in (0, 1):
+                model.zero_grad(set_to_none=True)
+                x, y = batch(g, n)
+                loss = F.mse_loss(model(x), y)
+                loss.backward()  # type: ignore[no-untyped-call]
+                losses[n + 1].append(loss.item())
+                grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
+            for p, a, b in zip(model.parameters(), *grads, strict=True):
+                p.grad = (a + b) / 2
+            opt.step()
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_with_kill(tmp_path: Path, steps: int, kill_after: int) -> None:
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=2000)
+    procs: list[subprocess.Popen[str]] = []
+    logs = [tmp_path / "g0.jsonl", tmp_path / "g1-first.jsonl", tmp_path / "g1-second.jsonl"]
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        procs.append(_spawn(0, lighthouse.address(), steps, tmp_path, logs[0]))
+        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[1]))
+        _wait_step(procs[1], kill_after, deadline, seen)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(10)
+        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[2]))
+        for p in (procs[0], procs[2]):
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, out[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lighthouse.shutdown()
+
+    g0, first, second = (_records(p) for p in logs)
+    healed = [r for r in second if "healed" in r]
+    assert len(healed) == 1, second
+    heal = healed[0]["healed"]
+    assert heal["group"] == "0" and heal["tier"] == "memory", heal
+    n = heal["step"]
+    assert n >= kill_after
+    # the healed weights are group 0's committed version of that step, bit for bit
+    saved0 = {r["saved"]: r["digest"] for r in g0 if "saved" in r}
+    assert healed[0]["digest"] == saved0[n]
+    # group 0 served that step from its store; group 1 never trained steps before the heal in its second life
+    final0 = next(r for r in g0 if "final" in r)
+    assert n in final0["served"]
+    ref_losses, ref_final = _uninterrupted(steps)
+    losses0 = {r["step"]: r["loss"] for r in g0 if "step" in r}
+    losses1 = {r["step"]: r["loss"] for r in first + second if "step" in r}
+    assert sorted(losses0) == list(range(1, steps + 1))
+    assert min(r["step"] for r in second if "step" in r) == n + 1
+    assert set(losses1) >= set(range(1, kill_after + 1)) | set(range(n + 1, steps + 1))
+    for step, loss in losses0.items():
+        assert loss == ref_losses[step][0], (step, loss, ref_losses[step])
+    for step, loss in losses1.items():
+        assert loss == ref_losses[step][1], (step, loss, ref_losses[step])
+    final1 = next(r for r in second if "final" in r)
+    assert final0["digest"] == final1["digest"]
+    for name, ref in ref_final.items():
+        assert torch.equal(torch.tensor(final0["final"][name], dtype=ref.dtype), ref), name
+
+
+def test_killed_group_heals_from_peer_store(tmp_path: Path) -> None:
+    """SIGKILL group 1 after step 2 of 5; it restarts, heals from group 0's memory tier, losses as uninterrupted."""
+    _run_with_kill(tmp_path, steps=5, kill_after=2)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize(("steps", "kill_after"), [(12, 1), (12, 7)])
+def test_killed_group_heals_longer_runs(tmp_path: Path, steps: int, kill_after: int) -> None:
+    """The same at other kill points of a longer run."""
+    _run_with_kill(tmp_path, steps=steps, kill_after=kill_after)

@@ -1,6 +1,6 @@
 """One torchft replica group of one rank, healing through asymstore.torchft.StoreTransport (a real process).
 
-Trains a small MLP with torchft's Manager and OptimizerWrapper over ProcessGroupGloo, averaging
+Trains a small MLP with torchft's Manager over ProcessGroupGloo (``start_quorum``, ``should_commit``), averaging
 gradients with ``manager.allreduce`` (torchft 0.2.0's ``torchft.ddp.DistributedDataParallel`` asserts
 in its comm hook when an allreduce fails at once, as it does after the other group died, and takes
 the healthy group down with it); each committed step is saved to the group's store (memory tier durable, a local
@@ -8,7 +8,8 @@ disk behind it). Writes JSON lines to ``OUT``: ``{"step": n, "loss": x}`` per co
 loss of the iteration that produced step n), ``{"saved": n, "digest": d}`` per saved version,
 ``{"healed": {...}, "digest": d}`` after a heal is applied, ``{"final": {...}}`` at the end.
 
-Usage: python -m tests.procs.torchft_group REPLICA_ID LIGHTHOUSE STEPS ROOT OUT
+Usage: python -m tests.procs.torchft_group REPLICA_ID LIGHTHOUSE STEPS ROOT OUT [sync]
+(``sync``: torchft's synchronous quorum, the heal applied in ``start_quorum``; default asynchronous.)
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torchft.manager import Manager
-from torchft.optim import OptimizerWrapper
 from torchft.process_group import ProcessGroupGloo
 
 from asymstore import AsymStore, LocalTier, Tier, host_tier
@@ -93,21 +93,21 @@ def main() -> None:
                       min_replica_size=2, replica_id=str(rid), store_addr="127.0.0.1", store_port=store.port,
                       rank=0, world_size=1, lighthouse_addr=lighthouse, checkpoint_transport=transport,
                       timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
-                      connect_timeout=timedelta(seconds=10), init_sync=False)
+                      connect_timeout=timedelta(seconds=10), init_sync=False,
+                      use_async_quorum=sys.argv[6:] != ["sync"])
     transport.attach(manager, {"default": state}, position=position)
-    optimizer = OptimizerWrapper(manager, inner)
     transport.save()  # version 0: the initial weights
     try:
         while manager.current_step() < steps:
-            before = manager.current_step()
-            optimizer.zero_grad()
+            manager.start_quorum()
+            inner.zero_grad()
             x, y = batch(rid, position.n)
             loss = F.mse_loss(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             for work in [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]:
                 work.wait()
-            optimizer.step()
-            if manager.current_step() == before + 1 and manager.is_participating():
+            if manager.should_commit():
+                inner.step()
                 position.n += 1
                 emit({"step": manager.current_step(), "loss": loss.item()})
                 transport.save()

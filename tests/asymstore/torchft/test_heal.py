@@ -32,10 +32,10 @@ from tests.procs.torchft_group import batch
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _spawn(rid: int, lighthouse: str, steps: int, root: Path, out: Path) -> subprocess.Popen[str]:
+def _spawn(rid: int, lighthouse: str, steps: int, root: Path, out: Path, quorum: str) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "tests.procs.torchft_group", str(rid), lighthouse, str(steps),
-                             str(root), str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             str(root), str(out), quorum], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -82,19 +82,19 @@ def _uninterrupted(steps: int) -> tuple[dict[int, list[float]], dict[str, torch.
         torch.set_num_threads(before)
 
 
-def _run_with_kill(tmp_path: Path, steps: int, kill_after: int) -> None:
+def _run_with_kill(tmp_path: Path, steps: int, kill_after: int, quorum: str = "async") -> None:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=2000)
     procs: list[subprocess.Popen[str]] = []
     logs = [tmp_path / "g0.jsonl", tmp_path / "g1-first.jsonl", tmp_path / "g1-second.jsonl"]
     seen: list[str] = []
     try:
         deadline = time.monotonic() + 120
-        procs.append(_spawn(0, lighthouse.address(), steps, tmp_path, logs[0]))
-        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[1]))
+        procs.append(_spawn(0, lighthouse.address(), steps, tmp_path, logs[0], quorum))
+        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[1], quorum))
         _wait_step(procs[1], kill_after, deadline, seen)
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(10)
-        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[2]))
+        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[2], quorum))
         for p in (procs[0], procs[2]):
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             assert p.returncode == 0, out[-4000:]
@@ -140,7 +140,7 @@ def test_killed_group_heals_from_peer_store(tmp_path: Path) -> None:
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize(("steps", "kill_after"), [(12, 1), (12, 7)])
-def test_killed_group_heals_longer_runs(tmp_path: Path, steps: int, kill_after: int) -> None:
-    """The same at other kill points of a longer run."""
-    _run_with_kill(tmp_path, steps=steps, kill_after=kill_after)
+@pytest.mark.parametrize(("steps", "kill_after", "quorum"), [(12, 1, "async"), (12, 7, "async"), (8, 3, "sync")])
+def test_killed_group_heals_longer_runs(tmp_path: Path, steps: int, kill_after: int, quorum: str) -> None:
+    """The same at other kill points of a longer run, and under torchft's synchronous quorum."""
+    _run_with_kill(tmp_path, steps=steps, kill_after=kill_after, quorum=quorum)

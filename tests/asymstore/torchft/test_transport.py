@@ -24,6 +24,7 @@ pytest.importorskip("torchft")
 from asymstore import AsymStore, LocalTier, host_tier
 from asymstore.errors import (
     HealCorruptError,
+    HealError,
     HealProtocolError,
     HealTimeoutError,
     HealVersionMissingError,
@@ -255,6 +256,15 @@ def test_a_lying_peer_is_refused_within_bounds(groups: Callable[..., Group], ans
             b.transport.recv_checkpoint(0, meta, 1, T5)
     finally:
         sock.close()
+
+
+def test_a_peer_that_is_gone_is_a_heal_error(groups: Callable[..., Group]) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        meta = json.dumps({"addr": f"127.0.0.1:{sock.getsockname()[1]}", "group": "x"})
+    b = groups("b")
+    with pytest.raises(HealError) as info:
+        b.transport.recv_checkpoint(0, meta, 1, T5)
+    assert type(info.value) is HealError and b.transport.healed is None
 
 
 @pytest.mark.parametrize("meta", ["", "{", '{"addr": 5, "group": "a"}', '{"addr": "nohost", "group": "a"}',

@@ -238,7 +238,9 @@ class StoreTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         self._loop.run(self._store.put_many(step, tensors))
         self._commits[step] = self._loop.submit(self._store.commit(step, meta))
         for old in [s for s in self._commits if s < step and self._commits[s].done()]:
-            self._commits.pop(old).result()  # an older commit's failure surfaces here
+            exc = self._commits.pop(old).exception()
+            if exc is not None:  # never in training's way: that step cannot be served (HealVersionMissingError)
+                logger.error("the version of step %d was not committed: %s: %s", old, type(exc).__name__, exc)
         self._last_saved = step
         return step
 
@@ -259,14 +261,19 @@ class StoreTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         self.served_steps.append(step)
         fut = self._commits.get(step)
         if fut is None:
-            if step in set(self._loop.run(self._store.tiers[0].list_versions())):
+            try:
+                self._loop.run(self._store.read_manifest(step))
                 return
-            raise HealVersionMissingError(f"replica group {self.replica_group} saved no version of step {step} "
-                                          "(call StoreTransport.save() after each optimizer step)")
+            except VersionNotFoundError as exc:
+                raise HealVersionMissingError(f"replica group {self.replica_group} holds no version of step {step} "
+                                              "(StoreTransport.save() after each committed step saves it)") from exc
         try:
             fut.result(timeout=timeout.total_seconds())
         except concurrent.futures.TimeoutError as exc:
             raise HealTimeoutError(f"step {step} was not committed within {timeout}") from exc
+        except AsymstoreError as exc:
+            raise HealVersionMissingError(f"the version of step {step} was not committed here: "
+                                          f"{type(exc).__name__}: {exc}") from exc
 
     def disallow_checkpoint(self) -> None:
         """Nothing to hold back: a committed version never changes, so training never waits for a transfer."""

@@ -130,8 +130,7 @@ class VersionServer:
         try:
             req = json.loads(_read_line(sock, MAX_REQUEST_BYTES, "request"))
             data, tier = self._answer(req)
-        except (VersionNotFoundError, TierError, CorruptVersionError, HealProtocolError, ValueError,
-                TypeError, KeyError) as exc:
+        except (AsymstoreError, ValueError, TypeError, KeyError) as exc:  # a refusal the reader is told of
             self._send_error(sock, exc)
             return
         except OSError as exc:

@@ -8,8 +8,10 @@ disk behind it). Writes JSON lines to ``OUT``: ``{"step": n, "loss": x}`` per co
 loss of the iteration that produced step n), ``{"saved": n, "digest": d}`` per saved version,
 ``{"healed": {...}, "digest": d}`` after a heal is applied, ``{"final": {...}}`` at the end.
 
-Usage: python -m tests.procs.torchft_group REPLICA_ID LIGHTHOUSE STEPS ROOT OUT [sync]
-(``sync``: torchft's synchronous quorum, the heal applied in ``start_quorum``; default asynchronous.)
+Usage: python -m tests.procs.torchft_group REPLICA_ID LIGHTHOUSE STEPS ROOT OUT QUORUM [RANK WORLD PORT]
+(QUORUM ``sync``: torchft's synchronous quorum, the heal applied in ``start_quorum``; ``async``: asynchronous.
+RANK of WORLD ranks of the group, whose TCPStore rank 0 serves on PORT; default one rank. Each rank trains
+its own data and averages with the same rank of the other group, as torchft pairs them.)
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from asymstore import AsymStore, LocalTier, Tier, host_tier
 from asymstore.torchft import StoreTransport
 
 
-def batch(group: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's ``index``-th batch of its own shard (a pure function of both)."""
-    g = torch.Generator().manual_seed(1000 * group + index)
+def batch(group: int, rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``index``-th batch of the shard of ``rank`` of ``group`` (a pure function of the three)."""
+    g = torch.Generator().manual_seed(100_000 * rank + 1000 * group + index)
     return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
 
 
@@ -61,6 +63,7 @@ def digest(model: torch.nn.Module) -> str:
 def main() -> None:
     rid, lighthouse, steps, root, out = (int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]),
                                          Path(sys.argv[5]))
+    rank, world, port = (int(a) for a in sys.argv[7:10]) if len(sys.argv) > 7 else (0, 1, 0)
     torch.set_num_threads(1)
     log = out.open("a")
 
@@ -84,24 +87,25 @@ def main() -> None:
                          "tier": transport.healed.source_tier} if transport.healed else None,
               "digest": digest(model)})
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
-    tiers: list[Tier] = [host_tier(64 << 20, name="memory"), LocalTier(root / f"group-{rid}")]
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0,  # type: ignore[attr-defined]
+                          wait_for_workers=False)
+    tiers: list[Tier] = [host_tier(64 << 20, name="memory"), LocalTier(root / f"group-{rid}" / f"rank-{rank}")]
     transport = StoreTransport(AsymStore(tiers, durable="memory", calibration_cache=False, keep_last=4,
                                          segment_bytes=1 << 20, compression="never"),
                                replica_group=str(rid))
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state_dict=load, state_dict=state,
                       min_replica_size=2, replica_id=str(rid), store_addr="127.0.0.1", store_port=store.port,
-                      rank=0, world_size=1, lighthouse_addr=lighthouse, checkpoint_transport=transport,
+                      rank=rank, world_size=world, lighthouse_addr=lighthouse, checkpoint_transport=transport,
                       timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
                       connect_timeout=timedelta(seconds=10), init_sync=False,
-                      use_async_quorum=sys.argv[6:] != ["sync"])
+                      use_async_quorum=sys.argv[6] != "sync")
     transport.attach(manager, {"default": state}, position=position)
     transport.save()  # version 0: the initial weights
     try:
         while manager.current_step() < steps:
             manager.start_quorum()
             inner.zero_grad()
-            x, y = batch(rid, position.n)
+            x, y = batch(rid, rank, position.n)
             loss = F.mse_loss(model(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             for work in [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]:

@@ -1,11 +1,12 @@
 """torchft's own Manager and lighthouse on CPU: a replica group SIGKILLed mid-training heals from the other's store.
 
-Two replica groups of one rank, each a real process (``tests/procs/torchft_group.py``), torchft's
-``LighthouseServer`` in this process, ``ProcessGroupGloo`` between the groups. Group 1 is killed
-after a committed step, restarted, heals through ``StoreTransport`` from group 0's memory tier, and
-the job goes on. With ``min_replica_size=2`` no step commits while a group is missing, so every
-committed step's losses and the final weights equal those of an uninterrupted run (computed here, in
-one process, as torchft's DDP averages: the sum of the two groups' gradients over 2).
+Two replica groups of one rank (two, in an exhaustive case), each rank a real process
+(``tests/procs/torchft_group.py``), torchft's ``LighthouseServer`` in this process,
+``ProcessGroupGloo`` between the groups. Group 1 is killed after a committed step, restarted,
+heals through ``StoreTransport`` from group 0's memory tier, and the job goes on. With
+``min_replica_size=2`` no step commits while a group is missing, so every committed step's losses
+and the final weights equal those of an uninterrupted run (computed here, in one process, as
+torchft averages: the sum of the two groups' gradients over 2).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,11 +34,21 @@ from tests.procs.torchft_group import batch
 REPO = Path(__file__).resolve().parents[3]
 
 
-def _spawn(rid: int, lighthouse: str, steps: int, root: Path, out: Path, quorum: str) -> subprocess.Popen[str]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn_group(rid: int, lighthouse: str, steps: int, root: Path, logs: list[Path],
+                 quorum: str) -> list[subprocess.Popen[str]]:
+    """Start every rank of replica group ``rid`` (rank r logs to ``logs[r]``)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "tests.procs.torchft_group", str(rid), lighthouse, str(steps),
-                             str(root), str(out), quorum], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    port = _free_port()
+    return [subprocess.Popen([sys.executable, "-m", "tests.procs.torchft_group", str(rid), lighthouse, str(steps),
+                              str(root), str(out), quorum, str(rank), str(len(logs)), str(port)],
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank, out in enumerate(logs)]
 
 
 def _wait_step(proc: subprocess.Popen[str], step: int, deadline: float, seen: list[str]) -> None:
@@ -55,8 +67,8 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _uninterrupted(steps: int) -> tuple[dict[int, list[float]], dict[str, torch.Tensor]]:
-    """Losses per committed step of groups 0 and 1, and the final weights, of a run nobody interrupts."""
+def _uninterrupted(steps: int, rank: int) -> tuple[dict[int, list[float]], dict[str, torch.Tensor]]:
+    """Losses per committed step of ``rank`` of groups 0 and 1, and its final weights, of a run nobody interrupts."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -69,7 +81,7 @@ def _uninterrupted(steps: int) -> tuple[dict[int, list[float]], dict[str, torch.
             losses[n + 1] = []
             for g in (0, 1):
                 model.zero_grad(set_to_none=True)
-                x, y = batch(g, n)
+                x, y = batch(g, rank, n)
                 loss = F.mse_loss(model(x), y)
                 loss.backward()  # type: ignore[no-untyped-call]
                 losses[n + 1].append(loss.item())
@@ -82,20 +94,26 @@ def _uninterrupted(steps: int) -> tuple[dict[int, list[float]], dict[str, torch.
         torch.set_num_threads(before)
 
 
-def _run_with_kill(tmp_path: Path, steps: int, kill_after: int, quorum: str = "async") -> None:
+def _run_with_kill(tmp_path: Path, steps: int, kill_after: int, quorum: str = "async", world: int = 1) -> None:
+    """Run 2 groups of ``world`` ranks; SIGKILL every rank of group 1 after ``kill_after``; restart it; check."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=200, heartbeat_timeout_ms=2000)
+    lives = ("g0", "g1-first", "g1-second")
+    logs = {life: [tmp_path / f"{life}-rank{r}.jsonl" for r in range(world)] for life in lives}
     procs: list[subprocess.Popen[str]] = []
-    logs = [tmp_path / "g0.jsonl", tmp_path / "g1-first.jsonl", tmp_path / "g1-second.jsonl"]
     seen: list[str] = []
     try:
-        deadline = time.monotonic() + 120
-        procs.append(_spawn(0, lighthouse.address(), steps, tmp_path, logs[0], quorum))
-        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[1], quorum))
-        _wait_step(procs[1], kill_after, deadline, seen)
-        procs[1].send_signal(signal.SIGKILL)
-        procs[1].wait(10)
-        procs.append(_spawn(1, lighthouse.address(), steps, tmp_path, logs[2], quorum))
-        for p in (procs[0], procs[2]):
+        deadline = time.monotonic() + 120 * world
+        group0 = _spawn_group(0, lighthouse.address(), steps, tmp_path, logs["g0"], quorum)
+        first = _spawn_group(1, lighthouse.address(), steps, tmp_path, logs["g1-first"], quorum)
+        procs += group0 + first
+        _wait_step(first[0], kill_after, deadline, seen)
+        for p in first:
+            p.send_signal(signal.SIGKILL)
+        for p in first:
+            p.wait(10)
+        second = _spawn_group(1, lighthouse.address(), steps, tmp_path, logs["g1-second"], quorum)
+        procs += second
+        for p in group0 + second:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             assert p.returncode == 0, out[-4000:]
     finally:
@@ -104,30 +122,33 @@ def _run_with_kill(tmp_path: Path, steps: int, kill_after: int, quorum: str = "a
                 p.kill()
                 p.wait()
         lighthouse.shutdown()
+    for rank in range(world):
+        _check_rank(rank, steps, kill_after, *(_records(logs[life][rank]) for life in lives))
 
-    g0, first, second = (_records(p) for p in logs)
+
+def _check_rank(rank: int, steps: int, kill_after: int, g0: list[dict[str, Any]], first: list[dict[str, Any]],
+                second: list[dict[str, Any]]) -> None:
     healed = [r for r in second if "healed" in r]
     assert len(healed) == 1, second
     heal = healed[0]["healed"]
     assert heal["group"] == "0" and heal["tier"] == "memory", heal
     n = heal["step"]
     assert n >= kill_after
-    # the healed weights are group 0's committed version of that step, bit for bit
+    # the healed weights are group 0's committed version of that step (same rank), bit for bit
     saved0 = {r["saved"]: r["digest"] for r in g0 if "saved" in r}
     assert healed[0]["digest"] == saved0[n]
-    # group 0 served that step from its store; group 1 never trained steps before the heal in its second life
     final0 = next(r for r in g0 if "final" in r)
-    assert n in final0["served"]
-    ref_losses, ref_final = _uninterrupted(steps)
+    assert n in final0["served"]  # group 0 was asked for that step, and served it from its store
+    ref_losses, ref_final = _uninterrupted(steps, rank)
     losses0 = {r["step"]: r["loss"] for r in g0 if "step" in r}
     losses1 = {r["step"]: r["loss"] for r in first + second if "step" in r}
     assert sorted(losses0) == list(range(1, steps + 1))
     assert min(r["step"] for r in second if "step" in r) == n + 1
     assert set(losses1) >= set(range(1, kill_after + 1)) | set(range(n + 1, steps + 1))
     for step, loss in losses0.items():
-        assert loss == ref_losses[step][0], (step, loss, ref_losses[step])
+        assert loss == ref_losses[step][0], (rank, step, loss, ref_losses[step])
     for step, loss in losses1.items():
-        assert loss == ref_losses[step][1], (step, loss, ref_losses[step])
+        assert loss == ref_losses[step][1], (rank, step, loss, ref_losses[step])
     final1 = next(r for r in second if "final" in r)
     assert final0["digest"] == final1["digest"]
     for name, ref in ref_final.items():
@@ -140,7 +161,8 @@ def test_killed_group_heals_from_peer_store(tmp_path: Path) -> None:
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize(("steps", "kill_after", "quorum"), [(12, 1, "async"), (12, 7, "async"), (8, 3, "sync")])
-def test_killed_group_heals_longer_runs(tmp_path: Path, steps: int, kill_after: int, quorum: str) -> None:
-    """The same at other kill points of a longer run, and under torchft's synchronous quorum."""
-    _run_with_kill(tmp_path, steps=steps, kill_after=kill_after, quorum=quorum)
+@pytest.mark.parametrize(("steps", "kill_after", "quorum", "world"),
+                         [(12, 1, "async", 1), (12, 7, "async", 1), (8, 3, "sync", 1), (6, 2, "async", 2)])
+def test_killed_group_heals_longer_runs(tmp_path: Path, steps: int, kill_after: int, quorum: str, world: int) -> None:
+    """Other kill points of a longer run, torchft's synchronous quorum, and groups of 2 ranks (both killed)."""
+    _run_with_kill(tmp_path, steps=steps, kill_after=kill_after, quorum=quorum, world=world)

@@ -13,7 +13,7 @@ What a version holds: the state of every callback given to :meth:`StoreTransport
 torchft's own transports send), torchft's counters (``step``, ``batches_committed``) and the
 group's own record: its RNG states and its data position (an object with
 ``state_dict``/``load_state_dict``, optional). The record travels with the version and is loaded
-on the healed group by the ``"asymstore"`` state callback :meth:`attach` registers with the Manager.
+on the healed group by the ``"asymstore"`` state callback :meth:`StoreTransport.attach` registers with the Manager.
 Guide: docs/guides/torchft.md.
 """
 

@@ -114,7 +114,7 @@ class VersionServer:
         self._server.server_activate()
         self.address = f"{host}:{self._server.server_address[1]}"
         """``host:port`` a reader connects to."""
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="asymstore-torchft-server", daemon=True)
         self._thread.start()
 

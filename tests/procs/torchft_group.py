@@ -9,7 +9,9 @@ loss of the iteration that produced step n), ``{"saved": n, "digest": d}`` per s
 ``{"healed": {...}, "digest": d}`` after a heal is applied, ``{"final": {...}}`` at the end.
 
 Usage: python -m tests.procs.torchft_group REPLICA_ID LIGHTHOUSE STEPS ROOT OUT QUORUM [RANK WORLD PORT]
-(QUORUM ``sync``: torchft's synchronous quorum, the heal applied in ``start_quorum``; ``async``: asynchronous.
+(QUORUM ``sync``: torchft's synchronous quorum, the heal applied in ``start_quorum``; ``async``: asynchronous;
+``sync+init``: synchronous with torchft's ``init_sync``, each group seeded with its own id, so that a group
+heals at step 0 from the other's version 0.
 RANK of WORLD ranks of the group, whose TCPStore rank 0 serves on PORT; default one rank. Each rank trains
 its own data and averages with the same rank of the other group, as torchft pairs them.)
 """
@@ -71,7 +73,9 @@ def main() -> None:
         log.write(json.dumps(record) + "\n")
         log.flush()
 
-    torch.manual_seed(0)  # every group starts from the same weights (torchft's init_sync=False)
+    quorum = sys.argv[6]
+    init_sync = quorum.endswith("+init")
+    torch.manual_seed(rid if init_sync else 0)  # without init_sync every group starts from the same weights
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     inner = torch.optim.Adam(model.parameters(), lr=0.01)
     position = Batches()
@@ -97,8 +101,8 @@ def main() -> None:
                       min_replica_size=2, replica_id=str(rid), store_addr="127.0.0.1", store_port=store.port,
                       rank=rank, world_size=world, lighthouse_addr=lighthouse, checkpoint_transport=transport,
                       timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=60),
-                      connect_timeout=timedelta(seconds=10), init_sync=False,
-                      use_async_quorum=sys.argv[6] != "sync")
+                      connect_timeout=timedelta(seconds=10), init_sync=init_sync,
+                      use_async_quorum=not quorum.startswith("sync"))
     transport.attach(manager, {"default": state}, position=position)
     transport.save()  # version 0: the initial weights
     try:

@@ -67,12 +67,12 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _uninterrupted(steps: int, rank: int) -> tuple[dict[int, list[float]], dict[str, torch.Tensor]]:
+def _uninterrupted(steps: int, rank: int, seed: int = 0) -> tuple[dict[int, list[float]], dict[str, torch.Tensor]]:
     """Losses per committed step of ``rank`` of groups 0 and 1, and its final weights, of a run nobody interrupts."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         losses: dict[int, list[float]] = {}
@@ -123,11 +123,17 @@ def _run_with_kill(tmp_path: Path, steps: int, kill_after: int, quorum: str = "a
                 p.wait()
         lighthouse.shutdown()
     for rank in range(world):
-        _check_rank(rank, steps, kill_after, *(_records(logs[life][rank]) for life in lives))
+        _check_rank(rank, steps, kill_after, *(_records(logs[life][rank]) for life in lives),
+                    init_sync=quorum.endswith("+init"))
 
 
 def _check_rank(rank: int, steps: int, kill_after: int, g0: list[dict[str, Any]], first: list[dict[str, Any]],
-                second: list[dict[str, Any]]) -> None:
+                second: list[dict[str, Any]], *, init_sync: bool) -> None:
+    seed = 0
+    if init_sync:  # torchft's step-0 sync: one group healed from the other's version 0 (its own seed's weights)
+        at_zero = [r["healed"] for r in g0 + first if "healed" in r]
+        assert len(at_zero) == 1 and at_zero[0]["step"] == 0, at_zero
+        seed = int(at_zero[0]["group"])
     healed = [r for r in second if "healed" in r]
     assert len(healed) == 1, second
     heal = healed[0]["healed"]
@@ -139,7 +145,7 @@ def _check_rank(rank: int, steps: int, kill_after: int, g0: list[dict[str, Any]]
     assert healed[0]["digest"] == saved0[n]
     final0 = next(r for r in g0 if "final" in r)
     assert n in final0["served"]  # group 0 was asked for that step, and served it from its store
-    ref_losses, ref_final = _uninterrupted(steps, rank)
+    ref_losses, ref_final = _uninterrupted(steps, rank, seed)
     losses0 = {r["step"]: r["loss"] for r in g0 if "step" in r}
     losses1 = {r["step"]: r["loss"] for r in first + second if "step" in r}
     assert sorted(losses0) == list(range(1, steps + 1))
@@ -162,7 +168,9 @@ def test_killed_group_heals_from_peer_store(tmp_path: Path) -> None:
 
 @pytest.mark.exhaustive
 @pytest.mark.parametrize(("steps", "kill_after", "quorum", "world"),
-                         [(12, 1, "async", 1), (12, 7, "async", 1), (8, 3, "sync", 1), (6, 2, "async", 2)])
+                         [(12, 1, "async", 1), (12, 7, "async", 1), (8, 3, "sync", 1), (6, 2, "async", 2),
+                          (6, 2, "sync+init", 1)])
 def test_killed_group_heals_longer_runs(tmp_path: Path, steps: int, kill_after: int, quorum: str, world: int) -> None:
-    """Other kill points of a longer run, torchft's synchronous quorum, and groups of 2 ranks (both killed)."""
+    """Other kill points of a longer run, torchft's synchronous quorum, groups of 2 ranks (both killed), and
+    torchft's step-0 sync from a group seeded differently (healed from the other's version 0 first)."""
     _run_with_kill(tmp_path, steps=steps, kill_after=kill_after, quorum=quorum, world=world)

@@ -87,7 +87,7 @@ def group(replica_id: int, lighthouse: str, root: str) -> None:
         print(f"group {replica_id}: healed step {h.step} from group {h.source_group}'s {h.source_tier} tier "
               f"({h.nbytes} bytes, verified)", flush=True)
     manager.shutdown(wait=False)
-    transport.shutdown()
+    transport.shutdown()                                      # the store's slower tiers catch up, then it closes
 
 
 def main() -> None:

@@ -324,15 +324,22 @@ class StoreTransport(CheckpointTransport[dict[str, Any]]):  # type: ignore[misc]
         return cast(dict[str, Any], {"user": state["user"], "torchft": dict(counters)})
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop serving, wait for the commits in flight, close the store (its background flushes first)."""
+        """Stop serving; with ``wait``, also wait for the commits in flight and close the store.
+
+        Closing the store waits for its background tiers, so the newest versions reach the disk.
+        ``wait=False`` (what ``Manager.shutdown(wait=False)`` passes on) only stops serving: the store
+        stays open until ``shutdown()`` is called (or the process exits: then what the slower tiers have
+        not received yet stays in memory only, as after a kill).
+        """
         self._server.close()
-        if wait:
-            for fut in self._commits.values():
-                try:
-                    fut.result()
-                except Exception as exc:  # reported, the store still closes
-                    logger.error("a version's commit failed: %s", exc)
-        self._loop.close(timeout=None if wait else 0.0)
+        if not wait:
+            return
+        for fut in self._commits.values():
+            try:
+                fut.result()
+            except Exception as exc:  # reported, the store still closes
+                logger.error("a version's commit failed: %s", exc)
+        self._loop.close(timeout=None)
 
 
 async def _newest(store: AsymStore) -> int | None:

@@ -3,7 +3,8 @@
 Two replica groups of one rank (two, in an exhaustive case), each rank a real process
 (``tests/procs/torchft_group.py``), torchft's ``LighthouseServer`` in this process,
 ``ProcessGroupGloo`` between the groups. Group 1 is killed after a committed step, restarted,
-heals through ``StoreTransport`` from group 0's memory tier, and the job goes on. With
+heals through ``StoreTransport`` from group 0's memory tier, and the job goes on; each group's
+versions also reach its disk (the newest one there is its final state). With
 ``min_replica_size=2`` no step commits while a group is missing, so every committed step's losses
 and the final weights equal those of an uninterrupted run (computed here, in one process, as
 torchft averages: the sum of the two groups' gradients over 2).
@@ -29,6 +30,9 @@ pytest.importorskip("torchft")
 
 from torchft._torchft import LighthouseServer
 
+from asymstore import AsymStore, Checkpoint, LocalTier
+from asymstore.runtime.sync import run_sync
+from asymstore.torchft.state import unflatten
 from tests.procs.torchft_group import batch
 
 REPO = Path(__file__).resolve().parents[3]
@@ -125,6 +129,18 @@ def _run_with_kill(tmp_path: Path, steps: int, kill_after: int, quorum: str = "a
     for rank in range(world):
         _check_rank(rank, steps, kill_after, *(_records(logs[life][rank]) for life in lives),
                     init_sync=quorum.endswith("+init"))
+        for rid in (0, 1):  # persistent versions went on to each group's disk: the last one is the final state
+            final = next(r for r in _records(logs["g0" if rid == 0 else "g1-second"][rank]) if "final" in r)
+            ck = run_sync(_restore_disk(tmp_path / f"group-{rid}" / f"rank-{rank}"))
+            assert ck.step == steps and ck.tier.startswith("local")
+            model = unflatten(ck.meta["torchft"]["state"], ck.tensors)["user"]["default"]["model"]
+            for name, values in final["final"].items():
+                assert torch.equal(model[name], torch.tensor(values, dtype=model[name].dtype)), (rid, name)
+
+
+async def _restore_disk(root: Path) -> Checkpoint:
+    async with AsymStore([LocalTier(root)], read_only=True, calibration_cache=False) as store:
+        return await store.restore()
 
 
 def _check_rank(rank: int, steps: int, kill_after: int, g0: list[dict[str, Any]], first: list[dict[str, Any]],

@@ -281,3 +281,13 @@ def test_a_repeated_step_is_not_saved_again(groups: Callable[..., Group]) -> Non
     assert a.transport.save() is None
     a.train()
     assert a.transport.save() == 2
+
+
+def test_a_failed_commit_stays_out_of_training_and_is_not_served(groups: Callable[..., Group]) -> None:
+    """The memory tier refuses the version (too small): save() goes on, the step cannot be served (typed)."""
+    a = groups("a", [host_tier(2048, name="memory", policy="skip")])
+    assert a.transport.save() == 0
+    a.train()
+    assert a.transport.save() == 1  # the refusal of step 0 is logged here, not raised
+    with pytest.raises(HealVersionMissingError):
+        a.transport.send_checkpoint([1], 1, a.state(), T5)

@@ -249,6 +249,35 @@ class DCPMetadataError(CorruptVersionError):
     """A version's DCP metadata (``.dcp/metadata``) is missing, malformed or contradicts its shards."""
 
 
+# -- torchft healing (asymstore.torchft) --------------------------------------------
+
+
+class HealError(AsymstoreError):
+    """A replica group's heal through :class:`asymstore.torchft.StoreTransport` failed; nothing was loaded.
+
+    torchft's Manager logs it and reports it (the step is not committed), and the next quorum heals again.
+    """
+
+
+class HealVersionMissingError(HealError, VersionNotFoundError):
+    """The healthy replica's store holds no committed version of the step the quorum asked for."""
+
+
+class HealCorruptError(HealError, CorruptVersionError):
+    """The bytes a healthy replica served do not verify against the version's manifest (or its state record)."""
+
+
+class HealProtocolError(HealError, ValueError):
+    """A peer's metadata or answer is not the serving protocol, or a state has no pickle-free form.
+
+    Malformed, or beyond the protocol's bounds; nothing was loaded.
+    """
+
+
+class HealTimeoutError(HealError, TimeoutError):
+    """The version did not arrive (or was not committed on the serving side) within the Manager's timeout."""
+
+
 RELAYED: tuple[type[AsymstoreError], ...] = (
     NoCheckpointError, VersionNotFoundError, WorldSizeMismatchError, CorruptVersionError, DestinationMismatchError,
     RootLayoutError, RootLayoutConflictError, RootUnreadableError, RootLockedError,

@@ -160,6 +160,7 @@ def test_a_corrupt_replica_falls_back_to_disk(out: Path, shm: Path) -> None:
     assert any("peer:" in f for f in resumed["fallbacks"]), resumed
 
 
+@pytest.mark.exhaustive  # ~45 s; DeepSpeed's peer restore is the same path as the plain loop's (the test above)
 def test_deepspeed_zero2_lost_node_resumes_from_its_peers_memory(out: Path, shm: Path) -> None:
     pytest.importorskip("deepspeed")
     run_cases([{"kind": "ds", "stage": 2, "mode": "ref", "name": "ds_ref", "iterations": N}], WORLD, out)
@@ -207,7 +208,7 @@ def assert_exited_cleanly(job: Script, rank: int, status: int) -> float:
     return took
 
 
-@pytest.mark.parametrize("exit", ["propagate", "catch"])
+@pytest.mark.parametrize("exit", ["propagate", pytest.param("catch", marks=pytest.mark.exhaustive)])
 def test_survivors_of_a_lost_node_exit_when_their_program_ends(tmp_path: Path, shm: Path, exit: str) -> None:
     case = {"world": WORLD, "per_node": PER_NODE, "timeout_s": 60, "iterations": 200, "step_s": 0.2,
             "shm": str(shm / f"e-{exit}"), "dir": str(tmp_path / "ck"), "exit": exit}

@@ -48,6 +48,7 @@ FRAMEWORKS: dict[str, tuple[str, str | None]] = {
     "hf": ("Hugging Face Trainer", "HF_TRAINER"),
     "accelerate": ("Accelerate", "ACCELERATE"),
     "lightning": ("Lightning", "LIGHTNING"),
+    "torchtitan": ("TorchTitan", "TORCHTITAN"),
 }
 """Row key -> (the row's title, its refusal table in settings.py or None)."""
 

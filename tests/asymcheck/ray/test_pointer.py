@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 pytest.importorskip("ray.train")
 
-import ray.train  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
-from ray.train.torch import TorchTrainer  # noqa: E402
+import ray.train
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
 
-from asymcheck.errors import RayPointerError, UnsupportedRayConfigError  # noqa: E402
-from asymcheck.ray import POINTER_FILE, STEP_METRIC, RayCheckpointer, VersionPointer, read_pointer  # noqa: E402
+from asymcheck.errors import RayPointerError, UnsupportedRayConfigError
+from asymcheck.ray import POINTER_FILE, STEP_METRIC, RayCheckpointer, VersionPointer, read_pointer
 
 numbers = st.floats(allow_nan=False, allow_infinity=False, width=64)
 pointers = st.builds(VersionPointer, root=st.text(st.characters(blacklist_characters="\0"), max_size=40).map(
@@ -90,7 +90,7 @@ def test_refused_outside_a_ray_train_worker_before_anything_is_written(tmp_path:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(UnsupportedRayConfigError, match="outside a Ray Train worker"):
         RayCheckpointer(model, optimizer, tmp_path / "ckpt")
-    with pytest.raises(UnsupportedRayConfigError, match="root 's3://bucket/ckpt' .a multi-rank root is a directory") \
+    with pytest.raises(UnsupportedRayConfigError, match=r"root 's3://bucket/ckpt' \(a multi-rank root is a directory") \
             as caught:
         RayCheckpointer(model, optimizer, "s3://bucket/ckpt")
     assert "outside a Ray Train worker" in str(caught.value)  # every refused setting at once

@@ -16,22 +16,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-import torch
 
 from asymstore.multirank.globaldir import list_global_steps
 from tests.support.launch import ROOT, proc_env
+from tests.support.raytrain import ray_workdir, uninterrupted
 
 pytest.importorskip("ray.train")
 
@@ -50,70 +47,11 @@ def _program() -> ModuleType:
     return module
 
 
-def _uninterrupted(program: ModuleType, steps: int) -> tuple[list[float], dict[str, list[float]]]:
-    """Rank 0's losses and the final parameters of the run without Ray, 2 ranks simulated as DDP averages them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as Ray's workers (OMP_NUM_THREADS=1)
-    try:
-        model = program.make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(steps):
-            grads = []
-            for rank in (0, 1):
-                x, y = program.batch(rank, step)
-                loss = torch.nn.functional.mse_loss(model(x), y)
-                loss.backward()
-                grads.append([p.grad.clone() for p in model.parameters()])  # type: ignore[union-attr]
-                if rank == 0:
-                    losses.append(loss.item())
-                optimizer.zero_grad(set_to_none=True)
-            for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
-                p.grad = g0 / 2 + g1 / 2  # DDP: each rank's gradient divided by the world size, then summed
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _ours(work: str) -> list[int]:
-    """Processes (not this one) whose command line or environment names ``work``: Ray's, started by the program."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if work.encode() in cmdline or work.encode() in environ:
-            found.append(int(entry))
-    return found
-
-
 @pytest.fixture
 def work() -> Iterator[str]:
-    """A short directory for Ray (its socket paths live under it); no process may be left naming it."""
-    path = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    try:
+    """A short directory for Ray; no process may be left naming it (see :func:`ray_workdir`)."""
+    with ray_workdir("rt-") as path:
         yield path
-    finally:
-        deadline = time.monotonic() + 15.0
-        left = _ours(path)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left = _ours(path)
-        for pid in left:  # the program's Ray processes: end them, then fail
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(path, ignore_errors=True)
-        assert not left, f"Ray processes outlived the program: {left}"
 
 
 def _run(work: str, out: Path, root: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -142,7 +80,8 @@ def test_worker_killed_resumes_bit_exact(work: str, tmp_path: Path) -> None:
     assert 1 <= resumed <= KILL_AT, f"resumed from step {resumed}, killed after {KILL_AT}"
     assert (root / "..").resolve().joinpath("killed-once").exists()
 
-    expected_losses, expected_params = _uninterrupted(_program(), STEPS)
+    program = _program()
+    expected_losses, expected_params = uninterrupted(program.make_model, program.batch, STEPS)
     for line in steps:  # both attempts: every loss is the uninterrupted run's, bit for bit
         assert line["loss"] == expected_losses[line["step"] - 1], line
     after = [line["step"] for line in steps if line["start"] == resumed]

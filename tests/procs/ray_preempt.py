@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from asymcheck.ray import RayCheckpointer
 
-DEADLINE_S = 8.0
+DEADLINE_S = 4.0
 
 
 def make_model() -> torch.nn.Module:

@@ -153,3 +153,26 @@ class UnsupportedTorchTitanConfigError(UnsupportedConfigError):
     when the trainer builds the manager, before anything is hooked. The refused settings:
     docs/guides/torchtitan.md.
     """
+
+
+# -- Ray Train -------------------------------------------------------------------
+
+
+class UnsupportedRayConfigError(UnsupportedConfigError):
+    """A Ray Train setting (or version) ``asymcheck.ray.RayCheckpointer`` does not capture correctly.
+
+    The message names the setting; raised when the RayCheckpointer is built, before anything is hooked. The
+    refused settings: docs/guides/ray.md.
+    """
+
+
+class RayPointerError(AsymcheckError, ValueError):
+    """A Ray checkpoint's pointer file (``asymcheck.json``) is missing, malformed, or names another root."""
+
+
+class RayPreemptionTimeoutError(AsymcheckError, RuntimeError):
+    """After a preemption flush, Ray Train did not end the attempt within the wait allowed.
+
+    Raised from the training function instead of waiting forever: the attempt then ends as a worker failure,
+    and the next one resumes from the flushed version all the same.
+    """

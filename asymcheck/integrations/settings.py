@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["ACCELERATE", "HF_TRAINER", "LIGHTNING", "TESTED", "TORCHTITAN", "Refusal", "refusal"]
+__all__ = ["ACCELERATE", "HF_TRAINER", "LIGHTNING", "RAY", "TESTED", "TORCHTITAN", "Refusal", "refusal"]
 
 
 class Refusal(NamedTuple):
@@ -34,6 +34,7 @@ TESTED: dict[str, tuple[int, int]] = {
     "transformers": (5, 24),  # transformers>=5.24,<5.25
     "lightning": (2, 6),  # lightning>=2.6,<2.7
     "torchtitan": (0, 3),  # torchtitan>=0.3,<0.4
+    "ray": (2, 60),  # ray[train]>=2.60,<2.61
 }
 """Per framework (its package name), the ``major.minor`` the tests exercise."""
 
@@ -123,6 +124,21 @@ LIGHTNING: tuple[Refusal, ...] = (
             "tensor_parallel_size=1) and fully_shard over device_mesh['data_parallel'] in configure_model"),
 )
 """What :class:`asymcheck.lightning.AsymCheckCallback` refuses when ``fit`` starts."""
+
+RAY: tuple[Refusal, ...] = (
+    Refusal("version", "only the tested major.minor of ray is supported"),
+    Refusal("RAY_TRAIN_V2_ENABLED=0", "Ray Train V1 is untested (V2 is the default of ray 2.60: its "
+            "get_checkpoint, report barrier and preemption notices are the ones relied on)"),
+    Refusal("TorchConfig(init_method='tcp')", "the workers get no MASTER_ADDR / MASTER_PORT, and the ranks of a "
+            "multi-rank root agree through the job's TCPStore found there; use the default init_method='env'"),
+    Refusal("no torch.distributed process group", "several Ray Train workers without the process group a "
+            "TorchTrainer sets up (a bare DataParallelTrainer): the ranks could not agree on a version"),
+    Refusal("a URI root", "a multi-rank root is a directory every worker sees (a shared filesystem); Ray's "
+            "storage_path may be a URI, the root of the versions may not"),
+    Refusal("outside a Ray Train worker", "RayCheckpointer reads Ray Train's context (ranks, checkpoint, "
+            "preemption notices): build it inside the training function"),
+)
+"""What :class:`asymcheck.ray.RayCheckpointer` refuses when it is built."""
 
 
 TORCHTITAN: tuple[Refusal, ...] = (

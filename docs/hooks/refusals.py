@@ -23,11 +23,12 @@ MARKER = re.compile(r"<!--\s*refusals:\s*([\w-]+)\s*-->")
 MATRIX = "<!-- support-matrix -->"
 
 TABLES = {"accelerate": ("ACCELERATE", "accelerate"), "hf": ("HF_TRAINER", "transformers"),
-          "lightning": ("LIGHTNING", "lightning"), "torchtitan": ("TORCHTITAN", "torchtitan")}
+          "lightning": ("LIGHTNING", "lightning"), "torchtitan": ("TORCHTITAN", "torchtitan"),
+          "ray": ("RAY", "ray")}
 """Marker name -> (the table in settings.py, the package whose tested version it names)."""
 
 GUIDES = {"accelerate": "guides/accelerate.md", "hf": "guides/hf-trainer.md", "lightning": "guides/lightning.md",
-          "torchtitan": "guides/torchtitan.md"}
+          "torchtitan": "guides/torchtitan.md", "ray": "guides/ray.md"}
 """Marker name -> the guide (under docs/) that must hold it."""
 
 

@@ -28,7 +28,8 @@ def _hook() -> ModuleType:
 
 
 TABLES = {"accelerate": (settings.ACCELERATE, "accelerate"), "hf": (settings.HF_TRAINER, "transformers"),
-          "lightning": (settings.LIGHTNING, "lightning"), "torchtitan": (settings.TORCHTITAN, "torchtitan")}
+          "lightning": (settings.LIGHTNING, "lightning"), "torchtitan": (settings.TORCHTITAN, "torchtitan"),
+          "ray": (settings.RAY, "ray")}
 
 
 @pytest.mark.parametrize("name", sorted(TABLES))
@@ -59,14 +60,14 @@ def test_every_framework_guide_holds_its_marker_once(name: str) -> None:
     assert set(hook.GUIDES) == set(hook.TABLES) == set(TABLES)
 
 
-@pytest.mark.parametrize("module", ["accelerate", "hf", "lightning", "torchtitan"])
+@pytest.mark.parametrize("module", ["accelerate", "hf", "lightning", "torchtitan", "ray"])
 def test_the_framework_modules_link_their_guide_instead_of_a_list(module: str) -> None:
     if module == "torchtitan":
         pytest.importorskip("torchtitan.components.checkpointer", reason="torchtitan is not installed")
     imported = importlib.import_module(f"asymcheck.{module}")
     doc = imported.__doc__ or ""
     guide = {"accelerate": "accelerate", "hf": "hf-trainer", "lightning": "lightning",
-             "torchtitan": "torchtitan"}[module]
+             "torchtitan": "torchtitan", "ray": "ray"}[module]
     assert f"docs/guides/{guide}.md" in doc
     assert len(doc.strip().splitlines()) <= 16, len(doc.strip().splitlines())
     table = TABLES["hf" if module == "hf" else module][0]

@@ -17,7 +17,7 @@ import asymcheck.hf
 import asymcheck.lightning
 from asymcheck.errors import UnsupportedTrainerConfigError
 from asymcheck.integrations import HeldRng, LoaderPosition, ResumableLoader, pass_states
-from asymcheck.integrations.settings import ACCELERATE, HF_TRAINER, LIGHTNING, RAY, TESTED, Refusal, refusal
+from asymcheck.integrations.settings import ACCELERATE, HF_TRAINER, LIGHTNING, RAY, TESTED, TORCHTITAN, Refusal, refusal
 
 
 def shuffled(generator: torch.Generator | None = None) -> torch.utils.data.DataLoader[Any]:
@@ -84,10 +84,10 @@ def test_held_rng_is_put_back_once() -> None:
 
 
 def test_refusals_are_data_each_naming_a_setting_and_why() -> None:
-    for table in (ACCELERATE, HF_TRAINER, LIGHTNING, RAY):
+    for table in (ACCELERATE, HF_TRAINER, LIGHTNING, RAY, TORCHTITAN):
         assert all(isinstance(r, Refusal) and r.setting and r.why for r in table)
         assert len({r.setting for r in table}) == len(table)
-    assert set(TESTED) == {"accelerate", "transformers", "lightning", "ray"}
+    assert set(TESTED) == {"accelerate", "transformers", "lightning", "ray", "torchtitan"}
     with pytest.raises(KeyError):
         refusal(HF_TRAINER, "no such setting")
 

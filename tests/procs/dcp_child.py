@@ -1,11 +1,13 @@
 """Child processes of tests/asymstore/dcp (``python -m tests.procs.dcp_child MODE ...``; never imported by pytest).
 
-``train ROOT OUT STEPS [--reference] [--idiom]``: trains the GPT-2 of tests/support/dcp_train.py to STEPS,
+``train ROOT OUT STEPS [--reference] [--idiom] [--stager]``: trains the GPT-2 of tests/support/dcp_train.py to STEPS,
 resuming with ``dcp.load`` from what ROOT holds, with a ``dcp.async_save`` of every step into ROOT through
 ``asymstore.dcp.StorageWriter`` (the previous save's future is waited for before the next, as TorchTitan
 does). Without ``--idiom`` one writer saves every step and the resume reads through it; with ``--idiom``
 it is DCP's own recipe: a new ``StorageWriter(ROOT)`` per save, ``checkpoint_id=f"checkpoint_step{step}"``
-(the recipe's form), never closed, and the resume through a new ``StorageReader(ROOT)``.
+(the recipe's form), never closed, and the resume through a new ``StorageReader(ROOT)``. With ``--stager``
+(one writer) every save stages through ``asymcheck.dcp.Stager(optimizer)``: the copy runs through the next
+step's forward and backward, and the step's pre-hook waits for it.
 ``OUT/losses.jsonl`` gets each step's loss, ``OUT/progress.jsonl`` each step once its save is done,
 ``OUT/final.json`` the digests of the final state. With ``--reference`` the same process then trains a fresh
 model for STEPS without any checkpoint and writes ``OUT/ref.json`` (losses and final digests).
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from asymstore import LocalTier
 from asymstore.dcp import StorageReader, StorageWriter
@@ -47,12 +50,14 @@ def append(path: Path, doc: dict[str, object]) -> None:
         f.flush()
 
 
-def train(root: str, out: Path, steps: int, reference: bool, idiom: bool = False) -> None:
+def train(root: str, out: Path, steps: int, reference: bool, idiom: bool = False, stager: bool = False) -> None:
     torch.set_num_threads(1)
     model = t.gpt2()
     opt = t.optimizer(model)
     if idiom:
         train_idiom(root, out, steps, model, opt)
+    elif stager:
+        train_stager(root, out, steps, model, opt)
     else:
         train_one_writer(root, out, steps, model, opt)
     t.write_json(out / "final.json", t.digests({"model": model.state_dict(), "optim": opt.state_dict()}))
@@ -110,6 +115,27 @@ def train_one_writer(root: str, out: Path, steps: int, model: torch.nn.Module, o
             future = dcp.async_save(state, storage_writer=writer, checkpoint_id=str(step))
         if future is not None:
             future.result()
+            append(out / "progress.jsonl", {"saved": steps - 1, "t": time.time()})
+
+
+def train_stager(root: str, out: Path, steps: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One writer, every save staged by ``asymcheck.dcp.Stager``: ``async_save`` returns DCP's AsyncSaveResponse."""
+    from asymcheck.dcp import Stager
+
+    with StorageWriter(root, keep_last=2) as writer, Stager(opt) as stager:
+        start = resume(StorageReader(writer), out, model, opt)
+        response = None
+        for step in range(start, steps):
+            loss = t.train_step(model, opt, step)  # the step pre-hook waits for the previous copy
+            append(out / "losses.jsonl", {"step": step, "loss": loss.hex()})
+            state = t.app_state(model, opt, step)
+            if response is not None:
+                response.upload_completion.result()
+                append(out / "progress.jsonl", {"saved": step - 1, "t": time.time()})
+            response = dcp.async_save(state, storage_writer=writer, async_stager=stager, checkpoint_id=str(step))
+            assert isinstance(response, AsyncSaveResponse)
+        if response is not None:
+            response.upload_completion.result()
             append(out / "progress.jsonl", {"saved": steps - 1, "t": time.time()})
 
 
@@ -178,7 +204,8 @@ def reshard(out: Path) -> None:
 def main(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "train":
-        train(argv[1], Path(argv[2]), int(argv[3]), "--reference" in argv[4:], "--idiom" in argv[4:])
+        train(argv[1], Path(argv[2]), int(argv[3]), "--reference" in argv[4:], "--idiom" in argv[4:],
+              "--stager" in argv[4:])
     elif mode == "save":
         save_once(argv[1], int(argv[2]))
     elif mode == "reshard":

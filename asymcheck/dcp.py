@@ -48,6 +48,7 @@ from asymcheck.errors import InvalidOptionError, StagingError, UnsupportedModelE
 from asymcheck.snapshot.copyengine import CopyEngine, CopyJob
 from asymcheck.snapshot.hostpool import HostPool, HostSlot
 from asymcheck.snapshot.version import sample_view
+from asymstore.dcp.lent import lend
 from asymstore.format.manifest import DTYPE_SIZES
 from asymstore.format.tensors import dtype_name
 
@@ -377,6 +378,7 @@ class Stager(AsyncStager):
             return torch.empty(src.shape, dtype=src.dtype)
         view = slot.region(i).view(src.dtype).view(src.shape)
         lease.hold(view)
+        lend(view)  # our StorageWriter adopts it (no private copy): the slot stays ours until the store let go
         return view
 
     def _start(self, slot: HostSlot, leaves: list[_Leaf], lazy: list[int]) -> _Pending:

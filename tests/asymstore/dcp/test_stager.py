@@ -28,6 +28,7 @@ from asymcheck.dcp import Stager
 from asymcheck.errors import InvalidOptionError, StagingError, UnsupportedModelError
 from asymcheck.snapshot import copyengine
 from asymstore.dcp import StorageReader, StorageWriter
+from asymstore.dcp.lent import is_lent
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 
@@ -178,6 +179,9 @@ def test_a_slot_held_by_an_unfinished_save_is_waited_for_then_refused(tmp_path: 
         held = stager.stage(app_state(model, opt, 0))
         assert not isinstance(held, dict)
         staged = held.result()  # a save still reading the slot holds its views
+        views = [v for v in flat(staged).values() if isinstance(v, torch.Tensor) and v.numel()]
+        assert views and all(is_lent(v) for v in views)  # the StorageWriter adopts them instead of copying
+        del views
         started = time.monotonic()
         with pytest.raises(StagingError, match="no host slot"):
             stager.stage(app_state(model, opt, 0))
@@ -205,3 +209,53 @@ def test_bad_arguments_are_refused() -> None:
                 stager.stage({"model": model.state_dict(), "x": value})
     with pytest.raises(StagingError, match="closed"):
         stager.stage({"x": torch.zeros(2)})
+
+
+def test_torchtitan_order_waits_for_staging_before_the_step(tmp_path: Path, slow_copies: None) -> None:
+    """TorchTitan waits for ``staging_completion`` right before ``optimizers.step()``: the copy must end by itself."""
+    model, opt = build()
+    with StorageWriter(tmp_path / "ckpt", keep_last=None) as writer, Stager(opt) as stager:
+        step(model, opt, 0)
+        state = app_state(model, opt, 0)
+        want = copy.deepcopy(state)
+        response = dcp.async_save(state, storage_writer=writer, async_stager=stager, checkpoint_id="0")
+        x = torch.randn(8, 6)
+        model(x).square().mean().backward()
+        done = response.staging_completion.exception(timeout=30)  # before the step: no hook has run since
+        assert done is None and response.staging_completion.done()
+        opt.step()
+        response.upload_completion.result()
+        assert_same(load(writer, 0), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_staged_exactly(tmp_path: Path) -> None:
+    model, opt = build()
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    taken = {}
+    with StorageWriter(tmp_path / "ckpt", keep_last=None) as writer, Stager(opt) as stager:
+        response = None
+        for i in range(4):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(i)).cuda()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if response is not None:
+                response.upload_completion.result()
+            state = app_state(model, opt, i)
+            taken[i] = {k: v for k, v in flat(copy.deepcopy(state)).items()}
+            response = dcp.async_save(state, storage_writer=writer, async_stager=stager, checkpoint_id=str(i))
+        assert response is not None
+        response.upload_completion.result()
+        assert stager.stats().failed == 0
+        for i in range(4):
+            fresh, fresh_opt = build(seed=99)
+            step(fresh, fresh_opt, 1000)
+            state = app_state(fresh, fresh_opt, -1)
+            dcp.load(state, storage_reader=StorageReader(writer), checkpoint_id=str(i))
+            got = flat(state)
+            for key, value in taken[i].items():
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(got[key], value.cpu()), key

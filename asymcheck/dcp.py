@@ -116,6 +116,7 @@ class _Leaf:
     path: str
     src: torch.Tensor
     lazy: bool  # copied by the engine's thread (the optimizer owns it), else inside stage()
+    param: bool  # a parameter's memory (what ``p.data`` edits reach): byte-sampled
 
 
 @dataclass
@@ -154,19 +155,20 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
-def _owned_storages(optimizers: Sequence[torch.optim.Optimizer]) -> set[tuple[str, int]]:
-    """The storages of every parameter and state tensor of ``optimizers`` (what only their step changes)."""
-    keys: set[tuple[str, int]] = set()
+def _owned_storages(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """The storages of the parameters, and of the state tensors, of ``optimizers`` (what only their step changes)."""
+    params: set[tuple[str, int]] = set()
+    states: set[tuple[str, int]] = set()
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
                 if type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided:
-                    keys.add(_storage_key(p))
+                    params.add(_storage_key(p))
         for state in opt.state.values():
             for v in state.values() if isinstance(state, Mapping) else ():
                 if type(v) is torch.Tensor and v.layout == torch.strided:
-                    keys.add(_storage_key(v))
-    return keys
+                    states.add(_storage_key(v))
+    return params, states
 
 
 class Stager(AsyncStager):
@@ -293,19 +295,20 @@ class Stager(AsyncStager):
     def _stage(self, state_dict: StateDict) -> Future[StateDict] | StateDict:
         leaves: list[_Leaf] = []
         seen: dict[int, int] = {}
-        owned = _owned_storages(self._optimizers)
-        skeleton = self._flatten(state_dict, "", leaves, seen, owned)
+        params, states = _owned_storages(self._optimizers)
+        skeleton = self._flatten(state_dict, "", leaves, seen, params, states)
         slot = self._acquire()
         lease = _Lease(self._pool, slot)
         try:
             slot.arrange([leaf.src for leaf in leaves])
-            views = [self._view(slot, i, leaf.src, lease) for i, leaf in enumerate(leaves)]
+            views = _Views(slot, lease)
+            staged_views = [views.of(i, leaf.src) for i, leaf in enumerate(leaves)]
             lazy = [i for i, leaf in enumerate(leaves) if leaf.lazy and leaf.src.numel() > 0]
             inline = [i for i, leaf in enumerate(leaves) if not leaf.lazy and leaf.src.numel() > 0]
             pending = self._start(slot, leaves, lazy) if lazy else None
             try:
                 for i in inline:  # buffers, RNG states...: what the next forward may change, copied now
-                    views[i].copy_(leaves[i].src)
+                    staged_views[i].copy_(leaves[i].src)
             except BaseException:
                 if pending is not None:  # nobody resolves it: let its copies end before the slot comes back
                     self._engine.wait()
@@ -315,7 +318,7 @@ class Stager(AsyncStager):
             self._stages += 1
             self._bytes = nbytes
             self._inline += sum(leaves[i].src.numel() * leaves[i].src.element_size() for i in inline)
-            staged: StateDict = _rebuild(skeleton, views)
+            staged: StateDict = _rebuild(skeleton, staged_views)
         finally:
             lease.drop()  # the slot comes back once every staged view is gone
         if pending is None:
@@ -330,22 +333,24 @@ class Stager(AsyncStager):
         return pending.future
 
     def _flatten(self, value: Any, path: str, leaves: list[_Leaf], seen: dict[int, int],
-                 owned: set[tuple[str, int]]) -> Any:
+                 params: set[tuple[str, int]], states: set[tuple[str, int]]) -> Any:
         """The structure of ``value`` with each tensor replaced by its leaf index (``_Index``)."""
         if isinstance(value, torch.Tensor):
             if id(value) in seen:  # the same tensor twice: one copy, one view
                 return _Index(seen[id(value)])
             src = _check_tensor(path or "<root>", value)
-            lazy = bool(owned) and _storage_key(src) in owned and not src.is_conj() and not src.is_neg()
+            key = _storage_key(src)
+            param = key in params
+            lazy = (param or key in states) and not src.is_conj() and not src.is_neg()
             seen[id(value)] = len(leaves)
-            leaves.append(_Leaf(path, src, lazy))
+            leaves.append(_Leaf(path, src, lazy, param))
             return _Index(len(leaves) - 1)
         if isinstance(value, Mapping):
-            return {k: self._flatten(v, f"{path}/{k}", leaves, seen, owned) for k, v in value.items()}
+            return {k: self._flatten(v, f"{path}/{k}", leaves, seen, params, states) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._flatten(v, f"{path}/{i}", leaves, seen, owned) for i, v in enumerate(value)]
+            return [self._flatten(v, f"{path}/{i}", leaves, seen, params, states) for i, v in enumerate(value)]
         if isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(self._flatten(v, f"{path}/{i}", leaves, seen, owned) for i, v in enumerate(value))
+            return tuple(self._flatten(v, f"{path}/{i}", leaves, seen, params, states) for i, v in enumerate(value))
         try:
             return _Value(copy.deepcopy(value))  # a value DCP's planner serializes later: taken now
         except Exception as exc:
@@ -371,20 +376,10 @@ class Stager(AsyncStager):
         finally:
             self._slot_wait_s += time.perf_counter() - started
 
-    @staticmethod
-    def _view(slot: HostSlot, i: int, src: torch.Tensor, lease: _Lease) -> torch.Tensor:
-        """A fresh view of region ``i`` typed as ``src`` (the slot's own cached views are never handed out)."""
-        if src.numel() == 0:
-            return torch.empty(src.shape, dtype=src.dtype)
-        view = slot.region(i).view(src.dtype).view(src.shape)
-        lease.hold(view)
-        lend(view)  # our StorageWriter adopts it (no private copy): the slot stays ours until the store let go
-        return view
-
     def _start(self, slot: HostSlot, leaves: list[_Leaf], lazy: list[int]) -> _Pending:
         """Record what each background source is now, and hand its copy to the engine."""
         versions = [leaves[i].src._version for i in lazy]
-        sampled = [i for i in lazy if leaves[i].src.is_contiguous()]
+        sampled = [i for i in lazy if leaves[i].param and leaves[i].src.is_contiguous()]
         sample = None
         ready = None
         if sampled:
@@ -447,6 +442,50 @@ class Stager(AsyncStager):
         self._step_wait_s += time.perf_counter() - started
 
 
+class _Views:
+    """Fresh typed views of one slot's regions for one stage, all made from one base tensor per dtype.
+
+    Each base is a tensor of its own over the slot's memory (not a view), so every view of it (and
+    every view DCP makes of those) keeps it alive: the lease holds the bases, not each view, and the
+    slot comes back once the last view of this stage is gone. The slot's own cached views are never
+    handed out.
+    """
+
+    def __init__(self, slot: HostSlot, lease: _Lease) -> None:
+        self.slot, self.lease = slot, lease
+        self._storage = slot.buffer.untyped_storage()
+        self._start = slot.buffer.storage_offset()  # bytes: the buffer is a uint8 view of the allocation
+        self._bases: dict[torch.dtype, torch.Tensor] = {}
+
+    def of(self, i: int, src: torch.Tensor) -> torch.Tensor:
+        """Region ``i`` as a contiguous tensor of ``src``'s dtype and shape, marked lent (the writer adopts it)."""
+        if src.numel() == 0:
+            return torch.empty(src.shape, dtype=src.dtype)
+        size = src.element_size()
+        at = self._start + self.slot.offsets[i]
+        if at % size:  # never with the slots' alignment; a plain view then, held by itself
+            view = self.slot.region(i).view(src.dtype).view(src.shape)
+            self.lease.hold(view)
+        else:
+            base = self._bases.get(src.dtype)
+            if base is None:
+                base = torch.empty(0, dtype=src.dtype)
+                base.set_(self._storage, 0, (self._storage.nbytes() // size,), (1,))
+                self._bases[src.dtype] = base
+                self.lease.hold(base)
+            view = base.as_strided(src.shape, _contiguous_strides(src.shape), at // size)
+        lend(view)  # our StorageWriter adopts it (no private copy): the slot stays ours until the store let go
+        return view
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(1, n)
+    return tuple(reversed(strides))
+
+
 @dataclass(frozen=True)
 class _Index:
     """A tensor's place in the staged state dict: leaf number ``i``."""
@@ -478,5 +517,7 @@ def _need(t: torch.Tensor) -> int:
     """Bytes of its storage a tensor reaches into (offset plus its furthest element)."""
     if t.numel() == 0:
         return 0
+    if t.is_contiguous():
+        return int((t.storage_offset() + t.numel()) * t.element_size())
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
     return int((t.storage_offset() + last + 1) * t.element_size())

@@ -294,7 +294,7 @@ class Stager(AsyncStager):
 
     def _stage(self, state_dict: StateDict) -> Future[StateDict] | StateDict:
         leaves: list[_Leaf] = []
-        seen: dict[int, int] = {}
+        seen: dict[tuple[Any, ...], int] = {}
         params, states = _owned_storages(self._optimizers)
         skeleton = self._flatten(state_dict, "", leaves, seen, params, states)
         slot = self._acquire()
@@ -332,17 +332,18 @@ class Stager(AsyncStager):
         self._pending = pending
         return pending.future
 
-    def _flatten(self, value: Any, path: str, leaves: list[_Leaf], seen: dict[int, int],
+    def _flatten(self, value: Any, path: str, leaves: list[_Leaf], seen: dict[tuple[Any, ...], int],
                  params: set[tuple[str, int]], states: set[tuple[str, int]]) -> Any:
         """The structure of ``value`` with each tensor replaced by its leaf index (``_Index``)."""
         if isinstance(value, torch.Tensor):
-            if id(value) in seen:  # the same tensor twice: one copy, one view
-                return _Index(seen[id(value)])
             src = _check_tensor(path or "<root>", value)
             key = _storage_key(src)
+            same = (key, src.storage_offset(), tuple(src.shape), src.stride(), src.dtype, src.is_conj(), src.is_neg())
+            if same in seen:  # the same memory twice (tied weights: two detached views): one copy, one view
+                return _Index(seen[same])
             param = key in params
             lazy = (param or key in states) and not src.is_conj() and not src.is_neg()
-            seen[id(value)] = len(leaves)
+            seen[same] = len(leaves)
             leaves.append(_Leaf(path, src, lazy, param))
             return _Index(len(leaves) - 1)
         if isinstance(value, Mapping):

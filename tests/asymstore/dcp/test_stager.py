@@ -259,3 +259,17 @@ def test_cuda_state_staged_exactly(tmp_path: Path) -> None:
             for key, value in taken[i].items():
                 if isinstance(value, torch.Tensor):
                     assert torch.equal(got[key], value.cpu()), key
+
+
+def test_tied_weights_are_copied_once_and_saved_under_both_names(tmp_path: Path) -> None:
+    model, opt = build()
+    step(model, opt, 0)
+    weight = model[0].weight
+    state = {"a": weight.detach(), "b": weight.detach(), "c": weight.detach()[1:]}  # the last: other bytes
+    with StorageWriter(tmp_path / "ckpt") as writer, Stager(opt) as stager:
+        response = dcp.async_save(state, storage_writer=writer, async_stager=stager, checkpoint_id="0")
+        response.upload_completion.result()
+        assert stager.stats().bytes_staged == weight.numel() * 4 + weight[1:].numel() * 4
+        got = {"a": torch.zeros_like(weight), "b": torch.zeros_like(weight), "c": torch.zeros_like(weight[1:])}
+        dcp.load(got, storage_reader=StorageReader(writer))
+    assert_same(got, {"a": weight, "b": weight, "c": weight[1:]})

@@ -3,7 +3,8 @@
 Each save is one version: the store is built and opened on the first save, on the writer's own
 loop thread (:class:`asymstore.runtime.loop.StoreLoop`); ``write_data`` chooses the step (a
 :class:`~asymstore.multirank.RankStore` agrees on it through the job's key-value store), copies
-the resolved items in batches of :data:`BATCH_BYTES` and commits the shards of the ranks other
+the resolved items in batches of :data:`BATCH_BYTES` (adopts, without a copy, those a stager lent:
+:mod:`asymstore.dcp.lent`) and commits the shards of the ranks other
 than the coordinator; ``finish`` stores DCP's metadata as strict JSON (:mod:`asymstore.dcp.metadata`)
 and commits the version, which exists only then.
 

@@ -21,6 +21,11 @@ of the whole state (torch's full state dict) to ``OUT/full2.json``. Then a fresh
 (saved by one process) and rank 0 writes the whole state's digests to ``OUT/full1.json``. Between the two, the
 ranks read ``root2`` back through the writer's own RankStore, and a save of two ranks into one list of tiers is
 refused.
+
+``ddp-stager OUT`` (on 2 gloo ranks): a small DDP model trains 4 steps with a ``dcp.async_save`` of every step into
+``OUT/root`` (a RankStore per rank) staged by ``asymcheck.dcp.Stager``, on a gloo group of its own (DCP's upload
+thread runs collectives while training runs DDP's); each rank then loads every step back and checks it against a
+deep copy of its state taken right after that step, and rank 0 writes the last step's digests to ``OUT/last.json``.
 """
 
 from __future__ import annotations
@@ -201,6 +206,48 @@ def reshard(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def ddp_stager(out: Path) -> None:
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from asymcheck.dcp import Stager
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo")  # the saves' collectives, apart from DDP's
+    model = torch.nn.parallel.DistributedDataParallel(t.small_model(shard=False))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    taken: dict[int, dict[str, str]] = {}
+    with StorageWriter(out / "root", keep_last=None) as writer, Stager(opt) as stager:
+        response = None
+        for step in range(4):
+            t.small_step(model, opt, step, rank)
+            if response is not None:
+                response.upload_completion.result()
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            taken[step] = t.digests(copy.deepcopy(state))
+            response = dcp.async_save(state, storage_writer=writer, async_stager=stager, checkpoint_id=str(step),
+                                      process_group=group)
+            assert isinstance(response, AsyncSaveResponse)
+        assert response is not None
+        response.upload_completion.result()
+        assert stager.stats().failed == 0 and isinstance(writer.store, RankStore)
+        for step in range(4):
+            msd, osd = get_state_dict(model, opt)
+            state = copy.deepcopy({"model": msd, "optim": osd})
+            for value in state["model"].values():
+                value.zero_()
+            dcp.load(state, storage_reader=StorageReader(writer), checkpoint_id=str(step), process_group=group)
+            assert t.digests(state) == taken[step], step
+    if rank == 0:
+        t.write_json(out / "last.json", taken[3])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> int:
     mode = argv[0]
     if mode == "train":
@@ -210,6 +257,8 @@ def main(argv: list[str]) -> int:
         save_once(argv[1], int(argv[2]))
     elif mode == "reshard":
         reshard(Path(argv[1]))
+    elif mode == "ddp-stager":
+        ddp_stager(Path(argv[1]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     return 0

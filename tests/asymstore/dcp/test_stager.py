@@ -29,6 +29,7 @@ from asymcheck.errors import InvalidOptionError, StagingError, UnsupportedModelE
 from asymcheck.snapshot import copyengine
 from asymstore.dcp import StorageReader, StorageWriter
 from asymstore.dcp.lent import is_lent
+from tests.support import dcp_train as t
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 
@@ -273,3 +274,20 @@ def test_tied_weights_are_copied_once_and_saved_under_both_names(tmp_path: Path)
         got = {"a": torch.zeros_like(weight), "b": torch.zeros_like(weight), "c": torch.zeros_like(weight[1:])}
         dcp.load(got, storage_reader=StorageReader(writer))
     assert_same(got, {"a": weight, "b": weight, "c": weight[1:]})
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_each_step_exact(tmp_path: Path) -> None:
+    """Two gloo ranks under DDP, a RankStore each: every step loads back as its deep copy (checked in each rank)."""
+    t.run_ranks(2, "ddp-stager", str(tmp_path))
+    model = t.small_model(shard=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    t.small_step(model, opt, 0, 0)  # AdamW's state exists
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    with StorageReader(tmp_path / "root") as reader:  # the multi-rank version, read in one process
+        dcp.load(state, storage_reader=reader)
+        assert reader.step == 3
+    assert t.digests(state) == t.read_json(tmp_path / "last.json")
+    done = t.fsck(tmp_path / "root", "--deep")
+    assert done.returncode == 0 and "verdict: OK" in done.stdout, done.stdout + done.stderr

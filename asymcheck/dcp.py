@@ -48,6 +48,7 @@ from asymcheck.errors import InvalidOptionError, StagingError, UnsupportedModelE
 from asymcheck.snapshot.copyengine import CopyEngine, CopyJob
 from asymcheck.snapshot.hostpool import HostPool, HostSlot
 from asymcheck.snapshot.version import sample_view
+from asymcheck.state.dtensors import is_dtensor, local_of
 from asymstore.dcp.lent import lend
 from asymstore.format.manifest import DTYPE_SIZES
 from asymstore.format.tensors import dtype_name
@@ -117,6 +118,8 @@ class _Leaf:
     src: torch.Tensor
     lazy: bool  # copied by the engine's thread (the optimizer owns it), else inside stage()
     param: bool  # a parameter's memory (what ``p.data`` edits reach): byte-sampled
+    counter: torch.Tensor  # whose version counter in-place edits move (a DTensor's own, else ``src``)
+    dtensor: Any = None  # the DTensor ``src`` is the local tensor of (its staged copy is one too)
 
 
 @dataclass
@@ -142,8 +145,8 @@ def _check_tensor(path: str, value: torch.Tensor) -> torch.Tensor:
     if type(value) is torch.nn.Parameter:
         value = value.detach()  # the same memory and version counter, as a plain tensor
     if type(value) is not torch.Tensor:
-        raise UnsupportedModelError(f"{path}: a {type(value).__name__} cannot be staged (plain tensors only; "
-                                    "DTensor and ShardedTensor state dicts are not supported yet)")
+        raise UnsupportedModelError(f"{path}: a {type(value).__name__} cannot be staged (plain tensors and "
+                                    "DTensors only; ShardedTensor and other subclasses are not supported)")
     if value.layout != torch.strided or value.is_quantized or dtype_name(value.dtype) not in DTYPE_SIZES:
         raise UnsupportedModelError(f"{path}: a {value.layout} tensor of {value.dtype} cannot be staged")
     if value.device.type not in ("cpu", "cuda"):
@@ -162,10 +165,12 @@ def _owned_storages(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[set[tu
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
+                p = local_of(p) if is_dtensor(p) else p
                 if type(p) in (torch.Tensor, torch.nn.Parameter) and p.layout == torch.strided:
                     params.add(_storage_key(p))
         for state in opt.state.values():
             for v in state.values() if isinstance(state, Mapping) else ():
+                v = local_of(v) if is_dtensor(v) else v
                 if type(v) is torch.Tensor and v.layout == torch.strided:
                     states.add(_storage_key(v))
     return params, states
@@ -244,8 +249,8 @@ class Stager(AsyncStager):
 
         Raises:
             StagingError: the stager is closed, or no slot came free within ``slot_timeout_s``.
-            UnsupportedModelError: a tensor that cannot be staged (a DTensor, a sparse or meta tensor...);
-                nothing was copied.
+            UnsupportedModelError: a tensor that cannot be staged (a ShardedTensor, a sparse or meta
+                tensor...); nothing was copied. A DTensor is staged as its local shard.
         """
         if self._closed:
             raise StagingError("the Stager is closed")
@@ -318,7 +323,8 @@ class Stager(AsyncStager):
             self._stages += 1
             self._bytes = nbytes
             self._inline += sum(leaves[i].src.numel() * leaves[i].src.element_size() for i in inline)
-            staged: StateDict = _rebuild(skeleton, staged_views)
+            staged: StateDict = _rebuild(skeleton, [_wrap(leaf, view) for leaf, view in zip(leaves, staged_views,
+                                                                                            strict=True)])
         finally:
             lease.drop()  # the slot comes back once every staged view is gone
         if pending is None:
@@ -336,7 +342,8 @@ class Stager(AsyncStager):
                  params: set[tuple[str, int]], states: set[tuple[str, int]]) -> Any:
         """The structure of ``value`` with each tensor replaced by its leaf index (``_Index``)."""
         if isinstance(value, torch.Tensor):
-            src = _check_tensor(path or "<root>", value)
+            dtensor = value if is_dtensor(value) else None  # its local tensor is this rank's memory
+            src = _check_tensor(path or "<root>", local_of(value) if dtensor is not None else value)
             key = _storage_key(src)
             same = (key, src.storage_offset(), tuple(src.shape), src.stride(), src.dtype, src.is_conj(), src.is_neg())
             if same in seen:  # the same memory twice (tied weights: two detached views): one copy, one view
@@ -344,7 +351,7 @@ class Stager(AsyncStager):
             param = key in params
             lazy = (param or key in states) and not src.is_conj() and not src.is_neg()
             seen[same] = len(leaves)
-            leaves.append(_Leaf(path, src, lazy, param))
+            leaves.append(_Leaf(path, src, lazy, param, value if dtensor is not None else src, dtensor))
             return _Index(len(leaves) - 1)
         if isinstance(value, Mapping):
             return {k: self._flatten(v, f"{path}/{k}", leaves, seen, params, states) for k, v in value.items()}
@@ -379,7 +386,7 @@ class Stager(AsyncStager):
 
     def _start(self, slot: HostSlot, leaves: list[_Leaf], lazy: list[int]) -> _Pending:
         """Record what each background source is now, and hand its copy to the engine."""
-        versions = [leaves[i].src._version for i in lazy]
+        versions = [leaves[i].counter._version for i in lazy]
         sampled = [i for i in lazy if leaves[i].param and leaves[i].src.is_contiguous()]
         sample = None
         ready = None
@@ -393,7 +400,8 @@ class Stager(AsyncStager):
         for at, i in enumerate(lazy):
             src = leaves[i].src
             nbytes = src.numel() * src.element_size()
-            jobs.append(CopyJob(src, slot.region(i), 0, nbytes, versions[at], src.data_ptr(), _need(src), i))
+            jobs.append(CopyJob(src, slot.region(i), 0, nbytes, versions[at], src.data_ptr(), _need(src), i,
+                                leaves[i].counter))
         self._engine.submit(jobs)
         return _Pending(Future(), lazy, leaves, versions, sampled, sample, ready, slot)
 
@@ -407,7 +415,7 @@ class Stager(AsyncStager):
                 pending.sample_ready.synchronize()
             bad = set(self._engine.take_bad())
             for at, i in enumerate(pending.lazy):  # changed after its copy began: its bytes may be torn
-                if pending.leaves[i].src._version != pending.versions[at]:
+                if pending.leaves[i].counter._version != pending.versions[at]:
                     bad.add(i)
             if pending.sample is not None and not bad.issuperset(pending.sampled):
                 slot = pending.slot
@@ -499,6 +507,17 @@ class _Value:
     """A non-tensor value, copied."""
 
     value: Any
+
+
+def _wrap(leaf: _Leaf, view: torch.Tensor) -> torch.Tensor:
+    """The staged value of ``leaf``: its view, or for a DTensor a DTensor of the same mesh and placements over it."""
+    dt = leaf.dtensor
+    if dt is None:
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(view, dt.device_mesh, dt.placements, run_check=False, shape=dt.shape,
+                              stride=dt.stride())
 
 
 def _rebuild(skeleton: Any, views: list[torch.Tensor]) -> Any:

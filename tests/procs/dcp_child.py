@@ -26,6 +26,8 @@ refused.
 ``OUT/root`` (a RankStore per rank) staged by ``asymcheck.dcp.Stager``, on a gloo group of its own (DCP's upload
 thread runs collectives while training runs DDP's); each rank then loads every step back and checks it against a
 deep copy of its state taken right after that step, and rank 0 writes the last step's digests to ``OUT/last.json``.
+``fsdp2-stager OUT``: the same with the FSDP2 model of ``reshard`` (DTensor state dicts: each rank stages its shards),
+rank 0 writing the whole last state's digests (torch's full state dict) to ``OUT/last.json``.
 """
 
 from __future__ import annotations
@@ -206,7 +208,22 @@ def reshard(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def ddp_stager(out: Path) -> None:
+def local_digests(state: object) -> dict[str, str]:
+    """Digests of a state dict with every DTensor replaced by this rank's piece of it."""
+    from torch.distributed.tensor import DTensor
+
+    def local(obj: object) -> object:
+        if isinstance(obj, DTensor):
+            return obj.to_local()
+        if isinstance(obj, dict):
+            return {k: local(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [local(v) for v in obj]
+        return obj
+    return t.digests(local(state))
+
+
+def ddp_stager(out: Path, fsdp2: bool = False) -> None:
     import copy
 
     import torch.distributed as dist
@@ -217,7 +234,8 @@ def ddp_stager(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo")  # the saves' collectives, apart from DDP's
-    model = torch.nn.parallel.DistributedDataParallel(t.small_model(shard=False))
+    model = t.small_model(shard=True) if fsdp2 else \
+        torch.nn.parallel.DistributedDataParallel(t.small_model(shard=False))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     taken: dict[int, dict[str, str]] = {}
     with StorageWriter(out / "root", keep_last=None) as writer, Stager(opt) as stager:
@@ -228,22 +246,25 @@ def ddp_stager(out: Path) -> None:
                 response.upload_completion.result()
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd}
-            taken[step] = t.digests(copy.deepcopy(state))
+            taken[step] = local_digests(copy.deepcopy(state))
             response = dcp.async_save(state, storage_writer=writer, async_stager=stager, checkpoint_id=str(step),
                                       process_group=group)
             assert isinstance(response, AsyncSaveResponse)
         assert response is not None
         response.upload_completion.result()
-        assert stager.stats().failed == 0 and isinstance(writer.store, RankStore)
+        stats = stager.stats()  # the parameters and AdamW's state (the local shards under FSDP2): in the background
+        assert stats.failed == 0 and stats.background_bytes > stats.inline_bytes, stats
+        assert isinstance(writer.store, RankStore)
         for step in range(4):
             msd, osd = get_state_dict(model, opt)
             state = copy.deepcopy({"model": msd, "optim": osd})
             for value in state["model"].values():
                 value.zero_()
             dcp.load(state, storage_reader=StorageReader(writer), checkpoint_id=str(step), process_group=group)
-            assert t.digests(state) == taken[step], step
+            assert local_digests(state) == taken[step], step
+    full = t.full_digests(model, opt) if fsdp2 else taken[3]  # the live state is step 3's: nothing trained since
     if rank == 0:
-        t.write_json(out / "last.json", taken[3])
+        t.write_json(out / "last.json", full)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -259,6 +280,8 @@ def main(argv: list[str]) -> int:
         reshard(Path(argv[1]))
     elif mode == "ddp-stager":
         ddp_stager(Path(argv[1]))
+    elif mode == "fsdp2-stager":
+        ddp_stager(Path(argv[1]), fsdp2=True)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     return 0

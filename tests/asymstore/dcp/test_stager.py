@@ -277,9 +277,13 @@ def test_tied_weights_are_copied_once_and_saved_under_both_names(tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_ddp_on_two_ranks_each_step_exact(tmp_path: Path) -> None:
-    """Two gloo ranks under DDP, a RankStore each: every step loads back as its deep copy (checked in each rank)."""
-    t.run_ranks(2, "ddp-stager", str(tmp_path))
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_two_ranks_each_step_exact(tmp_path: Path, wrap: str) -> None:
+    """Two gloo ranks (DDP, or FSDP2: DTensor state dicts), a RankStore each: every step loads back as its deep
+    copy (checked in each rank); the last one, read in one process, is the whole state the job ended with."""
+    if wrap == "fsdp2":
+        pytest.importorskip("torch.distributed.fsdp", reason="no FSDP2 in this torch")
+    t.run_ranks(2, f"{wrap}-stager", str(tmp_path))
     model = t.small_model(shard=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     t.small_step(model, opt, 0, 0)  # AdamW's state exists
@@ -288,6 +292,12 @@ def test_ddp_on_two_ranks_each_step_exact(tmp_path: Path) -> None:
     with StorageReader(tmp_path / "root") as reader:  # the multi-rank version, read in one process
         dcp.load(state, storage_reader=reader)
         assert reader.step == 3
-    assert t.digests(state) == t.read_json(tmp_path / "last.json")
+    if wrap == "fsdp2":
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert t.full_digests(model, opt) == t.read_json(tmp_path / "last.json")
+    else:
+        assert t.digests(state) == t.read_json(tmp_path / "last.json")
     done = t.fsck(tmp_path / "root", "--deep")
     assert done.returncode == 0 and "verdict: OK" in done.stdout, done.stdout + done.stderr

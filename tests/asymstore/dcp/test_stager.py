@@ -277,7 +277,7 @@ def test_tied_weights_are_copied_once_and_saved_under_both_names(tmp_path: Path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrap", [pytest.param("ddp", marks=pytest.mark.exhaustive), "fsdp2"])
 def test_two_ranks_each_step_exact(tmp_path: Path, wrap: str) -> None:
     """Two gloo ranks (DDP, or FSDP2: DTensor state dicts), a RankStore each: every step loads back as its deep
     copy (checked in each rank); the last one, read in one process, is the whole state the job ended with."""

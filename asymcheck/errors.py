@@ -28,6 +28,13 @@ class CheckpointerStateError(AsymcheckError, RuntimeError):
     """The Checkpointer was used out of order (closed, or resumed after training began)."""
 
 
+class StagingError(AsymcheckError, RuntimeError):
+    """A DCP staging copy (``asymcheck.dcp.Stager``) was not taken: the save it belongs to writes nothing.
+
+    A tensor changed before its copy finished, no host slot came free in time, or the stager is closed.
+    """
+
+
 class StepConflictError(AsymcheckError):
     """The store already holds a version at or after the step this run would write.
 

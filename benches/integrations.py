@@ -43,7 +43,11 @@ benches/common.py) training on synthetic tokens, a checkpoint after every optimi
   step, the previous save's future awaited before the next (as DCP's docs and TorchTitan do).
   ``none``; ``own``: ``storage_writer=FileSystemWriter(dir/step-N)`` (directories beyond the newest 2
   removed once their successor's save is done); ``asymcheck``: one ``asymstore.dcp.StorageWriter(dir)``
-  with ``checkpoint_id=str(step)``.
+  with ``checkpoint_id=str(step)``; ``stager`` (this row only): the same writer with
+  ``async_stager=asymcheck.dcp.Stager(optimizer)``, whose copy runs through the next step's forward and
+  backward (the optimizer's step pre-hook waits for what is left); ``async_save`` then returns DCP's
+  ``AsyncSaveResponse`` and the loop waits for its ``upload_completion``. The row's target is the
+  ``stager`` method's overhead against ``own`` (``TARGET_METHOD``).
 
 The ``ddp`` rows: the same three methods of the Trainer (``use_cpu=True, ddp_backend="gloo"``),
 Accelerate (``Accelerator(cpu=True)``, ``MULTI_CPU``, gloo) and Lightning (``strategy="ddp"``,
@@ -147,6 +151,8 @@ NOT_RUN = {  # configurations the bench names instead of omitting them silently
              "the fsdp2 row is the Checkpointer's FSDP2 path in a plain loop against dcp.save",
 }
 METHODS = ["none", "own", "asymcheck"]
+EXTRA_METHODS: dict[str, list[str]] = {"dcp": ["stager"]}  # methods of one framework's rows only
+TARGET_METHOD: dict[str, str] = {"dcp": "stager"}  # the method whose overhead the row's target compares (asymcheck)
 KEEP = 2  # checkpoints kept by every method that keeps some
 TARGET_OVERHEAD_RATIO = 0.5  # asymcheck's overhead over none / the framework's own overhead over none
 LABELS: dict[str, dict[str, str]] = {
@@ -156,7 +162,8 @@ LABELS: dict[str, dict[str, str]] = {
     "lightning": {"none": "no checkpoint", "own": "ModelCheckpoint(every_n_train_steps=1)",
                   "asymcheck": "asymcheck.lightning.AsymCheckCallback"},
     "dcp": {"none": "no checkpoint", "own": "dcp.async_save + FileSystemWriter",
-            "asymcheck": "dcp.async_save + asymstore.dcp.StorageWriter"},
+            "asymcheck": "dcp.async_save + asymstore.dcp.StorageWriter",
+            "stager": "dcp.async_save + asymcheck.dcp.Stager + StorageWriter"},
     "loop": {"none": "no checkpoint", "own": "dcp.save + FileSystemWriter",
              "asymcheck": "asymcheck.Checkpointer (FSDP2)"},
     "ddploop": {"none": "no checkpoint", "own": "Checkpointer dedup='off' (every rank writes all)",
@@ -431,21 +438,29 @@ def run_lightning(method: str, args: argparse.Namespace, root: Path, clock: Cloc
 def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> dict[str, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.checkpoint.state_dict_saver import async_save  # dcp.async_save
+    from torch.distributed.checkpoint.state_dict_saver import (
+        AsyncSaveResponse,
+        async_save,  # dcp.async_save
+    )
 
+    from asymcheck.dcp import Stager
     from asymstore.dcp import StorageWriter
 
     n = args.warmup + args.steps
     model, optimizer, _ = build_gpt2(args.config, args.seq)
     ids = tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch, args.seq)
-    writer = StorageWriter(str(root), keep_last=KEEP) if method == "asymcheck" else None
+    writer = StorageWriter(str(root), keep_last=KEEP) if method in ("asymcheck", "stager") else None
+    stager = Stager(optimizer) if method == "stager" else None
     pending: Any = None
     dirs: list[Path] = []
 
     def wait() -> None:
         nonlocal pending
         if pending is not None:
-            pending.result()
+            if isinstance(pending, AsyncSaveResponse):  # a stager's save: its upload (the copy finished earlier)
+                pending.upload_completion.result()
+            else:
+                pending.result()
             pending = None
             while len(dirs) > KEEP:  # the newest KEEP complete saves stay
                 shutil.rmtree(dirs.pop(0), ignore_errors=True)
@@ -462,7 +477,7 @@ def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> 
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
             if writer is not None:
-                pending = async_save(state, storage_writer=writer, checkpoint_id=str(step))
+                pending = async_save(state, storage_writer=writer, checkpoint_id=str(step), async_stager=stager)
             else:
                 path = root / f"step-{step}"
                 dirs.append(path)
@@ -470,6 +485,12 @@ def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> 
         clock.tick()
     wait()
     extra: dict[str, Any] = {}
+    if stager is not None:
+        stats = stager.stats()
+        extra["stager"] = {"stages": stats.stages, "failed": stats.failed, "host_bytes": stats.host_bytes,
+                           "step_wait_s_per_stage": stats.step_wait_s / max(1, stats.stages),
+                           "stage_s_per_stage": stats.stage_s / max(1, stats.stages)}
+        stager.close()
     if writer is not None:
         extra["last_step"] = writer.last_step
         writer.close()
@@ -735,10 +756,18 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per method: the pooled median step, ratio and overhead over none, CPU, RSS; the overhead-ratio target."""
+def methods_of(framework: str) -> list[str]:
+    """The methods a framework's rows run: every framework's, then its own (``EXTRA_METHODS``)."""
+    return METHODS + EXTRA_METHODS.get(framework, [])
+
+
+def summarize(runs: list[dict[str, Any]], framework: str = "") -> dict[str, Any]:
+    """Per method: the pooled median step, ratio and overhead over none, CPU, RSS; the overhead-ratio target.
+
+    The target compares the framework's ``TARGET_METHOD`` (default ``asymcheck``) with ``own``.
+    """
     methods: dict[str, Any] = {}
-    for method in METHODS:
+    for method in methods_of(framework):
         ok = [r for r in runs if r["method"] == method and "error" not in r]
         failed = [r for r in runs if r["method"] == method and "error" in r]
         if not ok and not failed:
@@ -777,15 +806,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         entry["mean_overhead_s"] = mean - base_mean if mean is not None and base_mean is not None else None
         cpu = entry["cpu_s_per_step"]
         entry["cpu_s_per_checkpoint"] = cpu - base_cpu if cpu is not None and base_cpu is not None else None
+    target_method = TARGET_METHOD.get(framework, "asymcheck")
     own = methods.get("own", {}).get("overhead_s")
-    asym = methods.get("asymcheck", {}).get("overhead_s")
+    asym = methods.get(target_method, {}).get("overhead_s")
     ratio = asym / own if asym is not None and own is not None and own > 0 else None
     met = ratio is not None and ratio <= TARGET_OVERHEAD_RATIO
     own_mean = methods.get("own", {}).get("mean_overhead_s")
-    asym_mean = methods.get("asymcheck", {}).get("mean_overhead_s")
+    asym_mean = methods.get(target_method, {}).get("mean_overhead_s")
     mean_ratio = asym_mean / own_mean if asym_mean is not None and own_mean is not None and own_mean > 0 else None
     target = {"value": ratio, "target": TARGET_OVERHEAD_RATIO, "met": met, "asymcheck_overhead_s": asym,
-              "own_overhead_s": own, "value_of_means": mean_ratio}
+              "own_overhead_s": own, "value_of_means": mean_ratio, "method": target_method}
     return {"methods": methods, "overhead_ratio": target}
 
 
@@ -820,7 +850,8 @@ def table(results: dict[str, Any]) -> str:
     for fw in results["frameworks"].values():
         t = fw["overhead_ratio"]
         verdict = "-" if t["value"] is None else f"{t['value']:.2f} ({'met' if t['met'] else 'NOT met'})"
-        lines.append(f"| {fw['title']} | {fmt(t['asymcheck_overhead_s'], '+.3f')} s | "
+        which = "" if t.get("method", "asymcheck") == "asymcheck" else f" ({t['method']})"
+        lines.append(f"| {fw['title']} | {fmt(t['asymcheck_overhead_s'], '+.3f')} s{which} | "
                      f"{fmt(t['own_overhead_s'], '+.3f')} s | {verdict} | {fmt(t['value_of_means'], '.2f')} |")
     written = [(fw, m) for fw in results["frameworks"].values() for m in fw["methods"].values()
                if "bytes_per_rank_per_version" in m]
@@ -894,7 +925,7 @@ def main() -> int:
     state_bytes = 3 * 4 * nparams  # fp32 parameters and AdamW's two moments
     load_before = os.getloadavg()
     print(f"GPT-2 {args.config}: {nparams / 1e6:.1f}M parameters, {state_bytes / (1 << 20):.0f} MiB of state per "
-          f"checkpoint (all ranks together); {args.rounds} round(s) x {len(cases)} row(s) x {len(METHODS)} methods, "
+          f"checkpoint (all ranks together); {args.rounds} round(s) x {len(cases)} row(s) x {len(METHODS)}+ methods, "
           f"{args.warmup} + {args.steps} steps each; {machine_load()}", flush=True)
     not_run = {row: why for row, why in NOT_RUN.items() if row in rows}
     for row, why in not_run.items():
@@ -906,7 +937,7 @@ def main() -> int:
     try:
         for rnd in range(args.rounds):
             for case in cases:
-                for method in order(METHODS, rnd):
+                for method in order(methods_of(case.framework), rnd):
                     r = run_child(case, method, args, work, args.timeout) | {"round": rnd}
                     runs[case.key].append(r)
                     if "error" in r:
@@ -932,7 +963,7 @@ def main() -> int:
         "ranks": args.ranks, "not_run": not_run, "loadavg_before": load_before, "loadavg_after": load_after,
         "wall_s": time.perf_counter() - started, "frameworks": {}}
     for case in cases:
-        summary = summarize(runs[case.key])
+        summary = summarize(runs[case.key], case.framework)
         for method, entry in summary["methods"].items():
             entry["label"] = LABELS[case.framework][method]
         results["frameworks"][case.key] = summary | {"title": case.title, "row": case.row,

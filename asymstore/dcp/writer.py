@@ -3,7 +3,8 @@
 Each save is one version: the store is built and opened on the first save, on the writer's own
 loop thread (:class:`asymstore.runtime.loop.StoreLoop`); ``write_data`` chooses the step (a
 :class:`~asymstore.multirank.RankStore` agrees on it through the job's key-value store), copies
-the resolved items in batches of :data:`BATCH_BYTES` and commits the shards of the ranks other
+the resolved items in batches of :data:`BATCH_BYTES` (adopts, without a copy, those a stager lent:
+:mod:`asymstore.dcp.lent`) and commits the shards of the ranks other
 than the coordinator; ``finish`` stores DCP's metadata as strict JSON (:mod:`asymstore.dcp.metadata`)
 and commits the version, which exists only then.
 
@@ -32,6 +33,7 @@ from torch.futures import Future
 
 from asymstore.dcp import metadata as md
 from asymstore.dcp import session as shared
+from asymstore.dcp.lent import is_lent
 from asymstore.dcp.session import Save as _Save
 from asymstore.dcp.session import Session
 from asymstore.dcp.spec import StoreSpec, own_store, parse_step, renamed_location
@@ -390,11 +392,15 @@ class StorageWriter(_DCPStorageWriter):
         results: list[WriteResult] = []
         batch: dict[str, torch.Tensor] = {}
         size = 0
+        lent: dict[str, torch.Tensor] = {}  # a stager's host slots (asymstore.dcp.lent): adopted, not copied
         for item, name in zip(plan.items, names, strict=True):
             tensor = _as_tensor(item, planner.resolve_data(item))
             nbytes = tensor.numel() * tensor.element_size()
-            batch[name] = tensor
-            size += nbytes
+            if is_lent(tensor):
+                lent[name] = tensor
+            else:
+                batch[name] = tensor
+                size += nbytes
             results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
                                        storage_data=md.ItemLocation(save.rank, name)))
             if size >= BATCH_BYTES:
@@ -403,6 +409,10 @@ class StorageWriter(_DCPStorageWriter):
         world = store.world_size if isinstance(store, RankStore) else 1
         batch[md.MARKER_NAME] = torch.tensor([save.rank, world], dtype=torch.int64)
         self._put(store, save, batch)
+        if lent:
+            step = save.step
+            assert step is not None
+            self._call(save, lambda: store.adopt_many(step, lent))
         return results
 
     def _put(self, store: AsymStore | RankStore, save: _Save, batch: dict[str, torch.Tensor]) -> None:

@@ -4,8 +4,9 @@
 Two processes of tests/procs/dcp_child.py (``train``): the first is killed once a random step's save is done (the
 kill lands in the next step's training or its save, which runs on DCP's thread); the second resumes from the
 newest version, trains to the end, then runs the uninterrupted reference in the same process. fsck finds the
-root clean. ``DCP_KILL_SEED`` replays the kill point (the test prints it). Twice: one writer for every save, and
-DCP's own recipe (a new ``StorageWriter`` per save, ``checkpoint_id=f"checkpoint_step{step}"``, never closed).
+root clean. ``DCP_KILL_SEED`` replays the kill point (the test prints it). Three times: one writer for every save,
+DCP's own recipe (a new ``StorageWriter`` per save, ``checkpoint_id=f"checkpoint_step{step}"``, never closed), and one
+writer with every save staged by ``asymcheck.dcp.Stager`` (its copy running through the next step).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ def progress(out: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.parametrize("writers", ["one-writer", "writer-per-save"])
+@pytest.mark.parametrize("writers", ["one-writer", "writer-per-save", "stager"])
 def test_sigkill_and_resume_bit_exact(tmp_path: Path, writers: str) -> None:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     env = proc_env(OMP_NUM_THREADS="1")
-    flags = ["--idiom"] if writers == "writer-per-save" else []
+    flags = {"one-writer": [], "writer-per-save": ["--idiom"], "stager": ["--stager"]}[writers]
     kill_after = random.Random(f"{SEED}-sigkill-{writers}").randint(1, STEPS - 4)
     print(f"SIGKILL once step {kill_after} is saved (DCP_KILL_SEED={SEED})")
     first = subprocess.Popen(proc_argv("dcp_child", "train", str(root), str(out), str(STEPS), *flags), env=env,

@@ -2,11 +2,12 @@
 
 Run by hand (never a timed test), from the repository root::
 
-    .venv/bin/python benches/integrations.py            # every row, GPT-2 8m, 4 rounds: about 30 minutes on 2 cores
-    .venv/bin/python benches/integrations.py --rows single             # the one-process rows only: about 9 minutes
+    .venv/bin/python benches/integrations.py            # every row, GPT-2 8m, 4 rounds: about 32 minutes on 2 cores
+    .venv/bin/python benches/integrations.py --rows single             # the one-process rows only: about 11 minutes
+    .venv/bin/python benches/integrations.py --rows single --frameworks torchtitan  # TorchTitan's row: about 3 minutes
     .venv/bin/python benches/integrations.py --rows ddp,fsdp2 --ranks 2  # the multi-process rows only
     .venv/bin/python benches/integrations.py --rows ddp --frameworks ddploop --config 30m  # dedup off vs replicas
-    .venv/bin/python benches/integrations.py --quick    # tiny GPT-2, 1 round, fewer steps: about 5 minutes
+    .venv/bin/python benches/integrations.py --quick    # tiny GPT-2, 1 round, fewer steps: about 6 minutes
     .venv/bin/python benches/integrations.py --frameworks hf,lightning --rounds 4 --out bench-out/x.json
 
 Rows (``--rows``, default all): ``single`` (one process, every framework below), ``ddp`` (the
@@ -48,6 +49,27 @@ benches/common.py) training on synthetic tokens, a checkpoint after every optimi
   backward (the optimizer's step pre-hook waits for what is left); ``async_save`` then returns DCP's
   ``AsyncSaveResponse`` and the loop waits for its ``upload_completion``. The row's target is the
   ``stager`` method's overhead against ``own`` (``TARGET_METHOD``).
+- ``torchtitan``: TorchTitan 0.3's ``Trainer.train`` loop over TorchTitan's own parts (its trainer
+  needs triton, which a CPU build of torch lacks, so the loop is the trainer's, written out as
+  tests/procs/titan_train.py drives the manager): a one-process gloo group, ``GarbageCollection``
+  (``gc_freq=50``), ``default_adamw`` built into an ``OptimizersContainer``, an
+  ``LRSchedulersContainer``, a ``ParallelAwareDataloader`` over stateful token samples,
+  ``CrossEntropyLoss``, ``clip_grad_norm_``, then ``maybe_wait_for_staging()``, the optimizer's and the
+  scheduler's step and ``save(step, last_step=...)``; the manager built from its config as the trainer
+  builds it (``config.build(dataloader=..., model_parts=..., optimizers=..., lr_schedulers=...,
+  states={"train_state": ...})``) and ``load()`` before the first step.
+  ``none``: ``CheckpointManager.Config(enable=False)`` (TorchTitan's default: every call a no-op);
+  ``own``: TorchTitan's ``CheckpointManager`` with ``interval=1, keep_latest_k=2, async_mode="async"``:
+  ``dcp.async_save`` to ``step-N`` (DCP's default stager copies the state on the training thread, a
+  thread writes it with ``FileSystemWriter``; each save first waits for the previous write, and
+  collects garbage twice), older ``step-N`` removed by its purge thread (its own rule: all but the
+  newest 2 present when a save starts; none at the last step). ``async_mode="async"`` is the one
+  asynchronous mode that runs on the CPU: ``"async_with_pinned_mem"`` stages through DCP's
+  ``DefaultStager`` with non-blocking copies, which asserts an accelerator, and ``"disabled"`` is
+  ``dcp.save`` on the training thread. ``asymcheck``: ``asymcheck.torchtitan.AsymCheckManager`` with
+  ``interval=1, keep_latest_k=2``. Each run trains ``--warmup`` + ``--steps`` + 1 steps: the last is
+  TorchTitan's ``last_step``, whose save in TorchTitan's own manager is its final model-only export
+  (synchronous); that save and ``close()`` are the run's finish, not a measured step.
 
 The ``ddp`` rows: the same three methods of the Trainer (``use_cpu=True, ddp_backend="gloo"``),
 Accelerate (``Accelerator(cpu=True)``, ``MULTI_CPU``, gloo) and Lightning (``strategy="ddp"``,
@@ -73,10 +95,11 @@ benches/fsdp2_overhead.py compares the same Checkpointer with ``dcp.async_save``
 Every asymcheck method keeps 2 versions and takes one every step, always
 (``pacing=PacingOptions(max_overhead=None)``: no pacing); its commits are durable (fsync) when they
 complete. Of the frameworks' own saves only DCP's ``FileSystemWriter`` fsyncs (``sync_files=True``, its
-default); ``save_state``, the Trainer's and Lightning's saves leave their files in the page cache.
+default; TorchTitan's ``CheckpointManager`` writes through it); ``save_state``, the Trainer's and
+Lightning's saves leave their files in the page cache.
 
 Timing: a step is the wall time between consecutive step boundaries (the end of the loop body in the
-plain loops, after the checkpoint call; ``on_step_end`` for the Trainer, whose save follows it, and
+plain loops and TorchTitan's, after the checkpoint call; ``on_step_end`` for the Trainer, whose save follows it, and
 ``on_train_batch_end`` for Lightning, whose ``ModelCheckpoint`` saves there), so each step holds one
 checkpoint's cost on the training thread: the save itself, or what the previous background save makes
 it wait for. The first ``--warmup`` steps are not measured (asymcheck plans its copies after 3). Also
@@ -87,9 +110,10 @@ skipped, dropped; its own stall per step).
 
 Threads: one torch thread per run by default (``--threads``). With as many compute threads as cores,
 the background threads of any asynchronous save (asymcheck's copy and commit threads, DCP's save
-thread) and any other process take cores from OpenMP, whose spin-waits then make step times erratic
-(on the 2-core development VM under load, a tiny GPT-2 step took 35 ms with 1 thread and 1.3-2.0 s
-with 2); one thread leaves a core to them, as a GPU job leaves host cores to the checkpoint.
+thread, TorchTitan's purge thread) and any other process take cores from OpenMP, whose spin-waits
+then make step times erratic (on the 2-core development VM under load, a tiny GPT-2 step took 35 ms
+with 1 thread and 1.3-2.0 s with 2); one thread leaves a core to them, as a GPU job leaves host
+cores to the checkpoint.
 
 Ranks: in a multi-process run each rank times its own step boundaries; a step's time is the
 slowest rank's (the ranks wait for each other in the collectives anyway), and CPU seconds per step
@@ -138,9 +162,9 @@ from common import (
 )
 from harness import Run, add_child_flag, add_quick_flag, child_argv, order, run_fresh, settle, take_json
 
-FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp", "loop", "ddploop"]
+FRAMEWORKS = ["accelerate", "hf", "lightning", "dcp", "torchtitan", "loop", "ddploop"]
 ROWS: dict[str, list[str]] = {  # row -> its frameworks
-    "single": ["accelerate", "hf", "lightning", "dcp"],  # one process
+    "single": ["accelerate", "hf", "lightning", "dcp", "torchtitan"],  # one process
     "ddp": ["accelerate", "hf", "lightning", "ddploop"],  # --ranks processes, DDP on gloo
     "fsdp2": ["loop"],  # --ranks processes, fully_shard on gloo, a plain loop
 }
@@ -168,6 +192,8 @@ LABELS: dict[str, dict[str, str]] = {
              "asymcheck": "asymcheck.Checkpointer (FSDP2)"},
     "ddploop": {"none": "no checkpoint", "own": "Checkpointer dedup='off' (every rank writes all)",
                 "asymcheck": "Checkpointer dedup='replicas' (a slice per rank)"},
+    "torchtitan": {"none": "checkpoint.enable=False", "own": "CheckpointManager async_mode='async', interval=1",
+                   "asymcheck": "asymcheck.torchtitan.AsymCheckManager, interval=1"},
 }
 
 
@@ -498,6 +524,131 @@ def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> 
     return extra
 
 
+class TitanSamples(torch.utils.data.IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+    """Synthetic token rows as TorchTitan's text datasets yield them: ``({"input": row[:-1]}, row[1:])``.
+
+    Stateful like TorchTitan's ``HuggingFaceTextDataset`` (its position is ``sample_idx``), so the
+    ``ParallelAwareDataloader`` over it has a position for the checkpoint managers to save.
+    """
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self.sample_idx = 0
+
+    def __iter__(self) -> Any:
+        while self.sample_idx < len(self.ids):
+            row = self.ids[self.sample_idx]
+            self.sample_idx += 1
+            yield {"input": row[:-1]}, row[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sample_idx": self.sample_idx}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sample_idx = state["sample_idx"]
+
+
+class TitanTrainState:
+    """The trainer's ``train_state`` (TorchTitan's ``Trainer`` hands itself): ``{"step", "ntokens_seen"}``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.ntokens_seen = state["step"], state["ntokens_seen"]
+
+
+TITAN_ASYNC_MODE = "async"  # TorchTitan's own manager: async_with_pinned_mem needs an accelerator (see the docstring)
+
+
+def run_torchtitan(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> dict[str, Any]:
+    """GPT-2 in a loop driven as TorchTitan 0.3's ``Trainer.train`` drives its own, with TorchTitan's containers.
+
+    TorchTitan's trainer itself needs triton (absent from a CPU build of torch), so this is its loop
+    over its own parts: a world of one gloo process (``init_distributed``), ``GarbageCollection`` at
+    its default ``gc_freq``, ``default_adamw`` built into an ``OptimizersContainer``, an
+    ``LRSchedulersContainer`` (warmup, then linear decay), a ``ParallelAwareDataloader`` over stateful
+    samples, TorchTitan's ``CrossEntropyLoss`` over the valid tokens, ``clip_grad_norm_`` (``max_norm`` 1),
+    ``maybe_wait_for_staging()`` before the optimizer's step and ``save(step, last_step=...)`` after the
+    scheduler's; the manager is built as the trainer builds it (``config.checkpoint.build(...)``) and
+    ``load()`` is called before the first step.
+
+    ``none``: TorchTitan's ``CheckpointManager.Config(enable=False)`` (its default: every call a no-op);
+    ``own``: ``CheckpointManager.Config(enable=True, interval=1, keep_latest_k=KEEP, async_mode="async")``;
+    ``asymcheck``: ``AsymCheckManager.Config(enable=True, interval=1, keep_latest_k=KEEP)``. The run has
+    one step more than the measured ones: the last (``last_step=True``: TorchTitan's own manager then
+    writes its final model-only export, synchronously) ends the run, its save and ``close()`` are the finish.
+    """
+    import torch.distributed as dist
+    from torchtitan.components.checkpointer import CheckpointManager
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+    from torchtitan.tools.utils import GarbageCollection
+
+    from asymcheck.torchtitan import AsymCheckManager
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the trainer's process group
+    n = args.warmup + args.steps + 1
+    gc_handler = GarbageCollection(gc_freq=50)  # TorchTitan's training.gc_freq default: automatic GC off
+    loss_fn = CrossEntropyLoss.Config().build()  # TorchTitan's default loss: a sum, divided by the valid tokens
+    model, _, _ = build_gpt2(args.config, args.seq)
+    model_parts: list[torch.nn.Module] = [model]
+    optimizers = default_adamw(lr=1e-4).build(model_parts=model_parts)
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_type="linear").build(
+        optimizers=optimizers, training_steps=n)
+    dataloader = ParallelAwareDataloader(
+        TitanSamples(tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch, args.seq + 1)),
+        dp_rank=0, dp_world_size=1, batch_size=args.batch)
+    train_state = TitanTrainState()
+    config: Any
+    if method == "asymcheck":
+        config = AsymCheckManager.Config(enable=True, interval=1, folder="checkpoint", keep_latest_k=KEEP)
+    else:
+        config = CheckpointManager.Config(enable=method == "own", interval=1, folder="checkpoint",
+                                          keep_latest_k=KEEP, async_mode=TITAN_ASYNC_MODE)
+    checkpointer = config.build(dataloader=dataloader, model_parts=model_parts, optimizers=optimizers,
+                                lr_schedulers=lr_schedulers, states={"train_state": train_state}, sd_adapter=None,
+                                base_folder=str(root))
+    extra: dict[str, Any] = {"resumed": checkpointer.load(step=config.load_step)}
+    data_iterator = iter(dataloader)
+    saves = 0
+    model.train()
+    clock.tick()
+    while train_state.step < n:
+        train_state.step += 1
+        gc_handler.run(train_state.step)
+        input_dict, labels = next(data_iterator)
+        train_state.ntokens_seen += labels.numel()
+        optimizers.zero_grad(set_to_none=True)  # the trainer's with training.disable_cuda_graphs=True
+        loss, _ = loss_fn(model(input_ids=input_dict["input"]).logits, labels, (labels != IGNORE_INDEX).sum())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for m in model_parts for p in m.parameters()], 1.0, foreach=True)
+        checkpointer.maybe_wait_for_staging()
+        optimizers.step()
+        lr_schedulers.step()
+        last = train_state.step == n
+        if last:
+            clock.tick()  # the last step's save and close() are the finish
+        saves += bool(checkpointer.save(train_state.step, last_step=last))
+        if not last:
+            clock.tick()
+    checkpointer.close()
+    clock.done()
+    if method == "asymcheck":
+        extra |= asym_stats(checkpointer.checkpointer.stats())
+    elif method == "own":
+        extra |= {"saves": saves, "async_mode": TITAN_ASYNC_MODE}
+    extra["global_step"] = train_state.step
+    extra["framework_world"] = dist.get_world_size()
+    dist.destroy_process_group()
+    return extra
+
+
 def train_step(model: Any, optimizer: torch.optim.Optimizer, ids: torch.Tensor, step: int, batch: int) -> None:
     """One optimizer step of a GPT-2 language model on this rank's batch of ``ids`` (the ranks' batches interleaved)."""
     at = (step * world() + rank()) * batch
@@ -624,7 +775,7 @@ def run_ddp_loop(method: str, args: argparse.Namespace, root: Path, clock: Clock
 
 RUNNERS: dict[str, Callable[[str, argparse.Namespace, Path, Clock], dict[str, Any]]] = {
     "accelerate": run_accelerate, "hf": run_hf, "lightning": run_lightning, "dcp": run_dcp, "loop": run_fsdp2,
-    "ddploop": run_ddp_loop}
+    "ddploop": run_ddp_loop, "torchtitan": run_torchtitan}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -985,7 +1136,7 @@ def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {}
-    for name in ("torch", "transformers", "accelerate", "lightning", "asymstore"):
+    for name in ("torch", "transformers", "accelerate", "lightning", "torchtitan", "torchdata", "asymstore"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:

@@ -33,7 +33,7 @@ example: setup
 	$(PY) examples/store_roundtrip.py
 
 test: setup
-	$(PY) -m pytest -q -m "not exhaustive" --durations=25
+	$(PY) -m pytest -q -m "not exhaustive" --durations=60
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(MAKE) --no-print-directory imports docs

@@ -16,6 +16,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 pytest.importorskip("accelerate", reason="Accelerate is not installed (pip install -e '.[accelerate]')")
 
 
+@pytest.mark.exhaustive  # ~40 s (DeepSpeed starting); the settle it relies on: tests/asymcheck/deepspeed/test_settle.py
 def test_accelerate_step_counts_the_engine_step_right_after_it(tmp_path: Path) -> None:
     """Accelerate's DeepSpeed plugin (``accelerator.backward`` runs ``engine.step()``): ``ckpt.step`` right after.
 

@@ -214,6 +214,7 @@ def test_ddp_kill_and_resume(ddp_reference: _Launch, tmp_path: Path) -> None:
     assert_sliced(root, 2, nbytes(v for k, v in final.items() if k.startswith(("model/", "opt/"))))
 
 
+@pytest.mark.exhaustive  # ~19 s; bf16-mixed is killed in one process and DDP in fp32 in make test
 def test_ddp_bf16_kill_and_resume(tmp_path: Path) -> None:
     """``bf16-mixed`` under DDP on 2 processes: every rank killed at a drawn step, resumed bit-exact."""
     ref = _Launch(tmp_path / "ref", "--precision", "bf16-mixed", ddp=True)

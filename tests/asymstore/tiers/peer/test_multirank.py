@@ -172,6 +172,7 @@ def test_deepspeed_zero2_lost_node_resumes_from_its_peers_memory(out: Path, shm:
     assert step >= 3
 
 
+@pytest.mark.exhaustive  # ~19 s; SIGTERM on every rank: tests/asymcheck/policy/test_preempt_multirank.py
 def test_sigterm_on_every_rank_leaves_the_newest_step_on_the_disks(out: Path, shm: Path) -> None:
     case = attach(out, shm, "d")
     run_cases([{**case, "name": "d1", "iterations": N, "preempt": {"at": 5}}], WORLD, out)

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from asymcheck.errors import InvalidOptionError, StagingError, UnsupportedModelError
 from asymcheck.snapshot.copyengine import CopyEngine, CopyJob
 from asymcheck.snapshot.hostpool import HostPool, HostSlot
-from asymcheck.snapshot.version import sample_view
+from asymcheck.snapshot.version import sample_view, storage_need
 from asymcheck.state.dtensors import is_dtensor, local_of
 from asymstore.dcp.lent import lend
 from asymstore.format.manifest import DTYPE_SIZES
@@ -400,7 +400,7 @@ class Stager(AsyncStager):
         for at, i in enumerate(lazy):
             src = leaves[i].src
             nbytes = src.numel() * src.element_size()
-            jobs.append(CopyJob(src, slot.region(i), 0, nbytes, versions[at], src.data_ptr(), _need(src), i,
+            jobs.append(CopyJob(src, slot.region(i), 0, nbytes, versions[at], src.data_ptr(), storage_need(src), i,
                                 leaves[i].counter))
         self._engine.submit(jobs)
         return _Pending(Future(), lazy, leaves, versions, sampled, sample, ready, slot)
@@ -531,13 +531,3 @@ def _rebuild(skeleton: Any, views: list[torch.Tensor]) -> Any:
         return [_rebuild(v, views) for v in skeleton]
     assert isinstance(skeleton, tuple)
     return tuple(_rebuild(v, views) for v in skeleton)
-
-
-def _need(t: torch.Tensor) -> int:
-    """Bytes of its storage a tensor reaches into (offset plus its furthest element)."""
-    if t.numel() == 0:
-        return 0
-    if t.is_contiguous():
-        return int((t.storage_offset() + t.numel()) * t.element_size())
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return int((t.storage_offset() + last + 1) * t.element_size())

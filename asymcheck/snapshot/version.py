@@ -52,7 +52,7 @@ def gather_samples(sources: list[torch.Tensor], indices: list[int]) -> torch.Ten
     return sample.to("cpu", non_blocking=True)
 
 
-def _need(t: torch.Tensor) -> int:
+def storage_need(t: torch.Tensor) -> int:
     """Bytes of its storage a tensor reaches into (offset plus its furthest element)."""
     if t.numel() == 0:
         return 0
@@ -109,7 +109,7 @@ class Snapshot:
         self.versions = [t._version for t in capture.versioned]  # a DTensor's, not its local tensor's
         self.ptrs = [t.data_ptr() for t in srcs]
         self._owner_ptrs = [address_of(o) if o is not None else 0 for o in capture.owners]  # a slice starts inside
-        self.needs = [_need(t) for t in srcs]
+        self.needs = [storage_need(t) for t in srcs]
         sampled = [i for i, (t, owner) in enumerate(zip(srcs, capture.owners, strict=False))
                    if owner is not None and _sampled(t)]  # parameters: what ``p.data`` edits reach
         self._sampled: list[list[int]] = []  # per device: indices of the tensors sampled there

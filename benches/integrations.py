@@ -47,8 +47,10 @@ benches/common.py) training on synthetic tokens, a checkpoint after every optimi
   with ``checkpoint_id=str(step)``; ``stager`` (this row only): the same writer with
   ``async_stager=asymcheck.dcp.Stager(optimizer)``, whose copy runs through the next step's forward and
   backward (the optimizer's step pre-hook waits for what is left); ``async_save`` then returns DCP's
-  ``AsyncSaveResponse`` and the loop waits for its ``upload_completion``. The row's target is the
-  ``stager`` method's overhead against ``own`` (``TARGET_METHOD``).
+  ``AsyncSaveResponse`` and the loop waits for its ``upload_completion``; ``stager-memory``: the same
+  saves into a ``MemoryTier`` alone (no disk, no fsync: the floor of the stager's path, DCP's planning
+  and the staging included). The row's target is the ``stager`` method's overhead against ``own``
+  (``TARGET_METHOD``).
 - ``torchtitan``: TorchTitan 0.3's ``Trainer.train`` loop over TorchTitan's own parts (its trainer
   needs triton, which a CPU build of torch lacks, so the loop is the trainer's, written out as
   tests/procs/titan_train.py drives the manager): a one-process gloo group, ``GarbageCollection``
@@ -175,7 +177,7 @@ NOT_RUN = {  # configurations the bench names instead of omitting them silently
              "the fsdp2 row is the Checkpointer's FSDP2 path in a plain loop against dcp.save",
 }
 METHODS = ["none", "own", "asymcheck"]
-EXTRA_METHODS: dict[str, list[str]] = {"dcp": ["stager"]}  # methods of one framework's rows only
+EXTRA_METHODS: dict[str, list[str]] = {"dcp": ["stager", "stager-memory"]}  # methods of one framework's rows only
 TARGET_METHOD: dict[str, str] = {"dcp": "stager"}  # the method whose overhead the row's target compares (asymcheck)
 KEEP = 2  # checkpoints kept by every method that keeps some
 TARGET_OVERHEAD_RATIO = 0.5  # asymcheck's overhead over none / the framework's own overhead over none
@@ -187,7 +189,8 @@ LABELS: dict[str, dict[str, str]] = {
                   "asymcheck": "asymcheck.lightning.AsymCheckCallback"},
     "dcp": {"none": "no checkpoint", "own": "dcp.async_save + FileSystemWriter",
             "asymcheck": "dcp.async_save + asymstore.dcp.StorageWriter",
-            "stager": "dcp.async_save + asymcheck.dcp.Stager + StorageWriter"},
+            "stager": "dcp.async_save + asymcheck.dcp.Stager + StorageWriter",
+            "stager-memory": "the same into a MemoryTier only (no disk: the floor)"},
     "loop": {"none": "no checkpoint", "own": "dcp.save + FileSystemWriter",
              "asymcheck": "asymcheck.Checkpointer (FSDP2)"},
     "ddploop": {"none": "no checkpoint", "own": "Checkpointer dedup='off' (every rank writes all)",
@@ -476,7 +479,11 @@ def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> 
     model, optimizer, _ = build_gpt2(args.config, args.seq)
     ids = tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch, args.seq)
     writer = StorageWriter(str(root), keep_last=KEEP) if method in ("asymcheck", "stager") else None
-    stager = Stager(optimizer) if method == "stager" else None
+    if method == "stager-memory":  # the floor of the stager's path: the same saves, no disk under the store
+        from asymstore import MemoryTier
+
+        writer = StorageWriter([MemoryTier(4 << 30)], keep_last=KEEP)
+    stager = Stager(optimizer) if method.startswith("stager") else None
     pending: Any = None
     dirs: list[Path] = []
 

@@ -48,7 +48,7 @@ benches/common.py) training on synthetic tokens, a checkpoint after every optimi
   ``async_stager=asymcheck.dcp.Stager(optimizer)``, whose copy runs through the next step's forward and
   backward (the optimizer's step pre-hook waits for what is left); ``async_save`` then returns DCP's
   ``AsyncSaveResponse`` and the loop waits for its ``upload_completion``; ``stager-memory``: the same
-  saves into a ``MemoryTier`` alone (no disk, no fsync: the floor of the stager's path, DCP's planning
+  saves into a ``host_tier`` alone (no disk, no fsync: the floor of the stager's path, DCP's planning
   and the staging included). The row's target is the ``stager`` method's overhead against ``own``
   (``TARGET_METHOD``).
 - ``torchtitan``: TorchTitan 0.3's ``Trainer.train`` loop over TorchTitan's own parts (its trainer
@@ -190,7 +190,7 @@ LABELS: dict[str, dict[str, str]] = {
     "dcp": {"none": "no checkpoint", "own": "dcp.async_save + FileSystemWriter",
             "asymcheck": "dcp.async_save + asymstore.dcp.StorageWriter",
             "stager": "dcp.async_save + asymcheck.dcp.Stager + StorageWriter",
-            "stager-memory": "the same into a MemoryTier only (no disk: the floor)"},
+            "stager-memory": "the same into a host memory tier only (no disk: the floor)"},
     "loop": {"none": "no checkpoint", "own": "dcp.save + FileSystemWriter",
              "asymcheck": "asymcheck.Checkpointer (FSDP2)"},
     "ddploop": {"none": "no checkpoint", "own": "Checkpointer dedup='off' (every rank writes all)",
@@ -480,9 +480,9 @@ def run_dcp(method: str, args: argparse.Namespace, root: Path, clock: Clock) -> 
     ids = tokens(GPT2_CONFIGS[args.config]["vocab_size"], n * args.batch, args.seq)
     writer = StorageWriter(str(root), keep_last=KEEP) if method in ("asymcheck", "stager") else None
     if method == "stager-memory":  # the floor of the stager's path: the same saves, no disk under the store
-        from asymstore import MemoryTier
+        from asymstore import host_tier
 
-        writer = StorageWriter([MemoryTier(4 << 30)], keep_last=KEEP)
+        writer = StorageWriter([host_tier(4 << 30)], keep_last=KEEP)
     stager = Stager(optimizer) if method.startswith("stager") else None
     pending: Any = None
     dirs: list[Path] = []

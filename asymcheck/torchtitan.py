@@ -35,7 +35,7 @@ from asymcheck.options import PacingOptions, RetentionOptions
 from asymcheck.state import loaders
 from asymcheck.state.trainstate import Stateful
 from asymstore import export as store_export
-from asymstore.io.files import fsync_dir
+from asymstore.io.files import fsync_dir, fsync_file
 
 try:  # the manager's base and its state names; TorchTitan is an optional dependency ([torchtitan] extra)
     from torchtitan.components.checkpointer import (
@@ -358,7 +358,7 @@ def export_hf(location: str, out: str, *, sd_adapter: Any = None, step: int | No
                       f, indent=2)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_file(os.path.join(tmp, HF_WEIGHTS))
+        fsync_file(os.path.join(tmp, HF_WEIGHTS))
         fsync_dir(tmp)
         old = f"{os.path.abspath(out)}.old-{os.getpid()}"
         if os.path.lexists(out):
@@ -371,11 +371,3 @@ def export_hf(location: str, out: str, *, sd_adapter: Any = None, step: int | No
         raise
     return {"step": summary["step"], "tensors": len(tensors), "bytes": total, "out": out,
             "skipped": summary["skipped"]}
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -433,6 +433,15 @@ def atomic_write(path: str, data: bytes, *, fsync: bool = True) -> None:
         fsync_dir(directory)
 
 
+def fsync_file(path: str) -> None:
+    """Flush a written file's data and metadata to stable storage (opened again read-only, by path)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """Flush a directory's entries (new, renamed, removed names) to stable storage."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from asymstore.io.files import address_of
+from asymstore.io.files import address_of, fsync_file
 from asymstore.tiers.protocol import Buffer
 
 logger = logging.getLogger(__name__)
@@ -86,14 +86,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PosixEngine:
@@ -262,7 +254,7 @@ class KvikioEngine:
         finally:
             f.close()
         if fsync:
-            _fsync_path(path)
+            fsync_file(path)
         return size
 
     def read(self, path: str) -> Buffer:

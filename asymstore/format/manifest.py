@@ -26,6 +26,7 @@ from typing import Any
 
 from asymstore.errors import InvalidMetaError, InvalidNameError, ManifestError
 from asymstore.format.checksum import ALGORITHM, checksum
+from asymstore.format.proof import SegmentProof
 
 FORMAT = "asymstore.manifest"
 FORMAT_VERSION = 2
@@ -34,7 +35,10 @@ PACKED_FORMAT_VERSION = 3
 """Written for versions that hold packed tensors (``packs`` and ``packed``)."""
 REFERENCE_FORMAT_VERSION = 4
 """Written for versions with chunks referenced from an earlier version's segments (packs may be there too)."""
-READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
+CHUNK_PROOF_FORMAT_VERSION = 5
+"""Written for versions with a segment proved by its chunks' checksums (:mod:`asymstore.format.proof`;
+references and packs may be there too)."""
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST_NAME = "MANIFEST.json"
 MAX_MANIFEST_BYTES = 64 << 20
 """Largest manifest read (about 200,000 single-chunk tensors); a larger file is refused unread."""
@@ -263,6 +267,8 @@ class SegmentEntry:
     checksum: str
     origin: int | None = None
     """The earlier version whose segment this is (format 4; ``name`` is then its :func:`reference_key`), or None."""
+    proof: SegmentProof = "bytes"
+    """What ``checksum`` is taken over: the segment's bytes, or its chunks (format 5, :mod:`asymstore.format.proof`)."""
 
     @property
     def file(self) -> str:
@@ -271,9 +277,12 @@ class SegmentEntry:
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object for this segment."""
-        if self.origin is None:
-            return {"name": self.name, "size": self.size, "checksum": self.checksum}
-        return {"name": self.file, "step": self.origin, "size": self.size, "checksum": self.checksum}
+        out: dict[str, Any] = ({"name": self.name} if self.origin is None else
+                               {"name": self.file, "step": self.origin})
+        out.update({"size": self.size, "checksum": self.checksum})
+        if self.proof != "bytes":
+            out["proof"] = self.proof
+        return out
 
 
 @dataclass(frozen=True)
@@ -334,7 +343,8 @@ class Manifest:
         packed = self._packed_columns()
         doc = {
             "format": FORMAT,
-            "format_version": (REFERENCE_FORMAT_VERSION if self.references else
+            "format_version": (CHUNK_PROOF_FORMAT_VERSION if any(s.proof != "bytes" for s in self.segments) else
+                               REFERENCE_FORMAT_VERSION if self.references else
                                FORMAT_VERSION if packed is None else PACKED_FORMAT_VERSION),
             "step": self.step,
             "created": self.created,

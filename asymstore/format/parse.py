@@ -17,6 +17,7 @@ from asymstore.errors import InvalidNameError, ManifestError
 from asymstore.format.checksum import ALGORITHM, checksum
 from asymstore.format.manifest import (
     CHECKSUM_SUFFIX,
+    CHUNK_PROOF_FORMAT_VERSION,
     CODEC_NAME,
     DTYPE_SIZES,
     FORMAT,
@@ -36,6 +37,7 @@ from asymstore.format.manifest import (
     validate_names,
     validate_segment_name,
 )
+from asymstore.format.proof import PROOFS
 from asymstore.runtime.gcpause import gc_paused
 
 
@@ -269,8 +271,11 @@ def _parse(doc: Any, *, checksummed: bool) -> Manifest:
             name = reference_key(origin, name)
         if name in segments:
             raise ManifestError(f"segment {name} listed twice")
+        proof = seg.get("proof", "bytes")
+        if proof != "bytes" and (version < CHUNK_PROOF_FORMAT_VERSION or proof not in PROOFS):
+            raise ManifestError(f"segment {name}: proof {str(proof)[:20]!r} in a format_version {version} manifest")
         segments[name] = SegmentEntry(name, _int(seg["size"], "segment size"), _hex(seg["checksum"], "checksum"),
-                                      origin)
+                                      origin, proof)
     tensors: dict[str, TensorEntry] = {}
     spans: dict[str, list[tuple[int, int, str]]] = {name: [] for name in segments}
     for name, entry in doc["tensors"].items():

@@ -21,6 +21,7 @@ from asymstore.errors import CorruptVersionError
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.manifest import Chunk, Manifest
 from asymstore.format.parse import parse_manifest
+from asymstore.format.proof import check_chunk_proof, segment_spans
 from asymstore.tiers.protocol import Buffer, StatTier, Tier
 
 READ_AHEAD = 4
@@ -42,7 +43,7 @@ async def read_manifest(tier: Tier, step: int) -> Manifest:
 
 
 def verify_segment(manifest: Manifest, name: str, data: Buffer, *, deep: bool) -> None:
-    """Check a segment's size, and with ``deep`` its whole checksum.
+    """Check a segment's size, and with ``deep`` its whole checksum (or its proof by chunks: format 5).
 
     Raises:
         CorruptVersionError: it does not match the manifest.
@@ -50,7 +51,12 @@ def verify_segment(manifest: Manifest, name: str, data: Buffer, *, deep: bool) -
     entry = next(s for s in manifest.segments if s.name == name)
     if len(data) != entry.size:
         raise CorruptVersionError(f"segment {name}: {len(data)} bytes, manifest says {entry.size}")
-    if deep and StreamingChecksum([memoryview(data)]).hexdigest() != entry.checksum:
+    if not deep:
+        return
+    if entry.proof == "chunks":  # a referenced one: only the chunks this version uses are its to check
+        check_chunk_proof(name, entry.size, entry.checksum, segment_spans(manifest, name), data,
+                          whole=entry.origin is None)
+    elif StreamingChecksum([memoryview(data)]).hexdigest() != entry.checksum:
         raise CorruptVersionError(f"segment {name}: checksum mismatch")
 
 

@@ -8,7 +8,7 @@ Buffers given to ``write_segment`` stay valid only until the call returns; buffe
 ``read_segment`` belong to the caller. Optional capabilities are protocols checked with
 ``isinstance``, never ``getattr``: :class:`ExclusiveTier`, :class:`StatTier`,
 :class:`ProbeableTier`, :class:`HoldingTier`, :class:`ReadIntoTier`, :class:`ViewTier`,
-:class:`ReferencingTier`, and for writers :class:`ThreadedWriter`.
+:class:`ReferencingTier`, :class:`BytesProofTier`, and for writers :class:`ThreadedWriter`.
 
 The call order step by step, and how to write a tier: docs/extending/tiers.md.
 """
@@ -37,6 +37,22 @@ class VersionWriter(Protocol):
 
     async def abort(self) -> None:
         """Remove whatever this writer wrote; the version never becomes visible."""
+        ...
+
+
+@runtime_checkable
+class BytesProofTier(Protocol):
+    """A tier that needs each segment's checksum over its bytes (optional; format 5's proofs: docs/concepts/format.md).
+
+    By default a segment's checksum is derived from its chunks' checksums
+    (``"chunks"`` proof, :mod:`asymstore.format.proof`: no second pass over
+    its bytes). A tier whose far end checks each segment on arrival, before the
+    version's manifest tells it where the chunks are (a peer's receiver), gets
+    the ``"bytes"`` proof: one xxh3 pass over each segment at write time.
+    """
+
+    def wants_bytes_proof(self) -> bool:
+        """True: prove every segment written to this tier by its bytes."""
         ...
 
 

@@ -10,8 +10,10 @@ ThreadedWriter`: ``LocalTier`` and the shared-memory ``host_tier``), writes it, 
 Other tiers get their segments hashed in the pool and written one at a time, in order, as before.
 
 The segments, their checksums and the manifest are the same bytes whatever the number of threads:
-segment boundaries come from the tier plan alone, and each segment's checksum is one xxh3 pass
-over its parts in order, taken by whichever thread writes it.
+segment boundaries come from the tier plan alone, and each segment's checksum comes from its
+chunks' checksums when it is laid out (format 5, no pass over its bytes), or for a tier that needs
+the ``"bytes"`` proof (a peer) is one xxh3 pass over its parts in order, taken by whichever thread
+writes it.
 
 Memory: segments in flight (laid out and not yet written) and chunks encoded ahead (their raw
 bytes) hold at most ``flush_memory_bytes`` between them (one segment at least), the same budget
@@ -172,7 +174,8 @@ async def stream_pooled(builder: SegmentBuilder, writer: VersionWriter, pool: Se
 
     def task(seg: Segment, index: int) -> Callable[[], float]:
         def work() -> float:
-            builder.settle(index, _hash(seg))
+            if not seg.checksum:  # the "bytes" proof: one pass over the segment, on this thread
+                builder.settle(index, _hash(seg))
             if not threaded:
                 return 0.0
             assert isinstance(writer, ThreadedWriter)

@@ -105,7 +105,7 @@ def find_references(plan: VersionPlan, prev: Manifest) -> References:
             if seg is None:  # a parsed manifest lists every segment its chunks name
                 continue
             refs.segments.setdefault(key, SegmentEntry(key, seg.size, seg.checksum,
-                                                       prev.step if origin is None else origin))
+                                                       prev.step if origin is None else origin, seg.proof))
             refs.chunks[k] = Chunk(key, c.offset, c.length, c.raw_length, c.checksum, c.codec, c.raw_checksum)
     if refs.chunks:
         logger.debug("step %d: %d chunk(s), %d bytes, referenced from step(s) %s", plan.step, len(refs.chunks),

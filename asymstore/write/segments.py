@@ -43,6 +43,7 @@ from asymstore.format.codec import (
 )
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry
 from asymstore.format.names import segment_filename
+from asymstore.format.proof import SegmentProof, chunks_digest
 from asymstore.format.tensors import as_bytes, dtype_name
 from asymstore.policy.compression import Compression, pays, worth_sampling
 from asymstore.policy.costmodel import optimal_segment_bytes, predicted_seconds
@@ -415,16 +416,21 @@ class SegmentBuilder:
     """
 
     def __init__(self, plan: VersionPlan, tier_plan: TierPlan, *, references: Mapping[int, Chunk] | None = None,
-                 referenced: Mapping[str, SegmentEntry] | None = None) -> None:
+                 referenced: Mapping[str, SegmentEntry] | None = None, proof: SegmentProof = "chunks") -> None:
         """Start before the first chunk.
 
         ``references``: plan chunk index -> the chunk of an earlier version's
         segment that holds its bytes (not written; recorded as is), and
         ``referenced`` those segments, listed in the manifest
-        (:mod:`asymstore.write.references`).
+        (:mod:`asymstore.write.references`). ``proof``: how each segment's
+        checksum is taken (:mod:`asymstore.format.proof`): ``"chunks"`` from the
+        chunks' own checksums when the segment is laid out (no pass over its
+        bytes), ``"bytes"`` by one more xxh3 pass over them (for a tier whose
+        receiver checks segments before it has the manifest: a peer).
         """
         self.plan = plan
         self.tier_plan = tier_plan
+        self.proof: SegmentProof = proof
         self._refs = references or {}
         self._referenced = referenced or {}
         self._pos = 0
@@ -504,20 +510,23 @@ class SegmentBuilder:
         if laid is None:
             return None
         seg, index = laid
-        seg.checksum = StreamingChecksum(seg.parts).hexdigest()
-        self.settle(index, seg.checksum)
+        if not seg.checksum:
+            seg.checksum = StreamingChecksum(seg.parts).hexdigest()
+            self.settle(index, seg.checksum)
         return seg
 
     def settle(self, index: int, digest: str) -> None:
         """Record the checksum of segment ``index`` (from :meth:`next_layout`); any thread may call it."""
         entry = self._segments[index]
-        self._segments[index] = SegmentEntry(entry.name, entry.size, digest)
+        self._segments[index] = SegmentEntry(entry.name, entry.size, digest, proof=entry.proof)
 
     def next_layout(self) -> tuple[Segment, int] | None:
-        """Fill the next segment without hashing it: the segment (no checksum yet) and its index, or None.
+        """Fill the next segment without hashing it: the segment and its index, or None.
 
-        Layouts come one at a time, in order; :meth:`settle` records each one's
-        checksum (one xxh3 pass over its parts in order), from any thread.
+        Layouts come one at a time, in order. With the ``"chunks"`` proof the
+        segment comes with its checksum (from its chunks' checksums); with
+        ``"bytes"`` it has none yet, and :meth:`settle` records it (one xxh3
+        pass over its parts in order), from any thread.
         """
         if self._done:
             return None
@@ -544,6 +553,7 @@ class SegmentBuilder:
             return at + pad
 
         out = self._chunks
+        first = len(out)
         while self._carry is not None or self._pos < total:
             st = self._carry
             if st is None and self._pos in self._refs:  # the bytes are in an earlier version's segment
@@ -600,8 +610,12 @@ class SegmentBuilder:
             self._done = True
         if not count:
             return None
-        seg = Segment(name, parts, size, "")
-        self._segments.append(SegmentEntry(name, size, ""))
+        digest = ""
+        if self.proof == "chunks":  # the chunks' checksums prove the segment: no pass over its bytes
+            digest = chunks_digest(((c.offset, c.length, c.checksum) for c in out[first:] if c.segment == name),
+                                   size)
+        seg = Segment(name, parts, size, digest)
+        self._segments.append(SegmentEntry(name, size, digest, proof=self.proof))
         self.stats.segments += 1
         self.stats.stored_bytes += size
         return seg, len(self._segments) - 1

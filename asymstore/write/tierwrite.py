@@ -10,11 +10,12 @@ from collections.abc import Callable
 from asymstore.errors import AsymstoreError, TierError, describe
 from asymstore.format.manifest import Manifest
 from asymstore.format.parse import parse_manifest
+from asymstore.format.proof import SegmentProof
 from asymstore.io.rootlock import Swept
 from asymstore.policy.compression import Compression
 from asymstore.policy.costmodel import assumed_calibration
 from asymstore.policy.retention import Note, Retention, beyond_keep_last, keep_last_of
-from asymstore.tiers.protocol import ExclusiveTier, ReferencingTier, Tier, VersionWriter
+from asymstore.tiers.protocol import BytesProofTier, ExclusiveTier, ReferencingTier, Tier, VersionWriter
 from asymstore.values import FlushStats, TierCalibration
 from asymstore.write.pool import SegmentPool, stream_pooled
 from asymstore.write.references import ReferenceMode, References, find_references
@@ -71,7 +72,8 @@ async def write_version(state: TierState, plan: VersionPlan, *, compression: Com
         tier_plan = await asyncio.to_thread(
             plan.plan_tier, tier.name, state.calibration or assumed_calibration(), policy=compression,
             segment_bytes=segment_bytes, memory_bytes=memory_bytes, skip=refs.chunks)
-        builder = SegmentBuilder(plan, tier_plan, references=refs.chunks, referenced=refs.segments)
+        proof: SegmentProof = "bytes" if isinstance(tier, BytesProofTier) and tier.wants_bytes_proof() else "chunks"
+        builder = SegmentBuilder(plan, tier_plan, references=refs.chunks, referenced=refs.segments, proof=proof)
         writer = await tier.begin(step, tier_plan.reserve_bytes)
     except BaseException:  # nothing begun: what was held for the references is let go
         if refs.chunks and isinstance(tier, ReferencingTier):

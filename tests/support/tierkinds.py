@@ -85,3 +85,15 @@ class Restorer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class BytesProvedLocalTier(LocalTier):
+    """A local tier whose segments are proved by their bytes, as a peer tier's are.
+
+    For tests that hand a local tier's files to a peer's receiver, which checks each segment's bytes
+    on arrival (:class:`~asymstore.tiers.protocol.BytesProofTier`).
+    """
+
+    def wants_bytes_proof(self) -> bool:
+        """True."""
+        return True

@@ -277,6 +277,10 @@ class ReplicaService:
             manifest = parse_manifest(body)
             if manifest.step != step:
                 raise CorruptVersionError(f"manifest names step {manifest.step}")
+            by_chunks = [s.name for s in manifest.segments if s.proof != "bytes"]
+            if by_chunks:  # checked on arrival, before the manifest said where the chunks are: the bytes proof only
+                raise CorruptVersionError(f"segment(s) {by_chunks[:3]} are proved by their chunks (format 5); a "
+                                          "replica's segments must be proved by their bytes (the peer tier's own)")
             want = {s.name: (s.size, s.checksum) for s in manifest.segments}
             if want != digests:
                 bad = sorted(n for n in set(want) | set(digests) if want.get(n) != digests.get(n))

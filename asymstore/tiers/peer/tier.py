@@ -116,6 +116,13 @@ class PeerTier:
         """Return a short description."""
         return f"PeerTier(rank {self.ring.rank} -> {self.ring.dst}, holds {self.ring.src}'s)"
 
+    def wants_bytes_proof(self) -> bool:
+        """True: the receiver checks each segment's bytes on arrival, before it has the manifest.
+
+        (:class:`~asymstore.tiers.protocol.BytesProofTier`.)
+        """
+        return True
+
     @property
     def service(self) -> ReplicaService | None:
         """The receiving end (replicas of ``ring.src`` held here), once open."""

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asymstore import AsymStore, LocalTier, Tier
+from asymstore import AsymStore, Tier
 from asymstore.read.load import load_version
 from asymstore.tiers.memory.process import MemoryTier
 from asymstore.tiers.peer import PeerTier
 from tests.asymstore.tiers.peer.test_tier import on_source
 from tests.support.tensors import DTYPES
-from tests.support.tierkinds import FILE_KINDS, Kind, Restorer, digests, make_tier
+from tests.support.tierkinds import FILE_KINDS, BytesProvedLocalTier, Kind, Restorer, digests, make_tier
 
 CHUNK = 4096  # the store's chunk_bytes here: tensors above it span several chunks, packs hold those at most it
 SEGMENT = 1 << 16
@@ -201,7 +201,7 @@ def test_any_state_restores_bit_exact_exhaustive(kind: Kind, compression: str, s
 def peer_round_trip(state: dict[str, torch.Tensor], compression: str, into: str, root: Path) -> dict[str, Any]:
     """Commit ``state`` on a local tier, replicate its files to the neighbour, restore from the neighbour."""
     async def committed() -> tuple[bytes, dict[str, bytes]]:
-        tier = LocalTier(root)
+        tier = BytesProvedLocalTier(root)
         async with AsymStore([tier], compression=compression, chunk_bytes=CHUNK,  # type: ignore[arg-type]
                              segment_bytes=SEGMENT) as store:
             await store.put_many(7, state)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from asymstore.errors import ManifestError
 from asymstore.format.manifest import Chunk, Manifest, SegmentEntry, TensorEntry, reference_key, seal_document
 from asymstore.format.parse import parse_manifest
+from asymstore.format.proof import PROOFS
 
 HEX = "0123456789abcdef"
 
@@ -21,8 +22,9 @@ def manifests(draw: st.DrawFn) -> Manifest:
     """A manifest of ``step`` whose chunks are in its own segment or in segments of earlier steps."""
     step = draw(st.integers(1, 10**6))
     origins = draw(st.lists(st.integers(0, step - 1), max_size=3, unique=True))
-    segments = [SegmentEntry("seg-000000.bin", 1 << 20, HEX)]
-    segments += [SegmentEntry(reference_key(o, f"seg-{i:06d}.bin"), 1 << 20, HEX, o)
+    proofs = st.sampled_from(PROOFS)  # format 5: any segment, own or referenced, may be proved by its chunks
+    segments = [SegmentEntry("seg-000000.bin", 1 << 20, HEX, proof=draw(proofs))]
+    segments += [SegmentEntry(reference_key(o, f"seg-{i:06d}.bin"), 1 << 20, HEX, o, draw(proofs))
                  for o in origins for i in range(draw(st.integers(1, 2)))]
     tensors = {}
     for i, seg in enumerate(draw(st.lists(st.sampled_from(segments), min_size=1, max_size=6))):
@@ -37,7 +39,8 @@ def test_references_round_trip(manifest: Manifest) -> None:
     back = parse_manifest(data)
     assert back.tensors == manifest.tensors and back.segments == manifest.segments
     assert back.references == manifest.references
-    assert json.loads(data)["format_version"] == (4 if manifest.references else 2)
+    by_chunks = any(s.proof == "chunks" for s in manifest.segments)
+    assert json.loads(data)["format_version"] == (5 if by_chunks else 4 if manifest.references else 2)
     for seg in back.segments:
         assert back.locate(seg.name) == ((seg.origin, seg.file) if seg.origin is not None else (back.step, seg.name))
 

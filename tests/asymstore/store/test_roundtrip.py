@@ -105,7 +105,7 @@ async def test_manifest_is_json_with_checksums_and_meta(tmp_path: object) -> Non
     assert ckpt.meta == meta
     raw = (tmp_path / "v000000000005" / MANIFEST_NAME).read_bytes()  # type: ignore[operator]
     doc = json.loads(raw)
-    assert doc["format"] == "asymstore.manifest" and doc["format_version"] == 2
+    assert doc["format"] == "asymstore.manifest" and doc["format_version"] == 5  # segments proved by their chunks
     # the manifest's own checksum: xxh3 of every byte before its closing key
     cut = raw.rindex(b',"manifest_checksum":')
     assert raw[cut:] == b',"manifest_checksum":"' + checksum(raw[:cut]).encode() + b'"}'

@@ -7,6 +7,7 @@ commit phase with the fault-injecting tier of :mod:`asymstore.testing`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -160,7 +161,7 @@ async def test_a_tier_without_the_capability_or_references_off_writes_full_bytes
                 await store.put_many(step, make_frozen_state(step))
                 result = await store.commit(step)
                 assert not result.manifest.references and result.manifest.written_bytes >= full
-                assert b'"format_version":2' in result.manifest.to_json()[:64]
+                assert all("step" not in seg for seg in json.loads(result.manifest.to_json())["segments"])
             assert same_state((await store.restore()).tensors, make_frozen_state(3))
     with pytest.raises(ValueError, match="references"):
         AsymStore([LocalTier(tmp_path / "x")], references="sometimes")  # type: ignore[arg-type]

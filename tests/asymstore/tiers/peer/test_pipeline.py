@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asymstore import AsymStore, LocalTier
+from asymstore import AsymStore
 from asymstore.errors import CorruptVersionError, PeerError, PeerProtocolError, TierError
 from asymstore.read.load import load_version
 from asymstore.tiers.memory.process import MemoryTier
@@ -30,6 +30,7 @@ from asymstore.tiers.peer.service import ReplicaService
 from asymstore.tiers.peer.tier import PIPELINE
 from asymstore.tiers.protocol import ViewTier
 from tests.support.ranks import run_ranks
+from tests.support.tierkinds import BytesProvedLocalTier
 
 STEP = 7
 
@@ -46,7 +47,7 @@ def state() -> dict[str, torch.Tensor]:
 def a_version(root: Path) -> tuple[bytes, dict[str, bytes]]:
     """The manifest and segments of a real committed version of :func:`state` (segments of 1 MiB)."""
     async def go() -> tuple[bytes, dict[str, bytes]]:
-        tier = LocalTier(root)
+        tier = BytesProvedLocalTier(root)  # replicas are proved by their bytes (what the receiver checks)
         async with AsymStore([tier], compression="never", segment_bytes=1 << 20) as s:
             await s.put_many(STEP, state())
             m = (await s.commit(STEP)).manifest

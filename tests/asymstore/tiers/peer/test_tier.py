@@ -19,12 +19,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asymstore import AsymStore, LocalTier, host_tier
+from asymstore import AsymStore
 from asymstore.errors import PeerError, PeerProtocolError
 from asymstore.read.load import load_version
 from asymstore.tiers.peer import PeerTier, ring_of
 from asymstore.tiers.peer.link import FRAME, MAGIC, TAG_REPL, connect
 from tests.support.ranks import run_ranks
+from tests.support.tierkinds import BytesProvedLocalTier, host_tier
 
 
 def test_the_ring_sends_each_rank_to_the_same_local_rank_on_the_next_node() -> None:
@@ -64,7 +65,7 @@ def on_source(kv: Any, fn: Callable[[PeerTier], Awaitable[Any]], capacity: int =
 def a_version(root: Path) -> tuple[bytes, bytes]:
     """The manifest and only segment of a real committed version."""
     async def go() -> tuple[bytes, bytes]:
-        tier = LocalTier(root)
+        tier = BytesProvedLocalTier(root)  # replicas are proved by their bytes (what the receiver checks)
         async with AsymStore([tier], compression="never") as s:
             await s.put_many(5, {"w": torch.arange(1000, dtype=torch.float32)})
             m = (await s.commit(5)).manifest

@@ -465,7 +465,7 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
 
 
 def tamper_slices(case: dict[str, Any], rank: int) -> None:
-    """With ``tamper_slices`` for this rank: the slices it sends in its first ``times`` exchanges have a byte flipped."""
+    """With ``tamper_slices`` for this rank: the slices it sends in its first ``times`` exchanges get a byte flipped."""
     spec = case.get("tamper_slices")
     if not spec or spec["rank"] != rank:
         return

@@ -28,6 +28,7 @@ import pytest
 
 from asymstore import LocalTier
 from asymstore.format.globalmanifest import GlobalManifest
+from asymstore.format.manifest import Manifest
 from asymstore.format.names import rank_dirname
 from asymstore.format.pieces import read_layouts
 from asymstore.format.replicas import REPLICAS_KEY
@@ -111,20 +112,19 @@ def test_node_local_slices_halve_bytes_and_kill_resume_exchanges_them(jobs: tupl
     for r in range(WORLD):
         shard = g.shard(r)
         assert shard.summary[REPLICAS_KEY]["mode"] == "slices"
-        disk = LocalTier(base / "disks-a" / f"node-{r}" / rank_dirname(r))
-
-        async def manifest() -> Any:
-            await disk.open()
-            try:
-                return await read_manifest(disk, shard.step)
-            finally:
-                await disk.close()
-
-        m = asyncio.run(manifest())
+        m = asyncio.run(disk_manifest(LocalTier(base / "disks-a" / f"node-{r}" / rank_dirname(r)), shard.step))
         whole = sum(_nbytes(lay.global_shape, lay.dtype) for lay in read_layouts(m).values())
         assert 0.45 <= m.nbytes / whole <= 0.6, (r, m.nbytes, whole)  # about half of what dedup="off" writes
     resumed = resumed_like_ref(out, "a2", {0: "host:", 1: "host:"})
     assert 1 <= resumed["step"] < KILL_AT
+
+
+async def disk_manifest(disk: LocalTier, step: int) -> Manifest:
+    await disk.open()
+    try:
+        return await read_manifest(disk, step)
+    finally:
+        await disk.close()
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:

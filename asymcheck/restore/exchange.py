@@ -30,7 +30,7 @@ import torch
 
 from asymcheck.restore.resume import restore_live
 from asymcheck.state.trainstate import TrainingState
-from asymstore.errors import SliceExchangeError
+from asymstore.errors import CorruptVersionError, SliceExchangeError
 from asymstore.format.globalmanifest import GlobalManifest
 from asymstore.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from asymstore.multirank import sliceexchange
@@ -38,6 +38,10 @@ from asymstore.protocols import CheckpointStore, CollectiveStore
 from asymstore.values import Checkpoint
 
 logger = logging.getLogger(__name__)
+
+BROADCAST_BYTES = 256 << 20
+"""The largest message of the exchange: a rank's slices go in broadcasts of at most this many bytes."""
+
 
 def restore_exchanged(run: Callable[[Coroutine[Any, Any, Any]], Any], store: CheckpointStore,
                       state: TrainingState) -> tuple[Checkpoint, bool]:
@@ -50,33 +54,42 @@ def restore_exchanged(run: Callable[[Coroutine[Any, Any, Any]], Any], store: Che
         The checkpoint (whole tensors) and whether the live tensors may hold bytes of a version.
 
     Raises:
-        SliceExchangeError: the slices of no published version down to the oldest verified on every rank.
+        SliceExchangeError: no published version, from the one restored down to the oldest kept, restored
+            and exchanged on every rank (each one's reason in the message).
         Everything :func:`~asymcheck.restore.resume.restore_live` raises.
     """
     ckpt, in_place = run(restore_live(store, state))
     if not isinstance(store, CollectiveStore) or not sliceexchange.needs_exchange(ckpt):
         return ckpt, in_place
     notes: list[str] = []
-    while True:
-        g = store.restored_global
-        if g is None:  # never here: a collective restore sets it
-            raise SliceExchangeError("the store restored slices but names no global version")
-        try:
-            done = exchange(store.rank, store.world_size, g, ckpt)
-            done.fallbacks[:0] = notes
-            return done, in_place
-        except SliceExchangeError as exc:
-            notes.append(f"global step {g.step}: {exc}")
-            older = [s for s in store.global_steps() if s < g.step]
-            if not older:
-                raise SliceExchangeError("no published version's slices verified on every rank: "
-                                         + "; ".join(notes)) from exc
-            logger.warning("rank %d: the slices of global step %d did not verify (%s); restoring global step %d",
-                           store.rank, g.step, exc, max(older))
-        ckpt = run(store.restore(step=max(older)))  # collective: every rank heard the same refusal
-        if not sliceexchange.needs_exchange(ckpt):
+    g = store.restored_global
+    if g is None:  # never here: a collective restore sets it
+        raise SliceExchangeError("the store restored slices but names no global version")
+    try:
+        done = exchange(store.rank, store.world_size, g, ckpt)
+        return done, in_place
+    except SliceExchangeError as exc:
+        notes.append(f"global step {g.step}: {exc}")
+        logger.warning("rank %d: the slices of global step %d did not verify (%s); restoring the version before",
+                       store.rank, g.step, exc)
+    for step in sorted((s for s in store.global_steps() if s < g.step), reverse=True):
+        try:  # collective: every rank heard the same refusal, and hears the same outcome here
+            ckpt = run(store.restore(step=step))
+        except CorruptVersionError as exc:
+            notes.append(f"global step {step}: {exc}")
+            continue
+        older = store.restored_global
+        if not sliceexchange.needs_exchange(ckpt) or older is None:
             ckpt.fallbacks[:0] = notes
-            return ckpt, in_place
+            return ckpt, False
+        try:
+            done = exchange(store.rank, store.world_size, older, ckpt)
+        except SliceExchangeError as exc:
+            notes.append(f"global step {older.step}: {exc}")
+            continue
+        done.fallbacks[:0] = notes
+        return done, False
+    raise SliceExchangeError("no published version's slices verified on every rank: " + "; ".join(notes))
 
 
 def exchange(rank: int, world: int, g: GlobalManifest, own: Checkpoint) -> Checkpoint:
@@ -110,7 +123,8 @@ def exchange(rank: int, world: int, g: GlobalManifest, own: Checkpoint) -> Check
                 buf = torch.frombuffer(mine, dtype=torch.uint8)
             else:
                 buf = torch.empty(size, dtype=torch.uint8)
-            dist.broadcast(buf, src, group=group)
+            for at in range(0, size, BROADCAST_BYTES):  # bounded messages, whatever the slices' size
+                dist.broadcast(buf[at:at + BROADCAST_BYTES], src, group=group)
             if src != rank and problem is None:
                 try:
                     assembler.take(src, manifests[src], memoryview(buf.numpy()).cast("B"))  # type: ignore[arg-type]

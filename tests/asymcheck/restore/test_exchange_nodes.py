@@ -11,7 +11,9 @@ reference run):
 - after node 1 is lost (its shared memory, with rank 0's replicas, and its disk deleted): rank 1 loads its
   shard from the replica node 0 holds, and the exchange gives both ranks every slice;
 - with rank 1 flipping a byte of the slices it sends in the first exchange: both ranks refuse that version
-  (``SliceExchangeError``, in ``restored.fallbacks``) and resume the one before, exactly.
+  (``SliceExchangeError``, in ``restored.fallbacks``) and resume the one before, exactly;
+- with rank 0 flipping a byte of what it sends in every exchange: every kept version is refused, and
+  ``resume()`` raises ``SliceExchangeError`` on both ranks, before any training.
 """
 
 from __future__ import annotations
@@ -77,9 +79,11 @@ def jobs(tmp_path_factory: pytest.TempPathFactory, shm: Path) -> tuple[Path, Pat
     shutil.rmtree(shm / "b" / "node-1")  # node 1 is gone: its memory (rank 0's replicas too) and its disk
     shutil.rmtree(base / "disks-b" / "node-1")
     tampered = copy_job(base, shm, "a", "c")
+    always = copy_job(base, shm, "a", "d")
     run_cases([{**killed, "name": "a2", "iterations": N},
                {**lost, "name": "b2", "iterations": N},
-               {**tampered, "name": "c2", "iterations": N, "tamper_slices": {"rank": 1, "times": 1}}], WORLD, out)
+               {**tampered, "name": "c2", "iterations": N, "tamper_slices": {"rank": 1, "times": 1}},
+               {**always, "name": "d2", "iterations": N, "tamper_slices": {"rank": 0, "times": 99}}], WORLD, out)
     return base, out
 
 
@@ -149,6 +153,15 @@ def test_a_corrupted_slice_from_a_peer_is_refused_and_the_version_before_resumed
         [event] = Case(out, "c2", WORLD).events(r, "resumed")
         assert any(f.startswith(f"global step {newest}:") and ("differ from the checksum" in f or "refused" in f)
                    for f in event["fallbacks"]), event
+
+
+def test_when_no_versions_slices_verify_the_resume_fails_typed_and_nothing_trains(jobs: tuple[Path, Path]) -> None:
+    _, out = jobs
+    case = Case(out, "d2", WORLD)
+    for r in range(WORLD):
+        assert case.rc(r) == 1 and not case.losses(r) and not case.events(r, "resumed"), case.log(r)
+        log = (out / f"driver-rank{r}.log").read_text()
+        assert "asymstore.errors.SliceExchangeError: no published version's slices verified on every rank" in log
 
 
 @pytest.mark.exhaustive  # ~1 min on 2 cores: 4 ranks as 2 nodes of 2 (gradients averaged in rank order)

@@ -78,7 +78,7 @@ def make(specs: list[tuple[int, int, torch.dtype]], seed: int) -> dict[str, torc
             for i, (rows, cols, dtype) in enumerate(specs)}
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(specs=tensor_sets, world=st.integers(2, 4), small=st.sampled_from([0, 40]), seed=st.integers(0, 99))
 def test_every_rank_assembles_the_whole_tensors_bit_exact(specs: list[tuple[int, int, torch.dtype]], world: int,
                                                          small: int, seed: int) -> None:
@@ -97,7 +97,7 @@ def test_every_rank_assembles_the_whole_tensors_bit_exact(specs: list[tuple[int,
         assert LAYOUT_KEY not in done.meta or not done.meta[LAYOUT_KEY].get("tensors")
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(specs=tensor_sets, small=st.sampled_from([0, 40]), where=st.floats(0, 1, exclude_max=True),
        bit=st.integers(0, 7))
 def test_a_flipped_byte_in_a_peers_slices_is_refused(specs: list[tuple[int, int, torch.dtype]], small: int,

@@ -104,6 +104,19 @@ def _flat_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).cpu().numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def _u8(raw: bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``raw`` (no copy; only read from)."""
+    import warnings
+
+    import torch
+
+    if not len(raw):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer: only read from here
+        return torch.frombuffer(raw, dtype=torch.uint8)
+
+
 def payload(ckpt: Checkpoint) -> bytearray:
     """The raw bytes of this rank's :func:`wire_chunks`, rebuilt from its restored (verified) tensors.
 
@@ -201,8 +214,6 @@ class Assembler:
         Raises:
             SliceExchangeError: its slices are not this version's, a chunk's checksum differs, or the size is wrong.
         """
-        import torch
-
         from asymstore.format.tensors import dtype_from_name
 
         layouts = _layouts(manifest, f"rank {sender}")
@@ -225,13 +236,18 @@ class Assembler:
             pos += chunk.raw_length
         for name in names:
             entry, lay = manifest.tensors[name], layouts[name]
-            buf = bytearray(entry.nbytes)
-            off = 0
-            for chunk, lo, hi in entry.pieces():
-                buf[off:off + hi - lo] = data[at[chunk] + lo:at[chunk] + hi]
-                off += hi - lo
-            piece = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-            self._land(sender, name, lay, piece.view(dtype_from_name(lay.dtype)))
+            pieces = entry.pieces()
+            dtype = dtype_from_name(lay.dtype)
+            if len(pieces) == 1 and (at[pieces[0][0]] + pieces[0][1]) % dtype.itemsize == 0:
+                chunk, lo, hi = pieces[0]  # one chunk, or one range of a pack, aligned: read where it was received
+                src: bytearray | memoryview = data[at[chunk] + lo:at[chunk] + hi]
+            else:
+                src = bytearray(entry.nbytes)
+                off = 0
+                for chunk, lo, hi in pieces:
+                    src[off:off + hi - lo] = data[at[chunk] + lo:at[chunk] + hi]
+                    off += hi - lo
+            self._land(sender, name, lay, _u8(src).view(dtype))
 
     def result(self, tier: str) -> Checkpoint:
         """This rank's checkpoint with whole tensors, once every rank's slices were taken.

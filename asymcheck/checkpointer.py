@@ -36,8 +36,8 @@ from asymcheck.policy.agreement import agreement_for
 from asymcheck.policy.failures import FailureBudget
 from asymcheck.policy.pacing import Pacer
 from asymcheck.policy.preempt import Preemption, PreemptionRecord, SigtermNotice, check_deadline
+from asymcheck.restore.exchange import restore_exchanged
 from asymcheck.restore.reshard import enable_resharding
-from asymcheck.restore.resume import restore_live
 from asymcheck.snapshot.copyengine import CopyEngine
 from asymcheck.snapshot.edits import EditTracker
 from asymcheck.snapshot.frozen import FrozenTensors
@@ -418,7 +418,7 @@ class Checkpointer:
             raise CheckpointerStateError("resume() must be called before the first optimizer step")
         self._forget_frozen("resume")
         try:
-            ckpt, in_place = self._loop.run(restore_live(self._loop.store, self.state))
+            ckpt, in_place = restore_exchanged(self._loop.run, self._loop.store, self.state)  # slices: exchanged
         except NoCheckpointError:
             logger.info("no checkpoint in the store: starting fresh")
             self._cycle.checked_store = True

@@ -60,6 +60,15 @@ class CorruptVersionError(AsymstoreError):
     """A version failed verification (checksum, size, or manifest) on every tier."""
 
 
+class SliceExchangeError(CorruptVersionError):
+    """Slices of a replicated state exchanged between ranks at a restore did not verify, or did not fit together.
+
+    A peer's shard manifest that differs from its digest in the global manifest, a received chunk whose
+    checksum differs from the sender's manifest, or pieces that do not cover a tensor exactly: the
+    version is refused on every rank (see :mod:`asymstore.multirank.sliceexchange`).
+    """
+
+
 class ManifestError(CorruptVersionError):
     """A manifest is not valid JSON of a known format version."""
 

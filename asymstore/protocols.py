@@ -224,5 +224,9 @@ class ReplicaSlicingStore(Protocol):
 
     @property
     def slices_readable(self) -> bool:
-        """Whether every rank can read the other ranks' shards where they are written (slices may be cut)."""
+        """Whether a restore gets at every rank's slices (slices may be cut).
+
+        Every rank reads the others' shards where they are written, or the ranks exchange their slices
+        at a restore (:mod:`asymstore.multirank.sliceexchange`).
+        """
         ...

@@ -20,10 +20,11 @@ What is sliced: the lazily copied tensors (parameters, optimizer state) of a mod
 ``DistributedDataParallel`` (or one its caller declares replicated, :data:`Replication`: the framework
 integrations, which train the module under DDP and hand the Checkpointer the module inside the
 wrapper) trained by an optimizer that is not ``ZeroRedundancyOptimizer``, on a
-store of several ranks whose shards every rank can read (:class:`asymstore.protocols.ReplicaSlicingStore`:
-a directory's default tiers under a shared root; node-local tiers write whole copies). DTensors (FSDP2) keep their
-own layouts and nothing is sliced beside them; buffers, RNG states and 0-d tensors stay whole.
-A restore reads the slices every rank needs where they live (:mod:`asymstore.multirank.reshard`).
+store of several ranks whose slices a restore gets at (:class:`asymstore.protocols.ReplicaSlicingStore`:
+a directory's default tiers under a shared root, or tiers of each rank's own, whose slices the ranks exchange
+at resume). DTensors (FSDP2) keep their own layouts and nothing is sliced beside them; buffers, RNG states and
+0-d tensors stay whole. A restore reads the slices every rank needs where they live
+(:mod:`asymstore.multirank.reshard`), or the ranks exchange them (:mod:`asymcheck.restore.exchange`).
 Guide: docs/guides/multirank.md ("Replicated state").
 """
 

@@ -71,6 +71,9 @@ class Job:
     """The replicas of a sliced version differed: from then on this job writes (and publishes) whole copies only."""
     shards_under_root: bool = False
     """Every rank's shards are written to and read from ``root/rank-NNNNN`` (the default tiers): slices may be cut."""
+    exchange_slices: bool = False
+    """Each rank's tiers are its own and its slices of a replicated state are exchanged at a restore
+    (:mod:`.sliceexchange`): slices may be cut though the ranks cannot read each other's shards."""
     shards_seen: bool = False
     """The coordinator saw every rank's shard of a sliced version under the root (the root is shared)."""
     root_lock: DirLock | None = None

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, describe
+from asymstore.errors import AsymstoreError, CorruptVersionError, LayoutError, VersionNotFoundError, describe
 from asymstore.format.globalmanifest import GlobalManifest, shard_digest
 from asymstore.format.manifest import Chunk, Manifest
 from asymstore.format.pieces import LAYOUT_KEY, TensorLayout, layout_meta, read_layouts
@@ -456,10 +456,20 @@ def _fill_of(read: PieceRead, dst: torch.Tensor, old_shape: Sequence[int]) -> _F
 async def restore_resharded(job: Job, tiers: Sequence[Tier], g: GlobalManifest, targets: Targets) -> Checkpoint:
     """This rank's state of global version ``g`` (written by another number of ranks); see the module docstring.
 
+    A version of slices on tiers only their own ranks read (not under the shared root) is not read
+    here: each rank loads its own shard (:func:`restore_own_slices`) and the ranks exchange the slices
+    (:mod:`.sliceexchange`).
+
     Raises:
         CorruptVersionError: an old shard is missing, differs from its digest, or fails verification.
-        LayoutError: the old pieces do not fit together, or ``targets`` refused them.
+        LayoutError: the old pieces do not fit together, or ``targets`` refused them; or the version's slices
+            are on tiers only their own ranks read and this job has another number of ranks.
     """
+    if is_sliced([s.summary for s in g.shards]) and not job.shards_under_root and not is_single_root(g):
+        if g.world_size != job.world_size:
+            raise LayoutError(f"global step {g.step} holds slices of a replicated state on tiers only their own "
+                              f"{g.world_size} rank(s) read: it cannot be restored on {job.world_size} rank(s)")
+        return await restore_own_slices(job, tiers, g)
     shards = ShardSet.of_job(job, tiers, g)
     try:
         await shards.open()
@@ -491,3 +501,38 @@ async def restore_resharded(job: Job, tiers: Sequence[Tier], g: GlobalManifest, 
         return Checkpoint(manifest.step, tensors, meta, how, manifest, [])
     finally:
         await shards.close()
+
+
+async def restore_own_slices(job: Job, tiers: Sequence[Tier], g: GlobalManifest) -> Checkpoint:
+    """This rank's own shard of ``g`` as stored (its slices, layouts in ``meta``), from its first tier that verifies.
+
+    For a version of slices on tiers only their own ranks read (node-local disks, shared memory, the
+    peer replica of this rank's shard after a node loss): the ranks then exchange their slices
+    (:mod:`.sliceexchange`). Each tier is tried in order; a copy that is missing, fails
+    verification, or differs from the digest ``g`` records moves to the next (``fallbacks``).
+
+    Raises:
+        CorruptVersionError: no tier holds a copy of the shard that verifies.
+    """
+    from asymstore.read.load import load_version
+
+    shard = g.shard(job.rank)
+    fallbacks: list[str] = []
+    missing: list[str] = []
+    for tier in tiers:
+        try:
+            manifest, tensors = await load_version(tier, shard.step)
+        except VersionNotFoundError:
+            missing.append(tier.name)
+            continue
+        except (AsymstoreError, OSError) as exc:
+            fallbacks.append(f"{tier.name}: shard {shard.step}: {describe(exc)}")
+            continue
+        if shard_digest(manifest) != shard.digest:
+            fallbacks.append(f"{tier.name}: shard {shard.step} digest differs from the global manifest")
+            continue
+        logger.info("rank %d: its own slices of global step %d from %s (%d byte(s)); the ranks exchange the rest",
+                    job.rank, g.step, tier.name, manifest.nbytes)
+        return Checkpoint(manifest.step, tensors, dict(manifest.meta), tier.name, manifest, fallbacks)
+    raise CorruptVersionError(f"rank {job.rank}'s shard {shard.step} of global step {g.step}: "
+                              + "; ".join([*fallbacks, *(f"{t}: not held" for t in missing)] or ["no tier"]))

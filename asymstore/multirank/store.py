@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from asymstore.dist.fabric import Fabric
 from asymstore.dist.kv import KV, MemoryStore, store_from_env
@@ -66,6 +66,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+OwnTierSlices = Literal["exchange", "whole"]
+"""What ranks with tiers of their own do with a replicated state: write slices and exchange them at a restore, or
+write whole copies (see ``RankStore(own_tier_slices=...)``)."""
+
 REPLICAS_WHOLE = "replicas-whole"
 """The session key the coordinator puts when the job falls back to whole copies of its replicated state."""
 
@@ -109,6 +113,13 @@ class RankStore:
             first global commit records the root as multi-rank (:mod:`.rootlayout`); under ``"resume"`` it is
             refused on every rank (:class:`~asymstore.errors.LayoutTakeoverError`) unless ``restore``
             resumed one of them.
+        own_tier_slices: with ``tiers`` or ``peer_tiers`` given (each rank's tiers its own: node-local disks,
+            shared memory, peer replicas), whether a writer may cut slices of a replicated state
+            (:data:`OwnTierSlices`): ``"exchange"`` (each rank writes its slice; at a restore each rank loads
+            its own shard and the ranks exchange the slices over the training process group, as
+            :class:`asymcheck.Checkpointer` does: :mod:`asymstore.multirank.sliceexchange`), or ``"whole"``
+            (every rank writes whole copies). Ranks on the default tiers under a shared root read each
+            other's slices there.
         node_size: ranks per node, numbered node by node (default: ``LOCAL_WORLD_SIZE`` from the
             environment, else one node). Off the coordinator's node the protocol goes through each node's
             leader (``LOCAL_RANK`` 0): O(nodes) requests per round on the job's store
@@ -123,6 +134,7 @@ class RankStore:
                  keep_best: KeepBest | None = None, timeout_s: float = 300.0,
                  restore_timeout_s: float = 1800.0, wait_global: bool = False, namespace: str | None = None,
                  fsync: bool = True, across_layouts: AcrossLayouts = "resume", node_size: int | None = None,
+                 own_tier_slices: OwnTierSlices = "exchange",
                  **store_kwargs: Unpack[StoreOptions]) -> None:
         """Configure; nothing is opened before ``open``."""
         rank, world_size = rank_world(rank, world_size)
@@ -139,6 +151,9 @@ class RankStore:
             rules=rules if rules.reads_notes else None, across_layouts=check_across(across_layouts))
         """What the multi-rank helpers use of this store (rank, world, global directory, coordination, timeouts)."""
         self.job.shards_under_root = tiers is None and peer_tiers is None
+        if own_tier_slices not in ("exchange", "whole"):
+            raise ValueError(f"own_tier_slices must be 'exchange' or 'whole', not {own_tier_slices!r}")
+        self.job.exchange_slices = not self.job.shards_under_root and own_tier_slices == "exchange"
         self._global_lock = DirLock(self.job.global_dir)
         if tiers is None:
             tiers = self.job.peer_tiers(rank)
@@ -530,12 +545,14 @@ class RankStore:
 
     @property
     def slices_readable(self) -> bool:
-        """Whether every rank can read the other ranks' shards where they are written (default tiers under the root).
+        """Whether a restore gets at every rank's slices of a replicated state: a writer may cut them.
 
-        A writer cuts slices of a replicated state only then; the coordinator also checks that it sees
-        each rank's shard of the first sliced version under the root, else the job falls back.
+        Either every rank reads the other ranks' shards where they are written (the default tiers under
+        the root; the coordinator also checks that it sees each rank's shard of the first sliced version
+        there, else the job falls back to whole copies), or each rank's tiers are its own and the ranks
+        exchange their slices at a restore (``own_tier_slices="exchange"``: :mod:`.sliceexchange`).
         """
-        return self.job.shards_under_root
+        return self.job.shards_under_root or self.job.exchange_slices
 
     def _heard_replicas_whole(self) -> None:
         """Follow the coordinator's fallback to whole copies (a key of this session in the coordination store)."""

@@ -28,6 +28,8 @@ Case fields:
   ``asymcheck.ResumableDistributedSampler`` (shuffled, 2 samples a batch per rank, a ``data=`` object),
   epochs one after another (``set_epoch``); each rank logs the sample ids of each iteration
   (``{"event": "batch", "it", "epoch", "ids"}``).
+- ``tamper_slices`` (DDP): ``{"rank": r, "times": n}``: rank r flips one byte of the slices it sends in the first n
+  exchanges of a resume (a fault injected after its own verification: :mod:`asymcheck.restore.exchange`).
 - ``peer`` (DDP, DeepSpeed): ``{"shm": dir, "per_node": n, "crash": {"rank": r, "step": s} | absent}``: ranks in
   simulated nodes of ``n``, each rank's tiers [host_tier in ``shm/node-K/own``, PeerTier holding its
   source's replicas in ``shm/node-K/replicas``, LocalTier ``dir/rank-NNNNN``], the memory tier durable;
@@ -426,6 +428,7 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
                             partitions=PartitionOptions(warmup=1, min_partition_bytes=512),
                             commits=CommitOptions(dedup=case["dedup"]) if "dedup" in case else None)
         assert isinstance(ckpt.store, RankStore) or dist.get_world_size() == 1  # one rank: an ordinary store
+        tamper_slices(case, rank)
         resumed = ckpt.resume()
         log.event(event="resumed", step=resumed, iteration=pos.iteration,
                   tier=ckpt.restored.tier if ckpt.restored else None,
@@ -459,6 +462,26 @@ def run_ddp(case: dict[str, Any], rank: int, log: Log) -> None:
     tensors, meta = TrainingState(model, opt, stateful, data).capture_all()
     save_final(log.cdir / f"final-rank{rank}", pos.iteration, tensors, meta)
     dist.destroy_process_group()
+
+
+def tamper_slices(case: dict[str, Any], rank: int) -> None:
+    """With ``tamper_slices`` for this rank: the slices it sends in its first ``times`` exchanges get a byte flipped."""
+    spec = case.get("tamper_slices")
+    if not spec or spec["rank"] != rank:
+        return
+    from asymstore.multirank import sliceexchange
+
+    honest = sliceexchange.payload
+    left = [int(spec["times"])]
+
+    def flipped(ckpt: Any) -> bytearray:
+        out = honest(ckpt)
+        if left[0] > 0 and out:
+            left[0] -= 1
+            out[len(out) // 2] ^= 0x10
+        return out
+
+    sliceexchange.payload = flipped
 
 
 def sampled(case: dict[str, Any], data: dict[str, Any]) -> Any:

@@ -68,7 +68,25 @@ def test_slices_rank_0_cannot_see_under_the_root_are_refused(tmp_path: Path) -> 
     assert store.replicas_whole and store.global_steps() == []
 
 
-def test_ranks_with_their_own_tiers_cut_no_slices(tmp_path: Path) -> None:
-    assert not RankStore(tmp_path / "root", rank=0, world_size=2, tiers=[LocalTier(tmp_path / "own")]).slices_readable
-    assert not RankStore(tmp_path / "root", rank=0, world_size=2,
-                         peer_tiers=lambda r: [LocalTier(tmp_path / f"p{r}")]).slices_readable
+def test_ranks_with_their_own_tiers_cut_slices_they_exchange_unless_told_whole(tmp_path: Path) -> None:
+    """Tiers of each rank's own (node-local): slices are cut and exchanged at a restore (asymcheck.restore.exchange);
+    ``own_tier_slices="whole"`` keeps whole copies."""
+    own = RankStore(tmp_path / "root", rank=0, world_size=2, tiers=[LocalTier(tmp_path / "own")])
+    assert own.slices_readable and own.job.exchange_slices
+    assert RankStore(tmp_path / "root", rank=0, world_size=2,
+                     peer_tiers=lambda r: [LocalTier(tmp_path / f"p{r}")]).slices_readable
+    for kw in ({"tiers": [LocalTier(tmp_path / "own")]}, {"peer_tiers": lambda r: [LocalTier(tmp_path / f"p{r}")]}):
+        assert not RankStore(tmp_path / "root", rank=0, world_size=2, own_tier_slices="whole", **kw).slices_readable
+    assert not _job(tmp_path / "shared").job.exchange_slices  # the default tiers: read where written
+    with pytest.raises(ValueError, match="own_tier_slices"):
+        RankStore(tmp_path / "root", rank=0, world_size=2, own_tier_slices="maybe")  # type: ignore[arg-type]
+
+
+def test_slices_on_tiers_of_each_ranks_own_are_published_though_not_under_the_root(tmp_path: Path) -> None:
+    store = RankStore(tmp_path / "root", rank=0, world_size=2, kv=MemoryStore(), tiers=[LocalTier(tmp_path / "own")])
+    store.job.client = KV(MemoryStore())
+    (tmp_path / "root" / globaldir.GLOBAL_DIR).mkdir(parents=True, exist_ok=True)
+    assert _commit(store, 1, ["aa", "aa"], on_disk=False) is None  # the ranks exchange them when they resume
+    assert store.global_steps() == [1] and not store.replicas_whole
+    assert _commit(store, 2, ["aa", "bb"], on_disk=False) is not None  # replicas that differ: still refused
+    assert store.replicas_whole and store.global_steps() == [1]

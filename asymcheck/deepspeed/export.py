@@ -125,6 +125,7 @@ def assemble_slices(shards: Sequence[Checkpoint]) -> None:
     for name, held in pieces.items():
         first = held[0][0]
         if len(held) != len(shards) or any(lay.global_shape != first.global_shape or lay.dtype != first.dtype
+                                           or lay.mesh is None or lay.mesh.shape != (len(shards),)
                                            for lay, _ in held):
             raise DeepSpeedExportError(f"{name}: {len(held)} slice(s) of {len(shards)} rank(s), or slices that "
                                        "disagree on the tensor")

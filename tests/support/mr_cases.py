@@ -315,6 +315,7 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
             if not case.get("refusal"):
                 raise
             log.event(event="refused", error=type(exc).__name__, message=str(exc))
+            torch.distributed.barrier()  # rank 0 (the key-value store's host) stays until every rank heard
             ckpt.close()
             return
         log.event(event="resumed", step=resumed, iteration=pos.iteration, fallbacks=list(

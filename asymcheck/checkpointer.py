@@ -54,7 +54,7 @@ from asymcheck.snapshot.partition import (
     WindowRecorder,
 )
 from asymcheck.state.dtensors import check_tensors
-from asymcheck.state.replicas import REPLICATIONS, ReplicaSlicer, Replication
+from asymcheck.state.replicas import REPLICATIONS, Replication, slicer_for
 from asymcheck.state.trainstate import Moment, Stateful, TrainingState
 from asymcheck.stats import CheckpointStats, StatsRecorder, StepRecord
 from asymcheck.versions.commits import CommitQueue
@@ -266,8 +266,8 @@ class Checkpointer:
                                    pool=self._pool, engine=self._engine, commits=self._commits, stats=self._stats,
                                    loop=self._loop, on_recapture=self._refresh_hooks,
                                    save_on_close=options.pacing.save_on_close,
-                                   replicas=None if state is not None else ReplicaSlicer(
-                                       self._loop.store, model, optimizer, commit.dedup, replication),
+                                   replicas=slicer_for(self._loop.store, built, model, optimizer, commit.dedup,
+                                                       replication, adapter=state is not None),
                                    frozen=None if state is not None or commit.frozen == "copy" else FrozenTensors(
                                        store.chunk_bytes if isinstance(store, KnownBytesStore) else None))
         self._hook_s = 0.0

@@ -10,6 +10,9 @@ on 127.0.0.1), once per stage and method (order rotated per repetition):
   in the background, published globally by rank 0 (the default
   ``commits=CommitOptions(when_busy="wait")``: a commit still running when
   the next version is sealed makes the step wait);
+- ``attach-off`` (only with ``--methods``): ``attach()`` with ``CommitOptions(dedup="off")``: below
+  ZeRO-3 rank 0 writes the whole model states file, as before slices (``attach`` slices it over the
+  ranks: docs/guides/deepspeed.md);
 - ``save_checkpoint``: ``engine.save_checkpoint(dir)`` after every step with
   DeepSpeed's default engine (``torch.save``, synchronous; the previous tag is
   deleted after each save, outside the timing).
@@ -17,10 +20,12 @@ on 127.0.0.1), once per stage and method (order rotated per repetition):
 Reported per stage and method: median and mean iteration time (forward,
 backward, ``engine.step()`` and the checkpoint call; the slowest rank), the
 ratio to ``none``, and for ``attach`` the stall per step (time the training
-thread spent in asymcheck) and versions committed. Writes JSON and a PNG.
+thread spent in asymcheck), versions committed and the bytes each rank's shard of the last global
+version holds (``shard_bytes``, rank order). Writes JSON and a PNG.
 
     python benches/deepspeed_overhead.py --quick     # 8M-parameter GPT-2, seq 64, ~5 minutes on 2 cores
     python benches/deepspeed_overhead.py             # GPT-2 124M (slow on CPU)
+    python benches/deepspeed_overhead.py --quick --stages 1,2 --methods none,attach,attach-off  # slices vs rank 0
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 from common import GPT2_CONFIGS, build_gpt2, pyplot, run_ranks, save_figure, slowest_rank_times, write_json
 
 METHODS = ["none", "attach", "save_checkpoint"]
+ALL_METHODS = ["none", "attach", "attach-off", "save_checkpoint"]
 
 
 def engine_for(args: argparse.Namespace, stage: int) -> tuple[Any, int]:
@@ -62,12 +68,13 @@ def run_one(args: argparse.Namespace, stage: int, method: str, rank: int, work: 
         root.mkdir(parents=True)
     dist.barrier()
     ckpt = None
-    if method == "attach":
+    if method in ("attach", "attach-off"):
         from asymcheck.deepspeed import attach
-        from asymcheck.options import PartitionOptions, RetentionOptions
+        from asymcheck.options import CommitOptions, PartitionOptions, RetentionOptions
 
         ckpt = attach(engine, root, retention=RetentionOptions(keep_last=2),
-                      partitions=PartitionOptions(warmup=min(3, args.warmup)))
+                      partitions=PartitionOptions(warmup=min(3, args.warmup)),
+                      commits=CommitOptions(dedup="off" if method == "attach-off" else "replicas"))
     vocab = GPT2_CONFIGS[args.config]["vocab_size"]
     times: list[float] = []
     for it in range(args.warmup + args.steps):
@@ -93,6 +100,12 @@ def run_one(args: argparse.Namespace, stage: int, method: str, rank: int, work: 
                  "versions_committed": stats.versions_committed, "versions_skipped": stats.versions_skipped,
                  "close_s": time.perf_counter() - t0, "plan_partitions": len(ckpt.plan.partitions) if ckpt.plan else 0}
     dist.barrier()
+    if ckpt is not None and rank == 0:  # every rank's shard of the last global version
+        from asymstore.format.globalmanifest import GlobalManifest
+
+        last = max((GlobalManifest.from_json(p.read_bytes()) for p in (root / "global").glob("v*.json")),
+                   key=lambda g: g.step)
+        extra["shard_bytes"] = [s.nbytes for s in sorted(last.shards, key=lambda s: s.rank)]
     return {"stage": stage, "method": method, "times": times, "params": nparams, **extra}
 
 
@@ -107,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     results = []
     for rep in range(args.reps):
         for stage in args.stages:
-            order = METHODS[rep % len(METHODS):] + METHODS[:rep % len(METHODS)]
+            order = args.methods[rep % len(args.methods):] + args.methods[:rep % len(args.methods)]
             for method in order:
                 results.append(run_one(args, stage, method, rank, work) | {"rep": rep})
                 if rank == 0:
@@ -126,12 +139,13 @@ def summarize(per_rank: list[list[dict[str, Any]]], args: argparse.Namespace) ->
                            "warmup": args.warmup, "reps": args.reps, "params": per_rank[0][0]["params"], "stages": {}}
     for stage in args.stages:
         methods: dict[str, Any] = {}
-        for method in METHODS:
+        for method in args.methods:
             runs = [[r for r in rank if r["stage"] == stage and r["method"] == method] for rank in per_rank]
             times = slowest_rank_times(runs)
             entry = {"median_s": statistics.median(times), "mean_s": statistics.fmean(times), "n": len(times)}
             first = runs[0][0]
-            for key in ("stall_median_s", "versions_committed", "versions_skipped", "plan_partitions", "close_s"):
+            for key in ("stall_median_s", "versions_committed", "versions_skipped", "plan_partitions", "close_s",
+                        "shard_bytes"):
                 if key in first:
                     entry[key] = first[key]
             methods[method] = entry
@@ -146,10 +160,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     stages = list(results["stages"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(METHODS)
-    for i, method in enumerate(METHODS):
+    methods = list(results["stages"][stages[0]])
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
         values = [results["stages"][s][method]["median_s"] for s in stages]
-        xs = [j + (i - (len(METHODS) - 1) / 2) * width for j in range(len(stages))]
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(stages))]
         bars = ax.bar(xs, values, width, label=method)
         for bar, s in zip(bars, stages, strict=True):
             ratio = results["stages"][s][method]["ratio_to_none"]
@@ -178,6 +193,8 @@ def launch(args: argparse.Namespace) -> None:
     for stage, methods in results["stages"].items():
         for method, e in methods.items():
             extra = f"  stall {e['stall_median_s'] * 1e3:.1f} ms" if "stall_median_s" in e else ""
+            if "shard_bytes" in e:
+                extra += "  bytes per rank " + " / ".join(f"{b / 2**20:.1f} MiB" for b in e["shard_bytes"])
             print(f"ZeRO-{stage} {method:<16} median {e['median_s']:.3f} s  x{e['ratio_to_none']:.2f}{extra}")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
@@ -188,6 +205,7 @@ def main() -> None:
     ap.add_argument("--config", choices=sorted(GPT2_CONFIGS), default=None)
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {','.join(ALL_METHODS)}")
     ap.add_argument("--steps", type=int, default=None, help="measured iterations per run")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=None, help="repetitions (method order rotated)")
@@ -204,6 +222,9 @@ def main() -> None:
     args.batch = args.batch or (1 if args.quick else 2)
     args.reps = args.reps or (2 if args.quick else 3)
     args.stages = [int(s) for s in str(args.stages).split(",")]
+    args.methods = [m for m in str(args.methods).split(",") if m]
+    if set(args.methods) - set(ALL_METHODS) or "none" not in args.methods:
+        ap.error(f"--methods: of {ALL_METHODS}, with none (the baseline)")
     if args.worker:
         worker(args)
     else:

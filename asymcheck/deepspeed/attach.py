@@ -17,10 +17,15 @@ from asymcheck.deepspeed.support import check_engine
 from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.options import GROUPS, CheckpointerOptions, renamed_location, resolve
 from asymcheck.snapshot.hooks import Driver
+from asymcheck.state.replicas import Replication
 from asymcheck.state.trainstate import Stateful
+from asymstore.errors import AsymstoreError, WorldSizeMismatchError
+from asymstore.format.pieces import TensorLayout
+from asymstore.multirank import RankStore
 from asymstore.opener import open_store
 from asymstore.protocols import CheckpointStore, CollectiveStore, ReshardingStore
 from asymstore.tiers.protocol import Tier
+from asymstore.values import Targets
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +60,28 @@ class DeepSpeedCheckpointer(Checkpointer):
                                   on_step_pre=driver.before_step, on_step_post=driver.after_step,
                                   on_step_done=driver.step_returned)
 
+        # below ZeRO-3 the module's parameters are the same on every rank: written in slices (the state says which)
+        replication: Replication = "detect" if engine.zero_optimization_partition_weights() else "replicated"
         super().__init__(engine.module, inner_optimizer(engine), store, every=every, hooks=hooks, state=state,
-                         **options)
+                         replication=replication, **options)
         if isinstance(store, ReshardingStore):  # ZeRO partitions carry no layout: another world size stays
             store.reshard = None  # WorldSizeMismatchError
+
+    def resume(self) -> int | None:
+        """Load the newest global version through ``engine.load_checkpoint`` (collective); see the Checkpointer's.
+
+        A version holding slices of the replicated model states file is read slice by slice from every
+        rank's shard; a version of another number of ranks is refused (``WorldSizeMismatchError``), sliced
+        or not.
+        """
+        store = self.store
+        if not isinstance(store, RankStore):
+            return super().resume()
+        store.reshard = _whole_slices(store.world_size) if _newest_same_world(store) else None
+        try:
+            return super().resume()
+        finally:
+            store.reshard = None
 
     @property
     def rank_store(self) -> CollectiveStore:
@@ -66,6 +89,35 @@ class DeepSpeedCheckpointer(Checkpointer):
         store = self.store
         assert isinstance(store, CollectiveStore)  # attach() only makes this adapter over one
         return store
+
+
+def _newest_same_world(store: RankStore) -> bool:
+    """Whether the newest readable global version of ``store`` was written by its number of ranks.
+
+    Then (only) the restore may read slices; else it refuses as before (``WorldSizeMismatchError``).
+    """
+    for step in reversed(store.global_steps()):
+        try:
+            return store.read_global(step).world_size == store.world_size
+        except (AsymstoreError, OSError):  # the restore skips an unreadable one as well
+            continue
+    return False
+
+
+def _whole_slices(world: int) -> Targets:
+    """Targets of a restore: every slice of the replicated state is read whole (the same number of ranks only)."""
+
+    def targets(old: Mapping[str, TensorLayout]) -> dict[str, TensorLayout]:
+        out: dict[str, TensorLayout] = {}
+        for name, lay in old.items():
+            if lay.mesh is None or lay.mesh.shape != (world,) or lay.placements != ("S(0)",):
+                raise WorldSizeMismatchError(
+                    f"{name} was written as a slice over {lay.mesh.shape if lay.mesh else 'no'} rank(s) in a job of "
+                    f"{world}: a DeepSpeed version is restored on the number of ranks that wrote it")
+            out[name] = TensorLayout.whole(lay.global_shape, lay.dtype)
+        return out
+
+    return targets
 
 
 def attach(engine: Any, location: StoreSpec | None = None, every: int = 1, *,

@@ -30,6 +30,7 @@ from asymcheck.deepspeed.types import register_deepspeed_types
 from asymcheck.errors import DeepSpeedExportError
 from asymstore import AsymstoreError, CorruptVersionError
 from asymstore.format.globalmanifest import shard_digest
+from asymstore.format.pieces import LAYOUT_KEY, TensorLayout, parse_layout_meta
 from asymstore.multirank import globaldir
 from asymstore.opener import open_store
 from asymstore.tiers.location import rank_tier
@@ -90,9 +91,55 @@ async def read_version(root: str, step: int | None = None) -> tuple[int, str, li
         if not all(file_keys(c.meta) for c in shards):
             reasons.append(f"global step {s}: a shard holds no DeepSpeed files")
             continue
+        try:
+            assemble_slices(shards)
+        except (AsymstoreError, DeepSpeedExportError) as exc:
+            reasons.append(f"global step {s}: {type(exc).__name__}: {exc}")
+            continue
         tag = str(shards[0].meta[META_KEY].get("tag", f"global_step{s}"))
         return s, tag, shards
     raise DeepSpeedExportError("no exportable global version: " + ("; ".join(reasons) or f"none under {gdir}"))
+
+
+def assemble_slices(shards: Sequence[Checkpoint]) -> None:
+    """Put every slice of the replicated model states file back together, in place, in every shard.
+
+    A version written with ``CommitOptions(dedup="replicas")`` below ZeRO-3 holds, on each rank, one
+    ``"S(0)"`` piece of each of the file's lazily copied tensors (``meta["layout"]``); the whole tensor
+    is the pieces of every rank, rows in order. Versions without slices are left as they are.
+
+    Raises:
+        DeepSpeedExportError: the pieces do not cover a tensor exactly once, or disagree on it.
+        LayoutError: a shard's layout is malformed.
+    """
+    pieces: dict[str, list[tuple[TensorLayout, torch.Tensor]]] = {}
+    for ckpt in shards:
+        doc = ckpt.meta.get(LAYOUT_KEY)
+        if doc is None:
+            continue
+        for name, lay in parse_layout_meta(doc).items():
+            t = ckpt.tensors.get(name)
+            if lay.mesh is None or lay.placements != ("S(0)",) or t is None or tuple(t.shape) != lay.shape:
+                raise DeepSpeedExportError(f"{name}: not a slice of the replicated state this export reads ({lay})")
+            pieces.setdefault(name, []).append((lay, t))
+    for name, held in pieces.items():
+        first = held[0][0]
+        if len(held) != len(shards) or any(lay.global_shape != first.global_shape or lay.dtype != first.dtype
+                                           or lay.mesh is None or lay.mesh.shape != (len(shards),)
+                                           for lay, _ in held):
+            raise DeepSpeedExportError(f"{name}: {len(held)} slice(s) of {len(shards)} rank(s), or slices that "
+                                       "disagree on the tensor")
+        whole = torch.empty(first.global_shape, dtype=held[0][1].dtype)
+        covered = 0
+        for lay, t in sorted(held, key=lambda p: p[0].offsets[0]):
+            if lay.offsets[0] != covered and lay.shape[0]:
+                raise DeepSpeedExportError(f"{name}: the slices do not cover rows {covered}..{lay.offsets[0]}")
+            whole.narrow(0, lay.offsets[0], lay.shape[0]).copy_(t)
+            covered = max(covered, lay.offsets[0] + lay.shape[0])
+        if covered != first.global_shape[0]:
+            raise DeepSpeedExportError(f"{name}: the slices cover {covered} of {first.global_shape[0]} rows")
+        for ckpt in shards:
+            ckpt.tensors[name] = whole
 
 
 def _inside(out: str, key: str) -> str:

@@ -5,8 +5,16 @@ engine's own code with a capturing checkpoint engine swapped in, so every ZeRO s
 described DeepSpeed's way), RNG states, the user's stateful objects and this rank's own module
 buffers; restoring goes through ``load_checkpoint``. Tensors only the optimizer step changes are
 copied in partitions during the next iteration, the rest at once. Private engine names used (nothing
-patched, no collective): ``_save_checkpoint``, ``_get_zero_ckpt_name``, ``save_zero_checkpoint``,
-``micro_steps``.
+patched, no collective): ``_save_checkpoint``, ``_get_ckpt_name``, ``_get_zero_ckpt_name``,
+``save_zero_checkpoint``, ``save_non_zero_checkpoint``, ``micro_steps``.
+
+Below ZeRO-3 the model states file (``mp_rank_00_model_states.pt``: the module's parameters, at stage 0
+the optimizer's state too) is the same on every data-parallel rank, and DeepSpeed writes it from rank 0
+only. When the job slices replicated state (:class:`asymcheck.state.replicas.ReplicatedState`,
+``CommitOptions(dedup="replicas")`` on a shared root of several ranks), every rank captures that file and
+writes only its balanced slice of its lazily copied tensors (:meth:`DeepSpeedState.replicated`); the
+replicas are compared by digest first, and a job whose replicas differ writes the whole file on every
+rank (each rank then loads its own). The ZeRO partitions stay per rank.
 
 Guide: ``docs/guides/deepspeed.md`` (What a version holds; Private DeepSpeed names).
 """
@@ -79,6 +87,19 @@ class DeepSpeedState(TrainingState):
         self.engine = engine
         self.store = store
         self.run = run
+        self.model_file = os.path.relpath(engine._get_ckpt_name(_BASE, TAG), _BASE)
+        """The key of the model states file (``<tag>/mp_rank_00_model_states.pt`` below ZeRO-3)."""
+        self.slicing = False
+        """Every rank captures the model states file (the job slices it; see :meth:`slice_replicas`)."""
+
+    def replicated(self, name: str) -> bool:
+        """Whether captured tensor ``name`` is the same on every rank: the model states file's, below ZeRO-3."""
+        return (not self.engine.zero_optimization_partition_weights()
+                and name.startswith(f"ds/{self.model_file}/"))
+
+    def slice_replicas(self, enabled: bool) -> None:
+        """Capture the model states file on every rank (``enabled``), not on data-parallel rank 0 only."""
+        self.slicing = enabled and not self.engine.zero_optimization_partition_weights()
 
     def signature(self) -> tuple[int, ...]:
         """Identities of the model's parameters and buffers (ZeRO keeps them across steps)."""
@@ -108,7 +129,10 @@ class DeepSpeedState(TrainingState):
         engine = self.engine
         capture = CapturingEngine(_BASE)
         saved_engine, engine.checkpoint_engine = engine.checkpoint_engine, capture
+        writer = engine.save_non_zero_checkpoint
         try:
+            if self.slicing:  # every rank holds the replicated file: each writes its slice (or, fallen back, all)
+                engine.save_non_zero_checkpoint = True
             engine._save_checkpoint(_BASE, TAG, client_state={})
             if engine.save_zero_checkpoint:
                 name = engine._get_zero_ckpt_name(_BASE, TAG)
@@ -116,6 +140,7 @@ class DeepSpeedState(TrainingState):
                               "ds_version": deepspeed.__version__}, name)
         finally:
             engine.checkpoint_engine = saved_engine
+            engine.save_non_zero_checkpoint = writer
         if engine.zero_optimization_partition_weights():
             self._as_partitioned(capture.saved)
         return capture.saved
@@ -184,8 +209,12 @@ class DeepSpeedState(TrainingState):
         return tensors, cap.meta
 
     def layout_meta(self, tensors: Mapping[str, torch.Tensor], cap: Capture) -> dict[str, Any] | None:
-        """None: ZeRO's flat partitions are not described as pieces of global tensors (yet)."""
-        return None
+        """The slices of the replicated model states file, if this version holds them; else None.
+
+        ZeRO's flat partitions are not described as pieces of global tensors (so a version of
+        DeepSpeed is never resharded to another number of ranks).
+        """
+        return super().layout_meta(tensors, cap) if cap.layouts else None
 
     def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
         """Load a version into the engine through its own ``load_checkpoint`` (collective), then RNG and stateful.

@@ -25,6 +25,10 @@ a directory's default tiers under a shared root, or tiers of each rank's own, wh
 at resume). DTensors (FSDP2) keep their own layouts and nothing is sliced beside them; buffers, RNG states and
 0-d tensors stay whole. A restore reads the slices every rank needs where they live
 (:mod:`asymstore.multirank.reshard`), or the ranks exchange them (:mod:`asymcheck.restore.exchange`).
+
+An adapter's training state of which only a part is replicated (DeepSpeed ZeRO-0/1/2: the module
+parameters, while each rank's optimizer partition is its own) says which of its sources are:
+:class:`ReplicatedState`, through :func:`slicer_for`. Only those are sliced and digested.
 Guide: docs/guides/multirank.md ("Replicated state").
 """
 
@@ -32,8 +36,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import torch
 
@@ -46,8 +50,8 @@ from asymstore.protocols import ReplicaSlicingStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEDUPS", "FULL_VERSIONS", "REPLICATIONS", "SAMPLES", "Dedup", "Digest", "ReplicaSlicer", "Replication",
-           "gather_digest", "replica_digest", "slice_plan"]
+__all__ = ["DEDUPS", "FULL_VERSIONS", "REPLICATIONS", "SAMPLES", "Dedup", "Digest", "ReplicaSlicer", "ReplicatedState",
+           "Replication", "gather_digest", "replica_digest", "slice_plan", "slicer_for"]
 
 Dedup = Literal["replicas", "off"]
 """``"replicas"``: each rank writes its slice of the replicated state; ``"off"``: every rank writes all of it."""
@@ -190,11 +194,14 @@ class ReplicaSlicer:
         optimizer: its optimizer (not ``ZeroRedundancyOptimizer``).
         dedup: ``"replicas"`` or ``"off"`` (never slice).
         replication: how the model is known to be replicated (:data:`Replication`).
+        select: which of a capture's sources (by name) are replicated; None: every one (DDP).
     """
 
     def __init__(self, store: object, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 dedup: Dedup, replication: Replication = "detect") -> None:
+                 dedup: Dedup, replication: Replication = "detect", *,
+                 select: Callable[[str], bool] | None = None) -> None:
         """Decide whether this job slices at all."""
+        self._select = select
         self._store = store if isinstance(store, ReplicaSlicingStore) else None
         self.enabled = (dedup == "replicas" and self._store is not None and self._store.world_size > 1
                         and self._store.slices_readable and _replicated(model, optimizer, replication))
@@ -209,6 +216,7 @@ class ReplicaSlicer:
         """The job fell back to whole copies (the replicas of a version differed)."""
         self._key: tuple[object, ...] | None = None
         self._plan: list[Slice] = []
+        self._chosen: list[int] = []  # indices of the replicated sources in the capture the plan was made for
         self._pending: dict[int, tuple[Digest, bool]] = {}  # step -> its digest gathered at the step, full
 
     @property
@@ -234,14 +242,21 @@ class ReplicaSlicer:
         self._pending.pop(step, None)
         if not self.active or cap.layouts:  # DTensors (FSDP2, HSDP) keep their own layouts
             return
-        key = tuple((tuple(t.shape), t.dtype, t.is_contiguous()) for t in cap.sources)
+        chosen = (list(range(len(cap.sources))) if self._select is None
+                  else [i for i, name in enumerate(cap.names) if self._select(name)])
+        key: tuple[object, ...] = tuple((tuple(t.shape), t.dtype, t.is_contiguous()) for t in cap.sources)
+        if self._select is not None:
+            key = (*key, tuple(chosen))
         if key != self._key:
-            self._key, self._plan = key, slice_plan(cap.sources, self.rank, self.world)
+            picked = slice_plan([cap.sources[i] for i in chosen], self.rank, self.world)
+            self._key, self._chosen = key, chosen
+            self._plan = [(chosen[j], layout) for j, layout in picked]
         if not self._plan:
             return
         started = time.perf_counter()
         full = self.digested < FULL_VERSIONS
-        digest = gather_digest(cap.names, cap.sources, step, full=full)
+        digest = gather_digest([cap.names[i] for i in self._chosen], [cap.sources[i] for i in self._chosen], step,
+                               full=full)
         self.digested += 1
         self.digest_s += time.perf_counter() - started
         for old in [s for s in self._pending if s < step]:  # versions dropped or skipped before their seal
@@ -261,3 +276,36 @@ class ReplicaSlicer:
         digest, full = pending
         meta[REPLICAS_KEY] = ReplicaClaim(self.world, digest.hexdigest(), full).to_json()
         self.digest_s += time.perf_counter() - started
+
+
+@runtime_checkable
+class ReplicatedState(Protocol):
+    """An adapter's training state of which a part is the same on every data-parallel rank.
+
+    Implemented by :class:`asymcheck.deepspeed.state.DeepSpeedState` (ZeRO stages 0-2: the module
+    parameters, and at stage 0 the optimizer's state, are replicated; each rank's ZeRO partition is not).
+    """
+
+    def replicated(self, name: str) -> bool:
+        """Whether the captured source ``name`` is the same on every data-parallel rank."""
+        ...
+
+    def slice_replicas(self, enabled: bool) -> None:
+        """Told once, before the first capture, whether this job's versions hold slices of the replicated part."""
+        ...
+
+
+def slicer_for(store: object, state: object, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               dedup: Dedup, replication: Replication, *, adapter: bool) -> ReplicaSlicer | None:
+    """The slicer of a Checkpointer's versions, or None (never sliced).
+
+    A plain training state (``adapter`` False) is sliced whole when replicated (DDP); an adapter's
+    state only when it is a :class:`ReplicatedState`, and then only the sources it names.
+    """
+    if not adapter:
+        return ReplicaSlicer(store, model, optimizer, dedup, replication)
+    if not isinstance(state, ReplicatedState):
+        return None
+    slicer = ReplicaSlicer(store, model, optimizer, dedup, replication, select=state.replicated)
+    state.slice_replicas(slicer.enabled)
+    return slicer

@@ -19,7 +19,12 @@ Case fields:
   forward pass of iteration K, or inside this rank's commit after N commits succeeded
   (``CrashingLocalTier`` dies with half a manifest written).
 - ``step_s`` (DDP, DeepSpeed): sleep this long at the start of every iteration.
-- ``dedup`` (DDP): the Checkpointer's ``CommitOptions(dedup=...)`` (default: the option's default).
+- ``dedup`` (DDP, DeepSpeed): the Checkpointer's ``CommitOptions(dedup=...)`` (default: the option's default).
+- ``diverge`` (DeepSpeed): the LayerNorm's weight is frozen (no optimizer touches it) and rank 1 adds 0.5 to it
+  right after ``deepspeed.initialize`` (which broadcasts rank 0's module), so its replica differs for the whole run;
+  every rank's final state then holds the model states file (not rank 0's only).
+- ``refusal`` (DeepSpeed): ``resume()`` is expected to raise: the error is logged as ``{"event": "refused",
+  "error", "message"}`` and the case ends there.
 - ``diverge`` (DDP): rank 1 adds 0.5 to the first layer's bias right after DDP's broadcast, so its replica
   differs from rank 0's for the whole run (DDP averages the gradients, so the offset stays).
 - ``mark`` (DDP): call ``ckpt.mark()`` as the last statement of every iteration.
@@ -220,16 +225,21 @@ def run(case: dict[str, Any], rank: int, world: int, cdir: Path) -> None:
 # -- DeepSpeed -----------------------------------------------------------------------------
 
 
-def ds_engine(stage: int, accum: int = 1) -> Any:
+def ds_engine(stage: int, accum: int = 1, diverge: bool = False) -> Any:
     import deepspeed
 
     model = make_model()
+    if diverge:  # frozen: ZeRO leaves it out of its partitions, each rank keeps its own (see the docstring)
+        model.get_parameter("1.weight").requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": accum, "steps_per_print": 10**6,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 64},
            "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=cfg)
+    if diverge and int(os.environ["RANK"]) == 1:
+        with torch.no_grad():
+            engine.module.get_parameter("1.weight").add_(0.5)
     return engine
 
 
@@ -261,10 +271,13 @@ def ds_train(engine: Any, start: int, stop: int, rank: int, log: Log, pos: DataP
             pos.iteration += 1
 
 
-def ds_final(engine: Any, cdir: Path, rank: int, name: str = "final", **objs: Any) -> None:
+def ds_final(engine: Any, cdir: Path, rank: int, name: str = "final", every_rank: bool = False, **objs: Any) -> None:
+    """Save the engine's state as a version would hold it; ``every_rank``: the model states file on every rank."""
     from asymcheck.deepspeed import DeepSpeedState
 
-    tensors, meta = DeepSpeedState(engine, **objs).capture_all()
+    state = DeepSpeedState(engine, **objs)
+    state.slice_replicas(every_rank)
+    tensors, meta = state.capture_all()
     save_final(cdir / f"{name}-rank{rank}", int(engine.global_steps), tensors, meta)
 
 
@@ -272,7 +285,7 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
     import deepspeed
 
     import asymcheck.deepspeed as ads
-    from asymcheck.options import PartitionOptions, RetentionOptions
+    from asymcheck.options import CommitOptions, PartitionOptions, RetentionOptions
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
     n = case["iterations"]
@@ -280,14 +293,16 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
     val = case.get("shape") == "val"
     accum = 2 if case.get("shape") == "accum" else 1
     objs: dict[str, Any] = {"data": {"loader": loader}} if loader is not None else {}
+    diverge = bool(case.get("diverge"))
     if case["mode"] == "ref":
-        engine = ds_engine(case["stage"], accum)
+        engine = ds_engine(case["stage"], accum, diverge)
         ds_train(engine, 0, n, rank, log, loader=loader, val=val)
-        ds_final(engine, log.cdir, rank, **objs)
+        ds_final(engine, log.cdir, rank, every_rank=diverge, **objs)
     elif case["mode"] == "attach":
-        engine = ds_engine(case["stage"], accum)
+        engine = ds_engine(case["stage"], accum, diverge)
         pos = DataPosition()
         tiers = rank_tiers(case, rank)
+        commits: dict[str, Any] = {"commits": CommitOptions(dedup=case["dedup"])} if "dedup" in case else {}
         where: Any = tiers if tiers is not None else case["dir"]
         if case.get("peer"):  # the memory tier durable: replication and the disk in the background
             from asymstore.multirank import RankStore
@@ -295,8 +310,16 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
             where = RankStore(case["dir"], tiers=tiers, durable=where[0].name, keep_last=3, timeout_s=60.0)
         ckpt = ads.attach(engine, where, root=case["dir"], stateful={"pos": pos},
                           timeout_s=case.get("timeout_s", 60.0), retention=RetentionOptions(keep_last=3),
-                          partitions=PartitionOptions(warmup=1, min_partition_bytes=512), **objs)
-        resumed = ckpt.resume()
+                          partitions=PartitionOptions(warmup=1, min_partition_bytes=512), **commits, **objs)
+        try:
+            resumed = ckpt.resume()
+        except Exception as exc:  # e.g. a version of another number of ranks: the test reads the refusal
+            if not case.get("refusal"):
+                raise
+            log.event(event="refused", error=type(exc).__name__, message=str(exc))
+            torch.distributed.barrier()  # rank 0 (the key-value store's host) stays until every rank heard
+            ckpt.close()
+            return
         log.event(event="resumed", step=resumed, iteration=pos.iteration, fallbacks=list(
             ckpt.restored.fallbacks) if ckpt.restored else [], fetched=loader.fetched if loader else None,
             tier=ckpt.restored.tier if ckpt.restored else None)
@@ -309,7 +332,7 @@ def run_ds(case: dict[str, Any], rank: int, log: Log) -> None:
         log.event(event="stats", committed=stats.versions_committed, failed=stats.commits_failed,
                   versions=ckpt.final_versions, plan=len(ckpt.plan.partitions) if ckpt.plan else 0,
                   dropped=stats.versions_dropped)
-        ds_final(engine, log.cdir, rank, **objs)
+        ds_final(engine, log.cdir, rank, every_rank=diverge, **objs)
     elif case["mode"] == "roundtrip":
         ds_roundtrip(case, rank, log)
     elif case["mode"] == "refuse":

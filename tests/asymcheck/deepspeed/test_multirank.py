@@ -16,6 +16,12 @@ port. Per stage:
   ``latest`` file; a fresh engine loads through ``asymcheck.deepspeed.load_checkpoint`` and continues the
   same way: both continuations must end bit-identical.
 
+With 2 ranks, below ZeRO-3, the replicated model states file (module parameters; at stage 0 the optimizer's
+state too) is written in slices (``CommitOptions(dedup="replicas")``, the default): each rank writes about
+half of it, where with ``dedup="off"`` (``off``: the same run) rank 0 writes all of it. ``div-*``: a frozen
+parameter differs on rank 1 (ZeRO-2): the job falls back to whole copies with a WARNING and the resume is
+still exact on both ranks (each rank loads its own copy).
+
 With 2 ranks, one more pair: rank 1 is SIGKILLed in the middle of committing its shard of the last
 version (half a manifest written, at ``close()``); rank 0 commits its shard, waits for rank 1's report
 and gives up after the timeout, so no global manifest is published: fsck names the step partial, and
@@ -37,6 +43,10 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 ITERATIONS = 7
 STAGES = (0, 1, 2, 3)
 KILL_AT = {0: 4, 1: 5, 2: 4, 3: 5}  # iteration whose forward pass dies
+SLICED_STAGES = (0, 1, 2)  # the model states file is the same on every rank
+DIVERGED_ITERATIONS = 9
+DIVERGED_KILL_AT = 7  # the versions in flight when the job falls back (a few) are not published either
+MODEL_FILE = "ds/asymcheck/mp_rank_00_model_states.pt/"
 MID_COMMIT_STAGE = 2
 SHAPE_STAGES = (1, 3)
 SHAPES = ("loader", "val", "accum")  # loop shapes of issue 9: fetching loader + global-RNG batch; validation after
@@ -69,6 +79,17 @@ def cases_for(world: int, root: Path) -> list[dict[str, Any]]:
         cases.append({"name": "refuse", "kind": "ds", "stage": 2, "mode": "refuse", "iterations": 2,
                       "dir": str(root / "refused")})
     if world == 2:
+        for s in SLICED_STAGES:  # the same runs with whole copies (rank 0 writes the model states file)
+            cases.append({"name": f"off{s}", "kind": "ds", "stage": s, "mode": "attach", "iterations": ITERATIONS,
+                          "dir": str(root / f"off{s}"), "dedup": "off"})
+        dv = str(root / "diverged")
+        common = {"kind": "ds", "stage": 2, "iterations": DIVERGED_ITERATIONS, "diverge": True}
+        cases += [
+            {"name": "div-ref", "mode": "ref", **common},
+            {"name": "div-kill", "mode": "attach", "dir": dv,
+             "kill": {"rank": None, "at": f"forward:{DIVERGED_KILL_AT}"}, **common},
+            {"name": "div-resume", "mode": "attach", "dir": dv, **common},
+        ]
         mc = str(root / "midcommit")
         cases += [
             {"name": "mc_kill", "kind": "ds", "stage": MID_COMMIT_STAGE, "mode": "attach", "iterations": ITERATIONS,
@@ -230,3 +251,121 @@ def test_export_writes_a_deepspeed_checkpoint_that_deepspeeds_own_tools_consolid
         assert set(params) == set(full)
         for name, tensor in params.items():  # the run's final weights, consolidated from every rank's partition
             assert torch.equal(full[name], tensor.float()), name
+
+
+def _model_file_bytes(root: Path, rank: int, step: int) -> tuple[int, int]:
+    """(raw bytes of the model states file's tensors, of the whole shard) in ``rank``'s shard of ``step``."""
+    import asyncio
+
+    from asymstore import AsymStore, LocalTier
+
+    async def read() -> tuple[int, int]:
+        async with AsymStore([LocalTier(root / f"rank-{rank:05d}")], keep_last=None, read_only=True) as store:
+            ckpt = await store.restore(step=step)
+        sizes = {name: t.numel() * t.element_size() for name, t in ckpt.tensors.items()}
+        return sum(v for k, v in sizes.items() if k.startswith(MODEL_FILE)), sum(sizes.values())
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("stage", SLICED_STAGES)
+def test_zero_replicated_model_states_are_written_in_slices_and_restored_from_them(
+        world: tuple[int, Path], stage: int) -> None:
+    """Each rank writes about half of the model states file (rank 0 all of it with dedup="off"); resumed from slices."""
+    from asymstore.format.replicas import REPLICAS_KEY
+    from tests.support.replicas import newest_global
+
+    n, out = world
+    if n != 2:
+        pytest.skip("needs two ranks")
+    ck, off = out.parent / "ckpt" / f"ck{stage}", out.parent / "ckpt" / f"off{stage}"
+    g, whole = newest_global(ck), newest_global(off)
+    assert g.step == whole.step == ITERATIONS
+    claims = [g.shard(r).summary.get(REPLICAS_KEY) for r in range(n)]
+    assert all(c is not None and c["mode"] == "slices" and c["world"] == n for c in claims), claims
+    assert len({c["digest"] for c in claims if c is not None}) == 1
+    assert all(REPLICAS_KEY not in s.summary for s in whole.shards)
+    off_bytes = [_model_file_bytes(off, r, ITERATIONS) for r in range(n)]
+    assert off_bytes[0][0] > 0 and off_bytes[1][0] == 0  # dedup="off": DeepSpeed's writer, rank 0, holds it all
+    for r in range(n):
+        sliced, total = _model_file_bytes(ck, r, ITERATIONS)
+        assert 0.45 <= sliced / off_bytes[0][0] <= 0.6, (r, sliced, off_bytes)  # ~1/2 (+ the buffers, whole)
+        assert total < off_bytes[0][1]  # no rank writes as much as rank 0 did
+    resume = Case(out, f"resume{stage}", n)
+    for r in range(n):
+        [resumed] = resume.events(r, "resumed")
+        assert resumed["tier"] == f"slices of {n} rank(s)", resumed  # bit-identical: the test above
+
+
+def test_zero_replicas_that_differ_fall_back_to_whole_copies_with_a_warning(world: tuple[int, Path]) -> None:
+    from asymstore.format.replicas import REPLICAS_KEY
+    from tests.support.replicas import newest_global
+
+    n, out = world
+    if n != 2:
+        pytest.skip("needs two ranks")
+    ref, kill, resume = (Case(out, f"div-{k}", n) for k in ("ref", "kill", "resume"))
+    logs = [(out / f"driver-rank{r}.log").read_text() for r in range(n)]
+    assert "the replicas differ across ranks" in logs[0]  # the coordinator refused a sliced version
+    for r in range(n):
+        assert "writing whole copies of it on every rank" in logs[r], logs[r][-3000:]
+    g = newest_global(out.parent / "ckpt" / "diverged")
+    assert all(REPLICAS_KEY not in s.summary for s in g.shards)
+    for r in range(n):
+        assert kill.rc(r) == -9, kill.log(r)
+        assert resume.rc(r) == 0 and ref.rc(r) == 0, resume.log(r)
+        [resumed] = resume.events(r, "resumed")
+        assert resumed["step"] is not None and 2 <= resumed["step"] < DIVERGED_KILL_AT, resumed
+        assert_same_state(ref.final(r), resume.final(r))  # rank 1 loads its own model states file
+        check_losses_of(ref, resume, r)
+    key = f"{MODEL_FILE}module/1.weight"
+    assert not torch_equal(ref.final(0).tensors[key], ref.final(1).tensors[key])  # the replicas really differed
+
+
+def check_losses_of(ref: Case, run: Case, rank: int) -> None:
+    want = dict(ref.losses(rank))
+    for it, loss in run.losses(rank):
+        assert loss == want[it], f"{run.dir.name} rank {rank} iteration {it}"
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return bool(torch.equal(a, b))
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("stage", (1, 2))
+def test_zero_slices_on_4_ranks_kill_resume_and_refuse_2_ranks(tmp_path: Path, stage: int) -> None:
+    """4 ranks: each writes about a quarter of the model states file; a 2-rank job refuses the version (typed)."""
+    from asymstore.format.replicas import REPLICAS_KEY
+    from tests.support.replicas import newest_global
+
+    ck, off, out = tmp_path / "ck", tmp_path / "off", tmp_path / "out"
+    common = {"kind": "ds", "stage": stage, "iterations": ITERATIONS}
+    run_cases([
+        {"name": "ref", "mode": "ref", **common},
+        {"name": "off", "mode": "attach", "dir": str(off), "dedup": "off", **common},
+        {"name": "kill", "mode": "attach", "dir": str(ck), "kill": {"rank": None, "at": f"forward:{KILL_AT[stage]}"},
+         "fsck": True, **common},
+        {"name": "resume", "mode": "attach", "dir": str(ck), **common},
+    ], 4, out)
+    run_cases([{"name": "two", "mode": "attach", "dir": str(ck), "refusal": True, **common}], 2, tmp_path / "out2")
+    ref, kill, resume = (Case(out, k, 4) for k in ("ref", "kill", "resume"))
+    g = newest_global(ck)
+    assert g.step == ITERATIONS and all(s.summary[REPLICAS_KEY]["world"] == 4 for s in g.shards)
+    whole = _model_file_bytes(off, 0, ITERATIONS)[0]
+    restorable = kill.fsck()["newest_restorable"]
+    for r in range(4):
+        assert 0.2 <= _model_file_bytes(ck, r, ITERATIONS)[0] / whole <= 0.35  # ~1/4 (+ the buffers, whole)
+        assert kill.rc(r) == -9 and resume.rc(r) == 0, resume.log(r)
+        [resumed] = resume.events(r, "resumed")
+        assert resumed["step"] == restorable and resumed["tier"] == "slices of 4 rank(s)"
+        assert_same_state(ref.final(r), resume.final(r))
+        assert check_losses(ref, kill, resume, rank=r) == KILL_AT[stage] + ITERATIONS - resumed["step"]
+    two = Case(tmp_path / "out2", "two", 2)
+    for r in range(2):
+        assert two.rc(r) == 0, two.log(r)
+        [refused] = two.events(r, "refused")
+        assert refused["error"] == "WorldSizeMismatchError", refused

@@ -89,3 +89,47 @@ def test_an_unknown_replication_is_refused_before_anything_is_hooked(tmp_path: P
         Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), str(tmp_path / "ck"),
                      replication="ddp")  # type: ignore[arg-type]
     assert not (tmp_path / "ck").exists()
+
+
+def test_an_adapter_state_slices_and_digests_only_the_sources_it_names() -> None:
+    """DeepSpeed below ZeRO-3: the model states file is replicated, each rank's ZeRO partition is its own."""
+    from asymcheck.state.capture import Capture
+    from asymcheck.state.replicas import ReplicatedState, slicer_for
+
+    class Part:
+        """A state whose ``rep/`` sources are replicated (the rest per rank)."""
+
+        def __init__(self) -> None:
+            self.told: bool | None = None
+
+        def replicated(self, name: str) -> bool:
+            return name.startswith("rep/")
+
+        def slice_replicas(self, enabled: bool) -> None:
+            self.told = enabled
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert slicer_for(TwoRanks(), object(), model, optimizer, "replicas", "replicated", adapter=True) is None
+    caps, digests = [], []
+    for rank in range(2):
+        state = Part()
+        assert isinstance(state, ReplicatedState)
+        slicer = slicer_for(TwoRanks(rank=rank), state, model, optimizer, "replicas", "replicated", adapter=True)
+        assert slicer is not None and slicer.enabled and state.told is True
+        own = torch.full((6, 2), float(rank))  # differs per rank: neither sliced nor digested
+        cap = Capture(names=["own/part", "rep/w", "rep/b"], sources=[own, torch.arange(12.0).reshape(6, 2),
+                                                                    torch.arange(5.0)])
+        slicer.apply(cap, 1)
+        meta: dict[str, object] = {}
+        slicer.finish(1, meta)
+        caps.append(cap)
+        digests.append(meta["replicas"]["digest"])  # type: ignore[index]
+    assert digests[0] == digests[1]
+    for cap in caps:
+        assert sorted(cap.layouts) == ["rep/b", "rep/w"] and cap.sources[0].shape == (6, 2)
+    assert caps[0].sources[1].shape[0] + caps[1].sources[1].shape[0] == 6
+    assert caps[0].sources[2].shape[0] + caps[1].sources[2].shape[0] == 5
+    off = Part()
+    assert slicer_for(TwoRanks(), off, model, optimizer, "off", "replicated", adapter=True) is not None
+    assert off.told is False  # dedup="off": the state is told nothing is sliced

@@ -39,9 +39,15 @@ def test_every_rank_s_pieces_cover_each_tensor_once_and_balance_the_bytes(shapes
             assert TensorLayout.from_json(layout.to_json()) == layout  # a piece its placements give
             loads[r] += math.prod(layout.shape) * 4
         assert at == t.shape[0]
-    biggest = max((math.ceil(t.shape[0] / world) * math.prod(t.shape[1:]) * 4 for i, t in enumerate(sources)
-                   if i in plans[0]), default=0)
-    assert max(loads) <= sum(loads) / world + biggest  # balanced up to one piece
+    # balanced up to each tensor's spread: its largest piece goes to the least loaded rank, so a tensor whose
+    # pieces are p_0 >= ... >= p_last raises (max load - mean load) by at most p_0 - mean(p) <= p_0 - p_last
+    # (equal pieces keep the balance; hypothesis found 5 ranks where "mean + the biggest piece" does not hold)
+    spread = 0
+    for i, t in enumerate(sources):
+        if i in plans[0]:
+            pieces = [math.prod(plans[r][i].shape) * 4 for r in range(world)]
+            spread += max(pieces) - min(pieces)
+    assert max(loads) <= sum(loads) / world + spread
 
 
 def test_the_digest_tells_replicas_apart() -> None:

@@ -217,7 +217,7 @@ async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, rnd: 
         c = Chosen.whole(job, g, rnd.prefix)
         await asyncio.to_thread(_offer, job, rnd, k, c)
         refused = await _check_fit(job, local, c, into)
-        await asyncio.to_thread(rnd.fit, k, job.rank, _fit(refused))
+        early = await _load_early(job, local, reshard, rnd, k, c, into, refused)
         fits = await asyncio.to_thread(rnd.fits, k, job.restore_timeout_s, f"ranks checking global step {g.step}")
         misfits = {r: fit.reason for r, fit in enumerate(fits) if not fit.ok}
         if misfits:  # the live objects do not fit this version: nothing is read, no older one is tried
@@ -226,8 +226,7 @@ async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, rnd: 
             await asyncio.to_thread(rnd.go, k, Go(Relayed("DestinationMismatchError", msg)))
             raise refused or DestinationMismatchError(msg)
         await asyncio.to_thread(rnd.go, k, Go())
-        ckpt, reason, refused = await _try_shard(job, local, reshard, c, into)
-        await asyncio.to_thread(rnd.result, k, job.rank, _result(ckpt, reason, refused))
+        ckpt, _, refused = early or await _load(job, local, reshard, rnd, k, c, into)
         results = await asyncio.to_thread(rnd.results, k, job.restore_timeout_s, f"ranks loading global step {g.step}")
         bad = {r: res.reason for r, res in enumerate(results) if not res.ok}
         refusals = {r: res.reason for r, res in enumerate(results) if res.refused}
@@ -305,15 +304,49 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, rnd: Rest
             return g, ckpt, list(msg.notes)
         g = _heard(job, rnd, k, msg)
         refused = await _check_fit(job, local, g, into)
-        await asyncio.to_thread(rnd.fit, k, job.rank, _fit(refused))
+        early = await _load_early(job, local, reshard, rnd, k, g, into, refused)
         go = await asyncio.to_thread(rnd.wait_go, k, job.restore_timeout_s)
         if go.error is not None:
             if refused is not None:
                 raise refused  # this rank's own refusal, with its cause
             raise go.error.exception(CorruptVersionError)
-        ckpt, reason, refused = await _try_shard(job, local, reshard, g, into)
-        await asyncio.to_thread(rnd.result, k, job.rank, _result(ckpt, reason, refused))
+        ckpt, _, refused = early or await _load(job, local, reshard, rnd, k, g, into)
         k += 1
+
+
+Loaded = tuple[Checkpoint | None, str, DestinationMismatchError | None]
+"""A rank's load of a candidate: the checkpoint, or None with the reason (and the refusal, if refused)."""
+
+
+async def _load_early(job: Job, local: AsymStore, reshard: Targets | None, rnd: RestoreRound, k: int, g: Chosen,
+                      into: Into | None, refused: DestinationMismatchError | None) -> Loaded | None:
+    """Say whether this rank's destinations fit candidate ``k``; without ``into``, load it first and say both.
+
+    Without ``into`` nothing is written into live objects, so a rank need not wait for the coordinator's
+    ``go`` to read its shard: it loads, then puts its fit and its result together, and the ``go`` is off
+    the agreement's critical path (the coordinator reads the results only after its ``go``; a ``go`` that
+    is an error still raises on this rank, and what it loaded is dropped). With ``into`` the rank writes
+    nothing before the ``go``: it puts its fit alone (None returned; :func:`_load` after the ``go``).
+    """
+    if into is not None:
+        await asyncio.to_thread(rnd.fit, k, job.rank, _fit(refused))
+        return None
+    loaded = await _try_shard(job, local, reshard, g, into)
+    await asyncio.to_thread(_fit_and_result, rnd, k, job.rank, _fit(refused), _result(*loaded))
+    return loaded
+
+
+async def _load(job: Job, local: AsymStore, reshard: Targets | None, rnd: RestoreRound, k: int, g: Chosen,
+                into: Into | None) -> Loaded:
+    """After the ``go``: load this rank's part of candidate ``k`` and put the result."""
+    loaded = await _try_shard(job, local, reshard, g, into)
+    await asyncio.to_thread(rnd.result, k, job.rank, _result(*loaded))
+    return loaded
+
+
+def _fit_and_result(rnd: RestoreRound, k: int, rank: int, fit: Fit, result: LoadResult) -> None:
+    rnd.fit(k, rank, fit)
+    rnd.result(k, rank, result)
 
 
 async def _check_fit(job: Job, local: AsymStore, g: Chosen,
@@ -350,8 +383,7 @@ def _result(ckpt: Checkpoint | None, reason: str, refused: DestinationMismatchEr
     return LoadResult(ckpt is not None, reason, refused is not None)
 
 
-async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: Chosen,
-                     into: Into | None) -> tuple[Checkpoint | None, str, DestinationMismatchError | None]:
+async def _try_shard(job: Job, local: AsymStore, reshard: Targets | None, g: Chosen, into: Into | None) -> Loaded:
     """Load this rank's part of ``g``: the checkpoint, or None with the reason (and the refusal, if refused)."""
     if g.resharded or g.shard is None:
         if reshard is None:  # a version of slices (the other world sizes were not offered): never one slice alone

@@ -223,7 +223,9 @@ async def _coordinate(job: Job, local: AsymStore, reshard: Targets | None, rnd: 
         if misfits:  # the live objects do not fit this version: nothing is read, no older one is tried
             msg = f"global step {g.step}: rank(s) {sorted(misfits)} refused it: " + "; ".join(
                 f"rank {r}: {why}" for r, why in sorted(misfits.items()))
-            await asyncio.to_thread(rnd.go, k, Go(Relayed("DestinationMismatchError", msg)))
+            relay = Relayed("DestinationMismatchError", msg)
+            await asyncio.to_thread(rnd.go, k, Go(relay))
+            await asyncio.to_thread(rnd.post_try, k + 1, TryMsg(error=relay))  # the ranks that loaded early hear it
             raise refused or DestinationMismatchError(msg)
         await asyncio.to_thread(rnd.go, k, Go())
         ckpt, _, refused = early or await _load(job, local, reshard, rnd, k, c, into)
@@ -305,11 +307,12 @@ async def _follow(job: Job, local: AsymStore, reshard: Targets | None, rnd: Rest
         g = _heard(job, rnd, k, msg)
         refused = await _check_fit(job, local, g, into)
         early = await _load_early(job, local, reshard, rnd, k, g, into, refused)
-        go = await asyncio.to_thread(rnd.wait_go, k, job.restore_timeout_s)
-        if go.error is not None:
-            if refused is not None:
-                raise refused  # this rank's own refusal, with its cause
-            raise go.error.exception(CorruptVersionError)
+        if early is None:  # it writes into live objects: only after the coordinator's go
+            go = await asyncio.to_thread(rnd.wait_go, k, job.restore_timeout_s)
+            if go.error is not None:
+                if refused is not None:
+                    raise refused  # this rank's own refusal, with its cause
+                raise go.error.exception(CorruptVersionError)
         ckpt, _, refused = early or await _load(job, local, reshard, rnd, k, g, into)
         k += 1
 
@@ -323,10 +326,11 @@ async def _load_early(job: Job, local: AsymStore, reshard: Targets | None, rnd: 
     """Say whether this rank's destinations fit candidate ``k``; without ``into``, load it first and say both.
 
     Without ``into`` nothing is written into live objects, so a rank need not wait for the coordinator's
-    ``go`` to read its shard: it loads, then puts its fit and its result together, and the ``go`` is off
-    the agreement's critical path (the coordinator reads the results only after its ``go``; a ``go`` that
-    is an error still raises on this rank, and what it loaded is dropped). With ``into`` the rank writes
-    nothing before the ``go``: it puts its fit alone (None returned; :func:`_load` after the ``go``).
+    ``go`` to read its shard: it loads, then puts its result and its fit together, and waits for the next
+    ``try`` (the coordinator reads the results only after its ``go``; when the ``go`` is an error it also
+    puts that error as the next ``try``, which this rank raises, dropping what it loaded). So the ``go``
+    costs the agreement no round trip. With ``into`` the rank writes nothing before the ``go``: it puts
+    its fit alone (None returned) and loads after the ``go`` (:func:`_load`).
     """
     if into is not None:
         await asyncio.to_thread(rnd.fit, k, job.rank, _fit(refused))

@@ -169,6 +169,26 @@ def test_destinations_refused_on_one_rank_are_refused_on_every_rank_without_tryi
         assert torch.equal(live[name], before), name
 
 
+def test_a_refusal_reaches_a_rank_that_loaded_before_the_go_at_once(tmp_path: Path) -> None:
+    """Rank 0's destinations refuse the version; rank 1 restores into fresh tensors, so it loaded before the go and
+    waits for the next word: it raises the refusal naming rank 0 (not a timeout), and no older version is tried."""
+    import time
+
+    kv = dist.HashStore()
+    commit_ranks(tmp_path, kv, [1, 2])
+    seen: list[int] = []
+
+    def refuse(manifest: Manifest) -> dict[str, torch.Tensor]:
+        seen.append(manifest.step)
+        raise ValueError("the live model has another layer")
+
+    started = time.monotonic()
+    out = restore_ranks(tmp_path, kv, lambda r: refuse if r == 0 else None)
+    assert isinstance(out[0], DestinationMismatchError) and isinstance(out[0].__cause__, ValueError), out
+    assert isinstance(out[1], DestinationMismatchError) and "rank(s) [0] refused" in str(out[1]), out
+    assert seen == [2] and time.monotonic() - started < 8  # restore_timeout_s is 10 s
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["fresh", "into"])
 def test_a_rank_reads_before_the_go_only_when_it_writes_into_nothing_live(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inplace: bool) -> None:

@@ -349,8 +349,9 @@ async def _load(job: Job, local: AsymStore, reshard: Targets | None, rnd: Restor
 
 
 def _fit_and_result(rnd: RestoreRound, k: int, rank: int, fit: Fit, result: LoadResult) -> None:
-    rnd.fit(k, rank, fit)
+    """The result first: once the coordinator has every fit, it has every result of the ranks that loaded early."""
     rnd.result(k, rank, result)
+    rnd.fit(k, rank, fit)
 
 
 async def _check_fit(job: Job, local: AsymStore, g: Chosen,

@@ -34,7 +34,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -98,6 +98,7 @@ class Fabric:
         self._prefix: str | None = None
         self._timeout_s = 300.0
         self._nodes: list[KV] = []  # the coordinator's clients of the other nodes' stores
+        self._node_ids: dict[int, int] = {}  # id of a client of ``_nodes`` -> its node
         self._waiter: Any = None  # a member's connection to its node store for waits that block in the server
 
     # -- topology ----------------------------------------------------------------------------------
@@ -129,6 +130,7 @@ class Fabric:
             return
         if self.rank == 0:
             self._nodes = [self._node_store(n) for n in range(1, top.nodes)]
+            self._node_ids = dict(zip(map(id, self._nodes), range(1, top.nodes), strict=True))
             return
         if self.node == 0:
             return
@@ -236,15 +238,31 @@ class Fabric:
         self.kv.store.set(key, raw)
         self._fan_out(key, raw)
 
-    def _fan_out(self, key: str, raw: str) -> None:
-        """Put ``key`` into every node store still served (a dead node's ranks are gone with their leader)."""
+    def announce_each(self, key: str, raw_of: Callable[[int], str]) -> None:
+        """The coordinator: a broadcast whose value differs by node: ``raw_of(n)`` into node ``n``'s store.
+
+        Node 0's value goes into the job's store (its ranks read it there). Each rank then reads only
+        what its node needs (e.g. a restore candidate's entries of its node's ranks, not every rank's).
+
+        Raises:
+            RuntimeError: the job's store could not be reached (a dead node's store is skipped, as in
+                :meth:`announce`).
+        """
+        self.kv.store.set(key, raw_of(0))
+        self._fan_out(key, "", raw_of)
+
+    def _fan_out(self, key: str, raw: str, raw_of: Callable[[int], str] | None = None) -> None:
+        """Put ``key`` into every node store still served (a dead node's ranks are gone with their leader).
+
+        ``raw_of``: the value for each node instead of ``raw`` (:meth:`announce_each`).
+        """
         nodes = list(self._nodes)
         if not nodes:
             return
 
         def put(node: KV) -> KV | None:
             try:
-                node.store.set(key, raw)
+                node.store.set(key, raw if raw_of is None else raw_of(self._node_ids[id(node)]))
                 return None
             except RuntimeError as exc:  # DistNetworkError: the leader's process is gone
                 logger.warning("rank %d: a node store is gone (its leader died), its ranks hear nothing more: %s",

@@ -38,6 +38,15 @@ def shard_digest(manifest: Manifest) -> str:
     return checksum(json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode())
 
 
+def manifest_digest(g: GlobalManifest) -> str:
+    """The identity of a global manifest: the checksum of its sealed JSON (:meth:`GlobalManifest.to_json`).
+
+    Two manifests have the same digest exactly when they serialize alike, so a rank given only its node's
+    entries and this digest can check a whole manifest it reads later against the one the coordinator chose.
+    """
+    return checksum(g.to_json())
+
+
 def _content(t: TensorEntry) -> list[str]:
     """The raw checksums of a tensor's chunks; a packed tensor: its pack's raw checksum at its offset."""
     if t.pack_offset is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self, TypeVar
@@ -31,7 +32,7 @@ from asymstore.errors import (
     RootLayoutError,
     relayed,
 )
-from asymstore.format.globalmanifest import GlobalManifest, ShardInfo
+from asymstore.format.globalmanifest import GlobalManifest, ShardInfo, manifest_digest
 from asymstore.format.placement import RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,16 @@ def _dict(doc: object, what: str) -> dict[str, Any]:
 
 def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not strict JSON")
+
+
+def _shard_info(doc: object) -> ShardInfo:
+    """A shard entry a peer put, strictly typed (ShardInfo alone would coerce ``"3"`` or ``3.5``)."""
+    d = _dict(doc, "shard entry")
+    for name in ("rank", "step", "nbytes", "tensors"):
+        _int(d.get(name, 0), f"shard {name}")
+    _str(d.get("digest"), "shard digest")
+    _dict(d.get("summary", {}), "shard summary")
+    return ShardInfo.from_json(d)
 
 
 def decode(raw: bytes | bytearray | memoryview | str, kind: type[P], key: str = "a value") -> P:
@@ -254,11 +265,7 @@ class ShardReport:
             return cls(dropped=_str(d["dropped"], "dropped reason")[:REASON_CHARS])
         if "failed" in d:
             return cls(failed=_str(d["failed"], "failure reason"))
-        for name in ("rank", "step", "nbytes", "tensors"):  # strictly typed: ShardInfo would coerce "3" or 3.5
-            _int(d.get(name, 0), f"shard {name}")
-        _str(d.get("digest"), "shard digest")
-        _dict(d.get("summary", {}), "shard summary")
-        info = ShardInfo.from_json(d)
+        info = _shard_info(d)
         placement, problem = None, None
         if d.get("placement") is not None:
             try:
@@ -354,11 +361,87 @@ class Have:
 
 
 @dataclass(frozen=True)
-class TryMsg:
-    """The coordinator's word on restore candidate ``k``: load ``candidate``, ``done``, or an ``error``.
+class NodeCandidate:
+    """A restore candidate as one node hears it: the global version's identity and its node's entries only.
+
+    What a rank needs to check and load its shard of a global version of its own world size (not one of
+    slices): O(its node) bytes to read and parse, not O(ranks). The whole manifest stays with the
+    coordinator, which puts it once in the job's store when the restore is done
+    (:meth:`RestoreRound.chosen`); a rank that needs it later checks it against ``digest``.
 
     Attributes:
-        candidate: the global version to check and load.
+        step: the global step.
+        world_size: the global version's ranks.
+        digest: :func:`~asymstore.format.globalmanifest.manifest_digest` of the coordinator's global manifest.
+        shards: the global manifest's entries of the node's ranks: consecutive ranks, ascending.
+    """
+
+    step: int
+    world_size: int
+    digest: str
+    shards: tuple[ShardInfo, ...]
+
+    def __post_init__(self) -> None:
+        """Check the entries: at least one, consecutive ranks within the world, a digest of 16 hex digits.
+
+        Raises:
+            ValueError: they are not.
+        """
+        first = self.shards[0].rank if self.shards else -1
+        if (not self.shards or [s.rank for s in self.shards] != list(range(first, first + len(self.shards)))
+                or first + len(self.shards) > self.world_size or not _HEX16.fullmatch(self.digest)):
+            raise ValueError(f"a node's candidate names ranks {[s.rank for s in self.shards][:8]} of a world of "
+                             f"{self.world_size} (consecutive ranks within it) and a digest of 16 hex digits")
+
+    @classmethod
+    def of(cls, g: GlobalManifest, ranks: range, digest: str) -> NodeCandidate:
+        """The candidate ``g`` (of digest ``digest``) as the node of ``ranks`` hears it."""
+        return cls(g.step, g.world_size, digest, g.shards[ranks.start:ranks.stop])
+
+    @property
+    def ranks(self) -> range:
+        """The ranks whose entries it carries."""
+        return range(self.shards[0].rank, self.shards[-1].rank + 1)
+
+    def shard(self, rank: int) -> ShardInfo:
+        """The entry of ``rank``.
+
+        Raises:
+            CoordinationProtocolError: it carries no entry of ``rank``.
+        """
+        if rank not in self.ranks:
+            raise CoordinationProtocolError(f"the candidate of global step {self.step} carries ranks "
+                                            f"{self.ranks.start}..{self.ranks.stop - 1}, not rank {rank}")
+        return self.shards[rank - self.ranks.start]
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"step", "world_size", "digest", "shards": [entry JSON]}``."""
+        return {"step": self.step, "world_size": self.world_size, "digest": self.digest,
+                "shards": [s.to_json() for s in self.shards]}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> NodeCandidate:
+        """Read what :meth:`to_json` wrote (every entry strictly typed)."""
+        d = _dict(doc, "node candidate")
+        shards = d.get("shards")
+        if not isinstance(shards, list):
+            raise _bad("node candidate entries", shards)
+        return cls(_int(d.get("step"), "candidate step"), _int(d.get("world_size"), "candidate world size", low=1),
+                   _str(d.get("digest"), "candidate digest"), tuple(_shard_info(e) for e in shards))
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+@dataclass(frozen=True)
+class TryMsg:
+    """The coordinator's word on restore candidate ``k``: load ``candidate`` (or ``node``), ``done``, or an ``error``.
+
+    Attributes:
+        candidate: the global version to check and load, whole (one of another world size, a
+            single-process one, or one of slices: every rank reads other ranks' shards; the whole
+            manifest put in the coordination store by :meth:`RestoreRound.chosen`).
+        node: the global version to check and load, as this rank's node hears it (any other).
         done: the step of the global version every rank loaded (the restore is over).
         notes: with ``done``: the candidates skipped and why.
         error: the error every rank raises.
@@ -368,22 +451,25 @@ class TryMsg:
     done: int | None = None
     notes: tuple[str, ...] = ()
     error: Relayed | None = None
+    node: NodeCandidate | None = None
 
     def __post_init__(self) -> None:
-        """Check that exactly one of ``candidate``, ``done``, ``error`` is set.
+        """Check that exactly one of ``candidate``, ``node``, ``done``, ``error`` is set.
 
         Raises:
             ValueError: none or several.
         """
-        if sum(x is not None for x in (self.candidate, self.done, self.error)) != 1:
+        if sum(x is not None for x in (self.candidate, self.node, self.done, self.error)) != 1:
             raise ValueError("a restore message is exactly one of a candidate, done, an error")
 
     def to_json(self) -> dict[str, Any]:
-        """``{"global": manifest JSON}``, ``{"done", "notes"}`` or ``{"error", "message"}``."""
+        """``{"global": manifest JSON}``, ``{"node": candidate}``, ``{"done", "notes"}`` or ``{"error", "message"}``."""
         if self.error is not None:
             return self.error.to_json()
         if self.done is not None:
             return {"done": self.done, "notes": list(self.notes)}
+        if self.node is not None:
+            return {"node": self.node.to_json()}
         assert self.candidate is not None
         return {"global": self.candidate.to_json().decode()}
 
@@ -398,6 +484,8 @@ class TryMsg:
             if not isinstance(notes, list):
                 raise _bad("restore notes", notes)
             return cls(done=_int(d["done"], "restored step"), notes=tuple(_str(n, "note") for n in notes))
+        if "node" in d:
+            return cls(node=NodeCandidate.from_json(d["node"]))
         return cls(GlobalManifest.from_json(_str(d.get("global"), "global manifest").encode()))
 
 
@@ -605,6 +693,10 @@ class Wire:
         """The coordinator: the broadcast ``key``."""
         self.fabric.announce(key, encode(payload))
 
+    def announce_each(self, key: str, payload_of: Callable[[int], Payload]) -> None:
+        """The coordinator: the broadcast ``key``, node by node (``payload_of(n)`` for node ``n``)."""
+        self.fabric.announce_each(key, lambda node: encode(payload_of(node)))
+
     def hear(self, key: str, kind: type[P], timeout_s: float, what: str) -> P:
         """Wait for the broadcast ``key`` and return its payload (CoordinationTimeoutError)."""
         return decode(self.fabric.hear(key, timeout_s, what), kind, key)
@@ -689,9 +781,10 @@ class CommitRound:
 class RestoreRound:
     """The keys of one collective restore (``prefix`` = ``s<session>/restore/<i>``) and its typed exchanges.
 
-    ``<prefix>/have/<r>`` (:class:`Have`), ``/try/<k>`` (:class:`TryMsg`), ``/fit/<k>/<r>`` (:class:`Fit`),
-    ``/go/<k>`` (:class:`Go`), ``/result/<k>/<r>`` (:class:`LoadResult`). The methods block (call them
-    in a thread). See :mod:`asymstore.multirank.restore` for the order.
+    ``<prefix>/have/<r>`` (:class:`Have`), ``/try/<k>`` (:class:`TryMsg`: whole, or each node its own
+    :class:`NodeCandidate`), ``/fit/<k>/<r>`` (:class:`Fit`), ``/go/<k>`` (:class:`Go`),
+    ``/result/<k>/<r>`` (:class:`LoadResult`), ``/chosen`` (the whole global manifest loaded, after node
+    candidates). The methods block (call them in a thread). See :mod:`asymstore.multirank.restore` for the order.
     """
 
     wire: Wire
@@ -722,6 +815,28 @@ class RestoreRound:
     def post_try(self, k: int, msg: TryMsg) -> None:
         """Coordinator: its word on candidate ``k``."""
         self.wire.announce(self.key("try", k), msg)
+
+    def post_try_each(self, k: int, msg_of: Callable[[int], TryMsg]) -> None:
+        """Coordinator: its word on candidate ``k``, node by node (``msg_of(n)`` for node ``n``)."""
+        self.wire.announce_each(self.key("try", k), msg_of)
+
+    def chosen(self, g: GlobalManifest) -> None:
+        """Coordinator: put the whole global manifest every rank loaded (``/chosen``, in the job's store only)."""
+        self.wire.put(self.key("chosen"), TryMsg(g))
+
+    def whole(self, node: NodeCandidate) -> GlobalManifest:
+        """A rank: the whole global manifest the coordinator chose (one request on the job's store).
+
+        Raises:
+            CoordinationProtocolError: it is malformed, or not the global manifest ``node`` stands for
+                (another step or another digest).
+        """
+        g = self.wire.get(self.key("chosen"), TryMsg).candidate
+        if g is None or g.step != node.step or manifest_digest(g) != node.digest:
+            raise CoordinationProtocolError(
+                f"{self.key('chosen')}: not the global manifest of step {node.step} (digest {node.digest}) "
+                f"the coordinator offered, but {None if g is None else (g.step, manifest_digest(g))}")
+        return g
 
     def wait_try(self, k: int, timeout_s: float) -> TryMsg:
         """A rank: the coordinator's word on candidate ``k``."""

@@ -45,7 +45,7 @@ from asymstore.multirank.job import Job
 from asymstore.multirank.locate import rank_placement
 from asymstore.multirank.peers import read_peer_shard, read_shard_manifest
 from asymstore.multirank.publish import await_global, publish_global
-from asymstore.multirank.restore import restore_collective
+from asymstore.multirank.restore import Chosen, restore_collective, whole_manifest
 from asymstore.multirank.retention import (
     delete_shard,
     retain_shards,
@@ -172,8 +172,8 @@ class RankStore:
         self._last_commit: protocol.CommitRound | None = None
         self.last_global: GlobalManifest | None = None
         """The newest global version this rank saw published (the coordinator's, after each commit)."""
-        self.restored_global: GlobalManifest | None = None
-        """The global version ``restore`` chose."""
+        self._restored_global: GlobalManifest | None = None
+        self._restored: Chosen | None = None  # what restore chose, as this rank heard it
         self.published_step: int | None = None
         """The newest global step this rank saw published (its commits; non-coordinators: once waited for)."""
         self.reshard: Targets | None = None
@@ -648,13 +648,30 @@ class RankStore:
             # before its first global commit, belong to no version; the steps put from now on replace them.
             self._floor = -1
             raise
-        self.restored_global = g
-        if rootlayout.is_single_root(g):  # recorded with the layout at the first global commit
-            self.job.resumed_single = g.step
-        self._floor = g.shard(self.rank).step if self.rank < g.world_size else g.step
+        self._restored, self._restored_global = g, g.manifest
+        if g.manifest is not None and rootlayout.is_single_root(g.manifest):  # recorded with the layout at the
+            self.job.resumed_single = g.step                                   # first global commit
+        self._floor = g.shard.step if g.shard is not None else g.step
         if notes:
             logger.warning("restored global step %d after: %s", g.step, "; ".join(notes))
         return Checkpoint(ckpt.step, ckpt.tensors, ckpt.meta, ckpt.tier, ckpt.manifest, [*notes, *ckpt.fallbacks])
+
+    @property
+    def restored_global(self) -> GlobalManifest | None:
+        """The global version ``restore`` chose (None before one).
+
+        A rank heard only its node's entries of it (:mod:`.restore`): on first use it reads the whole
+        manifest from the job's coordination store (one request, where the coordinator put it), checked
+        against the digest the coordinator sent (:class:`~asymstore.errors.CoordinationProtocolError`
+        when it differs).
+        """
+        if self._restored_global is None and self._restored is not None:
+            self._restored_global = whole_manifest(self.kv, self._restored)
+        return self._restored_global
+
+    @restored_global.setter
+    def restored_global(self, g: GlobalManifest | None) -> None:
+        self._restored_global, self._restored = g, None
 
     async def read_shard(self, rank: int, step: int) -> Checkpoint:
         """Read and verify another rank's shard (through ``peer_tiers``; own shards through this store)."""

@@ -3,7 +3,8 @@
 8 ranks as threads of this process (each its own event loop and its own client of one real TCPStore, as
 ranks of a job have), once as 4 nodes of 2 and once as one node (the direct protocol). Every request each
 rank's client makes on the job's store is counted: off node 0 the ranks that do not lead make none while
-committing, and each leader a bounded few per commit.
+committing, and each leader a bounded few per commit. Every restore candidate a rank decodes is recorded:
+through nodes it carries its node's entries only, never every rank's.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ import torch
 import torch.distributed as dist
 
 from asymstore.dist.topology import Topology
-from asymstore.errors import GlobalCommitTimeoutError
+from asymstore.errors import CoordinationProtocolError, CoordinationTimeoutError, GlobalCommitTimeoutError
+from asymstore.format.globalmanifest import manifest_digest
+from asymstore.multirank import protocol
+from asymstore.multirank import restore as restore_module
 from asymstore.multirank.globaldir import list_global_steps, read_global
+from asymstore.multirank.job import Job
+from asymstore.multirank.protocol import NodeCandidate, RestoreRound, TryMsg, encode
 from tests.support.ranks import run_ranks, store
 
 WORLD = 8
@@ -47,6 +53,32 @@ class Counting:
         return call
 
 
+class Tries:
+    """Every restore candidate the ranks decode: (bytes read, shard entries carried)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+        real = protocol.decode
+
+        def decode(raw: Any, kind: Any, key: str = "a value") -> Any:
+            out = real(raw, kind, key)
+            if kind is TryMsg and "/try/" in key:
+                whole, node = out.candidate, getattr(out, "node", None)
+                if whole is not None or node is not None:
+                    with self.lock:
+                        self.seen.append((len(raw), len(whole.shards if whole is not None else node.shards)))
+            return out
+
+        monkeypatch.setattr(protocol, "decode", decode)
+
+    def take(self) -> list[tuple[int, int]]:
+        """The candidates decoded since the last take."""
+        with self.lock:
+            out, self.seen = self.seen, []
+        return out
+
+
 def _job(root: Path, node_size: int) -> tuple[dict[int, Any], dict[int, int]]:
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
                            wait_for_workers=False)
@@ -67,18 +99,26 @@ def _job(root: Path, node_size: int) -> tuple[dict[int, Any], dict[int, int]]:
             await s.flush()
         async with store(root, r, WORLD, clients[r], node_size=node_size, timeout_s=20.0) as again:
             ckpt = await again.restore()
-            return ckpt.step, ckpt.tensors["w"].clone()
+            return ckpt.step, ckpt.tensors["w"].clone(), again.restored_global
 
     out = run_ranks(WORLD, rank)
     del server
     return out, per_commit
 
 
-def test_through_node_leaders_the_versions_are_the_direct_ones_with_o_nodes_requests(tmp_path: Path) -> None:
-    """4 nodes of 2 against one node: same global versions and restores; the non-leaders off node 0 ask nothing."""
+def test_through_node_leaders_the_versions_are_the_direct_ones_with_o_nodes_requests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 nodes of 2 against one node: same global versions and restores; the non-leaders off node 0 ask nothing.
+
+    Each rank decodes only its node's entries of the restore candidate (2, not 8: O(node), not O(ranks)),
+    and the global version it restored (``restored_global``, read whole when asked) is the one on disk.
+    """
     nodes, direct = tmp_path / "nodes", tmp_path / "direct"
+    tries = Tries(monkeypatch)
     got, calls = _job(nodes, 2)
+    node_tries = tries.take()
     want, direct_calls = _job(direct, WORLD)
+    direct_tries = tries.take()
     for r in range(WORLD):
         assert not isinstance(got[r], BaseException), got[r]
         assert not isinstance(want[r], BaseException), want[r]
@@ -88,6 +128,11 @@ def test_through_node_leaders_the_versions_are_the_direct_ones_with_o_nodes_requ
     assert list_global_steps(str(nodes / "global")) == list_global_steps(str(direct / "global"))
     a, b = read_global(str(nodes / "global"), COMMITS), read_global(str(direct / "global"), COMMITS)
     assert [s.digest for s in a.shards] == [s.digest for s in b.shards]
+    assert all(got[r][2] == a and want[r][2] == b for r in range(WORLD))
+    whole = len(encode(TryMsg(a)))
+    assert len(node_tries) == WORLD - 1, node_tries  # one candidate, heard by every rank but the coordinator
+    assert all(entries == 2 and size < whole / 2 for size, entries in node_tries), (node_tries, whole)
+    assert len(direct_tries) == WORLD - 1 and all(entries == WORLD for _, entries in direct_tries), direct_tries
     top = Topology(WORLD, 2)
     for r in range(WORLD):
         if top.node_of(r) > 0 and not top.is_leader(r):
@@ -167,3 +212,59 @@ def test_a_preemption_notice_reaches_every_node_before_the_publisher_goes_on(tmp
     out = run_ranks(WORLD, rank)
     assert all(v is None for v in out.values()), out
     assert seen == {r: (7, 5) for r in range(WORLD)}, seen
+
+
+def _forged_restore(root: Path, monkeypatch: pytest.MonkeyPatch, forge: str) -> dict[int, Any]:
+    """4 ranks as 2 nodes of 2 commit once, then restore with the coordinator's candidate forged (``forge``)."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    port, world = server.port, 4
+
+    def offer(job: Job, rnd: RestoreRound, k: int, c: Any) -> None:
+        g, top = c.manifest, job.fabric.topology
+        assert g is not None and top is not None
+        if forge == "other node":  # well-formed, but each node hears the other node's entries
+            digest = manifest_digest(g)
+            rnd.post_try_each(k, lambda n: TryMsg(node=NodeCandidate.of(g, top.members(1 - n), digest)))
+        else:  # the right entries, but a digest that is not the whole manifest's
+            rnd.post_try_each(k, lambda n: TryMsg(node=NodeCandidate.of(g, top.members(n), "0" * 16)))
+
+    async def rank(r: int) -> Any:
+        kv = dist.PrefixStore("asymstore/t", dist.TCPStore("127.0.0.1", port, None, False,
+                                                            timeout=datetime.timedelta(seconds=30),
+                                                            wait_for_workers=False))
+        async with store(root, r, world, kv, node_size=2, timeout_s=20.0) as s:
+            await s.put_many(0, {"w": torch.full((4,), float(r))})
+            await s.commit(0)
+            await s.flush()
+        async with store(root, r, world, kv, node_size=2, timeout_s=20.0, restore_timeout_s=2.0) as s:
+            monkeypatch.setattr(restore_module, "_offer", offer)
+            try:
+                ckpt = await s.restore()
+                return ckpt.tensors["w"].clone(), s.restored_global
+            except Exception as exc:
+                return exc
+
+    out = run_ranks(world, rank)
+    del server
+    return out
+
+
+def test_a_candidate_forged_for_another_node_is_refused_typed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each node hears the other node's entries: every follower refuses it (CoordinationProtocolError), none
+    loads; the coordinator's wait for them runs out (CoordinationTimeoutError)."""
+    out = _forged_restore(tmp_path, monkeypatch, "other node")
+    assert isinstance(out[0], CoordinationTimeoutError), out
+    for r in (1, 2, 3):
+        assert isinstance(out[r], CoordinationProtocolError) and "its node holds ranks" in str(out[r]), out
+
+
+def test_a_whole_manifest_that_is_not_the_offered_one_is_refused_typed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node candidates name a digest the coordinator's manifest does not have: the shards load (each checked
+    against its own entry), but a follower asking for the whole manifest gets CoordinationProtocolError."""
+    out = _forged_restore(tmp_path, monkeypatch, "digest")
+    assert torch.equal(out[0][0], torch.zeros(4)) and out[0][1] == read_global(str(tmp_path / "global"), 0)
+    for r in (1, 2, 3):
+        assert isinstance(out[r], CoordinationProtocolError) and "not the global manifest" in str(out[r]), out

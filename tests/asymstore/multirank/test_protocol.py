@@ -42,6 +42,7 @@ from asymstore.multirank.protocol import (
     Go,
     Have,
     LoadResult,
+    NodeCandidate,
     Relayed,
     RestoreRound,
     RetainSet,
@@ -79,6 +80,16 @@ def manifests(draw: st.DrawFn) -> GlobalManifest:
     return GlobalManifest(draw(steps), world, shards, draw(summaries), 1.5, draw(st.none() | st.just("0" * 16)))
 
 
+@st.composite
+def node_candidates(draw: st.DrawFn) -> NodeCandidate:
+    world = draw(st.integers(1, 64))
+    first = draw(st.integers(0, world - 1))
+    last = draw(st.integers(first, world - 1))
+    shards = tuple(ShardInfo(r, draw(steps), "ab" * 8, draw(steps), draw(st.integers(0, 10**6)), draw(summaries))
+                   for r in range(first, last + 1))
+    return NodeCandidate(draw(steps), world, draw(st.text("0123456789abcdef", min_size=16, max_size=16)), shards)
+
+
 PAYLOADS: dict[type[Any], st.SearchStrategy[Any]] = {
     Relayed: relays,
     Agreement: st.builds(Agreement, step=steps, floor=st.integers(-1, 2**62), nonce=st.integers(1, 2**62)),
@@ -87,7 +98,8 @@ PAYLOADS: dict[type[Any], st.SearchStrategy[Any]] = {
     GlobalAnswer: st.builds(GlobalAnswer, step=steps) | st.builds(GlobalAnswer, failed=text, dropped=st.booleans()),
     Flushed: st.builds(Flushed, st.builds(GlobalAnswer, step=steps) | st.builds(GlobalAnswer, failed=text)),
     Have: st.builds(Have, st.lists(steps, max_size=8).map(tuple)),
-    TryMsg: st.builds(TryMsg, candidate=manifests()) | st.builds(TryMsg, error=relays)
+    TryMsg: st.builds(TryMsg, candidate=manifests()) | st.builds(TryMsg, node=node_candidates())
+    | st.builds(TryMsg, error=relays)
     | st.builds(TryMsg, done=steps, notes=st.lists(text, max_size=3).map(tuple)),
     Fit: st.builds(Fit, ok=st.booleans(), reason=text),
     Go: st.builds(Go, error=st.none() | relays),
@@ -164,6 +176,28 @@ def test_the_wire_is_the_json_of_the_previous_release() -> None:
     (Go, b'{"go": false}'),
     (TryMsg, b'{"global": "{\\"format\\": \\"nope\\"}"}'),
     (TryMsg, b'{"done": 3, "notes": "not a list"}'),
+    # a node's candidate: strictly typed, consecutive ranks within its world, a digest of 16 hex digits
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789abcdef", "shards": []}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789abcdef", "shards": {}}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": 0, "step": 3, "digest": "a"}, {"rank": 2, "step": 3, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 2, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": 1, "step": 3, "digest": "a"}, {"rank": 2, "step": 3, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": "1", "step": 3, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": 1, "step": true, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": 1, "step": 3, "digest": "a", "nbytes": 1.5}]}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789ABCDEF", "shards": ['
+             b'{"rank": 1, "step": 3, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 0, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": 0, "step": 3, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": {"step": -3, "world_size": 4, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": 0, "step": 3, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": {"step": 3, "world_size": 4, "digest": "0123456789abcdef", "shards": ['
+             b'{"rank": 0, "step": NaN, "digest": "a"}]}}'),
+    (TryMsg, b'{"node": [1, 2]}'),
     (Verdict, b'{"pending": true, "found": "x", "newest": null, "error": ["only one"]}'),
     (RetainSet, b'{"ranks": {"zero": [1]}}'),
     (LoadResult, b'{"ok": true, "reason": "", "refused": 1}'),

@@ -167,3 +167,58 @@ def test_destinations_refused_on_one_rank_are_refused_on_every_rank_without_tryi
     assert isinstance(out[1].__cause__, ValueError)  # the refusing rank raises its own error, with its cause
     for name, before in destinations().items():  # agreed before any read: the fitting rank read nothing either
         assert torch.equal(live[name], before), name
+
+
+def test_a_refusal_reaches_a_rank_that_loaded_before_the_go_at_once(tmp_path: Path) -> None:
+    """Rank 0's destinations refuse the version; rank 1 restores into fresh tensors, so it loaded before the go and
+    waits for the next word: it raises the refusal naming rank 0 (not a timeout), and no older version is tried."""
+    import time
+
+    kv = dist.HashStore()
+    commit_ranks(tmp_path, kv, [1, 2])
+    seen: list[int] = []
+
+    def refuse(manifest: Manifest) -> dict[str, torch.Tensor]:
+        seen.append(manifest.step)
+        raise ValueError("the live model has another layer")
+
+    started = time.monotonic()
+    out = restore_ranks(tmp_path, kv, lambda r: refuse if r == 0 else None)
+    assert isinstance(out[0], DestinationMismatchError) and isinstance(out[0].__cause__, ValueError), out
+    assert isinstance(out[1], DestinationMismatchError) and "rank(s) [0] refused" in str(out[1]), out
+    assert seen == [2] and time.monotonic() - started < 8  # restore_timeout_s is 10 s
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["fresh", "into"])
+def test_a_rank_reads_before_the_go_only_when_it_writes_into_nothing_live(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inplace: bool) -> None:
+    """Without ``into`` every rank has loaded and verified its shard when the coordinator says go (the go costs the
+    agreement no round trip); with ``into`` no rank has read a byte before it (every destination was checked)."""
+    from asymstore.multirank.protocol import RestoreRound
+
+    kv = dist.HashStore()
+
+    async def commit(rank: int) -> None:
+        async with store(tmp_path, rank, 2, kv) as s:
+            await s.put_many(0, {"w": torch.arange(4.0) + rank})
+            await s.commit(0)
+
+    assert run_ranks(2, commit) == {0: None, 1: None}
+    at_go: list[list[int]] = []
+    real_go = RestoreRound.go
+
+    def go(self: RestoreRound, k: int, msg: Any) -> None:
+        at_go.append(self.wire.missing(self.key("result", k), range(self.world_size)))  # who has not loaded yet
+        real_go(self, k, msg)
+
+    monkeypatch.setattr(RestoreRound, "go", go)
+
+    async def restore(rank: int) -> torch.Tensor:
+        async with store(tmp_path, rank, 2, kv) as s:
+            into = {"w": torch.full((4,), -1.0)} if inplace else None
+            ckpt = await s.restore(into=into)
+            return ckpt.tensors["w"].clone()
+
+    out = run_ranks(2, restore)
+    assert all(torch.equal(out[r], torch.arange(4.0) + r) for r in range(2)), out
+    assert at_go == ([[0, 1]] if inplace else [[]]), at_go

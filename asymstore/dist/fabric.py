@@ -11,12 +11,17 @@ round, and N ranks polling it while they wait. :class:`Fabric` routes both throu
   store directly, as before. A job of one node therefore runs exactly the direct protocol.
 - **Every other node** gets a node store: a TCPStore its leader (``LOCAL_RANK`` 0) serves on the node
   (``127.0.0.1``), whose address the leader posts once per session. Its ranks put their parts and wait
-  for broadcasts there (waits that block in that store's server; they cost the job's store nothing). The
-  leader's relay (:class:`NodeRelay`, a thread of the leader's process per gather, waiting in the node
-  store's server) forwards the node's parts of a gather as one value (``<prefix>/node/<n>``: every
-  part, and which ranks are missing when its wait ran out): one request per node per gather on the
-  job's store. The coordinator waits for the parts in the job's store's server too (one blocking wait
-  per gather, no polls), on a connection of its own made at ``open``.
+  for broadcasts there (waits that block in that store's server; they cost the job's store nothing).
+- **Gathers go up the relay tree** (:meth:`~asymstore.dist.topology.Topology.relay_groups`: about
+  √(nodes) groups of consecutive nodes, each with a head). Each leader's relay (:class:`NodeRelay`, a
+  thread of the leader's process per gather, waiting in its node store's server) hands its node's
+  parts (every part, and which ranks are missing when its wait ran out) to its group's head's store
+  (``<prefix>/node/<n>``); the head's relay forwards the whole group's as one value into the
+  gather's queue in the job's store (``<prefix>/nodes``, ``TCPStore.queue_push``; a store without
+  queues: ``<prefix>/node/<head>``): one request per group per gather on the job's store. The
+  coordinator pops the groups' values as they come (blocking in the server, on a connection of its
+  own made at ``open``) and reads each group's parts at once, so that after the last group only its
+  parts are left to parse; node 0's parts it waits for in one blocking wait.
 - **Broadcasts go down a tree of depth two** (:meth:`~asymstore.dist.topology.Topology.relay_groups`):
   the coordinator puts each one into the job's store (for its own node) and into the store of each
   group's head node, about √(nodes) puts; each head's leader puts it into the rest of its group. Every
@@ -52,10 +57,10 @@ import json
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from asymstore.dist.kv import KV
 from asymstore.dist.topology import Topology
@@ -75,6 +80,10 @@ CONNECT_TIMEOUT_S = 60.0
 NODE_POLL_MAX_S = 0.02
 """The longest pause between two polls of a node store (served on the node: a poll costs the job's store nothing)."""
 
+CHILD_SHARE = 0.875
+"""A group member's leader hands its node's parts to its group's head after this share of the head's wait at
+most, so that the head hears which of them are missing before its own wait runs out."""
+
 RESEND = 8
 """How many of its latest broadcasts the coordinator resends to a dead head's group before serving it directly."""
 
@@ -85,6 +94,9 @@ RELAY_PREFIX = "_relay"
 """Node-store keys of the numbered relay messages (read by the node's leader only)."""
 
 _FOREVER_S = 7 * 24 * 3600.0
+_ARRIVALS_KEPT = 32  # gathers whose arrived nodes the coordinator remembers (to name the missing ranks)
+
+T = TypeVar("T")
 
 
 def node_address_key(session_prefix: str, node: int) -> str:
@@ -100,6 +112,16 @@ def node_part_key(prefix: str, node: int) -> str:
 def part_key(prefix: str, rank: int) -> str:
     """Where ``rank`` puts its part of the gather under ``prefix``."""
     return f"{prefix}/{rank}"
+
+
+def node_queue_key(prefix: str) -> str:
+    """The queue (``TCPStore.queue_push``) the leaders put their nodes' parts of the gather under ``prefix`` in."""
+    return f"{prefix}/nodes"
+
+
+def has_queues(store: Any) -> bool:
+    """Whether ``store`` has the queues of a TCPStore (``queue_push``, ``queue_pop``, ``queue_len``)."""
+    return all(callable(getattr(store, name, None)) for name in ("queue_push", "queue_pop", "queue_len"))
 
 
 def relay_key(seq: int) -> str:
@@ -161,6 +183,10 @@ class Fabric:
         self._waiter: Any = None  # a member's connection to its node store for waits that block in the server
         self._gather_waiters: list[Any] = []  # the coordinator's connections for its gathers' blocking waits
         self._gathering: dict[int, list[str]] = {}  # the keys each blocked gather waits for (released at exit)
+        self._popping: dict[int, str] = {}  # the queue each blocked gather pops (released at exit)
+        self._queues = False  # the coordinator pops the nodes' parts from a queue as they come
+        self._head_of: dict[int, int] = {}  # node -> the head of its relay group
+        self._arrived: OrderedDict[str, dict[int, list[int]]] = OrderedDict()  # prefix -> node -> its missing ranks
         self._lock = threading.Lock()
         self._queued: dict[str, str] = {}  # node-store values that ride with the next broadcast
         self._told: dict[str, str] = {}  # what the node stores were last told of each such value
@@ -196,6 +222,7 @@ class Fabric:
         if self.rank == 0:
             stores = {n: self._node_store(n) for n in range(1, top.nodes)}
             self.broadcaster = Broadcaster(stores, top.relay_groups(), self.rank)
+            self._queues = has_queues(self.kv.store)
             waiter = _clone(self.kv.store)
             if waiter is not None:
                 self._gather_waiters.append(waiter)
@@ -211,7 +238,9 @@ class Fabric:
             self.local = self.relay.local
             self.kv.store.set(node_address_key(session_prefix, self.node),
                               json.dumps({"host": self.relay.host, "port": self.relay.port}))
-            self.relay.start({c: self._node_store(c) for c in top.relay_children(self.node)})
+            head = top.relay_head(self.node)
+            self.relay.start({c: self._node_store(c) for c in top.relay_children(self.node)},
+                             None if head == self.node else self._node_store(head))
             return
         self.local = self._node_store(self.node)
         self._waiter = self.local.store.clone()  # for the waits in the node store's server, made at open
@@ -238,14 +267,20 @@ class Fabric:
         """At exit (the coordinator): end the gathers still blocked in the job's store (their parts set empty)."""
         with self._lock:
             pending = [k for keys in self._gathering.values() for k in keys]
+            queues = list(self._popping.values())
         for key in pending:
             try:
                 if not self.kv.has(key):
                     self.kv.store.set(key, "")
             except Exception as exc:
                 logger.debug("rank %d: %s", self.rank, exc)
+        for queue in queues:
+            try:
+                self.kv.store.queue_push(queue, "")
+            except Exception as exc:
+                logger.debug("rank %d: %s", self.rank, exc)
         deadline = time.monotonic() + EXIT_WAIT_S
-        while self._gathering and time.monotonic() < deadline:
+        while (self._gathering or self._popping) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     # -- gathers -------------------------------------------------------------------------------------
@@ -257,16 +292,21 @@ class Fabric:
             self.relay.forward(prefix)
 
     def _gather_keys(self, prefix: str, ranks: Sequence[int]) -> list[tuple[str, list[int] | None]]:
-        """The keys the coordinator reads for ``ranks``: a rank's own (None) or a node's parts (its ranks)."""
+        """The keys the coordinator reads for ``ranks``: a rank's own (None) or a relay group's parts (its ranks).
+
+        A group's parts are under its head's node (:func:`node_part_key`, or its queue item).
+        """
         top = self.topology
         out: list[tuple[str, list[int] | None]] = []
-        nodes: dict[int, list[int]] = {}
+        groups: dict[int, list[int]] = {}
+        if top is not None and top.nodes > 1 and not self._head_of:
+            self._head_of = {n: head for head, rest in top.relay_groups() for n in (head, *rest)}
         for r in ranks:
             if top is None or top.nodes == 1 or top.node_of(r) == 0:
                 out.append((part_key(prefix, r), None))
             else:
-                nodes.setdefault(top.node_of(r), []).append(r)
-        return out + [(node_part_key(prefix, n), members) for n, members in nodes.items()]
+                groups.setdefault(self._head_of[top.node_of(r)], []).append(r)
+        return out + [(node_part_key(prefix, head), members) for head, members in groups.items()]
 
     def gather(self, prefix: str, ranks: Sequence[int], timeout_s: float, what: str) -> list[bytes]:
         """The coordinator: every part of ``ranks`` under ``prefix``, in the order of ``ranks`` (blocking).
@@ -275,25 +315,114 @@ class Fabric:
             CoordinationTimeoutError: a part did not come within ``timeout_s`` (names the missing ranks).
             CoordinationProtocolError: a node's forwarded parts are malformed.
         """
+        return self.gather_each(prefix, ranks, timeout_s, what, lambda _r, raw: raw)
+
+    def gather_each(self, prefix: str, ranks: Sequence[int], timeout_s: float, what: str,
+                    read: Callable[[int, bytes], T]) -> list[T]:
+        """As :meth:`gather`, reading each part with ``read(rank, part)`` as it comes.
+
+        The coordinator of a job of several nodes pops the nodes' parts from the gather's queue in the
+        order their leaders forward them and reads each node's at once (the shard reports are parsed
+        while the slower nodes still commit): after the last node's parts, only that node's are left to
+        read. The parts of node 0's ranks are read once they are all in.
+
+        Raises:
+            CoordinationTimeoutError: a part did not come within ``timeout_s`` (names the missing ranks).
+            CoordinationProtocolError: a node's forwarded parts are malformed, or ``read`` raised it.
+        """
         keyed = self._gather_keys(prefix, ranks)
+        deadline = time.monotonic() + timeout_s
+        out: dict[int, T] = {}
+        lost: list[int] = []
+        nodes = {int(k.rsplit("/", 1)[1]): m for k, m in keyed if m}  # group head -> its ranks
+        if nodes and self._queues:
+            lost += self._pop_nodes(prefix, nodes, deadline, timeout_s, what, read, out)
+            keyed = [(k, m) for k, m in keyed if m is None]
         try:
-            self._wait_parts([k for k, _ in keyed], timeout_s, what)
+            self._wait_parts([k for k, _ in keyed], max(0.0, deadline - time.monotonic()), what)
         except CoordinationTimeoutError as exc:
             raise CoordinationTimeoutError(f"{what}: rank(s) {self.missing(prefix, ranks)} missing after "
                                            f"{timeout_s:g} s") from exc
-        parts: dict[int, bytes] = {}
-        missing: list[int] = []
         for (key, members), value in zip(keyed, self._get_many([k for k, _ in keyed]), strict=True):
             if members is None:
-                parts[int(key.rsplit("/", 1)[1])] = value
+                rank = int(key.rsplit("/", 1)[1])
+                out[rank] = read(rank, value)
                 continue
-            got, lost = _node_parts(value, members, key)
-            parts.update(got)
-            missing += lost
-        if missing:
-            raise CoordinationTimeoutError(f"{what}: rank(s) {sorted(missing)} missing after {timeout_s:g} s "
+            got, gone = _node_parts(value, members, key)
+            for rank, part in got.items():
+                out[rank] = read(rank, part)
+            lost += gone
+        if lost:
+            raise CoordinationTimeoutError(f"{what}: rank(s) {sorted(lost)} missing after {timeout_s:g} s "
                                            f"(their node's leader waited for them)")
-        return [parts[r] for r in ranks]
+        return [out[r] for r in ranks]
+
+    def _pop_nodes(self, prefix: str, nodes: dict[int, list[int]], deadline: float, timeout_s: float, what: str,
+                   read: Callable[[int, bytes], T], out: dict[int, T]) -> list[int]:
+        """Pop the nodes' parts from the gather's queue as they come, reading each; return the ranks missing.
+
+        Raises:
+            CoordinationTimeoutError: a node's parts did not come before ``deadline`` (its ranks named).
+            CoordinationProtocolError: a node's parts are malformed.
+        """
+        queue = node_queue_key(prefix)
+        arrived = self._arrived.setdefault(prefix, {})
+        while len(self._arrived) > _ARRIVALS_KEPT:
+            self._arrived.popitem(last=False)
+        with self._lock:
+            waiter = self._gather_waiters.pop() if self._gather_waiters else None
+            if waiter is not None:
+                self._popping[id(waiter)] = queue
+        lost: list[int] = []
+        try:
+            while len(arrived) < len(nodes):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(r for n, m in nodes.items() if n not in arrived for r in m)
+                    raise CoordinationTimeoutError(f"{what}: rank(s) {missing} missing after {timeout_s:g} s")
+                raw = self._pop(waiter, queue, left)
+                if exiting():
+                    raise CoordinationTimeoutError(f"{what}: the process is exiting")
+                if raw is None:
+                    continue
+                node, parts, gone = _queued_parts(raw, nodes, queue)
+                if node in arrived:
+                    logger.warning("rank %d: node %d forwarded its parts of %s twice; the first kept",
+                                   self.rank, node, prefix)
+                    continue
+                for rank, part in parts.items():
+                    out[rank] = read(rank, part)
+                arrived[node] = gone
+                lost += gone
+        finally:
+            if waiter is not None:
+                with self._lock:
+                    self._popping.pop(id(waiter), None)
+                    self._gather_waiters.append(waiter)
+        return lost
+
+    def _pop(self, waiter: Any, queue: str, left: float) -> bytes | None:
+        """The next value of ``queue``, blocking in the server up to ``left`` seconds (None: none came).
+
+        Raises:
+            RuntimeError: the job's store is gone (DistNetworkError).
+        """
+        if waiter is not None:
+            waiter.set_timeout(_timeout(max(left, 0.001)))
+            try:
+                return bytes(waiter.queue_pop(queue))
+            except RuntimeError as exc:
+                if type(exc).__name__ == "DistNetworkError":
+                    raise
+                return None  # DistStoreError: the pop timed out
+        store, delay = self.kv.store, 0.001  # no connection of its own: poll the queue's length
+        end = time.monotonic() + left
+        while int(store.queue_len(queue)) == 0:
+            if exiting() or time.monotonic() >= end:
+                return None
+            time.sleep(min(delay, max(0.0, end - time.monotonic())))
+            delay = min(delay * 2, self.kv.poll_max_s)
+        return bytes(store.queue_pop(queue, False))
 
     def _wait_parts(self, keys: list[str], timeout_s: float, what: str) -> None:
         """Wait for a gather's keys: blocking in the job's store's server where the coordinator has a connection.
@@ -303,6 +432,8 @@ class Fabric:
         Raises:
             CoordinationTimeoutError: not within ``timeout_s``, or the process is exiting.
         """
+        if not keys:
+            return
         with self._lock:
             waiter = self._gather_waiters.pop() if self._gather_waiters else None
             if waiter is not None:
@@ -311,7 +442,8 @@ class Fabric:
             self.kv.wait(keys, timeout_s, what)
             return
         try:
-            waiter.wait(keys, _timeout(timeout_s))
+            waiter.set_timeout(_timeout(max(timeout_s, 0.001)))
+            waiter.wait(keys, _timeout(max(timeout_s, 0.001)))
         except RuntimeError as exc:  # DistStoreError: the wait ran out (or the store is gone)
             if exiting():
                 raise CoordinationTimeoutError(f"{what}: the process is exiting") from exc
@@ -328,7 +460,12 @@ class Fabric:
     def missing(self, prefix: str, ranks: Sequence[int]) -> list[int]:
         """The ranks of ``ranks`` whose part under ``prefix`` the coordinator cannot read yet."""
         out: list[int] = []
+        arrived = self._arrived.get(prefix, {})
         for key, members in self._gather_keys(prefix, ranks):
+            if members is not None and self._queues:  # the groups' parts came by the queue: as popped
+                head = int(key.rsplit("/", 1)[1])
+                out += arrived[head] if head in arrived else members
+                continue
             present = self.kv.has(key)
             if members is None:
                 if not present:
@@ -490,54 +627,74 @@ class Broadcaster:
         """``multi_set`` requests made into node stores (each a whole broadcast)."""
         self._seq = 0
         self._recent: deque[tuple[list[str], list[str]]] = deque(maxlen=RESEND)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a confirmation made inline (one node) adopts under it
         self._count = threading.Lock()
         self._pool = ThreadPoolExecutor(min(8, len(stores)), thread_name_prefix="asymstore-fan-out") \
             if len(stores) > 1 else None
         self._serving: str | None = None
         self._service: threading.Thread | None = None
         self._requests: tuple[KV, str, int] | None = None  # the job's store, the request counter, the next request
+        self._service_lock = threading.Lock()
+        self._stopped = False
 
     def send(self, items: Sequence[tuple[str, str]], *, direct: bool = False) -> None:
         """Put ``items`` (key, value) into every node store still served: down the tree, or ``direct`` into each.
 
-        Returns once the coordinator's own puts are done (``direct``: every node store holds them; else
-        the heads', whose leaders relay them on).
+        Down the tree the coordinator does not wait for the heads' stores to answer: each head's put is
+        confirmed afterwards, in the background (one ``check``); a head found dead then has its group
+        served by the coordinator directly, the last :data:`RESEND` messages first. ``direct`` returns
+        once every node store still served answered (it holds ``items``).
         """
         with self._lock:  # one broadcast at a time: every node store gets the relay messages in order
             self._seq += 1
             msg = json.dumps({"keys": [k for k, _ in items], "direct": direct})
-            keys = [k for k, _ in items] + [relay_key(self._seq)]
-            values = [v for _, v in items] + [msg]
-            recent = list(self._recent)
-            self._recent.append((keys, values))
-            tasks: list[tuple[int, tuple[int, ...], tuple[tuple[list[str], list[str]], ...]]]
+            batch = ([k for k, _ in items] + [relay_key(self._seq)], [v for _, v in items] + [msg])
+            self._recent.append(batch)
             if direct:
-                tasks = [(n, (), ()) for n in self.stores]
-            else:
-                tasks = [(head, rest, tuple(recent)) for head, rest in self.groups]
-            batch = (keys, values)
-
-            def run(task: tuple[int, tuple[int, ...], tuple[tuple[list[str], list[str]], ...]]) -> None:
-                head, rest, before = task
-                if head not in self.adopted and self._put(head, [batch]):
-                    return
-                if not direct and head not in self.adopted:  # the head is gone: its group hears from us now
-                    self.adopted.add(head)
+                nodes = [n for n in self.stores if n not in self.dead]
+                if self._pool is None or len(nodes) < 2:
+                    for node in nodes:
+                        self._put(node, [batch], confirm=True)
+                else:
+                    list(self._pool.map(lambda node: self._put(node, [batch], confirm=True), nodes))
+                return
+            for head, rest in self.groups:
+                if head in self.adopted:
                     for node in rest:
-                        self._put(node, [*before, batch])
-                    return
-                for node in rest:
-                    self._put(node, [batch])
+                        self._put(node, [batch])
+                elif not self._put(head, [batch]):
+                    self._adopt(head, rest)
+                elif self._pool is not None:
+                    self._pool.submit(self._confirm, head, rest, batch[0][-1])
+                else:
+                    self._confirm(head, rest, batch[0][-1])
 
-            if self._pool is None or len(tasks) == 1:
-                for task in tasks:
-                    run(task)
-            else:
-                list(self._pool.map(run, tasks))
+    def _confirm(self, head: int, rest: tuple[int, ...], key: str) -> None:
+        """Check that the store of ``head`` holds the relay message ``key`` (a put is not answered); else adopt."""
+        try:
+            if self.stores[head].store.check([key]):
+                return
+        except RuntimeError as exc:  # DistNetworkError: the leader's process is gone
+            logger.debug("rank %d: node %d: %s", self.rank, head, str(exc).splitlines()[0][:200])
+        with self._lock:
+            if head not in self.adopted:
+                self._adopt(head, rest)
 
-    def _put(self, node: int, batches: Sequence[tuple[list[str], list[str]]]) -> bool:
-        """Put ``batches`` into the store of ``node``, in order; False when it is gone (noted in :attr:`dead`)."""
+    def _adopt(self, head: int, rest: tuple[int, ...]) -> None:
+        """Serve the group of the dead ``head`` directly from now on, the last messages resent (under the lock)."""
+        self.adopted.add(head)
+        self.dead.add(head)
+        logger.warning("rank %d: the store of node %d is gone (its leader died); its relay group %s hears from "
+                       "rank %d directly", self.rank, head, list(rest), self.rank)
+        batches = list(self._recent)
+        for node in rest:
+            self._put(node, batches)
+
+    def _put(self, node: int, batches: Sequence[tuple[list[str], list[str]]], *, confirm: bool = False) -> bool:
+        """Put ``batches`` into the store of ``node``, in order; False when it is gone (noted in :attr:`dead`).
+
+        ``confirm``: wait for the store to answer that it holds them (a put alone is not answered).
+        """
         if node in self.dead:
             return False
         store = self.stores[node].store
@@ -546,7 +703,7 @@ class Broadcaster:
                 store.multi_set(keys, values)
                 with self._count:
                     self.puts += 1
-            if not store.check([batches[-1][0][-1]]):  # a set is not answered: this is (a dead store fails it)
+            if confirm and not store.check([batches[-1][0][-1]]):
                 raise RuntimeError(f"node {node}'s store does not hold what was just put into it")
             return True
         except RuntimeError as exc:  # DistNetworkError: the leader's process is gone
@@ -564,10 +721,13 @@ class Broadcaster:
 
         def serve() -> None:
             n = 1
-            while not exiting():
+            while True:
                 key = fan_out_key(session_prefix, n)
-                self._requests = (kv, fan_out_counter(session_prefix), n)
-                self._serving = key
+                with self._service_lock:  # the release reads it under the lock: it sees this wait or we see the exit
+                    if exiting() or self._stopped:
+                        return
+                    self._requests = (kv, fan_out_counter(session_prefix), n)
+                    self._serving = key
                 try:
                     waiter.wait([key], _timeout(_FOREVER_S))
                     raw = bytes(waiter.get(key))
@@ -575,7 +735,8 @@ class Broadcaster:
                     logger.debug("rank %d: fan-out service ends: %s", self.rank, exc)
                     return
                 finally:
-                    self._serving = None
+                    with self._service_lock:
+                        self._serving = None
                 if exiting() or not raw:
                     return
                 try:
@@ -590,7 +751,8 @@ class Broadcaster:
                 n += 1
 
         def release() -> None:
-            key = self._serving
+            with self._service_lock:
+                key = self._serving
             if key is not None:
                 try:
                     kv.store.set(key, "")
@@ -608,7 +770,9 @@ class Broadcaster:
 
         Its wait is released by setting the request key it waits for empty, which only the service reads.
         """
-        key, requests = self._serving, self._requests
+        with self._service_lock:
+            self._stopped = True
+            key, requests = self._serving, self._requests
         if key is None or requests is None:
             return
         kv, counter, n = requests
@@ -619,10 +783,45 @@ class Broadcaster:
             logger.debug("rank %d: %s", self.rank, exc)
 
 
-def _node_parts(raw: bytes, members: Sequence[int], key: str) -> tuple[dict[int, bytes], list[int]]:
-    """Parse a node's forwarded parts: (rank -> part, ranks missing)."""
+def _child_parts(store: KV, key: str, members: Sequence[int]) -> tuple[dict[str, str], list[int]] | None:
+    """A group member's node parts, as its leader handed them to the head (None: not there, or malformed)."""
+    try:
+        if not store.has(key):
+            return None
+        doc = json.loads(bytes(store.store.get(key)))
+        parts = {str(int(r)): str(v) for r, v in dict(doc["parts"]).items()}
+        missing = [int(r) for r in doc.get("missing", [])]
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+        logger.warning("%s: malformed parts of a node of the group: %s", key, str(exc)[:200])
+        return None
+    if {int(r) for r in parts} | set(missing) != set(members):
+        logger.warning("%s: a node's parts name ranks other than its own", key)
+        return None
+    return parts, missing
+
+
+def _queued_parts(raw: bytes, nodes: dict[int, list[int]], key: str) -> tuple[int, dict[int, bytes], list[int]]:
+    """Parse a node's parts popped from a gather's queue: (node, rank -> part, ranks missing).
+
+    Raises:
+        CoordinationProtocolError: malformed, or from no node of the gather.
+    """
     try:
         doc = json.loads(raw)
+        node = int(doc["node"])
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CoordinationProtocolError(f"{key}: malformed parts of a node: {str(exc)[:200]}") from exc
+    if node not in nodes:
+        raise CoordinationProtocolError(f"{key}: parts of node {node}, which is not in this gather")
+    parts, missing = _node_parts(raw, nodes[node], key, doc)
+    return node, parts, missing
+
+
+def _node_parts(raw: bytes, members: Sequence[int], key: str,
+                parsed: Any = None) -> tuple[dict[int, bytes], list[int]]:
+    """Parse a node's forwarded parts: (rank -> part, ranks missing)."""
+    try:
+        doc = json.loads(raw) if parsed is None else parsed
         parts = {int(r): str(v).encode() for r, v in dict(doc["parts"]).items()}
         missing = [int(r) for r in doc.get("missing", [])]
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -678,6 +877,9 @@ class NodeRelay:
         self._stopped = False
         self.children: dict[int, KV] = {}
         """The stores of the nodes this leader relays broadcasts to (its relay group, when it heads one)."""
+        self.head: KV | None = None
+        """The store of this node's relay head, when another node heads its group."""
+        self._child_nodes: tuple[int, ...] = ()
         self._heard: set[str] = set()
         self._heard_cond = threading.Condition()
         self._serving: str | None = None
@@ -685,9 +887,17 @@ class NodeRelay:
         self._service_waiter: Any = self.local.store.clone()
         at_exit(self._release, phase=1)
 
-    def start(self, children: dict[int, KV]) -> None:
-        """Start the relay service: the broadcasts into this node store, relayed to ``children``, heard here."""
+    def start(self, children: dict[int, KV], head: KV | None = None) -> None:
+        """Start the relay service: the broadcasts into this node store, relayed to ``children``, heard here.
+
+        Args:
+            children: the stores of the rest of this leader's relay group (it heads it).
+            head: the store of this node's group head, which forwards this node's parts of a gather
+                (None: this leader heads its group and forwards them to the coordinator itself).
+        """
         self.children = dict(children)
+        self.head = head
+        self._child_nodes = tuple(children)
         self._service = threading.Thread(target=self._serve, name="asymstore-relay-service", daemon=True)
         self._service.start()
 
@@ -695,9 +905,11 @@ class NodeRelay:
         """Read the relay messages in order (blocking in this node store's server) until the process exits."""
         seq = 1
         waiter = self._service_waiter
-        while not exiting():
+        while True:
             key = relay_key(seq)
-            with self._lock:
+            with self._lock:  # the exit's release reads it under the lock: it sees this wait or we see the exit
+                if exiting():
+                    return
                 self._serving = key
             try:
                 waiter.wait([key], datetime.timedelta(seconds=_FOREVER_S))
@@ -770,15 +982,24 @@ class NodeRelay:
         threading.Thread(target=self._forward, args=(prefix,), name="asymstore-relay", daemon=True).start()
 
     def _forward(self, prefix: str) -> None:
+        """Wait for the node's parts (a head: and its group's nodes'), then forward them as one value.
+
+        A group member's leader hands its node's parts to its head's store (after at most
+        :data:`CHILD_SHARE` of :data:`LEADER_SHARE` of the timeout); a head forwards its whole group's
+        to the coordinator (the gather's queue, or its node's key) after at most :data:`LEADER_SHARE`.
+        """
         members = list(self.topology.members(self.node))
         keys = [part_key(prefix, r) for r in members]
+        children = () if self.head is not None else self._child_nodes
+        keys += [node_part_key(prefix, c) for c in children]
+        share = LEADER_SHARE * (CHILD_SHARE if self.head is not None else 1.0)
         with self._lock:  # a connection of its own for a wait that blocks in the node store's server (no polls)
             waiter = self._waiters.pop() if self._waiters else None
             self._pending[prefix] = keys
         try:
             if waiter is None:  # connections are kept: a connect may stall on a name lookup
                 waiter = self.local.store.clone()
-            waiter.wait(keys, datetime.timedelta(seconds=self.timeout_s * LEADER_SHARE))
+            waiter.wait(keys, datetime.timedelta(seconds=self.timeout_s * share))
         except RuntimeError:
             pass  # DistStoreError: the wait ran out; forward what came, naming the missing ranks
         finally:
@@ -792,10 +1013,23 @@ class NodeRelay:
         try:
             present = [r for r in members if node.has(part_key(prefix, r))]
             values = node.store.multi_get([part_key(prefix, r) for r in present]) if present else []
-            doc = {"parts": {str(r): bytes(v).decode() for r, v in zip(present, values, strict=True)},
-                   "missing": [r for r in members if r not in present]}
-            self.central.store.set(node_part_key(prefix, self.node), json.dumps(doc))
-        except Exception as exc:  # the job's store is gone: the coordinator misses this node
+            parts = {str(r): bytes(v).decode() for r, v in zip(present, values, strict=True)}
+            missing = [r for r in members if r not in present]
+            for child in children:  # the group's other nodes, as their leaders handed them over
+                got = _child_parts(node, node_part_key(prefix, child), self.topology.members(child))
+                if got is None:
+                    missing += list(self.topology.members(child))
+                else:
+                    parts.update(got[0])
+                    missing += got[1]
+            doc = json.dumps({"node": self.node, "parts": parts, "missing": missing})
+            if self.head is not None:  # to the group's head
+                self.head.store.set(node_part_key(prefix, self.node), doc)
+            elif has_queues(self.central.store):  # the coordinator pops the groups' parts as they come
+                self.central.store.queue_push(node_queue_key(prefix), doc)
+            else:
+                self.central.store.set(node_part_key(prefix, self.node), doc)
+        except Exception as exc:  # the head's or the job's store is gone: the coordinator misses this node
             logger.warning("node %d: could not forward %s: %s", self.node, prefix, exc)
 
     def _release(self) -> None:

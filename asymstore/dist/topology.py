@@ -66,7 +66,9 @@ class Topology:
 
         About √(nodes) groups of about √(nodes) consecutive nodes each: the coordinator puts a broadcast into
         each group's head, and the head's leader into the rest of its group, so neither puts more than
-        about √(nodes) values per broadcast (a depth of two: one dead node never cuts off another).
+        about √(nodes) values per broadcast (a depth of two: one dead node never cuts off another). A
+        gather goes up the same tree: the group's leaders hand their nodes' parts to the head's leader,
+        which forwards the group's as one value.
         """
         others = list(range(1, self.nodes))
         if not others:
@@ -80,6 +82,13 @@ class Topology:
             if head == node:
                 return rest
         return ()
+
+    def relay_head(self, node: int) -> int:
+        """The head of the relay group of ``node`` (other than 0): its leader gathers the group's parts."""
+        for head, rest in self.relay_groups():
+            if node == head or node in rest:
+                return head
+        raise ValueError(f"node {node} is in no relay group of {self}")
 
     @classmethod
     def of(cls, world_size: int, node_size: int | None = None) -> Topology:

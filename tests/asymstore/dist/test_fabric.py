@@ -1,6 +1,6 @@
 """Broadcasts through the node stores (asymstore.dist.fabric): the tree, a dead node, a notice from another rank.
 
-Every rank here leads a node of one rank (``Topology(WORLD, 1)``: 9 nodes besides node 0, in 3 relay groups),
+Every rank here leads a node of one rank (``Topology(WORLD, 1)``: 4 nodes besides node 0, in 2 relay groups),
 each a real :class:`~asymstore.dist.fabric.Fabric` connected to one real TCPStore, as threads of this process.
 A dead node is a real process serving its node store, SIGKILLed.
 """
@@ -26,7 +26,7 @@ from asymstore.dist.fabric import Fabric, node_address_key
 from asymstore.dist.kv import KV
 from asymstore.dist.topology import Topology
 
-WORLD = 10
+WORLD = 5
 SESSION = "s1/nodes"
 TIMEOUT_S = 20.0
 TOP = Topology(WORLD, 1)
@@ -79,6 +79,8 @@ class Job:
                                            node_address_key(SESSION, n)],
                                           stdout=subprocess.PIPE, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"})
                       for n in away}
+        for p in self.procs.values():  # its address posted before any rank waits for it (torch's import is slow)
+            assert p.stdout is not None and p.stdout.readline().strip() == b"serving"
         self.fabrics = {r: Fabric(KV(_client(port)), TOP, r) for r in range(WORLD) if TOP.node_of(r) not in away}
         errors: list[BaseException] = []
 
@@ -94,8 +96,6 @@ class Job:
         for t in threads:
             t.join(60)
         assert not errors, errors
-        for p in self.procs.values():
-            assert p.stdout is not None and p.stdout.readline().strip() == b"serving"
 
     def kill(self, node: int) -> None:
         """SIGKILL the process that serves ``node``'s store."""
@@ -111,10 +111,16 @@ class Job:
                 p.wait(30)
 
 
-@pytest.fixture(autouse=True)
-def _quick_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def _quick_resolver() -> Iterator[None]:
     """One short try of a name lookup per connect (c10d looks each socket's name up; this VM has no DNS)."""
-    monkeypatch.setenv("RES_OPTIONS", "timeout:1 attempts:1")
+    before = os.environ.get("RES_OPTIONS")
+    os.environ["RES_OPTIONS"] = "timeout:1 attempts:1"
+    yield
+    if before is None:
+        del os.environ["RES_OPTIONS"]
+    else:
+        os.environ["RES_OPTIONS"] = before
 
 
 @pytest.fixture
@@ -124,9 +130,10 @@ def job() -> Iterator[Job]:
     made.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def job_dead_head() -> Iterator[Job]:
-    made = Job(away=(1,))  # node 1 heads the first relay group (nodes 1, 2, 3)
+    """One job for the tests with a dead head (node 1 heads the relay group of nodes 1 and 2)."""
+    made = Job(away=(1,))
     made.kill(1)
     yield made
     made.close()
@@ -139,7 +146,7 @@ def _heard_everywhere(job: Job, key: str, raw: str) -> None:
 
 
 def test_the_coordinator_puts_a_broadcast_into_the_relay_heads_only(job: Job) -> None:
-    """One put per relay group (3 for 9 nodes), the retention counter riding with the answer; every leader hears."""
+    """One put per relay group (2 for 4 nodes), the retention counter riding with the answer; every leader hears."""
     coordinator = job.fabrics[0]
     assert coordinator.broadcaster is not None
     stores = coordinator.broadcaster.stores
@@ -148,7 +155,7 @@ def test_the_coordinator_puts_a_broadcast_into_the_relay_heads_only(job: Job) ->
     coordinator.raise_counter("retain/all", 5)
     coordinator.announce("s1/commit/3/global", '{"step": 3}')
     puts = sum(kv.store.puts for kv in stores.values())
-    assert puts == len(TOP.relay_groups()) == 3, puts  # not one per node (9)
+    assert puts == len(TOP.relay_groups()) == 2, puts  # not one per node (4)
     _heard_everywhere(job, "s1/commit/3/global", '{"step": 3}')
     for r, f in job.fabrics.items():
         assert f.read_int("retain/all") == 5, r  # in every node store with the answer
@@ -159,7 +166,7 @@ def test_the_coordinator_puts_a_broadcast_into_the_relay_heads_only(job: Job) ->
 
 
 def test_a_dead_group_head_cuts_no_node_off_and_stalls_nothing(job_dead_head: Job) -> None:
-    """Node 1 (a relay head) is SIGKILLed: the broadcast returns at once, and nodes 2 and 3 hear it from rank 0."""
+    """Node 1 (a relay head) is SIGKILLed: the broadcast returns at once, and node 2 hears it from rank 0."""
     coordinator = job_dead_head.fabrics[0]
     started = time.monotonic()
     coordinator.announce("s1/agree/0", '{"step": 9}')
@@ -170,7 +177,7 @@ def test_a_dead_group_head_cuts_no_node_off_and_stalls_nothing(job_dead_head: Jo
 
 def test_a_notice_from_another_rank_reaches_every_node_through_the_coordinator(
         job_dead_head: Job, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 5 publishes a notice with node 1 dead: back within seconds, every live node store holds it, no connect."""
+    """Rank 3 publishes a notice with node 1 dead: back within seconds, every live node store holds it, no connect."""
     connects: list[tuple[str, int]] = []
     real = fabric_module.connect_store
 
@@ -179,8 +186,8 @@ def test_a_notice_from_another_rank_reaches_every_node_through_the_coordinator(
         return real(host, port, timeout_s)
 
     monkeypatch.setattr(fabric_module, "connect_store", counted)
-    publisher = job_dead_head.fabrics[5]
-    notice = json.dumps({"step": 7, "rank": 5, "reason": "SIGTERM"})
+    publisher = job_dead_head.fabrics[3]
+    notice = json.dumps({"step": 7, "rank": 3, "reason": "SIGTERM"})
     publisher.kv.store.compare_set("s1/preempt", "", notice)
     started = time.monotonic()
     publisher.fan_out("s1/preempt", notice)

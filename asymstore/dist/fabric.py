@@ -650,13 +650,14 @@ class Broadcaster:
             msg = json.dumps({"keys": [k for k, _ in items], "direct": direct})
             batch = ([k for k, _ in items] + [relay_key(self._seq)], [v for _, v in items] + [msg])
             self._recent.append(batch)
+            pool = None if self._stopped else self._pool
             if direct:
                 nodes = [n for n in self.stores if n not in self.dead]
-                if self._pool is None or len(nodes) < 2:
+                if pool is None or len(nodes) < 2:
                     for node in nodes:
                         self._put(node, [batch], confirm=True)
                 else:
-                    list(self._pool.map(lambda node: self._put(node, [batch], confirm=True), nodes))
+                    list(pool.map(lambda node: self._put(node, [batch], confirm=True), nodes))
                 return
             for head, rest in self.groups:
                 if head in self.adopted:
@@ -664,8 +665,8 @@ class Broadcaster:
                         self._put(node, [batch])
                 elif not self._put(head, [batch]):
                     self._adopt(head, rest)
-                elif self._pool is not None:
-                    self._pool.submit(self._confirm, head, rest, batch[0][-1])
+                elif pool is not None:
+                    pool.submit(self._confirm, head, rest, batch[0][-1])
                 else:
                     self._confirm(head, rest, batch[0][-1])
 
@@ -766,13 +767,16 @@ class Broadcaster:
         at_exit(release, phase=1)
 
     def stop(self) -> None:
-        """End the fan-out service (the coordinator closed its store) unless a rank already asked for its next one.
+        """The coordinator closed its store: no more broadcasts; end the fan-out service unless a rank asked for more.
 
         Its wait is released by setting the request key it waits for empty, which only the service reads.
         """
         with self._service_lock:
             self._stopped = True
             key, requests = self._serving, self._requests
+        if self._pool is not None:  # the confirmations already asked for still run; later puts run inline
+            with self._lock:
+                self._pool.shutdown(wait=False)
         if key is None or requests is None:
             return
         kv, counter, n = requests

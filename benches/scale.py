@@ -34,14 +34,21 @@ Reported per N and protocol, over ``--commits`` commits (after one warm-up) and
 - publish latency: from the last rank's shard report to the global manifest being
   published (the coordinator's ``commit`` returning), p50 and max. A rank's report
   is the ``set`` of its report key on the central store, timed by the counting
-  client; through node leaders the last report is the last leader's forward of its
-  node's reports (the coordinator can publish only after it);
+  client; through node leaders the last report is the last relay group head's
+  forward of its group's reports (``queue_push``; the coordinator can publish only
+  after it);
+- answer latency: from the same last report to the coordinator's ``set`` of its
+  answer in the central store (the global manifest and ``LATEST`` written, retention
+  decided), p50 and max: publish latency less the coordinator's own retention work
+  after it;
 - central store requests per commit, and per restore agreement (the requests made
   during ``restore()`` by every rank);
 - restore agreement: the slowest rank's ``restore()`` of the newest global version,
   every rank starting together (the start line: the ranks of a process meet, then
   one ``add`` and one blocking ``wait`` per process on the bench's own connection,
   not counted), the median and the max over the agreements;
+- descriptors and threads per process at its end (the node stores a process serves
+  stay served until it exits): what a process of many leaders needs;
 - CPU per process: the coordinator's per commit, the leaders' process's (and every
   worker's, with the ranks it hosts) per commit and per agreement, and the store
   server's process (this one) over the whole run; peak RSS of each process;
@@ -91,6 +98,11 @@ SAMPLE_S = 0.2
 """How often the server's open descriptors are counted."""
 SPARE_FDS = 256
 """Descriptors a process needs besides the store connections (libraries, pipes, files)."""
+LEADER_FDS = 56
+"""Descriptors a node leader holds in its process (46 measured at 1,024 ranks in nodes of 8): its node store's
+listening socket and server side of every connection to it (its own clients, its ranks' two each, rank 0's,
+its relay group's), its clients' sockets, the server's event loop. 1,535 leaders (12,288 ranks) need ~70,000:
+more than one process's ``RLIMIT_NOFILE`` here (20,000), so leaders are spread over several processes."""
 SPARE_BYTES = 1 << 30
 """Memory left free when deciding whether the next N fits."""
 PROCESS_BYTES = 300 << 20
@@ -137,6 +149,7 @@ class Counting:
         self._connecting = threading.Lock()
         self.calls = 0
         self.reported: dict[str, float] = {}  # commit key -> when this client set its shard report
+        self.answered: dict[str, float] = {}  # commit key -> when this client (the coordinator's) set the answer
         if not lazy:
             self._connected()
 
@@ -151,6 +164,11 @@ class Counting:
                     self._store = dist.PrefixStore("asymstore/scale", store)  # type: ignore[attr-defined]
                     self._gauge.open()
         return self._store
+
+    def clone(self) -> Any:
+        """A new connection to the central server (the protocol's blocking waits), counted with this client."""
+        self._gauge.open()
+        return _Counted(self, self._connected().clone())
 
     def release(self) -> None:
         """Drop the connection (the rank is done with the central store)."""
@@ -168,9 +186,32 @@ class Counting:
         def call(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             out = attr(*args, **kwargs)
-            if name == "set" and "/commit/" in str(args[0]) and "/rank/" in str(args[0]):
-                self.reported[str(args[0]).split("/commit/")[1].split("/")[0]] = time.time()
+            key = str(args[0]) if args else ""
+            if name in ("set", "queue_push") and "/commit/" in key and "/rank/" in key:
+                self.reported[key.split("/commit/")[1].split("/")[0]] = time.time()
+            elif name == "set" and "/commit/" in key and key.endswith("/global"):
+                self.answered[key.split("/commit/")[1].split("/")[0]] = time.time()
             return out
+
+        return call
+
+
+class _Counted:
+    """A rank's further connection to the central server: its requests count as the rank's."""
+
+    def __init__(self, owner: Counting, store: Any) -> None:
+        self._owner = owner
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name != "set_timeout":  # the client's own setting, no request
+                self._owner.calls += 1
+            return attr(*args, **kwargs)
 
         return call
 
@@ -232,6 +273,9 @@ def worker(ranks: list[int], world: int, processes: int, root: str, port: int, c
            store_kwargs: dict[str, Any], gauge: Gauge, lazy: bool, out: Any) -> None:
     """Host ``ranks``: open, commit ``commits + 1`` steps, agree ``restores`` times; send timings and counts."""
     try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:  # a process of node leaders holds many descriptors (see LEADER_FDS)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         import torch
 
         from asymstore import host_tier
@@ -246,7 +290,8 @@ def worker(ranks: list[int], world: int, processes: int, root: str, port: int, c
         def reached(phase: str) -> None:
             phases[phase] = time.time()  # the last of this process's ranks to get there
 
-        result: dict[str, Any] = {"ranks": ranks, "done": {}, "reported": {}, "restore": [{} for _ in range(restores)],
+        result: dict[str, Any] = {"ranks": ranks, "done": {}, "reported": {}, "answered": {},
+                                  "restore": [{} for _ in range(restores)],
                                   "commit_calls": 0, "restore_calls": 0}
         commit_cpu, restore_cpu = Window(), Window()
 
@@ -270,6 +315,7 @@ def worker(ranks: list[int], world: int, processes: int, root: str, port: int, c
                 result["commit_calls"] += kv.calls - calls
                 for step_key, at in kv.reported.items():
                     result["reported"].setdefault(step_key, {})[rank] = at
+                result["answered"].update(kv.answered)
                 for i in range(restores):
                     await line.wait(f"restore{i}")  # every rank at the start line: the agreement alone
                     restore_cpu.enter()
@@ -288,6 +334,7 @@ def worker(ranks: list[int], world: int, processes: int, root: str, port: int, c
             await asyncio.gather(*(one(r) for r in ranks))
 
         asyncio.run(main())
+        result.update(fds=open_fds(), threads=native_threads())  # node stores stay served until the process ends
         result.update(phases=phases, commit_cpu_s=commit_cpu.seconds(), restore_cpu_s=restore_cpu.seconds(),
                       cpu_s=cpu_s(), rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KIB)
         out.send(result)
@@ -314,14 +361,34 @@ def groups_of(world: int, procs: int, node_size: int, leading: bool = True) -> l
     groups = [("coordinator (rank 0)", [0])]
     if leaders:
         role = "node leaders" if leading else "flat: not leaders,"
-        groups.append((f"{role} ranks k*{node_size}", leaders))
+        shares = -(-len(leaders) // leaders_per_process())  # the descriptors of one process bound its leaders
+        groups += [(f"{role} ranks k*{node_size}" + (f" ({i + 1}/{shares})" if shares > 1 else ""),
+                    leaders[i::shares]) for i in range(shares)]
     groups += [(f"worker {i}", rest[i::procs]) for i in range(procs) if rest[i::procs]]
     return groups
+
+
+def leaders_per_process() -> int:
+    """How many node leaders one process can host: its descriptors (``RLIMIT_NOFILE``) over :data:`LEADER_FDS`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = hard if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and hard > soft) else soft
+    if limit == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(1, (int(limit) - SPARE_FDS) // LEADER_FDS)
 
 
 def open_fds() -> int:
     """This process's open descriptors."""
     return len(os.listdir("/proc/self/fd"))
+
+
+def native_threads() -> int:
+    """This process's threads (the kernel's count: Python's and the store servers' own)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return 0
 
 
 def fd_limit(needed: int) -> str | None:
@@ -460,11 +527,14 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
             done.setdefault(int(step), {}).update({int(r): t for r, t in by_rank.items()})
         for step_key, by_rank in res["reported"].items():
             reported.setdefault(int(step_key.split(".")[0]), {}).update(by_rank)
-    latency = []
+    answered = {int(k.split(".")[0]): at for res in results for k, at in res["answered"].items()}
+    latency, answer = [], []
     for step in range(1, commits + 1):  # step 0 is the warm-up
         central = reported.get(step, {})  # the reports that reached the job's store (a node's: its leader's forward)
         last = max(central.values()) if central else max(done[step].values())
         latency.append(max(0.0, done[step][0] - last))  # the last report to the publish
+        if step in answered:
+            answer.append(max(0.0, answered[step] - last))  # the last report to the answer (manifest written)
     layouts = getattr(ring_module, "_layout", None)
     if layouts is not None:
         layouts.cache_clear()  # the membership's ring computed afresh, as in a new job
@@ -477,12 +547,15 @@ def run(world: int, procs: int, commits: int, restores: int, topology: int, node
                   "cpu_ms_per_commit": 1e3 * res["commit_cpu_s"] / commits,
                   "cpu_ms_per_agreement": 1e3 * res["restore_cpu_s"] / max(restores, 1),
                   "cpu_s": res["cpu_s"], "rss_mib": res["rss_bytes"] / (1 << 20),
+                  "fds_at_end": res["fds"], "threads_at_end": res["threads"],
                   "phases_s": {phase: at - started for phase, at in res["phases"].items()}}
                  for (name, ranks), res in zip(groups, results, strict=True)]
-    leaders = [p for p in processes if str(p["process"]).startswith("node leaders")]
+    leaders = [p for p in processes if str(p["process"]).startswith("node leaders")]  # the first's CPU is shown
     return {"ranks": world, "protocol": f"nodes of {node_size}" if hierarchical else "flat",
             "topology": topology, "node_size": node_size, "commits": commits, "restores": restores,
             "publish_p50_ms": 1e3 * statistics.median(latency), "publish_max_ms": 1e3 * max(latency),
+            "answer_p50_ms": 1e3 * statistics.median(answer) if answer else None,
+            "answer_max_ms": 1e3 * max(answer) if answer else None,
             "requests_per_commit": sum(res["commit_calls"] for res in results) / commits,
             "requests_per_agreement": sum(res["restore_calls"] for res in results) / max(restores, 1),
             "restore_s": statistics.median(agreements) if agreements else None,
@@ -528,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     rows: list[dict[str, Any]] = []
     scale = 1.0  # the memory measured over the model's, at worst so far
-    print(f"{'ranks':>6} {'protocol':>11} {'publish p50/max':>18} {'req/commit':>11} {'req/agree':>10} "
+    print(f"{'ranks':>6} {'protocol':>11} {'publish p50/max':>18} {'answer p50/max':>18} "
+          f"{'req/commit':>11} {'req/agree':>10} "
           f"{'agreement':>10} {'coord CPU':>10} {'leader CPU':>11} {'clients':>8} {'srv fds':>8} {'ring':>9} "
           f"{'RSS':>8}")
     for n in args.ranks:
@@ -553,7 +627,10 @@ def main(argv: list[str] | None = None) -> int:
             scale = max(scale, row["rss_mib_total"] * (1 << 20) / memory_needed(n, processes - 1, restores))
             leader = row["leader_cpu_ms_per_commit"]
             agreement = "-" if row["restore_s"] is None else f"{row['restore_s']:.3f} s"
+            ans = "-" if row["answer_p50_ms"] is None else \
+                f"{row['answer_p50_ms']:>7.1f}/{row['answer_max_ms']:>6.1f} ms"
             print(f"{n:>6} {row['protocol']:>11} {row['publish_p50_ms']:>7.1f}/{row['publish_max_ms']:>6.1f} ms "
+                  f"{ans:>18} "
                   f"{row['requests_per_commit']:>11.0f} {row['requests_per_agreement']:>10.0f} "
                   f"{agreement:>10} "
                   f"{row['coordinator_cpu_ms_per_commit']:>7.1f} ms "
@@ -562,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             for p in row["processes"]:
                 print(f"{'':>8}{p['process']:<32} {p['ranks']:>6} ranks  CPU {p['cpu_ms_per_commit']:>7.1f} ms/commit "
-                      f"{p['cpu_ms_per_agreement']:>8.1f} ms/agreement  RSS {p['rss_mib']:>6.0f} MiB")
+                      f"{p['cpu_ms_per_agreement']:>8.1f} ms/agreement  RSS {p['rss_mib']:>6.0f} MiB  "
+                      f"fds {p['fds_at_end']:>6}  threads {p['threads_at_end']:>5}")
             print(f"{'':>8}{'store server (this process)':<32} {'':>12}CPU {row['server_process_cpu_s']:.1f} s over "
                   f"{row['elapsed_s']:.1f} s (start-up {row['startup_s']:.0f} s, teardown {row['teardown_s']:.0f} s); "
                   "all ranks " + ", ".join(

@@ -108,11 +108,12 @@ class KV:
         """Return the integer counter ``key`` (0 when never set), without blocking."""
         return int(self.store.add(key, 0))
 
-    def raise_int(self, key: str, value: int) -> None:
-        """Raise the counter ``key`` to ``value`` (never lowers it)."""
+    def raise_int(self, key: str, value: int) -> int:
+        """Raise the counter ``key`` to ``value`` (never lowers it); return the counter's value after."""
         current = self.read_int(key)
         if value > current:
-            self.store.add(key, value - current)
+            return int(self.store.add(key, value - current))
+        return current
 
 
 class MemoryStore:

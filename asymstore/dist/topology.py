@@ -10,6 +10,7 @@ talk to the job's store directly, so a job of one node runs the protocol exactly
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -59,6 +60,35 @@ class Topology:
     def is_leader(self, rank: int) -> bool:
         """True when ``rank`` leads its node."""
         return rank % self.node_size == 0
+
+    def relay_groups(self) -> list[tuple[int, tuple[int, ...]]]:
+        """The broadcast tree of the nodes other than 0: ``(head, the nodes its leader relays to)``, in node order.
+
+        About √(nodes) groups of about √(nodes) consecutive nodes each: the coordinator puts a broadcast into
+        each group's head, and the head's leader into the rest of its group, so neither puts more than
+        about √(nodes) values per broadcast (a depth of two: one dead node never cuts off another). A
+        gather goes up the same tree: the group's leaders hand their nodes' parts to the head's leader,
+        which forwards the group's as one value.
+        """
+        others = list(range(1, self.nodes))
+        if not others:
+            return []
+        size = math.isqrt(len(others) - 1) + 1  # ceil(sqrt(n)) for n >= 1
+        return [(others[i], tuple(others[i + 1:i + size])) for i in range(0, len(others), size)]
+
+    def relay_children(self, node: int) -> tuple[int, ...]:
+        """The nodes whose stores the leader of ``node`` relays broadcasts to (empty unless it heads a group)."""
+        for head, rest in self.relay_groups():
+            if head == node:
+                return rest
+        return ()
+
+    def relay_head(self, node: int) -> int:
+        """The head of the relay group of ``node`` (other than 0): its leader gathers the group's parts."""
+        for head, rest in self.relay_groups():
+            if node == head or node in rest:
+                return head
+        raise ValueError(f"node {node} is in no relay group of {self}")
 
     @classmethod
     def of(cls, world_size: int, node_size: int | None = None) -> Topology:

@@ -682,8 +682,8 @@ class Wire:
             CoordinationTimeoutError: a part did not come in time (the missing ranks named).
             CoordinationProtocolError: a part is no ``kind``.
         """
-        raw = self.fabric.gather(prefix, ranks, timeout_s, what)
-        return [decode(v, kind, f"{prefix}/{r}") for r, v in zip(ranks, raw, strict=True)]
+        return self.fabric.gather_each(prefix, ranks, timeout_s, what,
+                                       lambda r, raw: decode(raw, kind, f"{prefix}/{r}"))  # each as it comes
 
     def missing(self, prefix: str, ranks: Sequence[int]) -> list[int]:
         """The ranks of ``ranks`` whose part under ``prefix`` did not reach the coordinator yet."""

@@ -139,6 +139,10 @@ def test_through_node_leaders_the_versions_are_the_direct_ones_with_o_nodes_requ
             assert calls[r] == 0, (r, calls)  # its node's leader speaks for it
     leaders = sum(calls[top.leader(n)] for n in range(1, top.nodes)) / COMMITS
     assert leaders <= 2 * (top.nodes - 1), calls  # each leader: its node's parts (the coordinator fans out the rest)
+    for _head, rest in top.relay_groups():  # nodes 1 and 3 head the relay groups; node 2's leader hands its
+        for node in rest:                   # node's parts to node 1's, so it asks the job's store nothing either
+            assert calls[top.leader(node)] == 0, (node, calls)
+    assert [(h, list(r)) for h, r in top.relay_groups()] == [(1, [2]), (3, [])]
     assert sum(calls.values()) < sum(direct_calls.values()), (calls, direct_calls)
 
 

@@ -43,7 +43,7 @@ def test_every_rank_s_pieces_cover_each_tensor_once_and_balance_the_bytes(shapes
     # pieces are p_0 >= ... >= p_last raises (max load - mean load) by at most p_0 - mean(p) <= p_0 - p_last
     # (equal pieces keep the balance; hypothesis found 5 ranks where "mean + the biggest piece" does not hold)
     spread = 0
-    for i, t in enumerate(sources):
+    for i in range(len(sources)):
         if i in plans[0]:
             pieces = [math.prod(plans[r][i].shape) * 4 for r in range(world)]
             spread += max(pieces) - min(pieces)

@@ -26,7 +26,7 @@ from typing import Any
 
 from asymstore.errors import InvalidMetaError, InvalidNameError, ManifestError
 from asymstore.format.checksum import ALGORITHM, checksum
-from asymstore.format.proof import SegmentProof
+from asymstore.format.proof import SegmentProof, Span
 
 FORMAT = "asymstore.manifest"
 FORMAT_VERSION = 2
@@ -333,6 +333,15 @@ class Manifest:
             if t.pack_offset is not None:
                 seen.setdefault(t.chunks[0])
         return tuple(seen)
+
+    def segment_spans(self, segment: str) -> list[Span]:
+        """The spans this version's chunks (packs once) occupy in ``segment`` (its key: a referenced one's too)."""
+        out: set[Span] = set()
+        for entry in self.tensors.values():
+            for c in entry.chunks:
+                if c.segment == segment:
+                    out.add((c.offset, c.length, c.checksum))
+        return sorted(out)
 
     def to_json(self) -> bytes:
         """Serialize to UTF-8 JSON bytes.

@@ -25,7 +25,6 @@ from asymstore.errors import CorruptVersionError
 
 if TYPE_CHECKING:
     from asymstore.format.checksum import Buffer
-    from asymstore.format.manifest import Manifest
 
 SegmentProof = Literal["bytes", "chunks"]
 """What a segment's ``checksum`` is taken over (see the module docstring)."""
@@ -48,16 +47,6 @@ def chunks_digest(spans: Iterable[Span], size: int) -> str:
     return str(h.hexdigest())
 
 
-def segment_spans(manifest: Manifest, segment: str) -> list[Span]:
-    """The spans ``manifest``'s chunks (packs once) occupy in ``segment`` (its key: a referenced one's too)."""
-    out: set[Span] = set()
-    for entry in manifest.tensors.values():
-        for c in entry.chunks:
-            if c.segment == segment:
-                out.add((c.offset, c.length, c.checksum))
-    return sorted(out)
-
-
 def check_chunk_proof(name: str, size: int, expected: str, spans: list[Span], data: Buffer, *,
                       whole: bool) -> None:
     """Verify a ``"chunks"``-proved segment's bytes ``data`` (one xxh3 pass over the chunks).
@@ -66,7 +55,7 @@ def check_chunk_proof(name: str, size: int, expected: str, spans: list[Span], da
         name: the segment (for the messages).
         size: its size in the manifest.
         expected: its ``checksum`` in the manifest.
-        spans: its chunks' spans (:func:`segment_spans`).
+        spans: its chunks' spans (:meth:`~asymstore.format.manifest.Manifest.segment_spans`).
         data: its bytes.
         whole: ``spans`` are every chunk of the segment (the manifest that wrote it): the proof is
             recomputed and the bytes between chunks must be zero. False for a segment referenced from an

@@ -21,7 +21,7 @@ from asymstore.errors import CorruptVersionError
 from asymstore.format.checksum import StreamingChecksum
 from asymstore.format.manifest import Chunk, Manifest
 from asymstore.format.parse import parse_manifest
-from asymstore.format.proof import check_chunk_proof, segment_spans
+from asymstore.format.proof import check_chunk_proof
 from asymstore.tiers.protocol import Buffer, StatTier, Tier
 
 READ_AHEAD = 4
@@ -54,7 +54,7 @@ def verify_segment(manifest: Manifest, name: str, data: Buffer, *, deep: bool) -
     if not deep:
         return
     if entry.proof == "chunks":  # a referenced one: only the chunks this version uses are its to check
-        check_chunk_proof(name, entry.size, entry.checksum, segment_spans(manifest, name), data,
+        check_chunk_proof(name, entry.size, entry.checksum, manifest.segment_spans(name), data,
                           whole=entry.origin is None)
     elif StreamingChecksum([memoryview(data)]).hexdigest() != entry.checksum:
         raise CorruptVersionError(f"segment {name}: checksum mismatch")

@@ -21,7 +21,7 @@ from asymstore.errors import ManifestError
 from asymstore.format.manifest import MANIFEST_NAME, seal_document
 from asymstore.format.names import version_dirname
 from asymstore.format.parse import parse_manifest
-from asymstore.format.proof import chunks_digest, segment_spans
+from asymstore.format.proof import chunks_digest
 from asymstore.fsck import check
 from tests.support.tensors import assert_same
 
@@ -64,7 +64,7 @@ def test_every_byte_of_a_chunk_proved_segment_is_covered(state: dict[str, torch.
         manifest = parse_manifest((vdir / MANIFEST_NAME).read_bytes())
         assert manifest.segments and all(s.proof == "chunks" for s in manifest.segments)
         for seg in manifest.segments:
-            assert seg.checksum == chunks_digest(segment_spans(manifest, seg.name), seg.size)
+            assert seg.checksum == chunks_digest(manifest.segment_spans(seg.name), seg.size)
         assert check(str(root), deep=True).ok
         stored = [s for s in manifest.segments if s.size]
         if not stored:  # nothing but empty tensors: no byte to flip
@@ -139,7 +139,7 @@ def test_a_flipped_byte_in_the_padding_between_chunks_fails_the_proof(tmp_path: 
     gaps = []
     for seg in manifest.segments:
         at = 0
-        for offset, length, _ in segment_spans(manifest, seg.name):
+        for offset, length, _ in manifest.segment_spans(seg.name):
             if offset > at:
                 gaps.append((seg.name, at))
             at = max(at, offset + length)

@@ -642,7 +642,9 @@ class Broadcaster:
         self.puts = 0
         """``multi_set`` requests made into node stores (each a whole broadcast)."""
         self._seq = 0
-        self._recent: deque[tuple[list[str], list[str]]] = deque(maxlen=RESEND)
+        # the last messages, for a dead head's group: one batch for every node, or (send_each) one per node
+        self._recent: deque[tuple[list[str], list[str]] | dict[int, tuple[list[str], list[str]]]] = deque(
+            maxlen=RESEND)
         self._lock = threading.RLock()  # a confirmation made inline (one node) adopts under it
         self._count = threading.Lock()
         self._pool = ThreadPoolExecutor(min(8, len(stores)), thread_name_prefix="asymstore-fan-out") \
@@ -687,33 +689,25 @@ class Broadcaster:
                     self._confirm(head, rest, batch[0][-1])
 
     def send_each(self, key: str, raw_of: Callable[[int], str]) -> None:
-        """Put ``key`` into every node store still served, ``raw_of(n)`` into node ``n``'s (directly, in parallel).
+        """Put ``key`` into every node store still served, ``raw_of(n)`` into node ``n``'s: directly, each its own.
 
-        Returns once each store answered (a dead one is noted in :attr:`dead` and skipped). No relay
-        message goes with it: the heads relay only what :meth:`send` sends.
+        One relay message as :meth:`send` ``direct=True`` puts it (the leaders hear ``key``, nobody relays
+        it), a value per node. Returns once every node store still served answered (a dead one is noted
+        in :attr:`dead`).
         """
-        def put(node: int) -> None:
-            if node in self.dead:
-                return
-            try:
-                store = self.stores[node].store
-                store.set(key, raw_of(node))
-                if not store.check([key]):
-                    raise RuntimeError(f"node {node}'s store does not hold what was just put into it")
-                with self._count:
-                    self.puts += 1
-            except RuntimeError as exc:  # DistNetworkError: the leader's process is gone
-                self.dead.add(node)
-                logger.warning("rank %d: the store of node %d is gone (its leader died), its ranks hear nothing "
-                               "more: %s", self.rank, node, str(exc).splitlines()[0][:200])
-
-        nodes = list(self.stores)
-        pool = None if self._stopped else self._pool
-        if pool is None or len(nodes) < 2:
-            for node in nodes:
-                put(node)
-        else:
-            list(pool.map(put, nodes))
+        with self._lock:  # in order with the other broadcasts: a leader reads the relay messages in order
+            self._seq += 1
+            msg = json.dumps({"keys": [key], "direct": True})
+            seq = relay_key(self._seq)
+            nodes = [n for n in self.stores if n not in self.dead]
+            batches = {n: ([key, seq], [raw_of(n), msg]) for n in self.stores}
+            self._recent.append(batches)
+            pool = None if self._stopped else self._pool
+            if pool is None or len(nodes) < 2:
+                for node in nodes:
+                    self._put(node, [batches[node]], confirm=True)
+            else:
+                list(pool.map(lambda node: self._put(node, [batches[node]], confirm=True), nodes))
 
     def _confirm(self, head: int, rest: tuple[int, ...], key: str) -> None:
         """Check that the store of ``head`` holds the relay message ``key`` (a put is not answered); else adopt."""
@@ -732,9 +726,10 @@ class Broadcaster:
         self.dead.add(head)
         logger.warning("rank %d: the store of node %d is gone (its leader died); its relay group %s hears from "
                        "rank %d directly", self.rank, head, list(rest), self.rank)
-        batches = list(self._recent)
+        recent = list(self._recent)
         for node in rest:
-            self._put(node, batches)
+            self._put(node, [b[node] if isinstance(b, dict) else b for b in recent
+                             if not isinstance(b, dict) or node in b])
 
     def _put(self, node: int, batches: Sequence[tuple[list[str], list[str]]], *, confirm: bool = False) -> bool:
         """Put ``batches`` into the store of ``node``, in order; False when it is gone (noted in :attr:`dead`).

@@ -241,7 +241,8 @@ def _forged_restore(root: Path, monkeypatch: pytest.MonkeyPatch, forge: str) -> 
             await s.put_many(0, {"w": torch.full((4,), float(r))})
             await s.commit(0)
             await s.flush()
-        async with store(root, r, world, kv, node_size=2, timeout_s=20.0, restore_timeout_s=2.0) as s:
+        # 6 s: a connect can stall 5 s on a name lookup on a VM without DNS (the layout verdict waits this long too)
+        async with store(root, r, world, kv, node_size=2, timeout_s=20.0, restore_timeout_s=6.0) as s:
             monkeypatch.setattr(restore_module, "_offer", offer)
             try:
                 ckpt = await s.restore()

@@ -271,7 +271,8 @@ def report(args: argparse.Namespace, threads: list[int], tiers: list[str],
     for row in rows:
         if row["threads"] == threads[0] and row["cpu_s_per_gib"] == row["cpu_s_per_gib"]:
             print(f"{row['tier']}: one xxh3 pass is {xxh3 / row['cpu_s_per_gib'] * 100:.0f}% of a version's CPU "
-                  f"at {threads[0]} thread(s) (the segment hash is a second pass over the bytes the staging hashed)")
+                  f"at {threads[0]} thread(s) (the pass the staging takes; format 5 takes no second one for the "
+                  "segment: its chunks' checksums prove it)")
     if args.out:
         write_json(args.out, {"args": vars(args), "git": git_state(), "cpus": len(os.sched_getaffinity(0)),
                               "memcpy_gibps": memcpy, "memcpy_fresh_gibps": fresh, "odirect_gibps": disk,

@@ -19,9 +19,7 @@ reference run):
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from asymstore.format.replicas import REPLICAS_KEY
 from asymstore.format.tensors import dtype_from_name
 from asymstore.read.verify import read_manifest
 from tests.support.mr_harness import Case, assert_same_state, run_cases
+from tests.support.shm import shm_dir
 
 pytestmark = pytest.mark.slow
 
@@ -46,12 +45,8 @@ WORLD, PER_NODE, N, KILL_AT = 2, 1, 6, 4
 @pytest.fixture(scope="module")
 def shm() -> Iterator[Path]:
     """The simulated nodes' shared memory (/dev/shm where it is a tmpfs, else a temporary directory)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix="asymstore-xchg-", dir=base)
-    try:
-        yield Path(path)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    with shm_dir("asymstore-xchg-") as path:
+        yield path
 
 
 def node_local(base: Path, shm: Path, name: str) -> dict[str, Any]:

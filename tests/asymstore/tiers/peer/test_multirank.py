@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +40,7 @@ from asymstore import host_tier
 from asymstore.format.names import rank_dirname
 from asymstore.read.load import load_version
 from tests.support.mr_harness import Case, Script, assert_same_state, run_cases
+from tests.support.shm import shm_dir
 
 pytestmark = pytest.mark.slow
 
@@ -50,12 +50,8 @@ WORLD, PER_NODE, N = 4, 2, 8
 @pytest.fixture(scope="module")
 def shm() -> Iterator[Path]:
     """The simulated nodes' shared memory (/dev/shm where it is a tmpfs, else a temporary directory)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix="asymstore-peer-", dir=base)
-    try:
-        yield Path(path)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+    with shm_dir("asymstore-peer-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

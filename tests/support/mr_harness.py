@@ -37,14 +37,22 @@ def run_cases(cases: list[dict[str, Any]], world: int, out: Path, timeout: float
     spec = out / "cases.json"
     spec.write_text(json.dumps(cases))
     env = proc_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(proc_argv("mr_driver", "--rank", str(r), "--world", str(world),
-                                        "--cases", str(spec), "--out", str(out)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for r in range(world)]
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
-        (out / f"driver-rank{r}.log").write_text(log)
-        assert p.returncode == 0, f"driver of rank {r} failed:\n{log[-4000:]}"
+    # each driver writes into a file of its own: a pipe read one rank after the other fills (64 KiB) while the
+    # first is waited for, and the rank writing into it then blocks in every case after (every case fails)
+    paths = [out / f"driver-rank{r}.log" for r in range(world)]
+    files = [path.open("w") for path in paths]
+    try:
+        procs = [subprocess.Popen(proc_argv("mr_driver", "--rank", str(r), "--world", str(world),
+                                            "--cases", str(spec), "--out", str(out)),
+                                  stdout=files[r], stderr=subprocess.STDOUT, text=True, env=env)
+                 for r in range(world)]
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for f in files:
+            f.close()
+    for r, (p, path) in enumerate(zip(procs, paths, strict=True)):
+        assert p.returncode == 0, f"driver of rank {r} failed:\n{path.read_text()[-4000:]}"
 
 
 class Case:

@@ -92,7 +92,7 @@ def test_compiled_kill_and_resume(tmp_path: Path, ranks: int) -> None:
         assert copied["forward_bytes"] > 0, copied  # the hooks inside the compiled forwards copied the versions
 
 
-@pytest.mark.parametrize("ranks", [1, 2])  # [2]: ~30 s on the shared machine
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.exhaustive)])  # [2]: ~30 s (CI budget)
 def test_peft_kill_and_resume(tmp_path: Path, ranks: int) -> None:
     """A LoRA model (peft) inside the LightningModule: the whole PeftModel and the adapters' optimizer state.
 

@@ -74,7 +74,7 @@ def _kill_and_resume(tmp_path: Path, name: str, *args: str, kill: int | None = N
     return reference, out
 
 
-@pytest.mark.exhaustive  # ~1 min ([1]) and ~2 min ([2]): make test-all (CI budget); compile under HF and Accelerate in make test
+@pytest.mark.exhaustive  # ~1 min ([1]), ~2 min ([2]): make test-all (CI budget); HF and Accelerate compile in make test
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_compiled_kill_and_resume(tmp_path: Path, ranks: int) -> None:
     """A LightningModule compiled with ``torch.compile(module, backend="aot_eager")`` passed to ``trainer.fit``.

@@ -670,12 +670,7 @@ class Broadcaster:
             self._recent.append(batch)
             pool = None if self._stopped else self._pool
             if direct:
-                nodes = [n for n in self.stores if n not in self.dead]
-                if pool is None or len(nodes) < 2:
-                    for node in nodes:
-                        self._put(node, [batch], confirm=True)
-                else:
-                    list(pool.map(lambda node: self._put(node, [batch], confirm=True), nodes))
+                self._put_each(lambda node: batch)
                 return
             for head, rest in self.groups:
                 if head in self.adopted:
@@ -699,15 +694,19 @@ class Broadcaster:
             self._seq += 1
             msg = json.dumps({"keys": [key], "direct": True})
             seq = relay_key(self._seq)
-            nodes = [n for n in self.stores if n not in self.dead]
             batches = {n: ([key, seq], [raw_of(n), msg]) for n in self.stores}
             self._recent.append(batches)
-            pool = None if self._stopped else self._pool
-            if pool is None or len(nodes) < 2:
-                for node in nodes:
-                    self._put(node, [batches[node]], confirm=True)
-            else:
-                list(pool.map(lambda node: self._put(node, [batches[node]], confirm=True), nodes))
+            self._put_each(batches.__getitem__)
+
+    def _put_each(self, batch_of: Callable[[int], tuple[list[str], list[str]]]) -> None:
+        """Put ``batch_of(n)`` into the store of every node ``n`` still served, confirmed, in parallel."""
+        nodes = [n for n in self.stores if n not in self.dead]
+        pool = None if self._stopped else self._pool
+        if pool is None or len(nodes) < 2:
+            for node in nodes:
+                self._put(node, [batch_of(node)], confirm=True)
+        else:
+            list(pool.map(lambda node: self._put(node, [batch_of(node)], confirm=True), nodes))
 
     def _confirm(self, head: int, rest: tuple[int, ...], key: str) -> None:
         """Check that the store of ``head`` holds the relay message ``key`` (a put is not answered); else adopt."""

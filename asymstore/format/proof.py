@@ -65,7 +65,7 @@ def check_chunk_proof(name: str, size: int, expected: str, spans: list[Span], da
     Raises:
         CorruptVersionError: a chunk's bytes, the padding, the size or the proof do not match.
     """
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    view = memoryview(data).cast("B")
     if len(view) != size:
         raise CorruptVersionError(f"segment {name}: {len(view)} bytes, manifest says {size}")
     if whole and chunks_digest(spans, size) != expected:
